@@ -1,0 +1,288 @@
+// The CPU backend: reference-quality ops with multi-threaded, ISA-dispatched matmul.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/matmul.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+
+namespace ds {
+namespace {
+
+class HostBuffer final : public Buffer {
+ public:
+  explicit HostBuffer(size_t bytes) : size_(bytes) {
+    const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+    data_ = std::aligned_alloc(64, rounded);
+    if (!data_) throw Error("out of host memory allocating " + std::to_string(bytes) + " bytes");
+  }
+  ~HostBuffer() override { std::free(data_); }
+  void* data() override { return data_; }
+  size_t size() const override { return size_; }
+  Device device() const override { return {}; }
+
+ private:
+  void* data_;
+  size_t size_;
+};
+
+float load_elem(const uint8_t* p, DType t) {
+  switch (t) {
+    case DType::F32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DType::F16: return fp16_to_f32(uint16_t(p[0] | p[1] << 8));
+    default: return bf16_to_f32(uint16_t(p[0] | p[1] << 8));
+  }
+}
+
+void store_elem(uint8_t* p, DType t, float v) {
+  if (t == DType::F32) {
+    std::memcpy(p, &v, 4);
+  } else {
+    const uint16_t h = t == DType::F16 ? f32_to_fp16(v) : f32_to_bf16(v);
+    std::memcpy(p, &h, 2);
+  }
+}
+
+int default_threads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : int(n);
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const BackendOptions& o)
+      : pool_(o.threads > 0 ? o.threads : default_threads()), isa_(cpu::detect_isa()) {}
+
+  Device device() const override { return {}; }
+  std::string name() const override {
+    return "cpu (" + std::string(cpu::isa_name(isa_)) + ", " + std::to_string(pool_.size()) +
+           " threads)";
+  }
+  bool supports(Op op, DType t) const override {
+    switch (op) {
+      case Op::MatMul: return cpu::matmul_supports(t);
+      case Op::Embed: return t == DType::F32 || cpu::matmul_supports(t);
+      case Op::StoreKv:
+      case Op::Attention: return t == DType::F32 || t == DType::F16 || t == DType::BF16;
+      default: return t == DType::F32;
+    }
+  }
+
+  std::unique_ptr<Buffer> alloc(size_t bytes) override { return std::make_unique<HostBuffer>(bytes); }
+  void upload(const TensorView& dst, const void* host, size_t bytes) override {
+    std::memcpy(dst.data, host, bytes);
+  }
+  void download(void* host, const TensorView& src, size_t bytes) override {
+    std::memcpy(host, src.data, bytes);
+  }
+  void synchronize() override {}
+
+  void embed(const TensorView& table, const int32_t* ids, int n, TensorView out) override {
+    const int64_t vocab = table.shape[0], dim = table.cols();
+    for (int t = 0; t < n; ++t) {
+      if (ids[t] < 0 || ids[t] >= vocab)
+        throw Error("token id " + std::to_string(ids[t]) + " is outside the vocabulary of " +
+                    std::to_string(vocab));
+      float* dst = reinterpret_cast<float*>(out.row(t));
+      if (table.dtype == DType::F32)
+        std::memcpy(dst, table.row(ids[t]), size_t(dim) * 4);
+      else
+        cpu::dequantize_row(table.dtype, table.row(ids[t]), dst, dim);
+    }
+  }
+
+  void rms_norm(const TensorView& x, const TensorView& w, float eps, TensorView out) override {
+    const int64_t rows = x.rows(), n = x.cols();
+    const float* wp = w.ptr<float>();
+    parallel_rows(rows, [&](int64_t r) {
+      const float* xr = reinterpret_cast<const float*>(x.row(r));
+      float* o = reinterpret_cast<float*>(out.row(r));
+      double ss = 0;
+      for (int64_t i = 0; i < n; ++i) ss += double(xr[i]) * xr[i];
+      const float s = float(1.0 / std::sqrt(ss / double(n) + double(eps)));
+      for (int64_t i = 0; i < n; ++i) o[i] = xr[i] * s * wp[i];
+    });
+  }
+
+  void matmul(const TensorView& x, const TensorView& w, TensorView out) override {
+    DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "matmul takes F32 activations");
+    DS_CHECK(x.cols() == w.cols() && out.cols() == w.rows() && out.rows() == x.rows(),
+             "matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " + out.shape_str());
+    cpu::MatmulArgs a;
+    a.x = x.ptr<float>();
+    a.M = x.rows();
+    a.K = x.cols();
+    a.ldx = x.row_stride() / 4;
+    a.w = w.data;
+    a.wtype = w.dtype;
+    a.N = w.rows();
+    a.w_row_bytes = size_t(w.row_stride());
+    a.out = out.ptr<float>();
+    a.ldo = out.row_stride() / 4;
+    cpu::matmul(a, pool_, isa_);
+  }
+
+  void rope(TensorView x, const int32_t* positions, const RopeParams& p) override {
+    const int64_t T = x.shape[0], H = x.shape[1];
+    const int rd = p.rotary_dim, half = rd / 2;
+    std::vector<float> inv_freq(size_t(half));
+    for (int i = 0; i < half; ++i)
+      inv_freq[size_t(i)] = p.freq_scale * std::pow(p.theta, -2.0f * float(i) / float(rd));
+    parallel_rows(T, [&](int64_t t) {
+      float cs[512], sn[512];  // rotary dims up to 1024
+      DS_CHECK(half <= 512, "rotary dim too large");
+      for (int i = 0; i < half; ++i) {
+        const float a = float(positions[t]) * inv_freq[size_t(i)];
+        cs[i] = std::cos(a) * p.attn_factor;
+        sn[i] = std::sin(a) * p.attn_factor;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* v = reinterpret_cast<float*>(static_cast<uint8_t*>(x.data) + t * x.stride[0] +
+                                            h * x.stride[1]);
+        for (int i = 0; i < half; ++i) {
+          const int a = p.style == RopeStyle::Adjacent ? 2 * i : i;
+          const int b = p.style == RopeStyle::Adjacent ? 2 * i + 1 : i + half;
+          const float x0 = v[a], x1 = v[b];
+          v[a] = x0 * cs[i] - x1 * sn[i];
+          v[b] = x0 * sn[i] + x1 * cs[i];
+        }
+      }
+    });
+  }
+
+  void store_kv(const TensorView& k, const TensorView& v, const PagedKv& kv,
+                const AttentionMeta& meta) override {
+    const int64_t n = kv.slot_stride(), es = int64_t(dtype_info(kv.dtype).type_size);
+    const int64_t capacity = int64_t(kv.num_blocks) * kv.block_size;
+    for (int t = 0; t < meta.num_tokens; ++t) {
+      const int64_t slot = meta.slot_mapping[t];
+      DS_CHECK(slot >= 0 && slot < capacity, "KV slot out of range");
+      for (const auto& [src, dst] : {std::pair{&k, kv.k}, std::pair{&v, kv.v}}) {
+        uint8_t* d = static_cast<uint8_t*>(dst) + slot * n * es;
+        for (int64_t h = 0; h < src->shape[1]; ++h) {
+          const float* s = reinterpret_cast<const float*>(static_cast<const uint8_t*>(src->data) +
+                                                          t * src->stride[0] + h * src->stride[1]);
+          for (int64_t i = 0; i < kv.head_dim; ++i)
+            store_elem(d + (h * kv.head_dim + i) * es, kv.dtype, s[i]);
+        }
+      }
+    }
+  }
+
+  void attention(const AttentionParams& p, const AttentionMeta& meta) override {
+    const int heads = int(p.q.shape[1]), hd = int(p.q.shape[2]);
+    const int group = heads / p.kv.kv_heads;
+    // One work item per (token, head); each is computed the same way whatever the batch.
+    const int64_t items = int64_t(meta.num_tokens) * heads;
+    std::vector<int> seq_of(size_t(meta.num_tokens));
+    for (int s = 0; s < meta.num_seqs; ++s)
+      for (int t = meta.query_start[s]; t < meta.query_start[s + 1]; ++t) seq_of[size_t(t)] = s;
+    const bool f32 = p.kv.dtype == DType::F32;
+    const int64_t es = int64_t(dtype_info(p.kv.dtype).type_size);
+    pool_.run([&](int ith, int nth) {
+      auto [begin, end] = ThreadPool::split(items, ith, nth);
+      std::vector<float> scores, kbuf(size_t(hd)), acc(size_t(hd));
+      for (int64_t it = begin; it < end; ++it) {
+        const int t = int(it / heads), h = int(it % heads), kvh = h / group;
+        const int s = seq_of[size_t(t)];
+        const int n_new = meta.query_start[s + 1] - meta.query_start[s];
+        const int ctx = meta.context_lens[s];
+        const int pos = ctx - n_new + (t - meta.query_start[s]);
+        const int n_keys = p.causal ? pos + 1 : ctx;
+        const int32_t* table = meta.block_tables + int64_t(s) * meta.max_blocks_per_seq;
+        const float* q = reinterpret_cast<const float*>(static_cast<const uint8_t*>(p.q.data) +
+                                                        t * p.q.stride[0] + h * p.q.stride[1]);
+        auto row = [&](void* base, int j) {
+          const int64_t slot = int64_t(table[j / p.kv.block_size]) * p.kv.block_size +
+                               j % p.kv.block_size;
+          return static_cast<const uint8_t*>(base) + (slot * p.kv.slot_stride() + int64_t(kvh) * hd) * es;
+        };
+        auto load = [&](const uint8_t* r) -> const float* {
+          if (f32) return reinterpret_cast<const float*>(r);
+          for (int i = 0; i < hd; ++i) kbuf[size_t(i)] = load_elem(r + i * es, p.kv.dtype);
+          return kbuf.data();
+        };
+        scores.resize(size_t(n_keys));
+        float mx = -INFINITY;
+        for (int j = 0; j < n_keys; ++j) {
+          const float* kr = load(row(p.kv.k, j));
+          float d = 0;
+          for (int i = 0; i < hd; ++i) d += q[i] * kr[i];
+          scores[size_t(j)] = d * p.scale;
+          mx = std::max(mx, scores[size_t(j)]);
+        }
+        float sum = 0;
+        for (int j = 0; j < n_keys; ++j) {
+          scores[size_t(j)] = std::exp(scores[size_t(j)] - mx);
+          sum += scores[size_t(j)];
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int j = 0; j < n_keys; ++j) {
+          const float* vr = load(row(p.kv.v, j));
+          const float w = scores[size_t(j)];
+          for (int i = 0; i < hd; ++i) acc[size_t(i)] += w * vr[i];
+        }
+        float* o = reinterpret_cast<float*>(static_cast<uint8_t*>(p.out.data) + t * p.out.stride[0] +
+                                            h * p.out.stride[1]);
+        const float inv = 1.0f / sum;
+        for (int i = 0; i < hd; ++i) o[i] = acc[size_t(i)] * inv;
+      }
+    });
+  }
+
+  void silu_mul(const TensorView& gate_up, TensorView out) override {
+    const int64_t n = out.cols();
+    parallel_rows(out.rows(), [&](int64_t r) {
+      const float* g = reinterpret_cast<const float*>(gate_up.row(r));
+      const float* u = g + n;
+      float* o = reinterpret_cast<float*>(out.row(r));
+      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    });
+  }
+
+  void add(TensorView x, const TensorView& y) override {
+    const int64_t n = x.cols();
+    for (int64_t r = 0; r < x.rows(); ++r) {
+      float* a = reinterpret_cast<float*>(x.row(r));
+      const float* b = reinterpret_cast<const float*>(y.row(r));
+      for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+    }
+  }
+
+  void copy(const TensorView& src, TensorView dst) override {
+    DS_CHECK(src.dtype == dst.dtype && src.numel() == dst.numel(), "copy shape/dtype mismatch");
+    for (int64_t r = 0; r < src.rows(); ++r) std::memcpy(dst.row(r), src.row(r), src.row_bytes());
+  }
+
+ private:
+  // Runs fn(row) for every row, spread over the pool when there are several rows.
+  template <typename Fn>
+  void parallel_rows(int64_t rows, Fn&& fn) {
+    if (rows == 1) {
+      fn(0);
+      return;
+    }
+    pool_.run([&](int ith, int nth) {
+      auto [b, e] = ThreadPool::split(rows, ith, nth);
+      for (int64_t r = b; r < e; ++r) fn(r);
+    });
+  }
+
+  ThreadPool pool_;
+  cpu::Isa isa_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(const BackendOptions& opts) {
+  return std::make_unique<CpuBackend>(opts);
+}
+
+}  // namespace ds

@@ -1,0 +1,117 @@
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "formats/gguf.h"
+#include "formats/safetensors.h"
+
+namespace ds {
+namespace {
+
+struct TensorRow {
+  std::string name, dtype, shape;
+  std::vector<int64_t> dims;
+  uint64_t bytes;
+};
+
+std::vector<TensorRow> tensor_rows(const LoadedModel& m) {
+  std::vector<TensorRow> rows;
+  auto shape_of = [](const std::vector<int64_t>& d) {
+    std::string s = "[";
+    for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+    return s + "]";
+  };
+  if (m.gguf) {
+    for (const auto& t : m.gguf->tensors()) {
+      std::vector<int64_t> d(t.dims.rbegin(), t.dims.rend());  // row-major, like safetensors
+      rows.push_back({t.name, std::string(dtype_name(t.dtype)), shape_of(d), d, t.nbytes});
+    }
+  } else {
+    const auto ckpt = SafetensorsCheckpoint::open(m.path);
+    for (const auto& n : ckpt.tensor_names()) {
+      const auto& t = ckpt.tensor(n);
+      rows.push_back({n, std::string(dtype_name(t.dtype)), shape_of(t.shape), t.shape, t.nbytes});
+    }
+  }
+  return rows;
+}
+
+}  // namespace
+
+int run_inspect(const InspectOptions& o) {
+  LoadedModel m = open_model_metadata(o.path);
+  const ModelConfig& c = m.config;
+  const auto rows = tensor_rows(m);
+  const Tokenizer* tok = m.tokenizer.get();
+  if (o.json) {
+    nlohmann::json j;
+    j["path"] = m.path;
+    j["format"] = m.format;
+    if (m.gguf) j["gguf_version"] = m.gguf->version();
+    j["architecture"] = c.arch;
+    j["name"] = c.name;
+    j["hyperparameters"] = {{"hidden", c.hidden},         {"layers", c.layers},
+                            {"heads", c.heads},           {"kv_heads", c.kv_heads},
+                            {"head_dim", c.head_dim},     {"intermediate", c.intermediate},
+                            {"vocab", c.vocab},           {"max_context", c.max_context},
+                            {"rms_eps", c.rms_eps},       {"rope_theta", c.rope.theta},
+                            {"rotary_dim", c.rope.rotary_dim},
+                            {"rope_style", c.rope.style == RopeStyle::Adjacent ? "adjacent" : "rotate_half"},
+                            {"tied_embeddings", c.tied_embeddings}};
+    if (tok)
+      j["tokenizer"] = {{"vocab_size", tok->vocab_size()},
+                        {"bos_id", tok->bos_id()},
+                        {"eos_id", tok->eos_id()},
+                        {"eog_ids", tok->eog_ids()},
+                        {"add_bos", tok->add_bos_default()},
+                        {"has_chat_template", !m.chat_template.empty()}};
+    if (m.gguf) {
+      nlohmann::json md = nlohmann::json::object();
+      for (const auto& [k, v] : m.gguf->metadata())
+        md[k] = v.to_string(o.all_metadata ? SIZE_MAX : 8);
+      j["metadata"] = md;
+    }
+    nlohmann::json ts = nlohmann::json::array();
+    uint64_t total = 0;
+    for (const auto& r : rows) {
+      ts.push_back({{"name", r.name}, {"dtype", r.dtype}, {"shape", r.dims}, {"bytes", r.bytes}});
+      total += r.bytes;
+    }
+    j["tensors"] = ts;
+    j["tensor_bytes"] = total;
+    std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    return 0;
+  }
+  std::printf("file:          %s (%s%s)\n", m.path.c_str(), m.format.c_str(),
+              m.gguf ? (" v" + std::to_string(m.gguf->version())).c_str() : "");
+  std::printf("architecture:  %s%s%s\n", c.arch.c_str(), c.name.empty() ? "" : "  name: ", c.name.c_str());
+  std::printf("hidden %d, layers %d, heads %d (kv %d), head_dim %d, ffn %d, vocab %d, context %lld\n",
+              c.hidden, c.layers, c.heads, c.kv_heads, c.head_dim, c.intermediate, c.vocab,
+              static_cast<long long>(c.max_context));
+  std::printf("rms_eps %g, rope theta %g (%s, %d dims), tied embeddings: %s\n", double(c.rms_eps),
+              double(c.rope.theta), c.rope.style == RopeStyle::Adjacent ? "adjacent pairs" : "rotate-half",
+              c.rope.rotary_dim, c.tied_embeddings ? "yes" : "no");
+  if (tok)
+    std::printf("tokenizer:     %d tokens, bos %d, eos %d, add_bos %s, chat template: %s\n",
+                tok->vocab_size(), tok->bos_id(), tok->eos_id(), tok->add_bos_default() ? "yes" : "no",
+                m.chat_template.empty() ? "none" : "yes");
+  else
+    std::printf("tokenizer:     none (token-id input only)\n");
+  if (m.gguf) {
+    std::printf("\nmetadata (%zu keys):\n", m.gguf->metadata().size());
+    for (const auto& [k, v] : m.gguf->metadata())
+      std::printf("  %-40s %s\n", k.c_str(), v.to_string(o.all_metadata ? SIZE_MAX : 8).c_str());
+  }
+  uint64_t total = 0;
+  std::printf("\ntensors (%zu):\n", rows.size());
+  for (const auto& r : rows) {
+    std::printf("  %-40s %-6s %-20s %10llu\n", r.name.c_str(), r.dtype.c_str(), r.shape.c_str(),
+                static_cast<unsigned long long>(r.bytes));
+    total += r.bytes;
+  }
+  std::printf("total tensor bytes: %.1f MB\n", double(total) / 1e6);
+  return 0;
+}
+
+}  // namespace ds

@@ -1,0 +1,42 @@
+// The CLI's subcommands.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "cli/session.h"
+
+namespace ds {
+
+struct GenerateOptions {
+  ModelOptions model;
+  std::vector<std::string> prompts;
+  std::string prompts_file;      // one prompt per line
+  std::string prompt_ids_file;   // whitespace-separated token ids: one prompt
+  int max_tokens = 128;
+  SamplingParams sampling;
+  std::vector<std::string> stop;
+  bool chat = false;
+  std::string system;
+  bool ignore_eos = false;
+  bool json = false;
+};
+
+struct ChatOptions {
+  ModelOptions model;
+  SamplingParams sampling;
+  int max_tokens = 512;
+  std::string system;
+};
+
+struct InspectOptions {
+  std::string path;
+  bool json = false;
+  bool all_metadata = false;
+};
+
+int run_generate(const GenerateOptions& o);
+int run_chat(const ChatOptions& o);
+int run_inspect(const InspectOptions& o);
+
+}  // namespace ds

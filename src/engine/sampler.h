@@ -1,0 +1,43 @@
+// Token sampling: penalties, then top-k / top-p / min-p filtering, then temperature.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <span>
+#include <vector>
+
+namespace ds {
+
+struct SamplingParams {
+  float temperature = 0.8f;  // <= 0 means greedy
+  int top_k = 40;            // <= 0 disables
+  float top_p = 0.95f;       // >= 1 disables
+  float min_p = 0.05f;       // <= 0 disables
+  float repetition_penalty = 1.0f;  // 1 disables; divides positive logits, multiplies negative
+  float presence_penalty = 0.0f;    // subtracted once from every token already seen
+  float frequency_penalty = 0.0f;   // subtracted per occurrence
+  int penalty_last_n = 64;          // how many recent tokens the penalties look at (-1 = all)
+  std::optional<uint64_t> seed;     // unset: drawn from the system's entropy source
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& p);
+  // Picks the next token from one row of logits; `history` holds the prompt and the tokens
+  // generated so far (for penalties). Logits are not modified.
+  int32_t sample(std::span<const float> logits, std::span<const int32_t> history);
+  uint64_t seed() const { return seed_; }
+  const SamplingParams& params() const { return p_; }
+
+ private:
+  SamplingParams p_;
+  uint64_t seed_;
+  std::mt19937_64 rng_;
+  std::vector<std::pair<float, int32_t>> cand_;  // scratch: (logit, id)
+};
+
+// Index of the largest value; ties go to the lowest index.
+int32_t argmax(std::span<const float> v);
+
+}  // namespace ds

@@ -1,0 +1,88 @@
+#include "model/loader.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "formats/gguf.h"
+
+namespace ds {
+namespace {
+
+void draw_progress(size_t done, size_t total, double t0) {
+  static int last = -1;
+  const int pct = total ? int(100.0 * double(done) / double(total)) : 100;
+  if (pct == last) return;
+  last = pct;
+  const int width = 30, fill = pct * width / 100;
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count() - t0;
+  std::fprintf(stderr, "\rloading [%.*s%*s] %3d%% %6.0f/%.0f MB %5.2f GB/s", fill,
+               "##############################", width - fill, "", pct, double(done) / 1e6,
+               double(total) / 1e6, secs > 0 ? double(done) / secs / 1e9 : 0.0);
+  if (done >= total) {
+    std::fputc('\n', stderr);
+    last = -1;
+  }
+  std::fflush(stderr);
+}
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+LoadedModel open_model_metadata(const std::filesystem::path& path) {
+  LoadedModel m;
+  m.path = path.string();
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) throw Error(m.path + ": no such file or directory");
+  if (std::filesystem::is_directory(path, ec)) {
+    m.format = "safetensors";
+    const auto cfg = path / "config.json";
+    if (!std::filesystem::exists(cfg, ec))
+      throw Error(m.path + ": a model folder needs config.json (and *.safetensors)");
+    m.config = config_from_hf_json(cfg.string());
+    m.weights = safetensors_llama_weights(path);
+    const auto tj = path / "tokenizer.json";
+    if (std::filesystem::exists(tj, ec)) {
+      m.tokenizer = Tokenizer::from_hf_json(tj, path / "tokenizer_config.json");
+      m.chat_template = m.tokenizer->chat_template();
+    } else {
+      log_warn(m.path + " has no tokenizer.json: only token-id input will work");
+    }
+  } else {
+    m.format = "gguf";
+    auto g = std::make_shared<GgufFile>(GgufFile::open(path));
+    m.config = config_from_gguf(*g);
+    m.tokenizer = Tokenizer::from_gguf(*g);
+    m.chat_template = g->get_string("tokenizer.chat_template").value_or("");
+    m.gguf = g;
+    m.weights = gguf_weights(g);
+  }
+  m.bytes = m.weights->total_bytes();
+  return m;
+}
+
+LoadedModel load_model(const std::filesystem::path& path, Backend& backend,
+                       const LoadOptions& opts) {
+  const double t0 = now();
+  LoadedModel m = open_model_metadata(path);
+  const bool bar = opts.progress && isatty(2);
+  m.weights->prefetch(opts.threads, [&](size_t done, size_t total) {
+    if (bar) draw_progress(done, total, t0);
+  });
+  if (m.config.arch != "llama")
+    throw UnsupportedError(m.path + ": architecture '" + m.config.arch + "' is not supported");
+  m.model = make_llama(m.config, *m.weights, backend);
+  m.load_seconds = now() - t0;
+  log_info("loaded " + m.path + " (" + m.config.summary() + ") in " +
+           std::to_string(m.load_seconds) + " s");
+  return m;
+}
+
+}  // namespace ds

@@ -1,0 +1,99 @@
+"""The CLI on the real embedded default model (SmolLM2-135M-Instruct Q4_1)."""
+import json
+import os
+import shutil
+
+import pytest
+
+
+def test_default_model_answers_paris(run):
+    p = run("generate", "--chat", "-p", "What is the capital of France?", "-n", "32",
+            "--temperature", "0", "--threads", "2")
+    assert "Paris" in p.stdout, p.stdout
+    assert "tok/s" in p.stderr
+
+
+def test_generate_json_fields_and_determinism(run):
+    args = ("generate", "--json", "-p", "The quick brown fox", "-p", "Bonjour, je m'appelle",
+            "-n", "8", "--temperature", "0", "--ignore-eos", "--threads", "2")
+    out1 = [json.loads(l) for l in run(*args).stdout.splitlines()]
+    out2 = [json.loads(l) for l in run(*args).stdout.splitlines()]
+    assert [o["index"] for o in out1] == [0, 1]
+    for o in out1:
+        assert set(o) >= {"index", "prompt", "text", "tokens", "finish_reason", "usage", "timings"}
+        assert len(o["tokens"]) == 8 and o["finish_reason"] == "length"
+        assert o["usage"]["completion_tokens"] == 8
+        assert o["usage"]["total_tokens"] == o["usage"]["prompt_tokens"] + 8
+        assert o["timings"]["prompt_tokens_per_s"] > 0 and o["timings"]["decode_tokens_per_s"] > 0
+    assert [o["tokens"] for o in out1] == [o["tokens"] for o in out2]
+
+
+def test_seeded_sampling_is_reproducible(run):
+    args = ("generate", "--json", "-p", "Once upon a time", "-n", "16", "--temperature", "1.0",
+            "--top-k", "50", "--top-p", "0.9", "--seed", "1234", "--ignore-eos", "--threads", "2")
+    a = json.loads(run(*args).stdout)
+    b = json.loads(run(*args).stdout)
+    assert a["tokens"] == b["tokens"]
+    c = json.loads(run(*args[:-4], "--seed", "99", "--ignore-eos", "--threads", "2").stdout)
+    assert c["tokens"] != a["tokens"]
+
+
+def test_stop_string_cuts_text(run):
+    p = run("generate", "--json", "-p", "1, 2, 3, 4, 5,", "-n", "24", "--temperature", "0",
+            "--stop", "8", "--threads", "2")
+    o = json.loads(p.stdout)
+    assert o["finish_reason"] == "stop"
+    assert "8" not in o["text"]
+    assert "6" in o["text"]
+
+
+def test_prompt_ids_file(run, tmp_path):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("504 2365 6354 16438")  # arbitrary valid ids
+    o = json.loads(run("generate", "--json", "--prompt-ids-file", ids, "-n", "4",
+                       "--temperature", "0", "--ignore-eos", "--threads", "2").stdout)
+    assert o["usage"]["prompt_tokens"] == 4 and len(o["tokens"]) == 4
+    ids.write_text("1 2 banana")
+    p = run("generate", "--prompt-ids-file", ids, check=False)
+    assert p.returncode == 1 and "banana" in p.stderr and "not a token id" in p.stderr
+    ids.write_text("99999999")
+    p = run("generate", "--prompt-ids-file", ids, check=False)
+    assert p.returncode == 1 and "outside the vocabulary" in p.stderr
+
+
+def test_inspect_default_model(run):
+    from conftest import ROOT  # noqa
+    path = os.environ.get("DS_SMOLLM2_GGUF")
+    if not path:
+        pytest.skip("DS_SMOLLM2_GGUF not set")
+    j = json.loads(run("inspect", path, "--json").stdout)
+    assert j["architecture"] == "llama"
+    assert j["hyperparameters"]["layers"] == 30 and j["hyperparameters"]["hidden"] == 576
+    assert j["hyperparameters"]["kv_heads"] == 3
+    assert len(j["tensors"]) == 272
+    emb = next(t for t in j["tensors"] if t["name"] == "token_embd.weight")
+    assert emb["dtype"] == "Q8_0" and emb["shape"] == [49152, 576]
+    text = run("inspect", path).stdout
+    assert "blk.29.ffn_down.weight" in text and "Q4_1" in text
+
+
+def test_missing_and_corrupt_model_files(run, tmp_path):
+    p = run("generate", "-m", tmp_path / "nope.gguf", "-p", "hi", check=False)
+    assert p.returncode == 1 and "no such file" in p.stderr
+    path = os.environ.get("DS_SMOLLM2_GGUF")
+    if not path:
+        pytest.skip("DS_SMOLLM2_GGUF not set")
+    bad = tmp_path / "truncated.gguf"
+    with open(path, "rb") as f:
+        bad.write_bytes(f.read(3_000_000))
+    p = run("generate", "-m", bad, "-p", "hi", check=False)
+    assert p.returncode == 1 and "truncated.gguf" in p.stderr and "offset" in p.stderr, p.stderr
+    p = run("inspect", bad, check=False)
+    assert p.returncode == 1 and "offset" in p.stderr
+
+
+def test_chat_session_over_stdin(run):
+    p = run("chat", "--temperature", "0", "-n", "24", "--threads", "2",
+            input="What is the capital of France?\nAnd of Germany?\n/exit\n")
+    assert "Paris" in p.stdout
+    assert "Berlin" in p.stdout
