@@ -2,7 +2,8 @@
 """Writes the small GGUF / safetensors fixtures and fuzz seeds with independent writers.
 
 The files come from gguf-py (llama.cpp's Python writer) and the `safetensors` package, so the
-C++ readers are tested against files they did not write themselves.
+C++ readers are tested against files they did not write themselves. Reruns give the same files
+except that `safetensors` may order __metadata__ keys differently.
 
 Usage: python tools/make_format_fixtures.py [--model SmolLM2.gguf]
 Needs: pip install gguf numpy safetensors

@@ -9,13 +9,13 @@ namespace ds {
 namespace {
 
 constexpr std::array<DTypeInfo, 24> kInfo = {{
-    {"F32", 1, 4, false},    {"F16", 1, 2, false},   {"BF16", 1, 2, false},
-    {"F64", 1, 8, false},    {"F8_E4M3", 1, 1, false}, {"F8_E5M2", 1, 1, false},
-    {"I8", 1, 1, false},     {"U8", 1, 1, false},    {"I16", 1, 2, false},
-    {"I32", 1, 4, false},    {"I64", 1, 8, false},   {"BOOL", 1, 1, false},
-    {"Q4_0", 32, 18, true},  {"Q4_1", 32, 20, true}, {"Q5_0", 32, 22, true},
-    {"Q5_1", 32, 24, true},  {"Q8_0", 32, 34, true}, {"Q8_1", 32, 36, true},
-    {"Q2_K", 256, 84, true}, {"Q3_K", 256, 110, true}, {"Q4_K", 256, 144, true},
+    {"F32", 1, 4, false},     {"F16", 1, 2, false},     {"BF16", 1, 2, false},
+    {"F64", 1, 8, false},     {"F8_E4M3", 1, 1, false}, {"F8_E5M2", 1, 1, false},
+    {"I8", 1, 1, false},      {"U8", 1, 1, false},      {"I16", 1, 2, false},
+    {"I32", 1, 4, false},     {"I64", 1, 8, false},     {"BOOL", 1, 1, false},
+    {"Q4_0", 32, 18, true},   {"Q4_1", 32, 20, true},   {"Q5_0", 32, 22, true},
+    {"Q5_1", 32, 24, true},   {"Q8_0", 32, 34, true},   {"Q8_1", 32, 36, true},
+    {"Q2_K", 256, 84, true},  {"Q3_K", 256, 110, true}, {"Q4_K", 256, 144, true},
     {"Q5_K", 256, 176, true}, {"Q6_K", 256, 210, true}, {"Q8_K", 256, 292, true},
 }};
 
@@ -25,11 +25,10 @@ struct GgmlId {
 };
 // ggml_type enum values (ggml.h).
 constexpr std::array<GgmlId, 20> kGgml = {{
-    {0, DType::F32},   {1, DType::F16},   {2, DType::Q4_0},  {3, DType::Q4_1},
-    {6, DType::Q5_0},  {7, DType::Q5_1},  {8, DType::Q8_0},  {9, DType::Q8_1},
-    {10, DType::Q2_K}, {11, DType::Q3_K}, {12, DType::Q4_K}, {13, DType::Q5_K},
-    {14, DType::Q6_K}, {15, DType::Q8_K}, {24, DType::I8},   {25, DType::I16},
-    {26, DType::I32},  {27, DType::I64},  {28, DType::F64},  {30, DType::BF16},
+    {0, DType::F32},   {1, DType::F16},   {2, DType::Q4_0},  {3, DType::Q4_1},  {6, DType::Q5_0},
+    {7, DType::Q5_1},  {8, DType::Q8_0},  {9, DType::Q8_1},  {10, DType::Q2_K}, {11, DType::Q3_K},
+    {12, DType::Q4_K}, {13, DType::Q5_K}, {14, DType::Q6_K}, {15, DType::Q8_K}, {24, DType::I8},
+    {25, DType::I16},  {26, DType::I32},  {27, DType::I64},  {28, DType::F64},  {30, DType::BF16},
 }};
 
 }  // namespace
@@ -43,9 +42,13 @@ const DTypeInfo& dtype_info(DType t) {
 size_t dtype_bytes(DType t, int64_t n) {
   const auto& info = dtype_info(t);
   if (n < 0 || n % info.block_size != 0)
-    throw Error(std::to_string(n) + " elements is not a whole number of " +
-                std::string(info.name) + " blocks of " + std::to_string(info.block_size));
-  return size_t(n / info.block_size) * size_t(info.type_size);
+    throw Error(std::to_string(n) + " elements is not a whole number of " + std::string(info.name) +
+                " blocks of " + std::to_string(info.block_size));
+  size_t bytes = 0;
+  if (__builtin_mul_overflow(size_t(n / info.block_size), size_t(info.type_size), &bytes))
+    throw Error(std::to_string(n) + " elements of " + std::string(info.name) +
+                " take more bytes than fit in 64 bits");
+  return bytes;
 }
 
 std::optional<DType> dtype_from_name(std::string_view name) {
@@ -71,10 +74,10 @@ uint16_t f32_to_fp16(float f) {
   std::memcpy(&x, &f, 4);
   const uint32_t sign = (x >> 16) & 0x8000;
   x &= 0x7fffffff;
-  if (x > 0x7f800000) return uint16_t(sign | 0x7e00);  // NaN
+  if (x > 0x7f800000) return uint16_t(sign | 0x7e00);   // NaN
   if (x >= 0x477ff000) return uint16_t(sign | 0x7c00);  // overflow (>= 65520) -> inf
-  if (x < 0x38800000) {                                  // subnormal or zero in fp16
-    if (x < 0x33000000) return uint16_t(sign);           // below half the smallest subnormal
+  if (x < 0x38800000) {                                 // subnormal or zero in fp16
+    if (x < 0x33000000) return uint16_t(sign);          // below half the smallest subnormal
     const uint32_t exp = x >> 23;
     const uint32_t mant = (x & 0x7fffff) | 0x800000;
     const uint32_t shift = 126 - exp;  // 14 + (113 - exp) + ... lands mantissa at fp16 subnormal
@@ -98,6 +101,8 @@ float fp8_e4m3_to_f32(uint8_t v) {
   return sign ? -r : r;
 }
 
-float fp8_e5m2_to_f32(uint8_t v) { return fp16_to_f32(uint16_t(v) << 8); }
+float fp8_e5m2_to_f32(uint8_t v) {
+  return fp16_to_f32(uint16_t(v) << 8);
+}
 
 }  // namespace ds

@@ -61,7 +61,12 @@ struct TensorView {
     for (int i = 0; i < ndim; ++i) n *= shape[i];
     return n;
   }
-  int64_t rows() const { return ndim <= 1 ? 1 : numel() / shape[ndim - 1]; }
+  int64_t rows() const {
+    if (ndim <= 1) return 1;
+    int64_t r = 1;
+    for (int i = 0; i < ndim - 1; ++i) r *= shape[i];
+    return r;
+  }
   int64_t cols() const { return ndim == 0 ? 0 : shape[ndim - 1]; }
   size_t row_bytes() const { return dtype_bytes(dtype, cols()); }
   int64_t row_stride() const { return ndim <= 1 ? int64_t(row_bytes()) : stride[ndim - 2]; }

@@ -38,7 +38,13 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
   }
   if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
   fn(0, nth_);
-  while (pending_.load(std::memory_order_acquire) != 0) DS_PAUSE();
+  // Spin first (jobs are short), then yield so an oversubscribed machine still progresses.
+  for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+    if (spin < 4000)
+      DS_PAUSE();
+    else
+      std::this_thread::yield();
+  }
   job_ = nullptr;
 }
 
@@ -48,7 +54,10 @@ void ThreadPool::worker(int ith) {
     // Spin for a while (~100 us) before sleeping: decode issues jobs back to back.
     uint64_t gen = generation_.load(std::memory_order_acquire);
     for (int spin = 0; gen == seen && spin < 20000; ++spin) {
-      DS_PAUSE();
+      if (spin < 4000)
+        DS_PAUSE();
+      else
+        std::this_thread::yield();
       gen = generation_.load(std::memory_order_acquire);
     }
     if (gen == seen) {

@@ -34,19 +34,31 @@ enum class GgufType : uint32_t {
   F64 = 12,
 };
 std::string_view gguf_type_name(GgufType t);
+inline bool gguf_is_signed(GgufType t) {
+  return t == GgufType::I8 || t == GgufType::I16 || t == GgufType::I32 || t == GgufType::I64;
+}
+inline bool gguf_is_unsigned(GgufType t) {
+  return t == GgufType::U8 || t == GgufType::U16 || t == GgufType::U32 || t == GgufType::U64;
+}
+inline bool gguf_is_int(GgufType t) {
+  return gguf_is_signed(t) || gguf_is_unsigned(t);
+}
+inline bool gguf_is_float(GgufType t) {
+  return t == GgufType::F32 || t == GgufType::F64;
+}
 
 // A metadata value. Integers are widened to int64/uint64, floats to double; arrays keep
 // their element type and hold their elements in the matching vector.
 struct GgufValue {
-  GgufType type = GgufType::I64;  // matches the default int64_t value
+  GgufType type = GgufType::I64;       // matches the default int64_t value
   GgufType array_type = GgufType::U8;  // element type when type == Array
   std::variant<int64_t, uint64_t, double, bool, std::string, std::vector<int64_t>,
                std::vector<uint64_t>, std::vector<double>, std::vector<std::string>,
                std::vector<std::monostate>>  // arrays of arrays: only their length is kept
       value;
 
-  std::optional<int64_t> as_int() const;    // any integer or bool scalar
-  std::optional<double> as_float() const;   // any number scalar
+  std::optional<int64_t> as_int() const;   // any integer or bool scalar
+  std::optional<double> as_float() const;  // any number scalar
   std::optional<std::string> as_string() const;
   size_t array_size() const;
   std::string to_string(size_t max_items = 8) const;  // for `inspect`

@@ -19,15 +19,15 @@ static_assert(std::endian::native == std::endian::little, "safetensors is little
 
 constexpr uint64_t kMaxHeaderBytes = uint64_t(100) << 20;
 constexpr uint64_t kHeaderStart = 8;
+constexpr int kMaxJsonDepth = 32;  // headers nest 3 deep; this bounds memory on hostile input
 
 // The dtype names the format defines; GGML block types are not among them.
 std::optional<DType> safetensors_dtype(const std::string& s) {
   static constexpr std::pair<std::string_view, DType> kNames[] = {
-      {"F64", DType::F64},         {"F32", DType::F32},   {"F16", DType::F16},
-      {"BF16", DType::BF16},       {"F8_E4M3", DType::F8_E4M3},
-      {"F8_E5M2", DType::F8_E5M2}, {"I64", DType::I64},   {"I32", DType::I32},
-      {"I16", DType::I16},         {"I8", DType::I8},     {"U8", DType::U8},
-      {"BOOL", DType::Bool},
+      {"F64", DType::F64},   {"F32", DType::F32},         {"F16", DType::F16},
+      {"BF16", DType::BF16}, {"F8_E4M3", DType::F8_E4M3}, {"F8_E5M2", DType::F8_E5M2},
+      {"I64", DType::I64},   {"I32", DType::I32},         {"I16", DType::I16},
+      {"I8", DType::I8},     {"U8", DType::U8},           {"BOOL", DType::Bool},
   };
   for (const auto& [name, t] : kNames)
     if (name == s) return t;
@@ -37,7 +37,9 @@ std::optional<DType> safetensors_dtype(const std::string& s) {
 // Parses JSON, rejecting duplicate keys in any object (nlohmann keeps the last silently).
 json parse_json(std::string_view text, const std::string& file, uint64_t base) {
   std::vector<std::set<std::string>> keys;
-  const json::parser_callback_t cb = [&](int, json::parse_event_t ev, json& parsed) {
+  const json::parser_callback_t cb = [&](int depth, json::parse_event_t ev, json& parsed) {
+    if (depth > kMaxJsonDepth)
+      throw FormatError(file, base, "JSON nests deeper than " + std::to_string(kMaxJsonDepth));
     if (ev == json::parse_event_t::object_start) {
       keys.emplace_back();
     } else if (ev == json::parse_event_t::object_end) {
@@ -54,6 +56,8 @@ json parse_json(std::string_view text, const std::string& file, uint64_t base) {
   } catch (const json::parse_error& e) {
     const uint64_t at = e.byte > 0 ? base + std::min<uint64_t>(e.byte - 1, text.size()) : base;
     throw FormatError(file, at, std::string("invalid JSON: ") + e.what());
+  } catch (const json::exception& e) {  // e.g. a number too large for a double
+    throw FormatError(file, base, std::string("invalid JSON: ") + e.what());
   }
 }
 
@@ -97,7 +101,9 @@ SafetensorsFile SafetensorsFile::parse(std::span<const uint8_t> bytes, const std
   SafetensorsFile f;
   f.name_ = name;
   f.bytes_ = bytes;
-  const auto fail = [&name](uint64_t at, const std::string& problem) { format_fail(name, at, problem); };
+  const auto fail = [&name](uint64_t at, const std::string& problem) {
+    format_fail(name, at, problem);
+  };
   const uint64_t size = bytes.size();
   if (size < kHeaderStart)
     fail(0, "file of " + std::to_string(size) + " bytes is too small for the header length");
@@ -135,15 +141,16 @@ SafetensorsFile SafetensorsFile::parse(std::span<const uint8_t> bytes, const std
       const auto dt = entry.find("dtype");
       if (dt == entry.end() || !dt->is_string()) fail(kHeaderStart, what + ": missing dtype");
       const auto dtype = safetensors_dtype(dt->get<std::string>());
-      if (!dtype)
-        fail(kHeaderStart, what + ": unknown dtype \"" + dt->get<std::string>() + "\"");
+      if (!dtype) fail(kHeaderStart, what + ": unknown dtype \"" + dt->get<std::string>() + "\"");
 
       SafetensorsTensor t;
       t.name = key;
       t.dtype = *dtype;
       const auto sh = entry.find("shape");
       if (sh == entry.end() || !sh->is_array()) fail(kHeaderStart, what + ": missing shape");
-      int64_t numel = 1;
+      const int64_t elem = dtype_info(t.dtype).type_size;
+      int64_t bytes = elem;  // non-zero dims times elem must fit, so view strides do too
+      bool empty = false;
       for (const json& d : *sh) {
         if (d.is_number_integer() && !d.is_number_unsigned())
           fail(kHeaderStart, what + ": negative dimension " + d.dump());
@@ -151,14 +158,12 @@ SafetensorsFile SafetensorsFile::parse(std::span<const uint8_t> bytes, const std
           fail(kHeaderStart, what + ": dimension " + d.dump() + " is not an integer");
         const auto v = d.get<uint64_t>();
         if (v > uint64_t(std::numeric_limits<int64_t>::max()) ||
-            __builtin_mul_overflow(numel, int64_t(v), &numel))
+            (v != 0 && __builtin_mul_overflow(bytes, int64_t(v), &bytes)))
           fail(kHeaderStart, what + ": element count overflows 64 bits");
+        empty = empty || v == 0;
         t.shape.push_back(int64_t(v));
       }
-      const uint64_t elem = dtype_info(t.dtype).type_size;
-      uint64_t expected = 0;
-      if (__builtin_mul_overflow(uint64_t(numel), elem, &expected))
-        fail(kHeaderStart, what + ": byte size overflows 64 bits");
+      const uint64_t expected = empty ? 0 : uint64_t(bytes);
 
       const auto offs = entry.find("data_offsets");
       if (offs == entry.end() || !offs->is_array() || offs->size() != 2 ||
@@ -174,10 +179,9 @@ SafetensorsFile SafetensorsFile::parse(std::span<const uint8_t> bytes, const std
                                " is past the end of the data (" + std::to_string(data_size) +
                                " bytes)");
       if (end - begin != expected)
-        fail(data_start + begin, what + ": shape " + sh->dump() + " of " +
-                                     dt->get<std::string>() + " needs " +
-                                     std::to_string(expected) + " bytes but data_offsets span " +
-                                     std::to_string(end - begin));
+        fail(data_start + begin, what + ": shape " + sh->dump() + " of " + dt->get<std::string>() +
+                                     " needs " + std::to_string(expected) +
+                                     " bytes but data_offsets span " + std::to_string(end - begin));
       t.offset = data_start + begin;
       t.nbytes = expected;
       f.tensors_.push_back(std::move(t));

@@ -35,6 +35,8 @@ class SafetensorsFile {
   const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
   const SafetensorsTensor* find(const std::string& name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // Row-major view; a scalar (shape []) is shown as [1]. Throws UnsupportedError above rank 4.
+  // The format does not align data: the pointer is aligned only if the writer padded it.
   TensorView view(const SafetensorsTensor& t) const;
   const std::shared_ptr<MappedFile>& mapping() const { return file_; }
 
@@ -42,7 +44,7 @@ class SafetensorsFile {
   std::string name_;
   std::shared_ptr<MappedFile> file_;
   std::span<const uint8_t> bytes_;
-  std::vector<SafetensorsTensor> tensors_;
+  std::vector<SafetensorsTensor> tensors_;  // in data order
   std::map<std::string, size_t> index_;
   std::map<std::string, std::string> metadata_;
 };

@@ -12,7 +12,16 @@ namespace ds {
 
 // The pre-tokenizer families named by GGUF's `tokenizer.ggml.pre` (llama.cpp's names).
 // Custom: split patterns taken from a tokenizer.json that match none of the known families.
-enum class PreTokenizer { Gpt2, Llama3, DeepSeekLlm, DeepSeekCoder, SmolLM, Qwen2, Default, Custom };
+enum class PreTokenizer {
+  Gpt2,
+  Llama3,
+  DeepSeekLlm,
+  DeepSeekCoder,
+  SmolLM,
+  Qwen2,
+  Default,
+  Custom
+};
 
 // Maps a `tokenizer.ggml.pre` value ("llama-bpe", "smollm", ...) to its family.
 std::optional<PreTokenizer> pre_tokenizer_from_name(std::string_view name);
@@ -33,7 +42,8 @@ using TextSpan = std::pair<size_t, size_t>;
 // mode with its own Unicode tables.
 class RegexSplitter {
  public:
-  explicit RegexSplitter(const std::vector<std::string>& patterns);  // throws Error on a bad pattern
+  explicit RegexSplitter(
+      const std::vector<std::string>& patterns);  // throws Error on a bad pattern
   ~RegexSplitter();
   RegexSplitter(const RegexSplitter&) = delete;
   RegexSplitter& operator=(const RegexSplitter&) = delete;

@@ -31,9 +31,8 @@ CharCategory char_category(uint32_t cp) {
   using unicode_detail::kCategoryRunCount;
   using unicode_detail::kCategoryRuns;
   const auto* end = kCategoryRuns + kCategoryRunCount;
-  const auto* it = std::upper_bound(kCategoryRuns, end, cp, [](uint32_t v, const auto& run) {
-    return v < run.first;
-  });
+  const auto* it = std::upper_bound(kCategoryRuns, end, cp,
+                                    [](uint32_t v, const auto& run) { return v < run.first; });
   return (it - 1)->category;
 }
 
@@ -41,7 +40,13 @@ bool is_whitespace(uint32_t cp) {
   if (cp <= 0x20) return cp == 0x20 || (cp >= 0x09 && cp <= 0x0D);
   if (cp < 0x85) return false;
   switch (cp) {
-    case 0x85: case 0xA0: case 0x1680: case 0x2028: case 0x2029: case 0x202F: case 0x205F:
+    case 0x85:
+    case 0xA0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202F:
+    case 0x205F:
     case 0x3000:
       return true;
     default:
@@ -73,19 +78,50 @@ size_t utf8_sequence_length(std::string_view s, size_t pos) {
   return 0;
 }
 
+size_t utf8_invalid_length(std::string_view s, size_t pos) {
+  const auto b0 = static_cast<uint8_t>(s[pos]);
+  if (b0 < 0xC2 || b0 > 0xF4) return 1;
+  const size_t need = b0 >= 0xF0 ? 4 : b0 >= 0xE0 ? 3 : 2;
+  size_t len = 1;
+  while (len < need && pos + len < s.size()) {
+    const auto b = static_cast<uint8_t>(s[pos + len]);
+    uint8_t lo = 0x80, hi = 0xBF;
+    if (len == 1) {
+      if (b0 == 0xE0) lo = 0xA0;
+      if (b0 == 0xED) hi = 0x9F;
+      if (b0 == 0xF0) lo = 0x90;
+      if (b0 == 0xF4) hi = 0x8F;
+    }
+    if (b < lo || b > hi) break;
+    ++len;
+  }
+  return len;
+}
+
 uint32_t utf8_decode(std::string_view s, size_t& pos) {
   size_t n = utf8_sequence_length(s, pos);
-  const auto byte = [&](size_t i) { return static_cast<uint32_t>(static_cast<uint8_t>(s[pos + i])); };
+  const auto byte = [&](size_t i) {
+    return static_cast<uint32_t>(static_cast<uint8_t>(s[pos + i]));
+  };
   uint32_t cp;
   switch (n) {
-    case 1: cp = byte(0); break;
-    case 2: cp = ((byte(0) & 0x1F) << 6) | (byte(1) & 0x3F); break;
-    case 3: cp = ((byte(0) & 0x0F) << 12) | ((byte(1) & 0x3F) << 6) | (byte(2) & 0x3F); break;
+    case 1:
+      cp = byte(0);
+      break;
+    case 2:
+      cp = ((byte(0) & 0x1F) << 6) | (byte(1) & 0x3F);
+      break;
+    case 3:
+      cp = ((byte(0) & 0x0F) << 12) | ((byte(1) & 0x3F) << 6) | (byte(2) & 0x3F);
+      break;
     case 4:
       cp = ((byte(0) & 0x07) << 18) | ((byte(1) & 0x3F) << 12) | ((byte(2) & 0x3F) << 6) |
            (byte(3) & 0x3F);
       break;
-    default: cp = kReplacementChar; n = 1; break;
+    default:
+      cp = kReplacementChar;
+      n = utf8_invalid_length(s, pos);
+      break;
   }
   pos += n;
   return cp;
@@ -125,7 +161,7 @@ std::string utf8_sanitize(std::string_view s) {
     size_t n = utf8_sequence_length(s, pos);
     if (n == 0) {
       utf8_append(out, kReplacementChar);
-      ++pos;
+      pos += utf8_invalid_length(s, pos);
     } else {
       out.append(s.substr(pos, n));
       pos += n;

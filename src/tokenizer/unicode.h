@@ -30,11 +30,14 @@ inline constexpr uint32_t kReplacementChar = 0xFFFD;
 // Bytes of the well-formed sequence starting at s[pos], or 0 if s[pos] does not start one
 // (bad lead byte, bad continuation, overlong, surrogate, > U+10FFFF, or cut off by the end).
 size_t utf8_sequence_length(std::string_view s, size_t pos);
-// Decodes the codepoint at s[pos] and advances pos; an ill-formed byte gives U+FFFD and pos + 1.
+// Where s[pos] starts no well-formed sequence: the length of its maximal subpart, the bytes
+// one U+FFFD replaces (Unicode's recommended practice, as Python's errors="replace").
+size_t utf8_invalid_length(std::string_view s, size_t pos);
+// Decodes the codepoint at s[pos] and advances pos; an ill-formed sequence gives U+FFFD.
 uint32_t utf8_decode(std::string_view s, size_t& pos);
 void utf8_append(std::string& out, uint32_t cp);
 bool utf8_is_valid(std::string_view s);
-// Replaces each byte that does not start a well-formed sequence with U+FFFD.
+// Replaces each maximal ill-formed subpart with U+FFFD.
 std::string utf8_sanitize(std::string_view s);
 // How many of the trailing bytes of s are an incomplete but so far well-formed sequence
 // (0..3): the bytes a streaming decoder must hold back until more arrive.

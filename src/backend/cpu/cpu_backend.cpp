@@ -132,7 +132,7 @@ class CpuBackend final : public Backend {
   void rope(TensorView x, const int32_t* positions, const RopeParams& p) override {
     const int64_t T = x.shape[0], H = x.shape[1];
     const int rd = p.rotary_dim, half = rd / 2;
-    std::vector<float> inv_freq(size_t(half));
+    std::vector<float> inv_freq(static_cast<size_t>(half));
     for (int i = 0; i < half; ++i)
       inv_freq[size_t(i)] = p.freq_scale * std::pow(p.theta, -2.0f * float(i) / float(rd));
     parallel_rows(T, [&](int64_t t) {
@@ -188,7 +188,7 @@ class CpuBackend final : public Backend {
     const int64_t es = int64_t(dtype_info(p.kv.dtype).type_size);
     pool_.run([&](int ith, int nth) {
       auto [begin, end] = ThreadPool::split(items, ith, nth);
-      std::vector<float> scores, kbuf(size_t(hd)), acc(size_t(hd));
+      std::vector<float> scores, kbuf(static_cast<size_t>(hd)), acc(static_cast<size_t>(hd));
       for (int64_t it = begin; it < end; ++it) {
         const int t = int(it / heads), h = int(it % heads), kvh = h / group;
         const int s = seq_of[size_t(t)];

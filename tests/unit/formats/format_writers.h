@@ -154,6 +154,14 @@ class GgufBuilder {
   std::vector<GgufTensorSpec> tensors_;
 };
 
+// Element i of type T at p; a memcpy because file data need not be aligned for T.
+template <typename T>
+T load(const void* p, size_t i = 0) {
+  T v;
+  std::memcpy(&v, static_cast<const uint8_t*>(p) + i * sizeof(T), sizeof(T));
+  return v;
+}
+
 inline std::vector<uint8_t> f32_bytes(const std::vector<float>& v) {
   std::vector<uint8_t> b(v.size() * 4);
   std::memcpy(b.data(), v.data(), b.size());

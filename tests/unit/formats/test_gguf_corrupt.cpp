@@ -68,7 +68,9 @@ TEST(GgufCorrupt, EveryTruncationThrows) {
     // An exact-size copy so a read past the end would touch memory outside the buffer.
     const std::vector<uint8_t> part(bytes.begin(), bytes.begin() + long(cut));
     const auto e = parse_error(part);
-    if (e) EXPECT_LE(e->offset(), cut);
+    if (e) {
+      EXPECT_LE(e->offset(), cut);
+    }
   }
 }
 
@@ -286,7 +288,12 @@ TEST(GgufCorrupt, HugeDimsOverflow) {
   GgufBuilder c;  // numel fits in int64 but its byte size does not
   c.tensor({"bytes", {uint64_t(1) << 62}, 0, {}, {}});
   c.build(&l);
-  expect_error_at(c.build(), l.ndims_pos[0] + 4, "byte size overflows");
+  expect_error_at(c.build(), l.ndims_pos[0] + 4, "element count overflows");
+
+  GgufBuilder e;  // empty, but a view's strides would overflow
+  e.tensor({"empty", {uint64_t(1) << 40, 0, uint64_t(1) << 30}, 0, {}, {}});
+  e.build(&l);
+  expect_error_at(e.build(), l.ndims_pos[0] + 4, "element count overflows");
 
   GgufBuilder d;  // fits in 64 bits, not in the file
   d.tensor({"fits", {uint64_t(1) << 40, 4}, 0, {}, {}});

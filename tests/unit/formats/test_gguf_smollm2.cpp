@@ -11,14 +11,17 @@
 namespace ds {
 namespace {
 
-const char* model_path() { return std::getenv("DS_SMOLLM2_GGUF"); }
+const char* model_path() {
+  return std::getenv("DS_SMOLLM2_GGUF");
+}
 
-#define SKIP_WITHOUT_MODEL()                                                          \
-  if (!model_path() || !*model_path())                                                \
-  GTEST_SKIP() << "set DS_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf to run this"
+constexpr const char* kSkipMessage =
+    "set DS_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf to run this";
 
 TEST(GgufSmolLM2, KnownFacts) {
-  SKIP_WITHOUT_MODEL();
+  if (!model_path() || !*model_path()) {
+    GTEST_SKIP() << kSkipMessage;
+  }
   const GgufFile f = GgufFile::open(model_path());
   EXPECT_EQ(f.version(), 3u);
   EXPECT_EQ(f.tensors().size(), 272u);
@@ -50,7 +53,9 @@ TEST(GgufSmolLM2, KnownFacts) {
 }
 
 TEST(GgufSmolLM2, MatchesGgufPyTensorTable) {
-  SKIP_WITHOUT_MODEL();
+  if (!model_path() || !*model_path()) {
+    GTEST_SKIP() << kSkipMessage;
+  }
   std::ifstream in(std::string(DS_FIXTURES_DIR) + "/formats/smollm2_tensors.json");
   ASSERT_TRUE(in) << "missing fixture; run tools/make_format_fixtures.py --model ...";
   const auto table = nlohmann::json::parse(in);

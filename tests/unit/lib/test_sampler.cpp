@@ -1,0 +1,111 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "core/error.h"
+#include "engine/sampler.h"
+
+namespace ds {
+namespace {
+
+SamplingParams plain(float temperature) {
+  SamplingParams p;
+  p.temperature = temperature;
+  p.top_k = 0;
+  p.top_p = 1.0f;
+  p.min_p = 0.0f;
+  p.seed = 42;
+  return p;
+}
+
+TEST(Sampler, GreedyIsArgmaxLowestIndexOnTies) {
+  Sampler s(plain(0));
+  const std::vector<float> l = {0.5f, 2.0f, -1.0f, 2.0f};
+  EXPECT_EQ(s.sample(l, {}), 1);
+  EXPECT_EQ(argmax(l), 1);
+}
+
+TEST(Sampler, FrequenciesFollowSoftmaxAtTemperature) {
+  const std::vector<float> l = {1.0f, 2.0f, 0.0f, 1.5f};
+  for (float temp : {0.5f, 1.0f, 2.0f}) {
+    Sampler s(plain(temp));
+    std::vector<int> counts(4);
+    const int n = 40000;
+    for (int i = 0; i < n; ++i) ++counts[size_t(s.sample(l, {}))];
+    double z = 0;
+    for (float v : l) z += std::exp(double(v) / temp);
+    for (size_t i = 0; i < 4; ++i) {
+      const double p = std::exp(double(l[i]) / temp) / z;
+      const double sd = std::sqrt(p * (1 - p) / n);
+      EXPECT_NEAR(double(counts[i]) / n, p, 5 * sd) << "temperature " << temp << " token " << i;
+    }
+  }
+}
+
+TEST(Sampler, TopKTopPMinPExcludeTheTail) {
+  // softmax of these: ~0.64, 0.24, 0.09, 0.03
+  const std::vector<float> l = {3.0f, 2.0f, 1.0f, 0.0f};
+  auto support = [&](SamplingParams p) {
+    Sampler s(p);
+    std::map<int, int> seen;
+    for (int i = 0; i < 5000; ++i) ++seen[s.sample(l, {})];
+    std::vector<int> ids;
+    for (auto& [k, v] : seen) ids.push_back(k);
+    return ids;
+  };
+  SamplingParams k2 = plain(1.0f);
+  k2.top_k = 2;
+  EXPECT_EQ(support(k2), (std::vector<int>{0, 1}));
+  SamplingParams p80 = plain(1.0f);
+  p80.top_p = 0.8f;  // 0.64 < 0.8 <= 0.88
+  EXPECT_EQ(support(p80), (std::vector<int>{0, 1}));
+  SamplingParams m = plain(1.0f);
+  m.min_p = 0.2f;  // keeps tokens with p >= 0.2 * 0.64
+  EXPECT_EQ(support(m), (std::vector<int>{0, 1}));
+  SamplingParams all = plain(1.0f);
+  EXPECT_EQ(support(all), (std::vector<int>{0, 1, 2, 3}));
+}
+
+TEST(Sampler, SeedMakesRunsReproducible) {
+  const std::vector<float> l = {1.0f, 1.1f, 0.9f, 1.05f, 0.7f};
+  auto draw = [&](uint64_t seed) {
+    SamplingParams p = plain(1.0f);
+    p.seed = seed;
+    Sampler s(p);
+    std::vector<int32_t> out;
+    for (int i = 0; i < 64; ++i) out.push_back(s.sample(l, {}));
+    return out;
+  };
+  EXPECT_EQ(draw(7), draw(7));
+  EXPECT_NE(draw(7), draw(8));
+}
+
+TEST(Sampler, PenaltiesChangeTheGreedyChoice) {
+  const std::vector<float> l = {2.0f, 1.9f, -1.0f};
+  const std::vector<int32_t> history = {0, 0, 2};
+  SamplingParams rep = plain(0);
+  rep.repetition_penalty = 1.1f;  // 2.0 / 1.1 = 1.82 < 1.9
+  EXPECT_EQ(Sampler(rep).sample(l, history), 1);
+  SamplingParams pres = plain(0);
+  pres.presence_penalty = 0.05f;  // 2.0 - 0.05 = 1.95 > 1.9
+  EXPECT_EQ(Sampler(pres).sample(l, history), 0);
+  SamplingParams freq = plain(0);
+  freq.frequency_penalty = 0.06f;  // 2.0 - 2 * 0.06 = 1.88 < 1.9
+  EXPECT_EQ(Sampler(freq).sample(l, history), 1);
+  SamplingParams window = freq;
+  window.penalty_last_n = 1;  // only token 2 is in the window
+  EXPECT_EQ(Sampler(window).sample(l, history), 0);
+}
+
+TEST(Sampler, RejectsBadParameters) {
+  SamplingParams p = plain(1.0f);
+  p.top_p = 0;
+  EXPECT_THROW(Sampler{p}, Error);
+  p = plain(1.0f);
+  p.repetition_penalty = 0;
+  EXPECT_THROW(Sampler{p}, Error);
+}
+
+}  // namespace
+}  // namespace ds
