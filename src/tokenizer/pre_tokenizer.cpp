@@ -172,8 +172,14 @@ std::optional<std::string> translate_collapsed(std::string_view p) {
           while (j < p.size() && j < i + 2 && std::isxdigit(static_cast<unsigned char>(p[j])))
             digits += p[j++];
         }
-        if (digits.empty() || std::stoul(digits, nullptr, 16) >= 0x80) return std::nullopt;
-        out += hex_escape(static_cast<uint32_t>(std::stoul(digits, nullptr, 16)));
+        const bool hex = !digits.empty() && digits.size() <= 6 &&
+                         std::all_of(digits.begin(), digits.end(), [](char h) {
+                           return std::isxdigit(static_cast<unsigned char>(h)) != 0;
+                         });
+        if (!hex) return std::nullopt;  // let PCRE2 report it
+        const auto value = static_cast<uint32_t>(std::stoul(digits, nullptr, 16));
+        if (value >= 0x80) return std::nullopt;
+        out += hex_escape(value);
         i = j;
         continue;
       } else if (d == 'r' || d == 'n' || d == 't' || d == 'f' || d == 'e' || d == 'a' ||

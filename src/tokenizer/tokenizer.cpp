@@ -1,13 +1,13 @@
 #include "tokenizer/tokenizer.h"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <mutex>
 #include <queue>
 #include <unordered_set>
 
 #include "core/error.h"
-#include "core/log.h"
 #include "tokenizer/unicode.h"
 
 namespace ds {
@@ -37,8 +37,10 @@ class WordCache {
     auto old = old_.find(std::string(word));
     if (old == old_.end()) return false;
     out.insert(out.end(), old->second.begin(), old->second.end());
-    insert_locked(std::string(word), std::move(old->second));
+    // Promote to the young generation; erase first, as inserting may replace old_.
+    std::vector<int32_t> ids = std::move(old->second);
     old_.erase(old);
+    insert_locked(std::string(word), std::move(ids));
     return true;
   }
 
@@ -86,9 +88,8 @@ struct Tokenizer::Impl {
   explicit Impl(const std::vector<std::string>& patterns) : splitter(patterns) {}
 
   RegexSplitter splitter;
-  // Pieces are the strings merging can produce: ids below vocab_size are vocab tokens, the rest
-  // (results of merges whose text is not in the vocab) live in extra_pieces.
-  std::vector<std::string> extra_pieces;
+  // Over piece ids: the strings merging can produce. Ids below vocab_size are vocab tokens;
+  // the rest stand for merge results whose text is not in the vocab.
   std::unordered_map<uint64_t, Merge> merges;
   std::array<int32_t, 256> byte_piece{};  // -1 when the byte's character is not a piece
   std::vector<int32_t> special_order;     // special ids, longest text first
@@ -113,8 +114,8 @@ Tokenizer::Tokenizer(TokenizerSpec spec)
     throw Error("tokenizer: " + std::to_string(types_.size()) + " token types for " +
                 std::to_string(n) + " tokens");
   const auto valid = [n](int32_t id) { return id >= 0 && id < n; };
-  if (bos_id_ >= n) bos_id_ = -1;
-  if (eos_id_ >= n) eos_id_ = -1;
+  if (!valid(bos_id_)) bos_id_ = -1;
+  if (!valid(eos_id_)) eos_id_ = -1;
 
   std::vector<std::string> patterns = spec.split_patterns;
   if (patterns.empty()) patterns = pre_tokenizer_patterns(pre_);
@@ -133,7 +134,7 @@ Tokenizer::Tokenizer(TokenizerSpec spec)
     auto it = text_to_id_.find(std::string(t));
     if (it == text_to_id_.end()) continue;
     eog.insert(it->second);
-    if (types_[it->second] != TokenType::Control) types_[it->second] = TokenType::Control;
+    types_[it->second] = TokenType::Control;
   }
   eog_ids_.assign(eog.begin(), eog.end());
   std::sort(eog_ids_.begin(), eog_ids_.end());
@@ -166,9 +167,7 @@ Tokenizer::Tokenizer(TokenizerSpec spec)
   std::unordered_map<std::string, int32_t> extra_ids;
   auto piece_of = [&](const std::string& text) -> int32_t {
     if (auto it = text_to_id_.find(text); it != text_to_id_.end()) return it->second;
-    auto [it, added] = extra_ids.emplace(text, n + static_cast<int32_t>(extra_ids.size()));
-    if (added) impl_->extra_pieces.push_back(text);
-    return it->second;
+    return extra_ids.emplace(text, n + static_cast<int32_t>(extra_ids.size())).first->second;
   };
   impl_->merges.reserve(spec.merges.size());
   for (size_t rank = 0; rank < spec.merges.size(); ++rank) {

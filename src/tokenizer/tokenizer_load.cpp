@@ -1,4 +1,5 @@
 // Building a TokenizerSpec from GGUF metadata or from Hugging Face tokenizer files.
+#include <cctype>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -66,8 +67,14 @@ void read_pre_tokenizer(const json& pt, HfPreTokenizer& out, const std::string& 
     if (pat.contains("Regex")) {
       out.patterns.push_back(pat["Regex"].get<std::string>());
     } else if (pat.contains("String")) {
-      // A literal string: quote it for the regex engine.
-      out.patterns.push_back("\\Q" + pat["String"].get<std::string>() + "\\E");
+      // A literal string: escape ASCII punctuation for the regex engine.
+      std::string quoted;
+      for (char c : pat["String"].get<std::string>()) {
+        const auto u = static_cast<unsigned char>(c);
+        if (u < 0x80 && !std::isalnum(u)) quoted += '\\';
+        quoted += c;
+      }
+      out.patterns.push_back(quoted);
     } else {
       throw Error(where + ": Split pre-tokenizer without a pattern");
     }
@@ -163,8 +170,19 @@ TokenizerSpec tokenizer_spec_from_hf_json(const std::filesystem::path& tokenizer
       if (t.value("rstrip", false)) spec.rstrip_ids.push_back(id);
     }
 
-    if (doc.contains("normalizer") && !doc["normalizer"].is_null())
-      log_warn(where + ": normalizer '" + doc["normalizer"].value("type", "?") + "' is ignored");
+    // llama.cpp ignores normalizers too (GGUF has no field for one); NFC, the common one,
+    // only matters for text that is not already NFC.
+    const json& norm = doc.value("normalizer", json());
+    if (norm.is_object()) {
+      const std::string ntype = norm.value("type", "?");
+      const bool empty_seq =
+          ntype == "Sequence" && norm.value("normalizers", json::array()).empty();
+      if (ntype == "NFC") {
+        log_info(where + ": NFC normalizer ignored");
+      } else if (!empty_seq) {
+        log_warn(where + ": normalizer '" + ntype + "' is ignored");
+      }
+    }
     HfPreTokenizer pre;
     read_pre_tokenizer(doc.value("pre_tokenizer", json()), pre, where);
     if (!pre.byte_level)

@@ -5,9 +5,10 @@
 // scales broadcast as one 64-bit pair. Activations are stored as q + 128 (unsigned).
 //
 // Every output element runs the same float sequence on every path: for each block pair p
-//   acc = fma(float(lanes_p), dw_p * dx_p, acc)
-// where lanes_p are exact int32 sums sum(x_q * w_q) over the lane's four elements, then
-// Q4_1 adds its min term, then hsum4. GEMV (M == 1) and the register tiles differ only in
+//   acc = fma(float(lanes_p), dw_p * dx_p, acc)          (16 lanes)
+//   Q4_1: (lo, hi) = fma((m_2p, m_2p+1), (s_2p, s_2p+1), (lo, hi))
+// where lanes_p are exact int32 sums of x_q * w_q over the lane's four elements, and the
+// result is hsum4(acc) [+ (lo + hi)]. GEMV (M == 1) and the register tiles differ only in
 // how they form the exact integer lanes, so batched results equal single-row ones.
 #include "backend/cpu/matmul_kernels.h"
 #include "backend/cpu/simd_avx512.h"
@@ -16,6 +17,10 @@ namespace ds::cpu::detail {
 namespace {
 
 constexpr int kMR = 4, kNR = 4;
+#ifndef PFD
+#define PFD 4
+#endif
+constexpr int PF = PFD;
 
 // Local helpers instead of std::min/max: no library template gets instantiated with
 // AVX-512 flags and then merged by the linker into code that runs on other CPUs.
@@ -28,8 +33,8 @@ struct Bool {
 constexpr size_t kXBlockBytes = 256 << 10;  // activation rows kept hot in L2 per pass
 
 struct Dims {
-  int64_t nb, np, nb16;  // blocks, block pairs, blocks rounded up to 16
-  explicit Dims(int64_t K) : nb(K / 32), np((K / 32 + 1) / 2), nb16((K / 32 + 15) / 16 * 16) {}
+  int64_t nb, np;  // blocks, block pairs
+  explicit Dims(int64_t K) : nb(K / 32), np((K / 32 + 1) / 2) {}
 };
 
 Q8Layout layout(int64_t K) {
@@ -38,7 +43,7 @@ Q8Layout layout(int64_t K) {
   l.nb = dm.nb;
   l.d_off = size_t(dm.np) * 64;
   l.s_off = (l.d_off + size_t(dm.np) * 8 + 63) / 64 * 64;
-  l.row_bytes = (l.s_off + size_t(dm.nb16) * 4 + 63) / 64 * 64;
+  l.row_bytes = (l.s_off + size_t(dm.np) * 8 + 63) / 64 * 64;
   return l;
 }
 
@@ -84,44 +89,77 @@ void quantize_q8(const float* x, int64_t K, uint8_t* row) {
         s[blk] = d[blk] * float(sum);
       } else {  // the missing half of the last pair: q = 0 contributes nothing
         q[b] = _mm256_setzero_si256();
-        d[blk] = 0.0f;
+        d[blk] = s[blk] = 0.0f;
       }
     }
     const __m512i z = _mm512_permutex2var_epi32(_mm512_castsi256_si512(q[0]), idx,
                                                 _mm512_castsi256_si512(q[1]));
     _mm512_store_si512(row + 64 * p, _mm512_xor_si512(z, bias));
   }
-  for (int64_t b = dm.nb; b < dm.nb16; ++b) s[b] = 0.0f;
 }
 
 // ---- weights ----
 
 template <DType T>
 constexpr int kBlockBytes = T == DType::Q4_0 ? 18 : T == DType::Q4_1 ? 20 : 34;
-template <DType T>
-constexpr int kQsOffset = T == DType::Q4_1 ? 4 : 2;
 
-// Raw values of blocks (blk, blk + 1) in pair lane order: Q4 nibbles 0..15 or Q8 int8.
-// kTwo = false for a row's odd last block (the second half is zero).
-template <DType T, bool kTwo>
-inline __m512i load_pair(const uint8_t* blk) {
-  const uint8_t* q0 = blk + kQsOffset<T>;
-  const uint8_t* q1 = q0 + kBlockBytes<T>;
-  if constexpr (T == DType::Q8_0) {
-    const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)q0));
-    const __m512i b = kTwo ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)q1))
-                           : _mm512_setzero_si512();
-    return _mm512_permutex2var_epi32(a, pair_index(), b);
+// Bytes [0, n) set, for masked loads that never touch memory past a row's last block.
+constexpr __mmask64 bytes_mask(int n) { return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1; }
+
+// 64 bytes from p; only the first n are needed. Unless kMasked, the rest must be readable
+// (an unmasked load is much faster when the weights stream from DRAM).
+template <bool kMasked>
+inline __m512i load_bytes(const uint8_t* p, int n) {
+  if constexpr (kMasked) return _mm512_maskz_loadu_epi8(bytes_mask(n), p);
+  return _mm512_loadu_si512(p);
+}
+
+// Block pair (blk, blk + 1) straight from the weight row, in one or two loads:
+// w = raw values in pair lane order (Q4 nibbles 0..15, Q8 int8); dm = [d0, m0, d1, m1]
+// as F32 (Q4_1), [d0, d0, d1, d1] otherwise. kTwo = false for an odd last block, whose
+// missing partner reads as zeros. kMasked: never read past the pair (the row's end).
+template <DType T, bool kTwo, bool kMasked = true>
+inline void load_pair(const uint8_t* blk, __m512i& w, __m128& dm) {
+  constexpr int kBytes = kBlockBytes<T> * (kTwo ? 2 : 1);
+  constexpr bool kMask = kMasked || !kTwo;
+  if constexpr (T == DType::Q4_1) {
+    // Dwords: 0 = (d0, m0), 1..4 = qs0, 5 = (d1, m1), 6..9 = qs1.
+    const __m512i z = load_bytes<kMask>(blk, kBytes);
+    const __m512i t = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(1, 6, 2, 7, 3, 8, 4, 9, 1, 6, 2, 7, 3, 8, 4, 9), z);
+    w = _mm512_and_si512(_mm512_mask_srli_epi16(t, __mmask32(0xffff0000u), t, 4),
+                         _mm512_set1_epi8(0x0f));
+    const __m512i h = _mm512_permutexvar_epi32(_mm512_set1_epi64(int64_t(5) << 32), z);
+    dm = _mm_cvtph_ps(_mm512_castsi512_si128(h));
+  } else if constexpr (T == DType::Q4_0) {
+    // Words: 0 = d0, 1..8 = qs0, 9 = d1, 10..17 = qs1.
+    const __m512i z = load_bytes<kMask>(blk, kBytes);
+    const __m512i t = _mm512_permutexvar_epi16(
+        _mm512_set_epi16(17, 16, 8, 7, 15, 14, 6, 5, 13, 12, 4, 3, 11, 10, 2, 1,  //
+                         17, 16, 8, 7, 15, 14, 6, 5, 13, 12, 4, 3, 11, 10, 2, 1),
+        z);
+    w = _mm512_and_si512(_mm512_mask_srli_epi16(t, __mmask32(0xffff0000u), t, 4),
+                         _mm512_set1_epi8(0x0f));
+    const __m512i h = _mm512_permutexvar_epi16(_mm512_set1_epi64(0x0009000900000000ll), z);
+    dm = _mm_cvtph_ps(_mm512_castsi512_si128(h));
   } else {
-    const __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)q0));
+    // Words: 0 = d0, 1..16 = qs0, 17 = d1, 18..33 = qs1 (words 32, 33 in the second load).
+    const __m512i a = load_bytes<!kTwo>(blk, kBytes);
     const __m512i b =
-        kTwo ? _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)q1)) : _mm512_setzero_si512();
-    // Both 256-bit halves [a0 b0 a1 b1 a2 b2 a3 b3]; the upper half keeps the high nibbles.
-    const __m512i idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 0, 16, 1, 17, 2, 18, 3, 19);
-    const __m512i t = _mm512_permutex2var_epi32(a, idx, b);
-    const __m512i sh = _mm512_mask_srli_epi16(t, __mmask32(0xffff0000u), t, 4);
-    return _mm512_and_si512(sh, _mm512_set1_epi8(0x0f));
+        kTwo ? _mm512_castsi128_si512(_mm_loadu_si32(blk + 64)) : _mm512_setzero_si512();
+    w = _mm512_permutex2var_epi16(
+        a,
+        _mm512_set_epi16(33, 32, 16, 15, 31, 30, 14, 13, 29, 28, 12, 11, 27, 26, 10, 9,  //
+                         25, 24, 8, 7, 23, 22, 6, 5, 21, 20, 4, 3, 19, 18, 2, 1),
+        b);
+    const __m512i h = _mm512_permutexvar_epi16(_mm512_set1_epi64(0x0011001100000000ll), a);
+    dm = _mm_cvtph_ps(_mm512_castsi512_si128(h));
   }
+}
+
+// [d0, d1] repeated over 16 lanes from load_pair's dm.
+inline __m512 scale_pair(__m128 dm) {
+  return _mm512_permutexvar_ps(_mm512_set1_epi64(int64_t(2) << 32), _mm512_castps128_ps512(dm));
 }
 
 // Weights as the unsigned vpdpbusd operand (GEMV): Q4 nibbles as they are, Q8 + 128.
@@ -138,34 +176,8 @@ inline __m512i to_signed(__m512i w) {
   return w;
 }
 
-// d (and Q4_1's m) of a row's blocks as F32, zero-padded to a multiple of 16. Scalar
-// loads: a gather here is slower when the weights stream from DRAM (TLB misses).
-template <DType T>
-void row_scales(const uint8_t* w, int64_t nb, float* d, float* m) {
-  for (int64_t b0 = 0; b0 < nb; b0 += 16) {
-    alignas(32) uint16_t dh[16] = {}, mh[16] = {};
-    const int64_t n = imin(16, nb - b0);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint8_t* blk = w + (b0 + i) * kBlockBytes<T>;
-      __builtin_memcpy(&dh[i], blk, 2);
-      if constexpr (T == DType::Q4_1) __builtin_memcpy(&mh[i], blk + 2, 2);
-    }
-    _mm512_storeu_ps(d + b0, _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)dh)));
-    if constexpr (T == DType::Q4_1)
-      _mm512_storeu_ps(m + b0, _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)mh)));
-  }
-}
-
 inline void accumulate(__m512& acc, __m512i lanes, __m512 dw, __m512 dx) {
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(dw, dx), acc);
-}
-
-// Q4_1: sum over blocks of m_w * s_x, added lane-wise before the final sum.
-inline void add_min_term(__m512& acc, const float* m, const float* s, int64_t nb16) {
-  __m512 macc = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb16; b += 16)
-    macc = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(s + b), macc);
-  acc = _mm512_add_ps(acc, macc);
 }
 
 // ---- M == 1: stream NR weight rows against one activation row ----
@@ -174,41 +186,59 @@ struct GemvX {
   const uint8_t* xs;  // [np, 64] signed q
   const uint8_t* xc;  // [np, 64] int32 lane corrections (Q4_0: -8 sum x, Q8_0: -128 sum x)
   const float* d;     // [np * 2]
-  const float* s;     // [nb16]
+  const float* s;     // [np * 2]
 };
 
 template <DType T, int NR>
-void gemv_rows(const uint8_t* w, size_t wrb, const Dims& dm, const GemvX& x, float* wd, float* wm,
-               float* out) {
-  for (int j = 0; j < NR; ++j) row_scales<T>(w + j * wrb, dm.nb, wd + j * dm.nb16, wm + j * dm.nb16);
+void gemv_rows(const uint8_t* w, size_t wrb, const Dims& dm, const GemvX& x, float* out) {
   __m512 acc[NR];
-  for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
-  const int64_t full = dm.nb / 2;
-  auto step = [&](int64_t p, auto two) {
+  __m128 macc[NR];  // Q4_1: lanes 1 and 3 hold the (lo, hi) min-term sums
+  for (int j = 0; j < NR; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    macc[j] = _mm_setzero_ps();
+  }
+  auto step = [&](int64_t p, auto two, auto masked) {
     const __m512i xv = _mm512_load_si512(x.xs + 64 * p);
     const __m512 dx = broadcast_pair(x.d + 2 * p);
     const __m512i c =
         T == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_load_si512(x.xc + 64 * p);
+    const __m128 sx = _mm_unpacklo_ps(_mm_setzero_ps(),
+                                      _mm_castpd_ps(_mm_load_sd((const double*)(x.s + 2 * p))));
     for (int j = 0; j < NR; ++j) {
-      const uint8_t* blk = w + j * wrb + 2 * p * kBlockBytes<T>;
-      const __m512i wu = to_unsigned<T>(load_pair<T, decltype(two)::value>(blk));
-      accumulate(acc[j], _mm512_dpbusd_epi32(c, wu, xv), broadcast_pair(wd + j * dm.nb16 + 2 * p),
-                 dx);
+      // The rows kNR further on are the next call's: fetch them while this one computes.
+      _mm_prefetch((const char*)(w + (j + PF) * wrb + 2 * p * kBlockBytes<T>), _MM_HINT_T0);
+      __m512i wv;
+      __m128 dmv;
+      load_pair<T, decltype(two)::value, decltype(masked)::value>(
+          w + j * wrb + 2 * p * kBlockBytes<T>, wv, dmv);
+      accumulate(acc[j], _mm512_dpbusd_epi32(c, to_unsigned<T>(wv), xv), scale_pair(dmv), dx);
+      if constexpr (T == DType::Q4_1) macc[j] = _mm_fmadd_ps(dmv, sx, macc[j]);
     }
   };
-  for (int64_t p = 0; p < full; ++p) step(p, Bool<true>{});
-  if (full < dm.np) step(full, Bool<false>{});
-  if constexpr (T == DType::Q4_1)
-    for (int j = 0; j < NR; ++j) add_min_term(acc[j], wm + j * dm.nb16, x.s, dm.nb16);
-  store_sums<NR>(acc, out);
+  // Whole pairs read 64 bytes, so the last whole pair of a row loads masked.
+  const int64_t full = dm.nb / 2;
+  const int64_t fast = full - (full == dm.np ? 1 : 0);
+  for (int64_t p = 0; p < fast; ++p) step(p, Bool<true>{}, Bool<false>{});
+  if (fast < full) step(fast, Bool<true>{}, Bool<true>{});
+  if (full < dm.np) step(full, Bool<false>{}, Bool<true>{});
+  if constexpr (T == DType::Q4_1) {
+    alignas(16) float h[4];
+    _mm_store_ps(h, hsum4(acc[0], NR > 1 ? acc[1] : acc[0], NR > 2 ? acc[2] : acc[0],
+                          NR > 3 ? acc[3] : acc[0]));
+    for (int j = 0; j < NR; ++j) {
+      alignas(16) float mv[4];
+      _mm_store_ps(mv, macc[j]);
+      out[j] = h[j] + (mv[1] + mv[3]);
+    }
+  } else {
+    store_sums<NR>(acc, out);
+  }
 }
 
 template <DType T>
 void gemv(const Q8Job& j, const Dims& dm, int64_t n0, int64_t n1, uint8_t* scratch) {
   auto* xs = scratch;
   auto* xc = xs + dm.np * 64;
-  auto* wd = reinterpret_cast<float*>(xc + dm.np * 64);
-  float* wm = wd + kNR * dm.nb16;
   const __m512i bias = _mm512_set1_epi8(char(0x80));
   const __m512i scale = _mm512_set1_epi8(T == DType::Q4_0 ? 8 : char(0x80));
   for (int64_t p = 0; p < dm.np; ++p) {
@@ -221,12 +251,12 @@ void gemv(const Q8Job& j, const Dims& dm, int64_t n0, int64_t n1, uint8_t* scrat
                 reinterpret_cast<const float*>(j.xq + j.lay.s_off)};
   int64_t n = n0;
   for (; n + kNR <= n1; n += kNR)
-    gemv_rows<T, kNR>(j.w + n * j.w_row_bytes, j.w_row_bytes, dm, x, wd, wm, j.out + n);
+    gemv_rows<T, kNR>(j.w + n * j.w_row_bytes, j.w_row_bytes, dm, x, j.out + n);
   const uint8_t* w = j.w + n * j.w_row_bytes;
   switch (n1 - n) {
-    case 3: gemv_rows<T, 3>(w, j.w_row_bytes, dm, x, wd, wm, j.out + n); break;
-    case 2: gemv_rows<T, 2>(w, j.w_row_bytes, dm, x, wd, wm, j.out + n); break;
-    case 1: gemv_rows<T, 1>(w, j.w_row_bytes, dm, x, wd, wm, j.out + n); break;
+    case 3: gemv_rows<T, 3>(w, j.w_row_bytes, dm, x, j.out + n); break;
+    case 2: gemv_rows<T, 2>(w, j.w_row_bytes, dm, x, j.out + n); break;
+    case 1: gemv_rows<T, 1>(w, j.w_row_bytes, dm, x, j.out + n); break;
     default: break;
   }
 }
@@ -236,31 +266,38 @@ void gemv(const Q8Job& j, const Dims& dm, int64_t n0, int64_t n1, uint8_t* scrat
 struct Panel {
   __m512i* w;  // [np][kNR] signed weights
   __m512i* c;  // [np][kNR] -128 * lane sums of w (undoes the +128 of the activations)
-  float* d;    // [kNR][nb16]
-  float* m;    // [kNR][nb16]
+  float* d;    // [np][kNR][2] block-pair scales
+  float* m;    // [np][kNR][2] block-pair mins (Q4_1)
   Panel(uint8_t* p, const Dims& dm)
       : w(reinterpret_cast<__m512i*>(p)),
         c(w + dm.np * kNR),
         d(reinterpret_cast<float*>(c + dm.np * kNR)),
-        m(d + kNR * dm.nb16) {}
-  static size_t bytes(const Dims& dm) {
-    return size_t(dm.np) * kNR * 128 + size_t(kNR) * dm.nb16 * 8;
-  }
+        m(d + dm.np * kNR * 2) {}
+  static size_t bytes(const Dims& dm) { return size_t(dm.np) * kNR * (128 + 16); }
 };
 
 template <DType T>
 void pack_panel(const uint8_t* w, size_t wrb, int nr, const Dims& dm, const Panel& pan) {
   const __m512i c128 = _mm512_set1_epi8(char(0x80));
-  for (int j = 0; j < nr; ++j) {
-    const uint8_t* row = w + j * wrb;
-    row_scales<T>(row, dm.nb, pan.d + j * dm.nb16, pan.m + j * dm.nb16);
-    for (int64_t p = 0; p < dm.np; ++p) {
-      const uint8_t* blk = row + 2 * p * kBlockBytes<T>;
-      const __m512i ws = to_signed<T>(2 * p + 1 < dm.nb ? load_pair<T, true>(blk)
-                                                        : load_pair<T, false>(blk));
-      pan.w[p * kNR + j] = ws;
-      pan.c[p * kNR + j] = _mm512_sub_epi32(
-          _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, ws));
+  for (int64_t p = 0; p < dm.np; ++p) {
+    const bool two = 2 * p + 1 < dm.nb;
+    for (int j = 0; j < kNR; ++j) {
+      __m512i wv = _mm512_setzero_si512();
+      __m128 dmv = _mm_setzero_ps();  // rows past nr stay zero
+      if (j < nr) {
+        const uint8_t* blk = w + j * wrb + 2 * p * kBlockBytes<T>;
+        if (two)
+          load_pair<T, true>(blk, wv, dmv);
+        else
+          load_pair<T, false>(blk, wv, dmv);
+        wv = to_signed<T>(wv);
+      }
+      const int64_t at = p * kNR + j;
+      pan.w[at] = wv;
+      pan.c[at] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                   _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv));
+      _mm_storel_pi((__m64*)(pan.d + 2 * at), _mm_shuffle_ps(dmv, dmv, _MM_SHUFFLE(3, 1, 2, 0)));
+      _mm_storel_pi((__m64*)(pan.m + 2 * at), _mm_shuffle_ps(dmv, dmv, _MM_SHUFFLE(2, 0, 3, 1)));
     }
   }
 }
@@ -269,8 +306,11 @@ template <DType T, int MR, int NR>
 void tile(const uint8_t* x, const Q8Layout& lay, const Dims& dm, const Panel& pan, float* out,
           int64_t ldo) {
   __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
+  __m256 macc[MR];  // Q4_1: lanes (2j, 2j + 1) hold the (lo, hi) min-term sums of column j
+  for (int i = 0; i < MR; ++i) {
+    macc[i] = _mm256_setzero_ps();
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
   for (int64_t p = 0; p < dm.np; ++p) {
     __m512i xv[MR];
     __m512 dx[MR];
@@ -281,16 +321,31 @@ void tile(const uint8_t* x, const Q8Layout& lay, const Dims& dm, const Panel& pa
     }
     for (int j = 0; j < NR; ++j) {
       const __m512i w = pan.w[p * kNR + j], c = pan.c[p * kNR + j];
-      const __m512 dw = broadcast_pair(pan.d + j * dm.nb16 + 2 * p);
+      const __m512 dw = broadcast_pair(pan.d + 2 * (p * kNR + j));
       for (int i = 0; i < MR; ++i) accumulate(acc[i][j], _mm512_dpbusd_epi32(c, xv[i], w), dw, dx[i]);
+    }
+    if constexpr (T == DType::Q4_1) {
+      const __m256 mv = _mm256_loadu_ps(pan.m + 2 * p * kNR);
+      for (int i = 0; i < MR; ++i) {
+        const float* s = reinterpret_cast<const float*>(x + i * lay.row_bytes + lay.s_off);
+        macc[i] = _mm256_fmadd_ps(mv, _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(s + 2 * p))),
+                                  macc[i]);
+      }
     }
   }
   for (int i = 0; i < MR; ++i) {
     if constexpr (T == DType::Q4_1) {
-      const auto* s = reinterpret_cast<const float*>(x + i * lay.row_bytes + lay.s_off);
-      for (int j = 0; j < NR; ++j) add_min_term(acc[i][j], pan.m + j * dm.nb16, s, dm.nb16);
+      const __m256 t = _mm256_add_ps(macc[i], _mm256_permute_ps(macc[i], _MM_SHUFFLE(2, 3, 0, 1)));
+      const __m128 lohi = _mm256_castps256_ps128(
+          _mm256_permutevar8x32_ps(t, _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0)));
+      const __m512 z = _mm512_setzero_ps();
+      const __m128 r = _mm_add_ps(hsum4(acc[i][0], NR > 1 ? acc[i][1] : z,
+                                        NR > 2 ? acc[i][2] : z, NR > 3 ? acc[i][3] : z),
+                                  lohi);
+      _mm_mask_storeu_ps(out + i * ldo, __mmask8((1u << NR) - 1), r);
+    } else {
+      store_sums<NR>(acc[i], out + i * ldo);
     }
-    store_sums<NR>(acc[i], out + i * ldo);
   }
 }
 
@@ -354,8 +409,8 @@ size_t scratch_bytes(int64_t K) { return Panel::bytes(Dims(K)); }
 }  // namespace
 
 const Kernels& kernels_avx512() {
-  static constexpr Kernels k = {kNR,        layout,       quantize_q8, scratch_bytes,
-                                matmul_q8,  matmul_float_avx512, matmul_k_avx2};
+  static constexpr Kernels k = {kNR,       layout,              quantize_q8,  scratch_bytes,
+                                matmul_q8, matmul_float_avx512, matmul_k_avx2};
   return k;
 }
 

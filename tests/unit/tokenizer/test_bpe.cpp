@@ -235,5 +235,17 @@ TEST(Bpe, ConcurrentEncodesAgree) {
   EXPECT_EQ(ok, (std::vector<int>{1, 1, 1, 1}));
 }
 
+TEST(Bpe, WordCacheEvictionKeepsAnswers) {
+  TinyVocab v(Merges{{"1", "2"}, {" ", "1"}});
+  auto tok = Tokenizer::create(v.spec);
+  std::string text;
+  for (int i = 0; i < 80000; ++i) text += " " + std::to_string(i);  // > 2 cache generations
+  const Ids first = tok->encode(text, false, false);
+  EXPECT_EQ(tok->encode(text, false, false), first);
+  EXPECT_EQ(tok->decode(first), text);
+  auto fresh = Tokenizer::create(v.spec);
+  EXPECT_EQ(fresh->encode(text, false, false), first);
+}
+
 }  // namespace
 }  // namespace ds
