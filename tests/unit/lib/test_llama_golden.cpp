@@ -63,7 +63,7 @@ TEST(LlamaGolden, LogitsAndGreedyContinuations) {
     ++prompts;
     const auto ids = p["ids"].get<std::vector<int32_t>>();
     const int n = int(ids.size());
-    std::vector<int32_t> rows(size_t(n)), pos(size_t(n)), table(size_t(kvc.num_blocks));
+    std::vector<int32_t> rows(static_cast<size_t>(n)), pos(rows), table(static_cast<size_t>(kvc.num_blocks));
     for (int i = 0; i < n; ++i) rows[size_t(i)] = pos[size_t(i)] = i;
     for (int b = 0; b < kvc.num_blocks; ++b) table[size_t(b)] = b;
     const int32_t qs[2] = {0, n}, ctx[1] = {n};
