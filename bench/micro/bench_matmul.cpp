@@ -2,6 +2,7 @@
 // and M = 512 (prompt, compute-bound: GFLOP/s), on pools of 2 threads (wall time) and 1
 // thread (CPU time of the caller: steadier on a machine shared with other work).
 //
+// F16 at one shape covers the float-weight path.
 // Weights are spread over enough copies (>= 96 MiB, beyond the L3) that every decode
 // iteration streams them from DRAM, as a real forward pass does.
 #include <benchmark/benchmark.h>
@@ -78,24 +79,27 @@ void register_all() {
     int64_t N, K;
     const char* what;
   };
-  const Shape shapes[] = {{576, 576, "attn_q/o"},  {960, 576, "qkv"}, {3072, 576, "gate_up"},
-                          {576, 1536, "down"},     {49152, 576, "lm_head"}};
+  const Shape shapes[] = {{576, 576, "attn_q/o"},
+                          {960, 576, "qkv"},
+                          {3072, 576, "gate_up"},
+                          {576, 1536, "down"},
+                          {49152, 576, "lm_head"}};
   std::vector<Isa> isas;
   for (Isa isa : {Isa::Avx512Vnni, Isa::Avx2})
     if (isa_supported(isa)) isas.push_back(isa);
   if (isas.empty()) isas.push_back(Isa::Scalar);
   for (Isa isa : isas)
-    for (DType t : {DType::Q4_1, DType::Q8_0})
+    for (DType t : {DType::Q4_1, DType::Q8_0, DType::F16})
       for (const Shape& s : shapes) {
         if (s.N == 49152 && t != DType::Q8_0) continue;  // SmolLM2's lm_head is Q8_0
+        if (t == DType::F16 && s.N != 3072) continue;    // the float path, one shape
         for (int64_t M : {1, 512})
           for (int threads : {2, 1}) {
             if (s.N == 49152 && M != 1) continue;  // prompts compute logits for one token
             const std::string name = "matmul/" + std::string(dtype_name(t)) + "/" + s.what +
                                      "/N=" + std::to_string(s.N) + "/K=" + std::to_string(s.K) +
-                                     "/M=" + std::to_string(M) + "/" +
-                                     std::string(isa_name(isa)) + "/threads:" +
-                                     std::to_string(threads);
+                                     "/M=" + std::to_string(M) + "/" + std::string(isa_name(isa)) +
+                                     "/threads:" + std::to_string(threads);
             auto* b = benchmark::RegisterBenchmark(name.c_str(), run_case,
                                                    Case{t, s.N, s.K, M, isa, threads});
             b->Unit(benchmark::kMicrosecond);

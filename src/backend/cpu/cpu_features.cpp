@@ -34,7 +34,9 @@ uint64_t xcr0() {
   return uint64_t(hi) << 32 | lo;
 }
 
-bool bit(uint32_t v, int i) { return (v >> i) & 1u; }
+bool bit(uint32_t v, int i) {
+  return (v >> i) & 1u;
+}
 
 // Linux keeps AMX tile data off until a process asks for it (kernel 5.16+).
 bool request_amx_permission() {
@@ -90,7 +92,9 @@ CpuFeatures detect() {
   return f;
 }
 #else
-CpuFeatures detect() { return CpuFeatures{}; }
+CpuFeatures detect() {
+  return CpuFeatures{};
+}
 #endif
 
 constexpr std::string_view kNames[] = {"scalar", "avx2", "avx512-vnni", "amx"};
@@ -105,13 +109,17 @@ const CpuFeatures& cpu_features() {
 bool isa_supported(Isa isa) {
   const CpuFeatures& f = cpu_features();
   const bool avx2 = f.os_avx && f.avx2 && f.fma && f.f16c;
-  const bool avx512 = avx2 && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl &&
-                      f.avx512dq && f.avx512vnni;
+  const bool avx512 =
+      avx2 && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni;
   switch (isa) {
-    case Isa::Scalar: return true;
-    case Isa::Avx2: return avx2;
-    case Isa::Avx512Vnni: return avx512;
-    case Isa::Amx: return avx512 && f.amx_tile && f.amx_int8 && f.amx_permitted;
+    case Isa::Scalar:
+      return true;
+    case Isa::Avx2:
+      return avx2;
+    case Isa::Avx512Vnni:
+      return avx512;
+    case Isa::Amx:
+      return avx512 && f.amx_tile && f.amx_int8 && f.amx_permitted;
   }
   return false;
 }

@@ -60,7 +60,9 @@ void scalar_quantize_q8(const float* x, int64_t K, uint8_t* row) {
   quantize_row_act(x, reinterpret_cast<ActBlock*>(row), K);
 }
 
-size_t scalar_scratch_bytes(int64_t) { return 0; }
+size_t scalar_scratch_bytes(int64_t) {
+  return 0;
+}
 
 void scalar_matmul_q8(const Q8Job& j, int64_t n0, int64_t n1, uint8_t*) {
   const int64_t nb = j.K / kQk;
@@ -70,9 +72,15 @@ void scalar_matmul_q8(const Q8Job& j, int64_t n0, int64_t n1, uint8_t*) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* w = j.w + size_t(n) * j.w_row_bytes;
       switch (j.wtype) {
-        case DType::Q4_0: out[n] = vec_dot_q4_0(reinterpret_cast<const BlockQ4_0*>(w), x, nb); break;
-        case DType::Q4_1: out[n] = vec_dot_q4_1(reinterpret_cast<const BlockQ4_1*>(w), x, nb); break;
-        default: out[n] = vec_dot_q8_0(reinterpret_cast<const BlockQ8_0*>(w), x, nb); break;
+        case DType::Q4_0:
+          out[n] = vec_dot_q4_0(reinterpret_cast<const BlockQ4_0*>(w), x, nb);
+          break;
+        case DType::Q4_1:
+          out[n] = vec_dot_q4_1(reinterpret_cast<const BlockQ4_1*>(w), x, nb);
+          break;
+        default:
+          out[n] = vec_dot_q8_0(reinterpret_cast<const BlockQ8_0*>(w), x, nb);
+          break;
       }
     }
   }
@@ -85,9 +93,15 @@ void scalar_matmul_float(const FloatJob& j, int64_t n0, int64_t n1) {
       const uint8_t* w = j.w + size_t(n) * j.w_row_bytes;
       float& o = j.out[m * j.ldo + n];
       switch (j.wtype) {
-        case DType::F32: o = vec_dot_f32(reinterpret_cast<const float*>(w), x, j.K); break;
-        case DType::F16: o = vec_dot_f16(reinterpret_cast<const uint16_t*>(w), x, j.K); break;
-        default: o = vec_dot_bf16(reinterpret_cast<const uint16_t*>(w), x, j.K); break;
+        case DType::F32:
+          o = vec_dot_f32(reinterpret_cast<const float*>(w), x, j.K);
+          break;
+        case DType::F16:
+          o = vec_dot_f16(reinterpret_cast<const uint16_t*>(w), x, j.K);
+          break;
+        default:
+          o = vec_dot_bf16(reinterpret_cast<const uint16_t*>(w), x, j.K);
+          break;
       }
     }
   }
@@ -99,75 +113,78 @@ void scalar_matmul_k(const KJob& j, int64_t n0, int64_t n1) {
     const BlockQ8_K* x = j.xq + m * nb;
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* w = j.w + size_t(n) * j.w_row_bytes;
-      j.out[m * j.ldo + n] =
-          j.wtype == DType::Q4_K ? vec_dot_q4_k(reinterpret_cast<const BlockQ4_K*>(w), x, nb)
+      j.out[m * j.ldo + n] = j.wtype == DType::Q4_K
+                                 ? vec_dot_q4_k(reinterpret_cast<const BlockQ4_K*>(w), x, nb)
                                  : vec_dot_q6_k(reinterpret_cast<const BlockQ6_K*>(w), x, nb);
     }
   }
 }
 
-constexpr Kernels kScalar = {1,
-                             scalar_q8_layout,
-                             scalar_quantize_q8,
-                             scalar_scratch_bytes,
-                             scalar_matmul_q8,
-                             scalar_matmul_float,
-                             scalar_matmul_k};
+constexpr Kernels kScalar = {scalar_q8_layout, scalar_quantize_q8,  scalar_scratch_bytes,
+                             scalar_matmul_q8, scalar_matmul_float, scalar_matmul_k};
 
 const Kernels& kernels_for(Isa isa) {
   switch (isa) {
-    case Isa::Scalar: return kScalar;
-    case Isa::Avx2: return detail::kernels_avx2();
+    case Isa::Scalar:
+      return kScalar;
+    case Isa::Avx2:
+      return detail::kernels_avx2();
     case Isa::Avx512Vnni:
-    case Isa::Amx: return detail::kernels_avx512();
+    case Isa::Amx:
+      return detail::kernels_avx512();
   }
   return kScalar;
 }
 
 // Below this many multiply-adds a job runs on the calling thread alone.
 constexpr int64_t kMinParallelWork = 1 << 16;
-// Threads split N in chunks of this many weight rows (a multiple of every n_align).
+// Threads split N in chunks of this many weight rows (a multiple of every kernel's tile).
 constexpr int64_t kNChunk = 16;
 
 // Runs fn(m0, m1, n0, n1) over the output, split across the pool: over N when there are
 // enough weight rows to go round, else over M. The split never changes any element's
-// arithmetic, only which thread computes it.
+// arithmetic, only which thread computes it. (The pool jobs capture one reference, so
+// std::function stores them without allocating.)
 template <typename Fn>
-void parallel_for_output(ThreadPool& pool, int64_t M, int64_t N, int64_t K, int n_align,
-                         const Fn& fn) {
+void parallel_for_output(ThreadPool& pool, int64_t M, int64_t N, int64_t K, const Fn& fn) {
   const int nth = pool.size();
   if (nth == 1 || M * N * K < kMinParallelWork) {
     fn(0, M, 0, N);
     return;
   }
-  const int64_t chunks = (N + kNChunk - 1) / kNChunk;
-  if (chunks >= nth || M < 2 * nth) {
-    pool.run([&](int ith, int n) {
-      const auto [c0, c1] = ThreadPool::split(chunks, ith, n);
-      const int64_t n0 = std::min(N, c0 * kNChunk), n1 = std::min(N, c1 * kNChunk);
-      if (n0 < n1) fn(0, M, n0, n1);
+  struct Ctx {
+    const Fn& fn;
+    int64_t M, N, chunks, tiles;
+  } ctx{fn, M, N, (N + kNChunk - 1) / kNChunk, (M + 3) / 4};
+  if (ctx.chunks >= nth || M < 2 * nth) {
+    pool.run([&ctx](int ith, int n) {
+      const auto [c0, c1] = ThreadPool::split(ctx.chunks, ith, n);
+      const int64_t n0 = std::min(ctx.N, c0 * kNChunk), n1 = std::min(ctx.N, c1 * kNChunk);
+      if (n0 < n1) ctx.fn(0, ctx.M, n0, n1);
     });
   } else {
-    const int64_t tiles = (M + 3) / 4;
-    pool.run([&](int ith, int n) {
-      const auto [t0, t1] = ThreadPool::split(tiles, ith, n);
-      const int64_t m0 = std::min(M, t0 * 4), m1 = std::min(M, t1 * 4);
-      if (m0 < m1) fn(m0, m1, 0, N);
+    pool.run([&ctx](int ith, int n) {
+      const auto [t0, t1] = ThreadPool::split(ctx.tiles, ith, n);
+      const int64_t m0 = std::min(ctx.M, t0 * 4), m1 = std::min(ctx.M, t1 * 4);
+      if (m0 < m1) ctx.fn(m0, m1, 0, ctx.N);
     });
   }
-  (void)n_align;
 }
 
-// Quantizes every row of x, on the pool when there are several.
+// Calls fn(m) for every row of x, on the pool when there are several.
 template <typename Fn>
 void parallel_rows(ThreadPool& pool, int64_t M, int64_t K, const Fn& fn) {
   if (pool.size() == 1 || M * K < kMinParallelWork) {
     for (int64_t m = 0; m < M; ++m) fn(m);
     return;
   }
-  pool.run([&](int ith, int nth) {
-    const auto [r0, r1] = ThreadPool::split(M, ith, nth);
-    for (int64_t m = r0; m < r1; ++m) fn(m);
+  struct Ctx {
+    const Fn& fn;
+    int64_t M;
+  } ctx{fn, M};
+  pool.run([&ctx](int ith, int nth) {
+    const auto [r0, r1] = ThreadPool::split(ctx.M, ith, nth);
+    for (int64_t m = r0; m < r1; ++m) ctx.fn(m);
   });
 }
 
@@ -187,14 +204,13 @@ void matmul_q8(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
     k.quantize_q8(a.x + m * a.ldx, a.K, xq + size_t(m) * j.lay.row_bytes);
   });
   const size_t scratch = k.scratch_bytes(a.K);
-  parallel_for_output(pool, a.M, a.N, a.K, k.n_align,
-                      [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-                        Q8Job sub = j;
-                        sub.xq = j.xq + size_t(m0) * j.lay.row_bytes;
-                        sub.out = j.out + m0 * j.ldo;
-                        sub.M = m1 - m0;
-                        k.matmul_q8(sub, n0, n1, t_kernel.get(scratch));
-                      });
+  parallel_for_output(pool, a.M, a.N, a.K, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    Q8Job sub = j;
+    sub.xq = j.xq + size_t(m0) * j.lay.row_bytes;
+    sub.out = j.out + m0 * j.ldo;
+    sub.M = m1 - m0;
+    k.matmul_q8(sub, n0, n1, t_kernel.get(scratch));
+  });
 }
 
 void matmul_k(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
@@ -215,14 +231,13 @@ void matmul_k(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
   j.w_row_bytes = a.w_row_bytes;
   j.out = a.out;
   j.ldo = a.ldo;
-  parallel_for_output(pool, a.M, a.N, a.K, k.n_align,
-                      [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-                        KJob sub = j;
-                        sub.xq = j.xq + m0 * nb;
-                        sub.out = j.out + m0 * j.ldo;
-                        sub.M = m1 - m0;
-                        k.matmul_k(sub, n0, n1);
-                      });
+  parallel_for_output(pool, a.M, a.N, a.K, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    KJob sub = j;
+    sub.xq = j.xq + m0 * nb;
+    sub.out = j.out + m0 * j.ldo;
+    sub.M = m1 - m0;
+    k.matmul_k(sub, n0, n1);
+  });
 }
 
 void matmul_float(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
@@ -236,14 +251,13 @@ void matmul_float(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
   j.w_row_bytes = a.w_row_bytes;
   j.out = a.out;
   j.ldo = a.ldo;
-  parallel_for_output(pool, a.M, a.N, a.K, k.n_align,
-                      [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-                        FloatJob sub = j;
-                        sub.x = j.x + m0 * j.ldx;
-                        sub.out = j.out + m0 * j.ldo;
-                        sub.M = m1 - m0;
-                        k.matmul_float(sub, n0, n1);
-                      });
+  parallel_for_output(pool, a.M, a.N, a.K, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    FloatJob sub = j;
+    sub.x = j.x + m0 * j.ldx;
+    sub.out = j.out + m0 * j.ldo;
+    sub.M = m1 - m0;
+    k.matmul_float(sub, n0, n1);
+  });
 }
 
 }  // namespace
@@ -257,8 +271,10 @@ bool matmul_supports(DType t) {
     case DType::Q4_1:
     case DType::Q8_0:
     case DType::Q4_K:
-    case DType::Q6_K: return true;
-    default: return false;
+    case DType::Q6_K:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -277,10 +293,13 @@ void matmul(const MatmulArgs& a, ThreadPool& pool, Isa isa) {
   switch (a.wtype) {
     case DType::F32:
     case DType::F16:
-    case DType::BF16: return matmul_float(a, pool, k);
+    case DType::BF16:
+      return matmul_float(a, pool, k);
     case DType::Q4_K:
-    case DType::Q6_K: return matmul_k(a, pool, k);
-    default: return matmul_q8(a, pool, k);
+    case DType::Q6_K:
+      return matmul_k(a, pool, k);
+    default:
+      return matmul_q8(a, pool, k);
   }
 }
 

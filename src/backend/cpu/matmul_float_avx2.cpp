@@ -11,7 +11,9 @@ namespace {
 constexpr int kMR = 2, kNR = 4;
 constexpr int64_t kMBlock = 64;
 
-constexpr int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+constexpr int64_t imin(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
 
 template <DType T>
 inline __m256 convert(__m128i h) {
@@ -44,26 +46,34 @@ template <DType T, int MR, int NR>
 void ftile(const float* x, int64_t ldx, const uint8_t* w, size_t wrb, int64_t K, float* out,
            int64_t ldo) {
   __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  DS_UNROLL
+  for (int i = 0; i < MR; ++i) DS_UNROLL
+  for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 xv[MR];
+    DS_UNROLL
     for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+    DS_UNROLL
     for (int j = 0; j < NR; ++j) {
       const __m256 wv = load_w<T>(w + j * wrb, k);
+      DS_UNROLL
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
     }
   }
   if (k < K) {
     const __m256i mask = tail_mask8(K - k);
     __m256 xv[MR];
+    DS_UNROLL
     for (int i = 0; i < MR; ++i) xv[i] = _mm256_maskload_ps(x + i * ldx + k, mask);
+    DS_UNROLL
     for (int j = 0; j < NR; ++j) {
       const __m256 wv = load_w_tail<T>(w + j * wrb, k, K - k);
+      DS_UNROLL
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
     }
   }
+  DS_UNROLL
   for (int i = 0; i < MR; ++i) store_sums<NR>(acc[i], out + i * ldo);
 }
 
@@ -71,7 +81,10 @@ using FTileFn = void (*)(const float*, int64_t, const uint8_t*, size_t, int64_t,
 
 template <DType T, int MR>
 constexpr FTileFn ftile_for(int nr) {
-  return nr == 4 ? ftile<T, MR, 4> : nr == 3 ? ftile<T, MR, 3> : nr == 2 ? ftile<T, MR, 2> : ftile<T, MR, 1>;
+  return nr == 4   ? ftile<T, MR, 4>
+         : nr == 3 ? ftile<T, MR, 3>
+         : nr == 2 ? ftile<T, MR, 2>
+                   : ftile<T, MR, 1>;
 }
 
 template <DType T>
@@ -93,9 +106,12 @@ void run(const FloatJob& j, int64_t n0, int64_t n1) {
 
 void matmul_float_avx2(const FloatJob& j, int64_t n0, int64_t n1) {
   switch (j.wtype) {
-    case DType::F32: return run<DType::F32>(j, n0, n1);
-    case DType::F16: return run<DType::F16>(j, n0, n1);
-    default: return run<DType::BF16>(j, n0, n1);
+    case DType::F32:
+      return run<DType::F32>(j, n0, n1);
+    case DType::F16:
+      return run<DType::F16>(j, n0, n1);
+    default:
+      return run<DType::BF16>(j, n0, n1);
   }
 }
 

@@ -20,7 +20,7 @@ struct Q8Layout {
 };
 
 struct Q8Job {
-  DType wtype = DType::Q4_0;  // Q4_0, Q4_1 or Q8_0
+  DType wtype = DType::Q4_0;    // Q4_0, Q4_1 or Q8_0
   const uint8_t* xq = nullptr;  // [M, lay.row_bytes] quantized activations
   Q8Layout lay;
   int64_t M = 0, K = 0;
@@ -42,7 +42,7 @@ struct FloatJob {
 };
 
 struct KJob {
-  DType wtype = DType::Q4_K;     // Q4_K or Q6_K
+  DType wtype = DType::Q4_K;      // Q4_K or Q6_K
   const BlockQ8_K* xq = nullptr;  // [M, K / 256]
   int64_t M = 0, K = 0;
   const uint8_t* w = nullptr;
@@ -54,7 +54,6 @@ struct KJob {
 // One ISA's kernels. Every matmul_* call computes out[0..M, n0..n1) and must give each
 // output element the same bits whatever M, n0, n1 and the scratch are.
 struct Kernels {
-  int n_align;  // n0 and n1 passed by the dispatcher are multiples of this (or N)
   Q8Layout (*q8_layout)(int64_t K);
   void (*quantize_q8)(const float* x, int64_t K, uint8_t* row);  // one row, in q8_layout
   size_t (*scratch_bytes)(int64_t K);  // per-thread scratch matmul_q8 needs

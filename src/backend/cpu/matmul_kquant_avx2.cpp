@@ -18,8 +18,8 @@ inline void q4k_unpack_scales(const uint8_t* packed, uint8_t* out16) {
   __builtin_memcpy(u, packed, 12);
   const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
   u[3] = ((u[2] >> 4) & lo4) | (((u[1] >> 6) & lo2) << 4);  // mins 4..7
-  const uint32_t mins_lo = u[1] & lo6;                        // mins 0..3
-  u[1] = (u[2] & lo4) | (((u[0] >> 6) & lo2) << 4);           // scales 4..7
+  const uint32_t mins_lo = u[1] & lo6;                      // mins 0..3
+  u[1] = (u[2] & lo4) | (((u[0] >> 6) & lo2) << 4);         // scales 4..7
   u[2] = mins_lo;
   u[0] &= lo6;  // scales 0..3
   __builtin_memcpy(out16, u, 16);
@@ -38,7 +38,8 @@ float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
     for (int c = 0; c < 4; ++c) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].qs + 32 * c));
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qs + 64 * c));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qs + 64 * c + 32));
+      const __m256i x1 =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].qs + 64 * c + 32));
       const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(q, low4), x0),
                                            _mm256_set1_epi16(sm[2 * c]));
       const __m256i p1 = _mm256_madd_epi16(
@@ -64,10 +65,12 @@ float dot_q6_k(const BlockQ6_K* w, const BlockQ8_K* x, int64_t nb) {
     __m256i isum = _mm256_setzero_si256();
     for (int n = 0; n < 2; ++n) {
       const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].ql + 64 * n));
-      const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].ql + 64 * n + 32));
+      const __m256i qb =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].ql + 64 * n + 32));
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].qh + 32 * n));
       const __m256i v[4] = {
-          _mm256_or_si256(_mm256_and_si256(qa, low4), _mm256_slli_epi16(_mm256_and_si256(h, low2), 4)),
+          _mm256_or_si256(_mm256_and_si256(qa, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(h, low2), 4)),
           _mm256_or_si256(_mm256_and_si256(qb, low4),
                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), low2), 4)),
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),

@@ -10,9 +10,12 @@ namespace ds::cpu::detail {
 namespace {
 
 constexpr int kMR = 2, kNR = 4;
+constexpr int kPrefetchBytes = 10 << 10;
 constexpr int64_t kMBlock = 256;  // activation rows per pass over a thread's weight rows
 
-constexpr int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+constexpr int64_t imin(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
 
 struct Dims {
   int64_t nb, nb8;  // blocks, blocks rounded up to 8
@@ -65,8 +68,10 @@ void quantize_q8(const float* x, int64_t K, uint8_t* row) {
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const __m256i p =
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i ordered =
+        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_store_si256(reinterpret_cast<__m256i*>(row + 32 * b), ordered);
     d[b] = _cvtsh_ss(_cvtss_sh(dd, _MM_FROUND_TO_NEAREST_INT));
     s[b] = d[b] * float(_mm_cvtsi128_si32(s4));
@@ -75,7 +80,9 @@ void quantize_q8(const float* x, int64_t K, uint8_t* row) {
 }
 
 template <DType T>
-constexpr int kBlockBytes = T == DType::Q4_0 ? 18 : T == DType::Q4_1 ? 20 : 34;
+constexpr int kBlockBytes = T == DType::Q4_0   ? 18
+                            : T == DType::Q4_1 ? 20
+                                               : 34;
 template <DType T>
 constexpr int kQsOffset = T == DType::Q4_1 ? 4 : 2;
 
@@ -87,7 +94,8 @@ inline __m256i load_block(const uint8_t* blk) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
   } else {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    const __m256i both =
+        _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
   }
 }
@@ -125,17 +133,24 @@ template <DType T, int MR, int NR>
 void tile(const uint8_t* x, const Q8Layout& lay, const Dims& dm, const uint8_t* w, size_t wrb,
           const Scales& sc, float* out, int64_t ldo) {
   __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  DS_UNROLL
+  for (int i = 0; i < MR; ++i) DS_UNROLL
+  for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < dm.nb; ++b) {
     __m256i xv[MR], corr[MR];
+    DS_UNROLL
     for (int i = 0; i < MR; ++i) {
       xv[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + i * lay.row_bytes + 32 * b));
       corr[i] = T == DType::Q4_0 ? _mm256_maddubs_epi16(_mm256_set1_epi8(8), xv[i]) : xv[i];
     }
+    DS_UNROLL
     for (int j = 0; j < NR; ++j) {
+      // GEMV streams the weights from DRAM: fetch ahead of the hardware prefetcher.
+      if constexpr (MR == 1)
+        _mm_prefetch((const char*)(w + j * wrb + b * kBlockBytes<T> + kPrefetchBytes), _MM_HINT_T0);
       const __m256i wv = load_block<T>(w + j * wrb + b * kBlockBytes<T>);
       const __m256 dw = _mm256_broadcast_ss(sc.d + j * dm.nb8 + b);
+      DS_UNROLL
       for (int i = 0; i < MR; ++i) {
         const float* xd = reinterpret_cast<const float*>(x + i * lay.row_bytes + lay.d_off);
         const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + b));
@@ -144,13 +159,16 @@ void tile(const uint8_t* x, const Q8Layout& lay, const Dims& dm, const uint8_t* 
       }
     }
   }
+  DS_UNROLL
   for (int i = 0; i < MR; ++i) {
     if constexpr (T == DType::Q4_1) {
       const auto* s = reinterpret_cast<const float*>(x + i * lay.row_bytes + lay.s_off);
+      DS_UNROLL
       for (int j = 0; j < NR; ++j) {
         __m256 macc = _mm256_setzero_ps();
         for (int64_t b = 0; b < dm.nb8; b += 8)
-          macc = _mm256_fmadd_ps(_mm256_loadu_ps(sc.m + j * dm.nb8 + b), _mm256_loadu_ps(s + b), macc);
+          macc =
+              _mm256_fmadd_ps(_mm256_loadu_ps(sc.m + j * dm.nb8 + b), _mm256_loadu_ps(s + b), macc);
         acc[i][j] = _mm256_add_ps(acc[i][j], macc);
       }
     }
@@ -164,13 +182,17 @@ using TileFn = void (*)(const uint8_t*, const Q8Layout&, const Dims&, const uint
 
 template <DType T, int MR>
 constexpr TileFn<T> tile_for(int nr) {
-  return nr == 4 ? tile<T, MR, 4> : nr == 3 ? tile<T, MR, 3> : nr == 2 ? tile<T, MR, 2> : tile<T, MR, 1>;
+  return nr == 4   ? tile<T, MR, 4>
+         : nr == 3 ? tile<T, MR, 3>
+         : nr == 2 ? tile<T, MR, 2>
+                   : tile<T, MR, 1>;
 }
 
 template <DType T>
 void run(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
   const Dims dm(j.K);
-  const Scales sc{reinterpret_cast<float*>(scratch), reinterpret_cast<float*>(scratch) + kNR * dm.nb8};
+  const Scales sc{reinterpret_cast<float*>(scratch),
+                  reinterpret_cast<float*>(scratch) + kNR * dm.nb8};
   for (int64_t m0 = 0; m0 < j.M; m0 += kMBlock) {
     const int64_t m1 = imin(j.M, m0 + kMBlock);
     for (int64_t n = n0; n < n1; n += kNR) {
@@ -189,18 +211,23 @@ void run(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
 
 void matmul_q8(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
   switch (j.wtype) {
-    case DType::Q4_0: return run<DType::Q4_0>(j, n0, n1, scratch);
-    case DType::Q4_1: return run<DType::Q4_1>(j, n0, n1, scratch);
-    default: return run<DType::Q8_0>(j, n0, n1, scratch);
+    case DType::Q4_0:
+      return run<DType::Q4_0>(j, n0, n1, scratch);
+    case DType::Q4_1:
+      return run<DType::Q4_1>(j, n0, n1, scratch);
+    default:
+      return run<DType::Q8_0>(j, n0, n1, scratch);
   }
 }
 
-size_t scratch_bytes(int64_t K) { return size_t(2 * kNR) * size_t(Dims(K).nb8) * 4; }
+size_t scratch_bytes(int64_t K) {
+  return size_t(2 * kNR) * size_t(Dims(K).nb8) * 4;
+}
 
 }  // namespace
 
 const Kernels& kernels_avx2() {
-  static constexpr Kernels k = {kNR,       layout,            quantize_q8, scratch_bytes,
+  static constexpr Kernels k = {layout,    quantize_q8,       scratch_bytes,
                                 matmul_q8, matmul_float_avx2, matmul_k_avx2};
   return k;
 }

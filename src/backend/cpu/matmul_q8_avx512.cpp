@@ -17,15 +17,17 @@ namespace ds::cpu::detail {
 namespace {
 
 constexpr int kMR = 4, kNR = 4;
-#ifndef PFD
-#define PFD 4
-#endif
-constexpr int PF = PFD;
+// GEMV software prefetch distance: DRAM latency times per-core bandwidth, with margin.
+constexpr int kPrefetchBytes = 10 << 10;
 
 // Local helpers instead of std::min/max: no library template gets instantiated with
 // AVX-512 flags and then merged by the linker into code that runs on other CPUs.
-constexpr int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-constexpr int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+constexpr int64_t imin(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+constexpr int64_t imax(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
 template <bool V>
 struct Bool {
   static constexpr bool value = V;
@@ -92,8 +94,8 @@ void quantize_q8(const float* x, int64_t K, uint8_t* row) {
         d[blk] = s[blk] = 0.0f;
       }
     }
-    const __m512i z = _mm512_permutex2var_epi32(_mm512_castsi256_si512(q[0]), idx,
-                                                _mm512_castsi256_si512(q[1]));
+    const __m512i z =
+        _mm512_permutex2var_epi32(_mm512_castsi256_si512(q[0]), idx, _mm512_castsi256_si512(q[1]));
     _mm512_store_si512(row + 64 * p, _mm512_xor_si512(z, bias));
   }
 }
@@ -101,10 +103,14 @@ void quantize_q8(const float* x, int64_t K, uint8_t* row) {
 // ---- weights ----
 
 template <DType T>
-constexpr int kBlockBytes = T == DType::Q4_0 ? 18 : T == DType::Q4_1 ? 20 : 34;
+constexpr int kBlockBytes = T == DType::Q4_0   ? 18
+                            : T == DType::Q4_1 ? 20
+                                               : 34;
 
 // Bytes [0, n) set, for masked loads that never touch memory past a row's last block.
-constexpr __mmask64 bytes_mask(int n) { return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1; }
+constexpr __mmask64 bytes_mask(int n) {
+  return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1;
+}
 
 // 64 bytes from p; only the first n are needed. Unless kMasked, the rest must be readable
 // (an unmasked load is much faster when the weights stream from DRAM).
@@ -143,17 +149,15 @@ inline void load_pair(const uint8_t* blk, __m512i& w, __m128& dm) {
     const __m512i h = _mm512_permutexvar_epi16(_mm512_set1_epi64(0x0009000900000000ll), z);
     dm = _mm_cvtph_ps(_mm512_castsi512_si128(h));
   } else {
-    // Words: 0 = d0, 1..16 = qs0, 17 = d1, 18..33 = qs1 (words 32, 33 in the second load).
-    const __m512i a = load_bytes<!kTwo>(blk, kBytes);
-    const __m512i b =
-        kTwo ? _mm512_castsi128_si512(_mm_loadu_si32(blk + 64)) : _mm512_setzero_si512();
-    w = _mm512_permutex2var_epi16(
-        a,
-        _mm512_set_epi16(33, 32, 16, 15, 31, 30, 14, 13, 29, 28, 12, 11, 27, 26, 10, 9,  //
-                         25, 24, 8, 7, 23, 22, 6, 5, 21, 20, 4, 3, 19, 18, 2, 1),
-        b);
-    const __m512i h = _mm512_permutexvar_epi16(_mm512_set1_epi64(0x0011001100000000ll), a);
-    dm = _mm_cvtph_ps(_mm512_castsi512_si128(h));
+    // Bytes: 0 = d0, 2..33 = qs0, 34 = d1, 36..67 = qs1: loads that stay inside the pair.
+    const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + 2)));
+    const __m512i b = kTwo ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + 36)))
+                           : _mm512_setzero_si512();
+    w = _mm512_permutex2var_epi32(a, pair_index(), b);
+    uint16_t d0, d1 = 0;
+    __builtin_memcpy(&d0, blk, 2);
+    if constexpr (kTwo) __builtin_memcpy(&d1, blk + 34, 2);
+    dm = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(d0), d1, 2));
   }
 }
 
@@ -176,8 +180,8 @@ inline __m512i to_signed(__m512i w) {
   return w;
 }
 
-inline void accumulate(__m512& acc, __m512i lanes, __m512 dw, __m512 dx) {
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(dw, dx), acc);
+inline __m512 accumulate(__m512 acc, __m512i lanes, __m512 dw, __m512 dx) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(dw, dx), acc);
 }
 
 // ---- M == 1: stream NR weight rows against one activation row ----
@@ -193,6 +197,7 @@ template <DType T, int NR>
 void gemv_rows(const uint8_t* w, size_t wrb, const Dims& dm, const GemvX& x, float* out) {
   __m512 acc[NR];
   __m128 macc[NR];  // Q4_1: lanes 1 and 3 hold the (lo, hi) min-term sums
+  DS_UNROLL
   for (int j = 0; j < NR; ++j) {
     acc[j] = _mm512_setzero_ps();
     macc[j] = _mm_setzero_ps();
@@ -200,38 +205,43 @@ void gemv_rows(const uint8_t* w, size_t wrb, const Dims& dm, const GemvX& x, flo
   auto step = [&](int64_t p, auto two, auto masked) {
     const __m512i xv = _mm512_load_si512(x.xs + 64 * p);
     const __m512 dx = broadcast_pair(x.d + 2 * p);
-    const __m512i c =
-        T == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_load_si512(x.xc + 64 * p);
-    const __m128 sx = _mm_unpacklo_ps(_mm_setzero_ps(),
-                                      _mm_castpd_ps(_mm_load_sd((const double*)(x.s + 2 * p))));
+    const __m512i c = T == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_load_si512(x.xc + 64 * p);
+    const __m128 sx =
+        _mm_unpacklo_ps(_mm_setzero_ps(), _mm_castpd_ps(_mm_load_sd((const double*)(x.s + 2 * p))));
+    DS_UNROLL
     for (int j = 0; j < NR; ++j) {
-      // The rows kNR further on are the next call's: fetch them while this one computes.
-      _mm_prefetch((const char*)(w + (j + PF) * wrb + 2 * p * kBlockBytes<T>), _MM_HINT_T0);
+      // The weights streamed from DRAM: fetch 10 KiB ahead (the hardware prefetcher alone
+      // leaves a core at half the bandwidth); a Q8_0 pair spans more than one line.
+      const uint8_t* ahead = w + j * wrb + 2 * p * kBlockBytes<T> + kPrefetchBytes;
+      _mm_prefetch((const char*)ahead, _MM_HINT_T0);
+      if constexpr (2 * kBlockBytes < T >> 64) _mm_prefetch((const char*)(ahead + 64), _MM_HINT_T0);
       __m512i wv;
       __m128 dmv;
       load_pair<T, decltype(two)::value, decltype(masked)::value>(
           w + j * wrb + 2 * p * kBlockBytes<T>, wv, dmv);
-      accumulate(acc[j], _mm512_dpbusd_epi32(c, to_unsigned<T>(wv), xv), scale_pair(dmv), dx);
+      acc[j] =
+          accumulate(acc[j], _mm512_dpbusd_epi32(c, to_unsigned<T>(wv), xv), scale_pair(dmv), dx);
       if constexpr (T == DType::Q4_1) macc[j] = _mm_fmadd_ps(dmv, sx, macc[j]);
     }
   };
-  // Whole pairs read 64 bytes, so the last whole pair of a row loads masked.
-  const int64_t full = dm.nb / 2;
-  const int64_t fast = full - (full == dm.np ? 1 : 0);
+  // Unmasked pair loads read 64 bytes: only where that much of the row is left.
+  const int64_t full = dm.nb / 2, row = dm.nb * kBlockBytes<T>;
+  const int64_t fast = row < 64 ? 0 : imin(full, (row - 64) / (2 * kBlockBytes<T>) + 1);
   for (int64_t p = 0; p < fast; ++p) step(p, Bool<true>{}, Bool<false>{});
-  if (fast < full) step(fast, Bool<true>{}, Bool<true>{});
+  for (int64_t p = fast; p < full; ++p) step(p, Bool<true>{}, Bool<true>{});
   if (full < dm.np) step(full, Bool<false>{}, Bool<true>{});
   if constexpr (T == DType::Q4_1) {
     alignas(16) float h[4];
     _mm_store_ps(h, hsum4(acc[0], NR > 1 ? acc[1] : acc[0], NR > 2 ? acc[2] : acc[0],
                           NR > 3 ? acc[3] : acc[0]));
+    DS_UNROLL
     for (int j = 0; j < NR; ++j) {
       alignas(16) float mv[4];
       _mm_store_ps(mv, macc[j]);
       out[j] = h[j] + (mv[1] + mv[3]);
     }
   } else {
-    store_sums<NR>(acc, out);
+    DS_STORE_SUMS(NR, out, acc);
   }
 }
 
@@ -249,15 +259,27 @@ void gemv(const Q8Job& j, const Dims& dm, int64_t n0, int64_t n1, uint8_t* scrat
   }
   const GemvX x{xs, xc, reinterpret_cast<const float*>(j.xq + j.lay.d_off),
                 reinterpret_cast<const float*>(j.xq + j.lay.s_off)};
+  // Start the stream: the in-loop prefetches run kPrefetchBytes ahead of the first rows.
+  const uint8_t* first = j.w + n0 * j.w_row_bytes;
+  const int64_t lead = imin(kPrefetchBytes, (n1 - n0) * int64_t(j.w_row_bytes));
+  for (int64_t off = 0; off < lead; off += 64)
+    _mm_prefetch((const char*)(first + off), _MM_HINT_T0);
   int64_t n = n0;
   for (; n + kNR <= n1; n += kNR)
     gemv_rows<T, kNR>(j.w + n * j.w_row_bytes, j.w_row_bytes, dm, x, j.out + n);
   const uint8_t* w = j.w + n * j.w_row_bytes;
   switch (n1 - n) {
-    case 3: gemv_rows<T, 3>(w, j.w_row_bytes, dm, x, j.out + n); break;
-    case 2: gemv_rows<T, 2>(w, j.w_row_bytes, dm, x, j.out + n); break;
-    case 1: gemv_rows<T, 1>(w, j.w_row_bytes, dm, x, j.out + n); break;
-    default: break;
+    case 3:
+      gemv_rows<T, 3>(w, j.w_row_bytes, dm, x, j.out + n);
+      break;
+    case 2:
+      gemv_rows<T, 2>(w, j.w_row_bytes, dm, x, j.out + n);
+      break;
+    case 1:
+      gemv_rows<T, 1>(w, j.w_row_bytes, dm, x, j.out + n);
+      break;
+    default:
+      break;
   }
 }
 
@@ -305,65 +327,86 @@ void pack_panel(const uint8_t* w, size_t wrb, int nr, const Dims& dm, const Pane
 template <DType T, int MR, int NR>
 void tile(const uint8_t* x, const Q8Layout& lay, const Dims& dm, const Panel& pan, float* out,
           int64_t ldo) {
+  const int64_t np = dm.np;
+  const size_t stride = lay.row_bytes, d_off = lay.d_off, s_off = lay.s_off;
+  const __m512i* pw = pan.w;
+  const __m512i* pc = pan.c;
+  const float* pd = pan.d;
+  const float* pm = pan.m;
   __m512 acc[MR][NR];
   __m256 macc[MR];  // Q4_1: lanes (2j, 2j + 1) hold the (lo, hi) min-term sums of column j
+  DS_UNROLL
   for (int i = 0; i < MR; ++i) {
     macc[i] = _mm256_setzero_ps();
+    DS_UNROLL
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   }
-  for (int64_t p = 0; p < dm.np; ++p) {
+  for (int64_t p = 0; p < np; ++p) {
     __m512i xv[MR];
     __m512 dx[MR];
+    DS_UNROLL
     for (int i = 0; i < MR; ++i) {
-      const uint8_t* row = x + i * lay.row_bytes;
+      const uint8_t* row = x + i * stride;
       xv[i] = _mm512_load_si512(row + 64 * p);
-      dx[i] = broadcast_pair(reinterpret_cast<const float*>(row + lay.d_off) + 2 * p);
+      dx[i] = broadcast_pair(reinterpret_cast<const float*>(row + d_off) + 2 * p);
     }
+    DS_UNROLL
     for (int j = 0; j < NR; ++j) {
-      const __m512i w = pan.w[p * kNR + j], c = pan.c[p * kNR + j];
-      const __m512 dw = broadcast_pair(pan.d + 2 * (p * kNR + j));
-      for (int i = 0; i < MR; ++i) accumulate(acc[i][j], _mm512_dpbusd_epi32(c, xv[i], w), dw, dx[i]);
+      const __m512i w = pw[p * kNR + j], c = pc[p * kNR + j];
+      const __m512 dw = broadcast_pair(pd + 2 * (p * kNR + j));
+      DS_UNROLL
+      for (int i = 0; i < MR; ++i)
+        acc[i][j] = accumulate(acc[i][j], _mm512_dpbusd_epi32(c, xv[i], w), dw, dx[i]);
     }
     if constexpr (T == DType::Q4_1) {
-      const __m256 mv = _mm256_loadu_ps(pan.m + 2 * p * kNR);
+      const __m256 mv = _mm256_loadu_ps(pm + 2 * p * kNR);
+      DS_UNROLL
       for (int i = 0; i < MR; ++i) {
-        const float* s = reinterpret_cast<const float*>(x + i * lay.row_bytes + lay.s_off);
-        macc[i] = _mm256_fmadd_ps(mv, _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(s + 2 * p))),
-                                  macc[i]);
+        const auto* s = reinterpret_cast<const double*>(x + i * stride + s_off);
+        macc[i] = _mm256_fmadd_ps(mv, _mm256_castpd_ps(_mm256_broadcast_sd(s + p)), macc[i]);
       }
     }
   }
+  DS_UNROLL
   for (int i = 0; i < MR; ++i) {
     if constexpr (T == DType::Q4_1) {
       const __m256 t = _mm256_add_ps(macc[i], _mm256_permute_ps(macc[i], _MM_SHUFFLE(2, 3, 0, 1)));
       const __m128 lohi = _mm256_castps256_ps128(
           _mm256_permutevar8x32_ps(t, _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0)));
       const __m512 z = _mm512_setzero_ps();
-      const __m128 r = _mm_add_ps(hsum4(acc[i][0], NR > 1 ? acc[i][1] : z,
-                                        NR > 2 ? acc[i][2] : z, NR > 3 ? acc[i][3] : z),
-                                  lohi);
+      const __m128 r = _mm_add_ps(
+          hsum4(acc[i][0], NR > 1 ? acc[i][1] : z, NR > 2 ? acc[i][2] : z, NR > 3 ? acc[i][3] : z),
+          lohi);
       _mm_mask_storeu_ps(out + i * ldo, __mmask8((1u << NR) - 1), r);
     } else {
-      store_sums<NR>(acc[i], out + i * ldo);
+      DS_STORE_SUMS(NR, out + i * ldo, acc[i]);
     }
   }
 }
 
 template <DType T>
-using TileFn = void (*)(const uint8_t*, const Q8Layout&, const Dims&, const Panel&, float*, int64_t);
+using TileFn = void (*)(const uint8_t*, const Q8Layout&, const Dims&, const Panel&, float*,
+                        int64_t);
 
 template <DType T, int MR>
 constexpr TileFn<T> tile_for(int nr) {
-  return nr == 4 ? tile<T, MR, 4> : nr == 3 ? tile<T, MR, 3> : nr == 2 ? tile<T, MR, 2> : tile<T, MR, 1>;
+  return nr == 4   ? tile<T, MR, 4>
+         : nr == 3 ? tile<T, MR, 3>
+         : nr == 2 ? tile<T, MR, 2>
+                   : tile<T, MR, 1>;
 }
 
 template <DType T>
 TileFn<T> tile_for(int mr, int nr) {
   switch (mr) {
-    case 4: return tile_for<T, 4>(nr);
-    case 3: return tile_for<T, 3>(nr);
-    case 2: return tile_for<T, 2>(nr);
-    default: return tile_for<T, 1>(nr);
+    case 4:
+      return tile_for<T, 4>(nr);
+    case 3:
+      return tile_for<T, 3>(nr);
+    case 2:
+      return tile_for<T, 2>(nr);
+    default:
+      return tile_for<T, 1>(nr);
   }
 }
 
@@ -398,18 +441,23 @@ void run(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
 
 void matmul_q8(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
   switch (j.wtype) {
-    case DType::Q4_0: return run<DType::Q4_0>(j, n0, n1, scratch);
-    case DType::Q4_1: return run<DType::Q4_1>(j, n0, n1, scratch);
-    default: return run<DType::Q8_0>(j, n0, n1, scratch);
+    case DType::Q4_0:
+      return run<DType::Q4_0>(j, n0, n1, scratch);
+    case DType::Q4_1:
+      return run<DType::Q4_1>(j, n0, n1, scratch);
+    default:
+      return run<DType::Q8_0>(j, n0, n1, scratch);
   }
 }
 
-size_t scratch_bytes(int64_t K) { return Panel::bytes(Dims(K)); }
+size_t scratch_bytes(int64_t K) {
+  return Panel::bytes(Dims(K));
+}
 
 }  // namespace
 
 const Kernels& kernels_avx512() {
-  static constexpr Kernels k = {kNR,       layout,              quantize_q8,  scratch_bytes,
+  static constexpr Kernels k = {layout,    quantize_q8,         scratch_bytes,
                                 matmul_q8, matmul_float_avx512, matmul_k_avx2};
   return k;
 }

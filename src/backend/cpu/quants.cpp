@@ -9,8 +9,12 @@
 namespace ds::cpu {
 namespace {
 
-float h2f(uint16_t h) { return fp16_to_f32(h); }
-float fp16_round(float f) { return fp16_to_f32(f32_to_fp16(f)); }
+float h2f(uint16_t h) {
+  return fp16_to_f32(h);
+}
+float fp16_round(float f) {
+  return fp16_to_f32(f32_to_fp16(f));
+}
 
 [[noreturn]] void unsupported(const char* what, DType t) {
   throw UnsupportedError(std::string(what) + " does not support " + std::string(dtype_name(t)));
@@ -231,7 +235,9 @@ void dequantize_row_ref(DType t, const void* src, float* y, int64_t n) {
                 std::string(info.name) + " block size");
   const int64_t nb = n / info.block_size;
   switch (t) {
-    case DType::F32: std::memcpy(y, src, size_t(n) * 4); return;
+    case DType::F32:
+      std::memcpy(y, src, size_t(n) * 4);
+      return;
     case DType::F16: {
       const auto* h = static_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < n; ++i) y[i] = fp16_to_f32(h[i]);
@@ -242,22 +248,32 @@ void dequantize_row_ref(DType t, const void* src, float* y, int64_t n) {
       for (int64_t i = 0; i < n; ++i) y[i] = bf16_to_f32(h[i]);
       return;
     }
-    case DType::Q4_0: return dequant_q4_0(static_cast<const BlockQ4_0*>(src), y, nb);
-    case DType::Q4_1: return dequant_q4_1(static_cast<const BlockQ4_1*>(src), y, nb);
-    case DType::Q5_0: return dequant_q5<BlockQ5_0, false>(static_cast<const BlockQ5_0*>(src), y, nb);
-    case DType::Q5_1: return dequant_q5<BlockQ5_1, true>(static_cast<const BlockQ5_1*>(src), y, nb);
-    case DType::Q8_0: return dequant_q8(static_cast<const BlockQ8_0*>(src), y, nb);
-    case DType::Q8_1: return dequant_q8(static_cast<const BlockQ8_1*>(src), y, nb);
-    case DType::Q4_K: return dequant_q4_k(static_cast<const BlockQ4_K*>(src), y, nb);
-    case DType::Q5_K: return dequant_q5_k(static_cast<const BlockQ5_K*>(src), y, nb);
-    case DType::Q6_K: return dequant_q6_k(static_cast<const BlockQ6_K*>(src), y, nb);
+    case DType::Q4_0:
+      return dequant_q4_0(static_cast<const BlockQ4_0*>(src), y, nb);
+    case DType::Q4_1:
+      return dequant_q4_1(static_cast<const BlockQ4_1*>(src), y, nb);
+    case DType::Q5_0:
+      return dequant_q5<BlockQ5_0, false>(static_cast<const BlockQ5_0*>(src), y, nb);
+    case DType::Q5_1:
+      return dequant_q5<BlockQ5_1, true>(static_cast<const BlockQ5_1*>(src), y, nb);
+    case DType::Q8_0:
+      return dequant_q8(static_cast<const BlockQ8_0*>(src), y, nb);
+    case DType::Q8_1:
+      return dequant_q8(static_cast<const BlockQ8_1*>(src), y, nb);
+    case DType::Q4_K:
+      return dequant_q4_k(static_cast<const BlockQ4_K*>(src), y, nb);
+    case DType::Q5_K:
+      return dequant_q5_k(static_cast<const BlockQ5_K*>(src), y, nb);
+    case DType::Q6_K:
+      return dequant_q6_k(static_cast<const BlockQ6_K*>(src), y, nb);
     case DType::Q8_K: {
       const auto* b = static_cast<const BlockQ8_K*>(src);
       for (int64_t i = 0; i < nb; ++i)
         for (int j = 0; j < kQkK; ++j) y[i * kQkK + j] = b[i].d * float(b[i].qs[j]);
       return;
     }
-    default: unsupported("dequantize_row", t);
+    default:
+      unsupported("dequantize_row", t);
   }
 }
 
@@ -268,7 +284,9 @@ void quantize_row_ref(DType t, const float* x, void* dst, int64_t n) {
                 std::string(info.name) + " block size");
   const int64_t nb = n / info.block_size;
   switch (t) {
-    case DType::F32: std::memcpy(dst, x, size_t(n) * 4); return;
+    case DType::F32:
+      std::memcpy(dst, x, size_t(n) * 4);
+      return;
     case DType::F16: {
       auto* h = static_cast<uint16_t*>(dst);
       for (int64_t i = 0; i < n; ++i) h[i] = f32_to_fp16(x[i]);
@@ -279,8 +297,10 @@ void quantize_row_ref(DType t, const float* x, void* dst, int64_t n) {
       for (int64_t i = 0; i < n; ++i) h[i] = f32_to_bf16(x[i]);
       return;
     }
-    case DType::Q4_0: return quant_q4_0(x, static_cast<BlockQ4_0*>(dst), nb);
-    case DType::Q4_1: return quant_q4_1(x, static_cast<BlockQ4_1*>(dst), nb);
+    case DType::Q4_0:
+      return quant_q4_0(x, static_cast<BlockQ4_0*>(dst), nb);
+    case DType::Q4_1:
+      return quant_q4_1(x, static_cast<BlockQ4_1*>(dst), nb);
     case DType::Q8_0: {
       auto* b = static_cast<BlockQ8_0*>(dst);
       for (int64_t i = 0; i < nb; ++i) {
@@ -300,8 +320,10 @@ void quantize_row_ref(DType t, const float* x, void* dst, int64_t n) {
       }
       return;
     }
-    case DType::Q8_K: return quant_q8_k(x, static_cast<BlockQ8_K*>(dst), nb);
-    default: unsupported("quantize_row", t);
+    case DType::Q8_K:
+      return quant_q8_k(x, static_cast<BlockQ8_K*>(dst), nb);
+    default:
+      unsupported("quantize_row", t);
   }
 }
 

@@ -12,6 +12,10 @@
 
 #include <cstdint>
 
+// Fully unrolls a register-tile loop early, so GCC keeps accumulator arrays in registers
+// (without it, it also stores every accumulator to the stack on every iteration).
+#define DS_UNROLL _Pragma("GCC unroll 16")
+
 namespace ds::cpu::detail {
 namespace {
 
@@ -31,17 +35,27 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(idx, u));
 }
 
-// Sums NR (1..4) accumulators and stores the NR results at out.
+// Sums NR (1..4) accumulators and stores the NR results at out. Takes the vectors by value
+// so the callers' accumulator arrays stay in registers.
 template <int NR>
-inline void store_sums(const __m512* acc, float* out) {
-  const __m512 z = _mm512_setzero_ps();
-  const __m128 r = hsum4(acc[0], NR > 1 ? acc[1] : z, NR > 2 ? acc[2] : z, NR > 3 ? acc[3] : z);
+inline void store_sums(float* out, __m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m128 r = hsum4(a, b, c, d);
   if constexpr (NR == 4) {
     _mm_storeu_ps(out, r);
   } else {
     _mm_mask_storeu_ps(out, __mmask8((1u << NR) - 1), r);
   }
 }
+
+// acc[j] for j < NR, else zero: spreads an accumulator row over store_sums' arguments.
+template <int NR>
+inline __m512 lane_or_zero(const __m512 (&acc)[NR], int j) {
+  return j < NR ? acc[j < NR ? j : 0] : _mm512_setzero_ps();
+}
+
+#define DS_STORE_SUMS(NR, out, acc)                                       \
+  store_sums<NR>(out, lane_or_zero<NR>(acc, 0), lane_or_zero<NR>(acc, 1), \
+                 lane_or_zero<NR>(acc, 2), lane_or_zero<NR>(acc, 3))
 
 // Two floats {p[0], p[1]} repeated over 16 lanes: the scales of a block pair.
 inline __m512 broadcast_pair(const float* p) {
@@ -50,7 +64,9 @@ inline __m512 broadcast_pair(const float* p) {
   return _mm512_castpd_ps(_mm512_set1_pd(v));
 }
 
-inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+inline __mmask16 tail_mask16(int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+}
 
 }  // namespace
 }  // namespace ds::cpu::detail

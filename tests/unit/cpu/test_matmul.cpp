@@ -11,6 +11,7 @@
 
 #include "backend/cpu/cpu_features.h"
 #include "backend/cpu/matmul.h"
+#include "backend/cpu/matmul_kernels.h"
 #include "backend/cpu/quants.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -29,7 +30,9 @@ std::vector<Isa> runnable_isas() {
   return v;
 }
 
-bool is_k_quant(DType t) { return t == DType::Q4_K || t == DType::Q6_K; }
+bool is_k_quant(DType t) {
+  return t == DType::Q4_K || t == DType::Q6_K;
+}
 
 std::vector<float> random_floats(int64_t n, std::mt19937& rng, float scale) {
   std::normal_distribution<float> dist(0.0f, scale);
@@ -122,8 +125,8 @@ struct Problem {
 };
 
 std::string describe(const Problem& p, Isa isa) {
-  return std::string(dtype_name(p.t)) + " " + std::string(isa_name(isa)) + " M=" +
-         std::to_string(p.M) + " N=" + std::to_string(p.N) + " K=" + std::to_string(p.K);
+  return std::string(dtype_name(p.t)) + " " + std::string(isa_name(isa)) +
+         " M=" + std::to_string(p.M) + " N=" + std::to_string(p.N) + " K=" + std::to_string(p.K);
 }
 
 // F64 sums over the dequantized operands, and sum |x w| as the scale of rounding errors.
@@ -158,7 +161,7 @@ TEST(Matmul, MatchesF64ReferenceOnAwkwardShapes) {
   const auto isas = runnable_isas();
   uint32_t seed = 1;
   for (DType t : kTypes)
-    for (int64_t K : {32, 256, 576, 1536}) {
+    for (int64_t K : {32, 256, 576, 800, 1536}) {  // 800: an odd number of blocks
       if (is_k_quant(t) && K % 256 != 0) continue;
       for (int64_t N : {1, 5, 64, 97, 576})
         for (int64_t M : {1, 3, 7, 16, 33}) {
@@ -239,6 +242,52 @@ TEST(Matmul, BitwiseDeterministicAcrossBatchingTilingAndThreads) {
         }
       }
     }
+}
+
+// Each ISA stores the quantized activations in its own layout; decoded, every value must
+// be exactly what the scalar quantizer (ggml's reference rounding) makes.
+TEST(Matmul, SimdActivationQuantizersMatchScalar) {
+  const int64_t K = 800;
+  std::mt19937 rng(17);
+  auto x = random_floats(K, rng, 2.0f);
+  x[0] = 127.0f;  // d = 1: the rest of block 0 are exact .5 ties
+  for (int i = 1; i < 32; ++i) x[size_t(i)] = float(i - 16) + 0.5f;
+  for (int i = 32; i < 64; ++i) x[size_t(i)] = 0.0f;  // an all-zero block
+  std::vector<ActBlock> want(size_t(K / 32));
+  quantize_row_act(x.data(), want.data(), K);
+  struct Layout {
+    Isa isa;
+    const detail::Kernels* k;
+    bool pairs;  // AVX-512: block pairs dword-interleaved, q stored + 128
+  };
+  std::vector<Layout> layouts;
+  if (isa_supported(Isa::Avx2)) layouts.push_back({Isa::Avx2, &detail::kernels_avx2(), false});
+  if (isa_supported(Isa::Avx512Vnni))
+    layouts.push_back({Isa::Avx512Vnni, &detail::kernels_avx512(), true});
+  for (const Layout& l : layouts) {
+    const detail::Q8Layout lay = l.k->q8_layout(K);
+    std::vector<uint8_t> row(lay.row_bytes + 64);
+    auto* base =
+        reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(row.data()) + 63) & ~uintptr_t(63));
+    l.k->quantize_q8(x.data(), K, base);
+    const auto* d = reinterpret_cast<const float*>(base + lay.d_off);
+    const auto* s = reinterpret_cast<const float*>(base + lay.s_off);
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const ActBlock& w = want[size_t(b)];
+      EXPECT_EQ(d[b], w.d) << isa_name(l.isa) << " block " << b;
+      EXPECT_EQ(s[b], w.s) << isa_name(l.isa) << " block " << b;
+      for (int e = 0; e < 32; ++e) {
+        int q;
+        if (l.pairs) {  // lane 2u + (b & 1) of pair b / 2 holds elements 4u..4u+3
+          const int64_t at = (b / 2) * 64 + (2 * (e / 4) + (b & 1)) * 4 + e % 4;
+          q = int(base[at]) - 128;
+        } else {
+          q = int(int8_t(base[b * 32 + e]));
+        }
+        ASSERT_EQ(q, int(w.qs[e])) << isa_name(l.isa) << " block " << b << " element " << e;
+      }
+    }
+  }
 }
 
 TEST(Matmul, RejectsUnsupportedTypesAndIsas) {

@@ -30,7 +30,8 @@ nlohmann::json load_fixture(const std::string& name) {
 
 std::vector<uint8_t> unhex(const std::string& s) {
   std::vector<uint8_t> out(s.size() / 2);
-  for (size_t i = 0; i < out.size(); ++i) out[i] = uint8_t(std::stoi(s.substr(2 * i, 2), nullptr, 16));
+  for (size_t i = 0; i < out.size(); ++i)
+    out[i] = uint8_t(std::stoi(s.substr(2 * i, 2), nullptr, 16));
   return out;
 }
 
@@ -41,7 +42,9 @@ std::vector<float> unhex_f32(const std::string& s) {
   return f;
 }
 
-DType type_of(const nlohmann::json& j) { return *dtype_from_name(j["type"].get<std::string>()); }
+DType type_of(const nlohmann::json& j) {
+  return *dtype_from_name(j["type"].get<std::string>());
+}
 
 // Bitwise, so a -0.0 / 0.0 or NaN mismatch shows too.
 void expect_same_floats(const std::vector<float>& got, const std::vector<float>& want,
@@ -82,8 +85,8 @@ TEST_P(QuantizeFixture, BytesMatchGgufPy) {
   ASSERT_EQ(got.size(), want.size());
   const int bs = dtype_info(t).type_size;
   for (size_t i = 0; i < got.size(); ++i)
-    ASSERT_EQ(int(got[i]), int(want[i])) << GetParam() << " byte " << i << " (block " << i / bs
-                                         << ", offset " << i % bs << ")";
+    ASSERT_EQ(int(got[i]), int(want[i]))
+        << GetParam() << " byte " << i << " (block " << i / bs << ", offset " << i % bs << ")";
   std::vector<float> deq(static_cast<size_t>(n));
   dequantize_row(t, got.data(), deq.data(), n);
   expect_same_floats(deq, unhex_f32(j["dequantized"].get<std::string>()), GetParam());
@@ -126,7 +129,8 @@ TEST(Quantize, Q8_KRoundTripAndGroupSums) {
   quantize_row(DType::Q8_K, x.data(), q.data(), n);
   std::vector<float> y(static_cast<size_t>(n));
   dequantize_row(DType::Q8_K, q.data(), y.data(), n);
-  for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(y[size_t(i)], x[size_t(i)], std::fabs(q[i / 256].d) * 0.5001f);
+  for (int64_t i = 0; i < n; ++i)
+    EXPECT_NEAR(y[size_t(i)], x[size_t(i)], std::fabs(q[i / 256].d) * 0.5001f);
   for (const auto& b : q)
     for (int g = 0; g < 16; ++g) {
       int sum = 0;
