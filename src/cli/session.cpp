@@ -20,6 +20,11 @@ Session open_session(const ModelOptions& o, int64_t min_tokens) {
   Session s;
   BackendOptions bo;
   bo.threads = o.threads;
+  bo.isa = o.isa;
+  if (o.precision == "q8")
+    bo.precision = ActivationPrecision::Q8;
+  else if (o.precision != "f32")
+    throw Error("--precision must be f32 or q8, not '" + o.precision + "'");
   s.backend = make_cpu_backend(bo);
   LoadOptions lo;
   lo.threads = std::max(1, o.threads);
@@ -33,8 +38,9 @@ Session open_session(const ModelOptions& o, int64_t min_tokens) {
   kv.num_blocks = int((tokens + kv.block_size - 1) / kv.block_size);
   kv.dtype = DType::F32;
   s.cache = std::make_unique<KvCache>(*s.backend, cfg, kv);
-  log_info("backend " + s.backend->name() + ", KV cache " + std::to_string(s.cache->capacity_tokens()) +
-           " tokens (" + std::to_string(s.cache->bytes() >> 20) + " MiB)");
+  log_info("backend " + s.backend->name() + ", KV cache " +
+           std::to_string(s.cache->capacity_tokens()) + " tokens (" +
+           std::to_string(s.cache->bytes() >> 20) + " MiB)");
   return s;
 }
 

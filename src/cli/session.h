@@ -11,9 +11,11 @@
 namespace ds {
 
 struct ModelOptions {
-  std::string model;   // path; empty = the embedded default
-  int threads = 0;     // 0 = all cores
-  int ctx_size = 0;    // KV cache tokens; 0 = min(4096, model context)
+  std::string model;  // path; empty = the embedded default
+  int threads = 0;    // 0 = all cores
+  int ctx_size = 0;   // KV cache tokens; 0 = min(4096, model context)
+  std::string isa = "auto";
+  std::string precision = "f32";
   bool verbose = false;
 };
 

@@ -45,7 +45,9 @@ struct DTypeInfo {
 };
 
 const DTypeInfo& dtype_info(DType t);
-inline std::string_view dtype_name(DType t) { return dtype_info(t).name; }
+inline std::string_view dtype_name(DType t) {
+  return dtype_info(t).name;
+}
 // Bytes taken by n elements; throws if n is not a whole number of blocks.
 size_t dtype_bytes(DType t, int64_t n);
 std::optional<DType> dtype_from_name(std::string_view name);

@@ -34,10 +34,11 @@ class UnsupportedError : public Error {
   using Error::Error;
 };
 
-#define DS_CHECK(cond, msg)                                                              \
-  do {                                                                                   \
-    if (!(cond)) throw ::ds::Error(std::string(__FILE__) + ":" + std::to_string(__LINE__) + \
-                                   ": check failed: " #cond ": " + (msg));               \
+#define DS_CHECK(cond, msg)                                                      \
+  do {                                                                           \
+    if (!(cond))                                                                 \
+      throw ::ds::Error(std::string(__FILE__) + ":" + std::to_string(__LINE__) + \
+                        ": check failed: " #cond ": " + (msg));                  \
   } while (0)
 
 }  // namespace ds

@@ -10,8 +10,12 @@ std::atomic<int> g_level{int(LogLevel::Warn)};
 std::mutex g_mu;
 }  // namespace
 
-void set_log_level(LogLevel level) { g_level = int(level); }
-LogLevel log_level() { return LogLevel(g_level.load()); }
+void set_log_level(LogLevel level) {
+  g_level = int(level);
+}
+LogLevel log_level() {
+  return LogLevel(g_level.load());
+}
 
 void log(LogLevel level, const std::string& msg) {
   if (int(level) < g_level.load()) return;

@@ -20,7 +20,7 @@ std::shared_ptr<MappedFile> MappedFile::open(const std::filesystem::path& path) 
   f->path_ = path.string();
   const int fd = ::open(f->path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw Error(f->path_ + ": cannot open: " + std::strerror(errno));
-  struct stat st{};
+  struct stat st {};
   if (fstat(fd, &st) != 0) {
     const int e = errno;
     ::close(fd);

@@ -102,7 +102,8 @@ GenerateResult Generator::generate(const GenerateRequest& req, const TokenCallba
   for (size_t pos = reuse; pos < req.prompt.size(); pos += size_t(opts_.prefill_chunk)) {
     const size_t n = std::min(size_t(opts_.prefill_chunk), req.prompt.size() - pos);
     run(std::span(req.prompt).subspan(pos, n), int(pos), pos + n == req.prompt.size());
-    cached_.insert(cached_.end(), req.prompt.begin() + long(pos), req.prompt.begin() + long(pos + n));
+    cached_.insert(cached_.end(), req.prompt.begin() + long(pos),
+                   req.prompt.begin() + long(pos + n));
   }
   res.prompt_seconds = now_seconds() - t0;
 
@@ -110,8 +111,8 @@ GenerateResult Generator::generate(const GenerateRequest& req, const TokenCallba
   std::vector<int32_t> history = req.prompt;
   std::optional<StreamingDetokenizer> detok;
   if (tok_) detok.emplace(*tok_);
-  std::string text;      // all generated text so far
-  size_t emitted = 0;    // bytes of `text` handed to the callback
+  std::string text;    // all generated text so far
+  size_t emitted = 0;  // bytes of `text` handed to the callback
   const auto& eog = tok_ ? tok_->eog_ids() : std::vector<int32_t>{};
   const int eos = model_.config().eos_id;
   res.finish_reason = "length";
@@ -138,7 +139,8 @@ GenerateResult Generator::generate(const GenerateRequest& req, const TokenCallba
       }
     }
     const size_t ready = stopped ? text.size() : text.size() - pending_stop_prefix(text, req.stop);
-    const std::string_view delta = std::string_view(text).substr(emitted, ready > emitted ? ready - emitted : 0);
+    const std::string_view delta =
+        std::string_view(text).substr(emitted, ready > emitted ? ready - emitted : 0);
     emitted = std::max(emitted, ready);
     if (on_token && !on_token(id, delta)) {
       res.finish_reason = "cancelled";

@@ -29,7 +29,7 @@ struct GenerateResult {
   int prompt_tokens = 0;
   int cached_prompt_tokens = 0;  // prompt tokens reused from the previous request's cache
   double prompt_seconds = 0;
-  double decode_seconds = 0;     // from the first to the last generated token
+  double decode_seconds = 0;  // from the first to the last generated token
   double prompt_tokens_per_s() const;
   double decode_tokens_per_s() const;
 };

@@ -24,8 +24,8 @@ Sampler::Sampler(const SamplingParams& p)
 }
 
 int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history) {
-  const bool penalize = p_.repetition_penalty != 1.0f || p_.presence_penalty != 0.0f ||
-                        p_.frequency_penalty != 0.0f;
+  const bool penalize =
+      p_.repetition_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
   const bool greedy = p_.temperature <= 0.0f;
   if (greedy && !penalize) return argmax(logits);
 

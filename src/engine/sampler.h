@@ -10,10 +10,10 @@
 namespace ds {
 
 struct SamplingParams {
-  float temperature = 0.8f;  // <= 0 means greedy
-  int top_k = 40;            // <= 0 disables
-  float top_p = 0.95f;       // >= 1 disables
-  float min_p = 0.05f;       // <= 0 disables
+  float temperature = 0.8f;         // <= 0 means greedy
+  int top_k = 40;                   // <= 0 disables
+  float top_p = 0.95f;              // >= 1 disables
+  float min_p = 0.05f;              // <= 0 disables
   float repetition_penalty = 1.0f;  // 1 disables; divides positive logits, multiplies negative
   float presence_penalty = 0.0f;    // subtracted once from every token already seen
   float frequency_penalty = 0.0f;   // subtracted per occurrence

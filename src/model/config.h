@@ -13,10 +13,10 @@ class GgufFile;
 struct ModelConfig {
   std::string arch;  // "llama"
   std::string name;
-  int hidden = 0;        // d_model
+  int hidden = 0;  // d_model
   int layers = 0;
-  int heads = 0;         // query heads
-  int kv_heads = 0;      // grouped-query kv heads
+  int heads = 0;     // query heads
+  int kv_heads = 0;  // grouped-query kv heads
   int head_dim = 0;
   int intermediate = 0;  // MLP inner size
   int vocab = 0;

@@ -1,5 +1,7 @@
 // Llama-family forward (GQA attention, SwiGLU MLP, RMSNorm, RoPE), any backend.
 #include <cmath>
+#include <cstring>
+#include <optional>
 
 #include "core/error.h"
 #include "model/model.h"
@@ -8,10 +10,13 @@ namespace ds {
 namespace {
 
 struct LlamaLayer {
-  TensorView attn_norm;                  // [hidden] F32
-  TensorView wq, wk, wv, wo;             // [heads*hd, hidden], [kv*hd, hidden] x2, [hidden, heads*hd]
-  TensorView ffn_norm;                   // [hidden] F32
-  TensorView w_gate, w_up, w_down;       // [ffn, hidden] x2, [hidden, ffn]
+  TensorView attn_norm;             // [hidden] F32
+  TensorView wq, wk, wv, wo;        // [heads*hd, hidden], [kv*hd, hidden] x2, [hidden, heads*hd]
+  TensorView ffn_norm;              // [hidden] F32
+  TensorView w_gate, w_up, w_down;  // [ffn, hidden] x2, [hidden, ffn]
+  // Row-concatenated copies (one matmul instead of several) when the parts share a dtype:
+  std::optional<TensorView> wqkv;       // [q + 2 kv, hidden]
+  std::optional<TensorView> w_gate_up;  // [2 ffn, hidden]
 };
 
 // Columns [begin, begin + n) of a 2-D F32 view.
@@ -52,10 +57,13 @@ class Llama final : public Model {
       L.w_gate = linear(w, p + "ffn_gate.weight", cfg.intermediate, cfg.hidden);
       L.w_up = linear(w, p + "ffn_up.weight", cfg.intermediate, cfg.hidden);
       L.w_down = linear(w, p + "ffn_down.weight", cfg.hidden, cfg.intermediate);
+      L.wqkv = fuse_rows({L.wq, L.wk, L.wv});
+      L.w_gate_up = fuse_rows({L.w_gate, L.w_up});
       layers_.push_back(L);
     }
     if (!be_.supports(Op::Embed, tok_embd_.dtype))
-      throw UnsupportedError(be_.name() + ": embedding of " + std::string(dtype_name(tok_embd_.dtype)));
+      throw UnsupportedError(be_.name() + ": embedding of " +
+                             std::string(dtype_name(tok_embd_.dtype)));
   }
 
   const ModelConfig& config() const override { return cfg_; }
@@ -85,9 +93,13 @@ class Llama final : public Model {
       dump(l, "attn_norm", xn);
       TensorView q = cols(qkv, 0, q_dim), k = cols(qkv, q_dim, kv_dim),
                  v = cols(qkv, q_dim + kv_dim, kv_dim);
-      be_.matmul(xn, W.wq, q);
-      be_.matmul(xn, W.wk, k);
-      be_.matmul(xn, W.wv, v);
+      if (W.wqkv) {
+        be_.matmul(xn, *W.wqkv, qkv);
+      } else {
+        be_.matmul(xn, W.wq, q);
+        be_.matmul(xn, W.wk, k);
+        be_.matmul(xn, W.wv, v);
+      }
       TensorView qh = heads_view(q, cfg_.heads, hd), kh = heads_view(k, cfg_.kv_heads, hd),
                  vh = heads_view(v, cfg_.kv_heads, hd);
       be_.rope(qh, in.meta.positions, cfg_.rope);
@@ -106,8 +118,12 @@ class Llama final : public Model {
       be_.add(x, xn);
       be_.rms_norm(x, W.ffn_norm, cfg_.rms_eps, xn);
       dump(l, "ffn_norm", xn);
-      be_.matmul(xn, W.w_gate, cols(gate_up, 0, ffn));
-      be_.matmul(xn, W.w_up, cols(gate_up, ffn, ffn));
+      if (W.w_gate_up) {
+        be_.matmul(xn, *W.w_gate_up, gate_up);
+      } else {
+        be_.matmul(xn, W.w_gate, cols(gate_up, 0, ffn));
+        be_.matmul(xn, W.w_up, cols(gate_up, ffn, ffn));
+      }
       be_.silu_mul(gate_up, act);
       be_.matmul(act, W.w_down, xn);
       be_.add(x, xn);
@@ -141,6 +157,27 @@ class Llama final : public Model {
     return t;
   }
 
+  // One weight whose rows are the parts' rows in order, so a single matmul computes all the
+  // parts' outputs side by side. nullopt when the dtypes differ (then each part runs alone).
+  std::optional<TensorView> fuse_rows(std::initializer_list<TensorView> parts) {
+    const TensorView& first = *parts.begin();
+    int64_t rows = 0;
+    for (const auto& t : parts) {
+      if (t.dtype != first.dtype || t.cols() != first.cols() || !t.is_contiguous())
+        return std::nullopt;
+      rows += t.rows();
+    }
+    const size_t row_bytes = first.row_bytes();
+    owned_.push_back(be_.alloc(size_t(rows) * row_bytes));
+    TensorView fused = owned_.back()->view(first.dtype, {rows, first.cols()});
+    int64_t at = 0;
+    for (const auto& t : parts) {
+      be_.upload(fused.slice_rows(at, at + t.rows()), t.data, t.nbytes());
+      at += t.rows();
+    }
+    return fused;
+  }
+
   // Norm weights as F32 on the backend (checkpoints store them as F32, F16 or BF16).
   TensorView f32_vector(const TensorView& t, const std::string& name) {
     if (t.ndim != 1 || t.shape[0] != cfg_.hidden)
@@ -150,9 +187,15 @@ class Llama final : public Model {
     for (int64_t i = 0; i < t.shape[0]; ++i) {
       const uint8_t* p = static_cast<const uint8_t*>(t.data) + i * t.stride[0];
       switch (t.dtype) {
-        case DType::F32: std::memcpy(&host[size_t(i)], p, 4); break;
-        case DType::F16: host[size_t(i)] = fp16_to_f32(uint16_t(p[0] | p[1] << 8)); break;
-        case DType::BF16: host[size_t(i)] = bf16_to_f32(uint16_t(p[0] | p[1] << 8)); break;
+        case DType::F32:
+          std::memcpy(&host[size_t(i)], p, 4);
+          break;
+        case DType::F16:
+          host[size_t(i)] = fp16_to_f32(uint16_t(p[0] | p[1] << 8));
+          break;
+        case DType::BF16:
+          host[size_t(i)] = bf16_to_f32(uint16_t(p[0] | p[1] << 8));
+          break;
         default:
           throw UnsupportedError("tensor '" + name + "' has dtype " +
                                  std::string(dtype_name(t.dtype)) + "; norms must be F32/F16/BF16");

@@ -19,7 +19,8 @@ void draw_progress(size_t done, size_t total, double t0) {
   last = pct;
   const int width = 30, fill = pct * width / 100;
   const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count() - t0;
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count() -
+      t0;
   std::fprintf(stderr, "\rloading [%.*s%*s] %3d%% %6.0f/%.0f MB %5.2f GB/s", fill,
                "##############################", width - fill, "", pct, double(done) / 1e6,
                double(total) / 1e6, secs > 0 ? double(done) / secs / 1e9 : 0.0);

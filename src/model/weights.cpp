@@ -44,10 +44,10 @@ std::string hf_llama_name(const std::string& name) {
   for (const auto& [g, h] : kTop)
     if (name == g) return h;
   static const std::pair<const char*, const char*> kBlock[] = {
-      {"attn_norm", "input_layernorm"},     {"attn_q", "self_attn.q_proj"},
-      {"attn_k", "self_attn.k_proj"},       {"attn_v", "self_attn.v_proj"},
-      {"attn_output", "self_attn.o_proj"},  {"ffn_norm", "post_attention_layernorm"},
-      {"ffn_gate", "mlp.gate_proj"},        {"ffn_up", "mlp.up_proj"},
+      {"attn_norm", "input_layernorm"},    {"attn_q", "self_attn.q_proj"},
+      {"attn_k", "self_attn.k_proj"},      {"attn_v", "self_attn.v_proj"},
+      {"attn_output", "self_attn.o_proj"}, {"ffn_norm", "post_attention_layernorm"},
+      {"ffn_gate", "mlp.gate_proj"},       {"ffn_up", "mlp.up_proj"},
       {"ffn_down", "mlp.down_proj"},
   };
   static const std::regex kBlk(R"(blk\.(\d+)\.(\w+)\.weight)");

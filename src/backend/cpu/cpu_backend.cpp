@@ -36,8 +36,10 @@ float load_elem(const uint8_t* p, DType t) {
       std::memcpy(&f, p, 4);
       return f;
     }
-    case DType::F16: return fp16_to_f32(uint16_t(p[0] | p[1] << 8));
-    default: return bf16_to_f32(uint16_t(p[0] | p[1] << 8));
+    case DType::F16:
+      return fp16_to_f32(uint16_t(p[0] | p[1] << 8));
+    default:
+      return bf16_to_f32(uint16_t(p[0] | p[1] << 8));
   }
 }
 
@@ -58,24 +60,32 @@ int default_threads() {
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(const BackendOptions& o)
-      : pool_(o.threads > 0 ? o.threads : default_threads()), isa_(cpu::detect_isa()) {}
+      : pool_(o.threads > 0 ? o.threads : default_threads()),
+        isa_(cpu::select_isa(o.isa)),
+        precision_(o.precision) {}
 
   Device device() const override { return {}; }
   std::string name() const override {
     return "cpu (" + std::string(cpu::isa_name(isa_)) + ", " + std::to_string(pool_.size()) +
-           " threads)";
+           " threads, " + (precision_ == ActivationPrecision::F32 ? "f32" : "q8") + " activations)";
   }
   bool supports(Op op, DType t) const override {
     switch (op) {
-      case Op::MatMul: return cpu::matmul_supports(t);
-      case Op::Embed: return t == DType::F32 || cpu::matmul_supports(t);
+      case Op::MatMul:
+        return cpu::matmul_supports(t);
+      case Op::Embed:
+        return t == DType::F32 || cpu::matmul_supports(t);
       case Op::StoreKv:
-      case Op::Attention: return t == DType::F32 || t == DType::F16 || t == DType::BF16;
-      default: return t == DType::F32;
+      case Op::Attention:
+        return t == DType::F32 || t == DType::F16 || t == DType::BF16;
+      default:
+        return t == DType::F32;
     }
   }
 
-  std::unique_ptr<Buffer> alloc(size_t bytes) override { return std::make_unique<HostBuffer>(bytes); }
+  std::unique_ptr<Buffer> alloc(size_t bytes) override {
+    return std::make_unique<HostBuffer>(bytes);
+  }
   void upload(const TensorView& dst, const void* host, size_t bytes) override {
     std::memcpy(dst.data, host, bytes);
   }
@@ -200,9 +210,10 @@ class CpuBackend final : public Backend {
         const float* q = reinterpret_cast<const float*>(static_cast<const uint8_t*>(p.q.data) +
                                                         t * p.q.stride[0] + h * p.q.stride[1]);
         auto row = [&](void* base, int j) {
-          const int64_t slot = int64_t(table[j / p.kv.block_size]) * p.kv.block_size +
-                               j % p.kv.block_size;
-          return static_cast<const uint8_t*>(base) + (slot * p.kv.slot_stride() + int64_t(kvh) * hd) * es;
+          const int64_t slot =
+              int64_t(table[j / p.kv.block_size]) * p.kv.block_size + j % p.kv.block_size;
+          return static_cast<const uint8_t*>(base) +
+                 (slot * p.kv.slot_stride() + int64_t(kvh) * hd) * es;
         };
         auto load = [&](const uint8_t* r) -> const float* {
           if (f32) return reinterpret_cast<const float*>(r);
@@ -229,8 +240,8 @@ class CpuBackend final : public Backend {
           const float w = scores[size_t(j)];
           for (int i = 0; i < hd; ++i) acc[size_t(i)] += w * vr[i];
         }
-        float* o = reinterpret_cast<float*>(static_cast<uint8_t*>(p.out.data) + t * p.out.stride[0] +
-                                            h * p.out.stride[1]);
+        float* o = reinterpret_cast<float*>(static_cast<uint8_t*>(p.out.data) +
+                                            t * p.out.stride[0] + h * p.out.stride[1]);
         const float inv = 1.0f / sum;
         for (int i = 0; i < hd; ++i) o[i] = acc[size_t(i)] * inv;
       }
@@ -277,6 +288,7 @@ class CpuBackend final : public Backend {
 
   ThreadPool pool_;
   cpu::Isa isa_;
+  ActivationPrecision precision_;
 };
 
 }  // namespace

@@ -43,9 +43,7 @@ class CudaBackend final : public Backend {
 
   Device device() const override { return {DeviceKind::CUDA, device_}; }
   std::string name() const override { return name_; }
-  bool supports(Op op, DType t) const override {
-    return op == Op::Add && t == DType::F32;
-  }
+  bool supports(Op op, DType t) const override { return op == Op::Add && t == DType::F32; }
   std::unique_ptr<Buffer> alloc(size_t bytes) override {
     return std::make_unique<DeviceBuffer>(bytes, device_);
   }
@@ -76,7 +74,8 @@ class CudaBackend final : public Backend {
   }
   void matmul(const TensorView&, const TensorView&, TensorView) override { missing(Op::MatMul); }
   void rope(TensorView, const int32_t*, const RopeParams&) override { missing(Op::Rope); }
-  void store_kv(const TensorView&, const TensorView&, const PagedKv&, const AttentionMeta&) override {
+  void store_kv(const TensorView&, const TensorView&, const PagedKv&,
+                const AttentionMeta&) override {
     missing(Op::StoreKv);
   }
   void attention(const AttentionParams&, const AttentionMeta&) override { missing(Op::Attention); }
@@ -84,7 +83,8 @@ class CudaBackend final : public Backend {
 
  private:
   [[noreturn]] void missing(Op op) const {
-    throw UnsupportedError(name_ + ": op " + std::string(op_name(op)) + " is not implemented on CUDA yet");
+    throw UnsupportedError(name_ + ": op " + std::string(op_name(op)) +
+                           " is not implemented on CUDA yet");
   }
 
   int device_;

@@ -75,7 +75,7 @@ TEST_F(CpuOps, RopeStylesAgreeUnderThePermutation) {
 // attention over that sequence's own keys.
 TEST_F(CpuOps, PagedAttentionMatchesContiguousReference) {
   const int H = 6, KVH = 2, D = 16, bs = 4, blocks = 12;
-  const std::vector<int> ctx = {9, 13};  // cached tokens after this step
+  const std::vector<int> ctx = {9, 13};   // cached tokens after this step
   const std::vector<int> n_new = {3, 1};  // this step: a prefill chunk and a decode
   const std::vector<std::vector<int32_t>> tables = {{7, 2, 10}, {0, 5, 11, 3}};
   std::vector<float> kc(size_t(blocks * bs * KVH * D)), vc(kc.size());
