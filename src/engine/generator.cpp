@@ -4,25 +4,13 @@
 #include <chrono>
 
 #include "core/error.h"
+#include "engine/output.h"
 
 namespace ds {
 namespace {
 
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Length of the longest suffix of `text` that is a proper prefix of some stop string: that
-// much text must be held back until the next token shows whether a stop string completes.
-size_t pending_stop_prefix(std::string_view text, const std::vector<std::string>& stops) {
-  size_t hold = 0;
-  for (const auto& s : stops)
-    for (size_t n = std::min(text.size(), s.size() - 1); n > hold; --n)
-      if (text.substr(text.size() - n) == std::string_view(s).substr(0, n)) {
-        hold = n;
-        break;
-      }
-  return hold;
 }
 
 }  // namespace
@@ -109,44 +97,20 @@ GenerateResult Generator::generate(const GenerateRequest& req, const TokenCallba
 
   Sampler sampler(req.sampling);
   std::vector<int32_t> history = req.prompt;
-  std::optional<StreamingDetokenizer> detok;
-  if (tok_) detok.emplace(*tok_);
-  std::string text;    // all generated text so far
-  size_t emitted = 0;  // bytes of `text` handed to the callback
-  const auto& eog = tok_ ? tok_->eog_ids() : std::vector<int32_t>{};
-  const int eos = model_.config().eos_id;
+  OutputProcessor out(tok_, req.stop, req.ignore_eos, model_.config().eos_id);
   res.finish_reason = "length";
   double t_first = 0;
-  bool stopped = false;  // by a stop string
   for (int i = 0; i < req.max_tokens; ++i) {
     const int32_t id = sampler.sample(logits_, history);
     if (i == 0) t_first = now_seconds();
     res.tokens.push_back(id);
     history.push_back(id);
-    const bool is_eog = id == eos || std::find(eog.begin(), eog.end(), id) != eog.end();
-    if (is_eog && !req.ignore_eos) {
-      res.finish_reason = "stop";
-      break;
-    }
-    if (detok) text += detok->push(id);
-    // Stop strings: cut the text at the first match.
-    for (const auto& s : req.stop) {
-      if (s.empty()) continue;
-      const size_t from = emitted > s.size() ? emitted - s.size() : 0;
-      if (size_t at = text.find(s, from); at != std::string::npos) {
-        text.resize(at);
-        stopped = true;
-      }
-    }
-    const size_t ready = stopped ? text.size() : text.size() - pending_stop_prefix(text, req.stop);
-    const std::string_view delta =
-        std::string_view(text).substr(emitted, ready > emitted ? ready - emitted : 0);
-    emitted = std::max(emitted, ready);
-    if (on_token && !on_token(id, delta)) {
+    const auto delta = out.push(id);
+    if (on_token && !on_token(id, delta.text)) {
       res.finish_reason = "cancelled";
       break;
     }
-    if (stopped) {
+    if (delta.finished) {
       res.finish_reason = "stop";
       break;
     }
@@ -155,10 +119,11 @@ GenerateResult Generator::generate(const GenerateRequest& req, const TokenCallba
     run(std::span(&res.tokens.back(), 1), int(cached_.size()), true);
     cached_.push_back(id);
   }
-  if (detok && !stopped) text += detok->flush();
-  if (on_token && emitted < text.size() && res.finish_reason != "cancelled")
-    on_token(-1, std::string_view(text).substr(emitted));
-  res.text = std::move(text);
+  if (!out.finished()) {
+    const std::string_view rest = out.close();
+    if (on_token && !rest.empty() && res.finish_reason != "cancelled") on_token(-1, rest);
+  }
+  res.text = out.text();
   res.decode_seconds = res.tokens.empty() ? 0 : now_seconds() - t_first;
   return res;
 }
