@@ -1,11 +1,9 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "cli/commands.h"
 #include "core/error.h"
-#include "engine/generator.h"
 #include "tokenizer/chat_template.h"
 
 namespace ds {
@@ -38,6 +36,27 @@ std::vector<int32_t> read_ids(const std::string& path) {
   return ids;
 }
 
+nlohmann::json result_json(size_t index, const std::string& prompt, const std::vector<int32_t>& tokens,
+                           const EngineEvent& fin) {
+  nlohmann::json j;
+  j["index"] = index;
+  j["prompt"] = prompt;
+  j["text"] = fin.text;
+  j["tokens"] = tokens;
+  j["finish_reason"] = fin.finish_reason;
+  if (!fin.error.empty()) j["error"] = fin.error;
+  j["usage"] = {{"prompt_tokens", fin.usage.prompt_tokens},
+                {"completion_tokens", fin.usage.completion_tokens},
+                {"total_tokens", fin.usage.prompt_tokens + fin.usage.completion_tokens},
+                {"cached_prompt_tokens", fin.usage.cached_prompt_tokens}};
+  j["timings"] = {{"prompt_tokens_per_s", fin.timings.prompt_tokens_per_s()},
+                  {"decode_tokens_per_s", fin.timings.decode_tokens_per_s()},
+                  {"queue_ms", fin.timings.queue_s * 1e3},
+                  {"ttft_ms", fin.timings.ttft_s * 1e3},
+                  {"total_ms", fin.timings.total_s * 1e3}};
+  return j;
+}
+
 }  // namespace
 
 int run_generate(const GenerateOptions& o) {
@@ -52,11 +71,10 @@ int run_generate(const GenerateOptions& o) {
   if (!o.prompt_ids_file.empty()) prompts.push_back({"", read_ids(o.prompt_ids_file)});
   if (prompts.empty()) throw Error("no prompt: give -p TEXT, --prompts-file or --prompt-ids-file");
 
-  Session s = open_session(o.model, 0);
+  Session s = open_session(o.model, o.engine);
   const Tokenizer* tok = s.loaded.tokenizer.get();
   std::optional<ChatTemplate> tmpl;
   if (o.chat) tmpl = ChatTemplate::detect(s.loaded.chat_template, s.loaded.config.arch);
-  int64_t longest = 0;
   for (auto& p : prompts) {
     if (!p.ids.empty()) continue;
     if (!tok) throw Error(s.loaded.path + " has no tokenizer: use --prompt-ids-file");
@@ -68,22 +86,12 @@ int run_generate(const GenerateOptions& o) {
       text = tmpl->apply(msgs, true);
     }
     p.ids = tok->encode(text, tok->add_bos_default(), /*parse_special=*/o.chat);
-    longest = std::max<int64_t>(longest, int64_t(p.ids.size()));
-  }
-  if (longest + o.max_tokens > s.cache->capacity_tokens() &&
-      s.cache->capacity_tokens() < s.loaded.config.max_context && o.model.ctx_size == 0) {
-    // Grow the cache to fit the longest request, up to the model's context.
-    ModelOptions mo = o.model;
-    mo.ctx_size = int(std::min<int64_t>(longest + o.max_tokens, s.loaded.config.max_context));
-    KvCacheConfig kv;
-    kv.num_blocks = (mo.ctx_size + 15) / 16;
-    s.cache = std::make_unique<KvCache>(*s.backend, s.loaded.config, kv);
   }
 
-  Generator gen(*s.loaded.model, *s.backend, tok, *s.cache);
-  for (size_t idx = 0; idx < prompts.size(); ++idx) {
-    const Prompt& p = prompts[idx];
-    GenerateRequest req;
+  // All prompts go to the engine at once; it batches them.
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (const auto& p : prompts) {
+    EngineRequest req;
     req.prompt = p.ids;
     req.max_tokens = o.max_tokens;
     req.sampling = o.sampling;
@@ -91,38 +99,59 @@ int run_generate(const GenerateOptions& o) {
     if (tmpl)
       for (const auto& st : tmpl->stop_strings()) req.stop.push_back(st);
     req.ignore_eos = o.ignore_eos;
-    GenerateResult r;
-    if (o.json) {
-      r = gen.generate(req);
-      nlohmann::json j;
-      j["index"] = idx;
-      j["prompt"] = p.text;
-      j["text"] = r.text;
-      j["tokens"] = r.tokens;
-      j["finish_reason"] = r.finish_reason;
-      j["usage"] = {{"prompt_tokens", r.prompt_tokens},
-                    {"completion_tokens", r.tokens.size()},
-                    {"total_tokens", r.prompt_tokens + int(r.tokens.size())}};
-      j["timings"] = {{"prompt_tokens_per_s", r.prompt_tokens_per_s()},
-                      {"decode_tokens_per_s", r.decode_tokens_per_s()},
-                      {"prompt_ms", r.prompt_seconds * 1e3},
-                      {"decode_ms", r.decode_seconds * 1e3}};
-      std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
-    } else {
-      r = gen.generate(req, [](int32_t, std::string_view delta) {
-        std::fwrite(delta.data(), 1, delta.size(), stdout);
+    req.priority = parse_priority(o.priority).value_or(Priority::Standard);
+    handles.push_back(s.engine->submit(std::move(req)));
+  }
+  const bool stream = !o.json && prompts.size() == 1;
+  int failures = 0;
+  for (size_t idx = 0; idx < prompts.size(); ++idx) {
+    std::vector<int32_t> tokens;
+    std::string text;
+    EngineEvent fin;
+    while (auto ev = handles[idx]->next()) {
+      if (ev->token >= 0) tokens.push_back(ev->token);
+      text += ev->text;
+      if (stream) {
+        std::fwrite(ev->text.data(), 1, ev->text.size(), stdout);
         std::fflush(stdout);
-        return true;
-      });
+      }
+      if (ev->final) fin = std::move(*ev);
+    }
+    fin.text = text;
+    if (!fin.error.empty()) {
+      ++failures;
+      std::fprintf(stderr, "deepserve: prompt %zu: %s: %s\n", idx, fin.finish_reason.c_str(),
+                   fin.error.c_str());
+    }
+    if (o.json) {
+      std::printf("%s\n", result_json(idx, prompts[idx].text, tokens, fin)
+                              .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                              .c_str());
+    } else {
+      if (!stream) std::printf("%s%s", idx ? "\n---\n" : "", text.c_str());
       std::printf("\n");
       std::fprintf(stderr,
-                   "[prompt %d tokens, %.1f tok/s | generated %zu tokens, %.1f tok/s | %s]\n",
-                   r.prompt_tokens, r.prompt_tokens_per_s(), r.tokens.size(),
-                   r.decode_tokens_per_s(), r.finish_reason.c_str());
+                   "[prompt %d tokens (%d cached), %.1f tok/s | generated %d tokens, %.1f tok/s "
+                   "| %s]\n",
+                   fin.usage.prompt_tokens, fin.usage.cached_prompt_tokens,
+                   fin.timings.prompt_tokens_per_s(), fin.usage.completion_tokens,
+                   fin.timings.decode_tokens_per_s(), fin.finish_reason.c_str());
     }
     std::fflush(stdout);
   }
-  return 0;
+  if (o.stats) {
+    const EngineStats st = s.engine->stats();
+    nlohmann::json j = {{"steps", st.steps},
+                        {"preemptions", st.preemptions},
+                        {"prompt_tokens_computed", st.prompt_tokens_computed},
+                        {"tokens_generated", st.tokens_generated},
+                        {"mean_kv_fragmentation", st.mean_fragmentation},
+                        {"peak_kv_usage", st.peak_kv_usage},
+                        {"prefix_cache_hit_rate", st.kv.prefix_hit_rate},
+                        {"prefix_hit_tokens", st.kv.prefix_hit_tokens}};
+    std::fprintf(stderr, "%s\n", j.dump().c_str());
+  }
+  return failures ? 1 : 0;
 }
 
 }  // namespace ds

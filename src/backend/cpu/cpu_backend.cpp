@@ -136,6 +136,7 @@ class CpuBackend final : public Backend {
     a.w_row_bytes = size_t(w.row_stride());
     a.out = out.ptr<float>();
     a.ldo = out.row_stride() / 4;
+    a.act = precision_ == ActivationPrecision::Q8 ? cpu::ActPrecision::Q8 : cpu::ActPrecision::F32;
     cpu::matmul(a, pool_, isa_);
   }
 

@@ -1,0 +1,282 @@
+#include "engine/engine.h"
+
+#include <chrono>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace ds {
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+KvCacheConfig kv_config(const EngineConfig& c) {
+  KvCacheConfig kv;
+  kv.block_size = c.block_size;
+  kv.num_blocks = int((c.kv_cache_tokens + c.block_size - 1) / c.block_size);
+  kv.dtype = c.kv_dtype;
+  return kv;
+}
+
+SchedulerConfig sched_config(const EngineConfig& c, const ModelConfig& m) {
+  SchedulerConfig s;
+  s.max_num_seqs = c.max_num_seqs;
+  s.max_num_batched_tokens = c.max_num_batched_tokens;
+  s.max_model_len = int(m.max_context);
+  return s;
+}
+
+BlockManagerConfig block_config(const EngineConfig& c) {
+  BlockManagerConfig b;
+  b.num_blocks = kv_config(c).num_blocks;
+  b.block_size = c.block_size;
+  b.mode = c.kv_mode;
+  b.enable_prefix_cache = c.prefix_cache;
+  return b;
+}
+
+}  // namespace
+
+double Timings::prompt_tokens_per_s() const {
+  const double t = ttft_s - queue_s;
+  return t > 0 ? computed_prompt_tokens / t : 0;
+}
+
+double Timings::decode_tokens_per_s() const {
+  return decode_s > 0 && completion_tokens > 1 ? (completion_tokens - 1) / decode_s : 0;
+}
+
+std::optional<EngineEvent> RequestHandle::next() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (done_) return std::nullopt;
+  cv_.wait(lock, [&] { return !events_.empty(); });
+  EngineEvent ev = std::move(events_.front());
+  events_.pop_front();
+  if (ev.final) done_ = true;
+  return ev;
+}
+
+EngineEvent RequestHandle::wait() {
+  std::string text;
+  for (;;) {
+    auto ev = next();
+    if (!ev) throw Error("request " + std::to_string(id_) + ": events already consumed");
+    text += ev->text;
+    if (ev->final) {
+      ev->text = std::move(text);
+      return *ev;
+    }
+  }
+}
+
+void RequestHandle::push(EngineEvent ev) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.push_back(std::move(ev));
+  }
+  cv_.notify_one();
+}
+
+Engine::Engine(Model& model, Backend& backend, const Tokenizer* tokenizer, const EngineConfig& cfg)
+    : model_(model),
+      backend_(backend),
+      tok_(tokenizer),
+      cfg_(cfg),
+      cache_(backend, model.config(), kv_config(cfg)),
+      sched_(sched_config(cfg, model.config()), block_config(cfg)) {
+  DS_CHECK(cfg.max_num_batched_tokens >= cfg.max_num_seqs,
+           "max_num_batched_tokens must be >= max_num_seqs");
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::shared_ptr<RequestHandle> Engine::submit(EngineRequest req) {
+  for (int32_t id : req.prompt)
+    if (id < 0 || id >= model_.config().vocab)
+      throw Error("prompt token id " + std::to_string(id) + " is outside the vocabulary of " +
+                  std::to_string(model_.config().vocab));
+  std::unique_lock<std::mutex> lock(mu_);
+  const SeqId id = next_id_++;
+  auto handle = std::make_shared<RequestHandle>(id);
+  auto live = std::make_unique<Live>(Live{
+      req, handle, Sampler(req.sampling),
+      OutputProcessor(tok_, req.stop, req.ignore_eos, model_.config().eos_id), now_s()});
+  inbox_.emplace_back(id, std::move(live));
+  lock.unlock();
+  cv_.notify_all();
+  return handle;
+}
+
+void Engine::cancel(SeqId id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancels_.push_back(id);
+  }
+  cv_.notify_all();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Engine::loop() {
+  for (;;) {
+    std::vector<std::pair<SeqId, std::unique_ptr<Live>>> arrived;
+    std::vector<SeqId> cancels;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] {
+        return stop_ || !inbox_.empty() || !cancels_.empty() || sched_.has_unfinished();
+      });
+      if (stop_) break;
+      arrived.swap(inbox_);
+      cancels.swap(cancels_);
+    }
+    for (auto& [id, live] : arrived) {
+      Request r;
+      r.id = id;
+      r.prompt = live->req.prompt;
+      r.max_tokens = live->req.max_tokens;
+      r.priority = live->req.priority;
+      live_.emplace(id, std::move(live));
+      sched_.add(std::move(r));  // a rejection arrives with the next plan
+    }
+    for (SeqId id : cancels)
+      if (live_.count(id)) finish(id, FinishReason::Cancelled);
+    try {
+      step();
+    } catch (const std::exception& e) {
+      // A failed step fails the requests in it rather than the process.
+      log_error(std::string("engine step failed: ") + e.what());
+      std::vector<SeqId> ids;
+      for (const auto& [id, l] : live_) ids.push_back(id);
+      for (SeqId id : ids) finish(id, FinishReason::Rejected, e.what());
+    }
+  }
+  std::vector<SeqId> ids;
+  for (const auto& [id, l] : live_) ids.push_back(id);
+  for (SeqId id : ids) finish(id, FinishReason::Cancelled);
+}
+
+void Engine::finish(SeqId id, FinishReason reason, const std::string& error) {
+  auto it = live_.find(id);
+  if (it == live_.end()) return;
+  Live& l = *it->second;
+  sched_.finish(id, reason);
+  EngineEvent ev;
+  ev.final = true;
+  if (reason != FinishReason::Rejected) ev.text = std::string(l.out.close());
+  ev.finish_reason = std::string(finish_reason_name(reason));
+  ev.error = error;
+  ev.usage.prompt_tokens = int(l.req.prompt.size());
+  ev.usage.completion_tokens = l.generated;
+  ev.usage.cached_prompt_tokens = std::max(l.cached, 0);
+  const double t = now_s();
+  Timings& tm = ev.timings;
+  tm.queue_s = l.t_scheduled >= 0 ? l.t_scheduled - l.t_submit : t - l.t_submit;
+  tm.ttft_s = l.t_first >= 0 ? l.t_first - l.t_submit : 0;
+  tm.total_s = t - l.t_submit;
+  tm.decode_s = l.t_first >= 0 ? l.t_last - l.t_first : 0;
+  tm.computed_prompt_tokens = ev.usage.prompt_tokens - ev.usage.cached_prompt_tokens;
+  tm.completion_tokens = l.generated;
+  l.handle->push(std::move(ev));
+  live_.erase(it);
+}
+
+void Engine::copy_blocks(const std::vector<BlockCopy>& copies) {
+  const int64_t row = int64_t(cache_.block_size()) * model_.config().kv_heads *
+                      model_.config().head_dim;
+  for (const auto& [src, dst] : copies)
+    for (int l = 0; l < model_.config().layers; ++l) {
+      const PagedKv& kv = cache_.layer(l);
+      for (void* base : {kv.k, kv.v}) {
+        TensorView all = TensorView::contiguous(base, kv.dtype, {kv.num_blocks, row}, backend_.device());
+        backend_.copy(all.slice_rows(src, src + 1), all.slice_rows(dst, dst + 1));
+      }
+    }
+}
+
+void Engine::step() {
+  StepPlan plan = sched_.schedule();
+  for (const auto& r : plan.rejected) finish(r.id, FinishReason::Rejected, r.reason);
+  for (const auto& f : plan.finished) finish(f.id, f.reason);
+  if (plan.empty()) return;
+  copy_blocks(plan.block_copies);
+  const double t_step = now_s();
+  int64_t prompt_tokens = 0;  // prefill (and recompute) tokens, as opposed to decodes
+  for (const auto& s : plan.seqs) {
+    Live& l = *live_.at(s.id);
+    const bool decode = l.generated > 0 && s.tokens.size() == 1 && s.needs_logits;
+    if (!decode) prompt_tokens += int64_t(s.tokens.size());
+    if (l.t_scheduled < 0) l.t_scheduled = t_step;
+    if (l.cached < 0)
+      if (const Sequence* seq = sched_.find(s.id)) l.cached = seq->num_cached_prompt;
+  }
+
+  const StepBatch batch = build_step_batch(plan, sched_.block_manager());
+  const int vocab = model_.config().vocab;
+  const size_t rows = batch.logit_rows.size();
+  if (!logits_buf_ || logits_buf_->size() < rows * size_t(vocab) * 4)
+    logits_buf_ = backend_.alloc(std::max<size_t>(rows, 1) * size_t(vocab) * 4);
+  ForwardInput in;
+  in.tokens = batch.tokens;
+  in.meta = batch.meta();
+  in.logit_rows = batch.logit_rows;
+  TensorView logits = logits_buf_->view(DType::F32, {int64_t(rows), vocab});
+  model_.forward(in, cache_, logits);
+  logits_.resize(rows * size_t(vocab));
+  if (rows) backend_.download(logits_.data(), logits, logits_.size() * 4);
+
+  std::vector<SampledToken> sampled;
+  sampled.reserve(rows);
+  for (size_t i = 0; i < rows; ++i) {
+    const SeqId id = batch.logit_seqs[i];
+    const Sequence* seq = sched_.find(id);
+    Live& l = *live_.at(id);
+    const int32_t tok = l.sampler.sample(std::span(logits_.data() + i * size_t(vocab), size_t(vocab)),
+                                         seq->tokens);
+    sampled.push_back({id, tok});
+  }
+  sched_.on_step_done(sampled);
+
+  const double t = now_s();
+  for (const auto& st : sampled) {
+    Live& l = *live_.at(st.id);
+    ++l.generated;
+    if (l.t_first < 0) l.t_first = t;
+    l.t_last = t;
+    const auto d = l.out.push(st.token);
+    EngineEvent ev;
+    ev.token = st.token;
+    ev.text = std::string(d.text);
+    l.handle->push(std::move(ev));
+    if (d.finished)
+      finish(st.id, FinishReason::Stop);
+    else if (l.generated >= l.req.max_tokens)
+      finish(st.id, FinishReason::Length);
+  }
+
+  const BlockManagerStats kv = sched_.block_manager().stats();
+  const SchedulerStats ss = sched_.stats();
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.steps += 1;
+  stats_.preemptions = ss.preemptions;
+  stats_.prompt_tokens_computed += prompt_tokens;
+  stats_.tokens_generated += int64_t(sampled.size());
+  stats_.mean_fragmentation += (kv.fragmentation - stats_.mean_fragmentation) / double(stats_.steps);
+  stats_.peak_kv_usage = std::max(stats_.peak_kv_usage, kv.usage);
+  stats_.kv = kv;
+}
+
+}  // namespace ds

@@ -1,0 +1,149 @@
+// The serving engine: one thread owns the batch. Callers submit requests from any thread and
+// read each request's events (tokens with text deltas, then a final event with the finish
+// reason, usage and timings) from its handle.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/output.h"
+#include "engine/sampler.h"
+#include "engine/scheduler.h"
+#include "model/model.h"
+
+namespace ds {
+
+struct EngineConfig {
+  int64_t kv_cache_tokens = 4096;
+  int block_size = 16;
+  AllocationMode kv_mode = AllocationMode::Dynamic;
+  bool prefix_cache = true;
+  int max_num_seqs = 64;
+  int max_num_batched_tokens = 2048;
+  DType kv_dtype = DType::F32;
+};
+
+struct EngineRequest {
+  std::vector<int32_t> prompt;
+  int max_tokens = 128;
+  SamplingParams sampling;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+  Priority priority = Priority::Standard;
+};
+
+struct Usage {
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+  int cached_prompt_tokens = 0;  // served from the prefix cache at admission
+};
+
+struct Timings {
+  double queue_s = 0;    // submit -> first scheduled
+  double ttft_s = 0;     // submit -> first token
+  double total_s = 0;    // submit -> finished
+  double decode_s = 0;   // first token -> last token
+  double prompt_tokens_per_s() const;  // computed prompt tokens / (ttft - queue)
+  double decode_tokens_per_s() const;  // (completion - 1) / decode_s
+  int computed_prompt_tokens = 0;
+  int completion_tokens = 0;
+  int preemptions = 0;
+};
+
+struct EngineEvent {
+  bool final = false;
+  int32_t token = -1;        // the sampled id (token events)
+  std::string text;          // newly final text
+  std::string finish_reason;  // final: "stop", "length", "cancelled", "rejected"
+  std::string error;          // final, rejected: why
+  Usage usage;
+  Timings timings;
+};
+
+// A submitted request's event stream. Thread-safe; one reader.
+class RequestHandle {
+ public:
+  explicit RequestHandle(SeqId id) : id_(id) {}
+  SeqId id() const { return id_; }
+  // Blocks until the next event; nullopt once the final event has been read.
+  std::optional<EngineEvent> next();
+  // Reads events until the final one; returns it with `text` holding the whole output.
+  EngineEvent wait();
+
+ private:
+  friend class Engine;
+  void push(EngineEvent ev);
+
+  SeqId id_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<EngineEvent> events_;
+  bool done_ = false;  // final event read
+};
+
+struct EngineStats {
+  int64_t steps = 0;
+  int64_t preemptions = 0;
+  int64_t prompt_tokens_computed = 0;
+  int64_t tokens_generated = 0;
+  double mean_fragmentation = 0;  // over steps, of the KV blocks held
+  double peak_kv_usage = 0;
+  BlockManagerStats kv;
+};
+
+class Engine {
+ public:
+  Engine(Model& model, Backend& backend, const Tokenizer* tokenizer, const EngineConfig& cfg);
+  ~Engine();  // cancels what is left and joins the engine thread
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  std::shared_ptr<RequestHandle> submit(EngineRequest req);
+  void cancel(SeqId id);
+  EngineStats stats() const;
+  int64_t kv_capacity_tokens() const { return cache_.capacity_tokens(); }
+
+ private:
+  struct Live {
+    EngineRequest req;
+    std::shared_ptr<RequestHandle> handle;
+    Sampler sampler;
+    OutputProcessor out;
+    double t_submit = 0, t_scheduled = -1, t_first = -1, t_last = -1;
+    int cached = -1;
+    int generated = 0;
+  };
+
+  void loop();
+  void step();
+  void finish(SeqId id, FinishReason reason, const std::string& error = {});
+  void copy_blocks(const std::vector<BlockCopy>& copies);
+
+  Model& model_;
+  Backend& backend_;
+  const Tokenizer* tok_;
+  EngineConfig cfg_;
+  KvCache cache_;
+  Scheduler sched_;
+  std::unordered_map<SeqId, std::unique_ptr<Live>> live_;  // engine thread only
+  std::unique_ptr<Buffer> logits_buf_;
+  std::vector<float> logits_;
+
+  mutable std::mutex mu_;  // guards the inbox, cancels, stats_ and stop_
+  std::condition_variable cv_;
+  std::vector<std::pair<SeqId, std::unique_ptr<Live>>> inbox_;
+  std::vector<SeqId> cancels_;
+  EngineStats stats_;
+  bool stop_ = false;
+  SeqId next_id_ = 1;
+  std::thread thread_;
+};
+
+}  // namespace ds
