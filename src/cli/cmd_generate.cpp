@@ -36,8 +36,8 @@ std::vector<int32_t> read_ids(const std::string& path) {
   return ids;
 }
 
-nlohmann::json result_json(size_t index, const std::string& prompt, const std::vector<int32_t>& tokens,
-                           const EngineEvent& fin) {
+nlohmann::json result_json(size_t index, const std::string& prompt,
+                           const std::vector<int32_t>& tokens, const EngineEvent& fin) {
   nlohmann::json j;
   j["index"] = index;
   j["prompt"] = prompt;

@@ -108,9 +108,9 @@ std::shared_ptr<RequestHandle> Engine::submit(EngineRequest req) {
   std::unique_lock<std::mutex> lock(mu_);
   const SeqId id = next_id_++;
   auto handle = std::make_shared<RequestHandle>(id);
-  auto live = std::make_unique<Live>(Live{
-      req, handle, Sampler(req.sampling),
-      OutputProcessor(tok_, req.stop, req.ignore_eos, model_.config().eos_id), now_s()});
+  auto live = std::make_unique<Live>(
+      Live{req, handle, Sampler(req.sampling),
+           OutputProcessor(tok_, req.stop, req.ignore_eos, model_.config().eos_id), now_s()});
   inbox_.emplace_back(id, std::move(live));
   lock.unlock();
   cv_.notify_all();
@@ -174,6 +174,11 @@ void Engine::finish(SeqId id, FinishReason reason, const std::string& error) {
   if (it == live_.end()) return;
   Live& l = *it->second;
   sched_.finish(id, reason);
+  {
+    // Before the final event, so a caller that reads the stats after it sees the blocks freed.
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.kv = sched_.block_manager().stats();
+  }
   EngineEvent ev;
   ev.final = true;
   if (reason != FinishReason::Rejected) ev.text = std::string(l.out.close());
@@ -195,13 +200,14 @@ void Engine::finish(SeqId id, FinishReason reason, const std::string& error) {
 }
 
 void Engine::copy_blocks(const std::vector<BlockCopy>& copies) {
-  const int64_t row = int64_t(cache_.block_size()) * model_.config().kv_heads *
-                      model_.config().head_dim;
+  const int64_t row =
+      int64_t(cache_.block_size()) * model_.config().kv_heads * model_.config().head_dim;
   for (const auto& [src, dst] : copies)
     for (int l = 0; l < model_.config().layers; ++l) {
       const PagedKv& kv = cache_.layer(l);
       for (void* base : {kv.k, kv.v}) {
-        TensorView all = TensorView::contiguous(base, kv.dtype, {kv.num_blocks, row}, backend_.device());
+        TensorView all =
+            TensorView::contiguous(base, kv.dtype, {kv.num_blocks, row}, backend_.device());
         backend_.copy(all.slice_rows(src, src + 1), all.slice_rows(dst, dst + 1));
       }
     }
@@ -244,8 +250,8 @@ void Engine::step() {
     const SeqId id = batch.logit_seqs[i];
     const Sequence* seq = sched_.find(id);
     Live& l = *live_.at(id);
-    const int32_t tok = l.sampler.sample(std::span(logits_.data() + i * size_t(vocab), size_t(vocab)),
-                                         seq->tokens);
+    const int32_t tok =
+        l.sampler.sample(std::span(logits_.data() + i * size_t(vocab), size_t(vocab)), seq->tokens);
     sampled.push_back({id, tok});
   }
   sched_.on_step_done(sampled);
@@ -274,7 +280,8 @@ void Engine::step() {
   stats_.preemptions = ss.preemptions;
   stats_.prompt_tokens_computed += prompt_tokens;
   stats_.tokens_generated += int64_t(sampled.size());
-  stats_.mean_fragmentation += (kv.fragmentation - stats_.mean_fragmentation) / double(stats_.steps);
+  stats_.mean_fragmentation +=
+      (kv.fragmentation - stats_.mean_fragmentation) / double(stats_.steps);
   stats_.peak_kv_usage = std::max(stats_.peak_kv_usage, kv.usage);
   stats_.kv = kv;
 }

@@ -46,10 +46,10 @@ struct Usage {
 };
 
 struct Timings {
-  double queue_s = 0;    // submit -> first scheduled
-  double ttft_s = 0;     // submit -> first token
-  double total_s = 0;    // submit -> finished
-  double decode_s = 0;   // first token -> last token
+  double queue_s = 0;                  // submit -> first scheduled
+  double ttft_s = 0;                   // submit -> first token
+  double total_s = 0;                  // submit -> finished
+  double decode_s = 0;                 // first token -> last token
   double prompt_tokens_per_s() const;  // computed prompt tokens / (ttft - queue)
   double decode_tokens_per_s() const;  // (completion - 1) / decode_s
   int computed_prompt_tokens = 0;
@@ -59,8 +59,8 @@ struct Timings {
 
 struct EngineEvent {
   bool final = false;
-  int32_t token = -1;        // the sampled id (token events)
-  std::string text;          // newly final text
+  int32_t token = -1;         // the sampled id (token events)
+  std::string text;           // newly final text
   std::string finish_reason;  // final: "stop", "length", "cancelled", "rejected"
   std::string error;          // final, rejected: why
   Usage usage;

@@ -101,18 +101,20 @@ Stats compare(const nlohmann::json& fixture, ActivationPrecision precision) {
                   k < expect.size() ? p["generated_top2_margin"][k].get<double>() : 0.0);
     }
   }
-  std::printf("%d prompts, %d positions: top-1 agreement %.4f, identical greedy continuations "
-              "%d/%d, largest logit difference %.4f (%s)\n",
-              st.prompts, st.positions, double(st.top1_agree) / st.positions,
-              st.same_continuations, st.prompts, st.max_diff, st.worst.c_str());
+  std::printf(
+      "%d prompts, %d positions: top-1 agreement %.4f, identical greedy continuations "
+      "%d/%d, largest logit difference %.4f (%s)\n",
+      st.prompts, st.positions, double(st.top1_agree) / st.positions, st.same_continuations,
+      st.prompts, st.max_diff, st.worst.c_str());
   ::testing::Test::RecordProperty("max_logit_diff", std::to_string(st.max_diff));
   ::testing::Test::RecordProperty("top1_agreement",
                                   std::to_string(double(st.top1_agree) / st.positions));
   return st;
 }
 
-#define NEED_MODEL() \
-  if (!std::getenv("DS_SMOLLM2_GGUF")) GTEST_SKIP() << "DS_SMOLLM2_GGUF is not set (scripts/test.sh sets it)"
+#define NEED_MODEL()                   \
+  if (!std::getenv("DS_SMOLLM2_GGUF")) \
+  GTEST_SKIP() << "DS_SMOLLM2_GGUF is not set (scripts/test.sh sets it)"
 
 TEST(LlamaGolden, Q8ModeMatchesLlamaCpp) {
   NEED_MODEL();

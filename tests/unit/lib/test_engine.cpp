@@ -1,0 +1,156 @@
+// The engine on the real SmolLM2 model: batched equals alone (also with tiny prefill chunks
+// and a cache small enough to force preemptions), prefix caching, cancellation, rejection.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "engine/engine.h"
+#include "model/loader.h"
+
+namespace ds {
+namespace {
+
+struct Fixture {
+  std::unique_ptr<Backend> backend;
+  LoadedModel m;
+  std::vector<std::vector<int32_t>> prompts;  // 32 prompts of varied lengths
+};
+
+Fixture* fixture() {
+  static Fixture* f = [] {
+    const char* path = std::getenv("DS_SMOLLM2_GGUF");
+    if (!path) return static_cast<Fixture*>(nullptr);
+    auto* f = new Fixture;
+    BackendOptions bo;
+    bo.threads = 2;
+    f->backend = make_cpu_backend(bo);
+    f->m = load_model(path, *f->backend, {});
+    std::ifstream in(std::string(DS_FIXTURES_DIR) + "/llamacpp/smollm2_q4_1.json");
+    const auto j = nlohmann::json::parse(in);
+    for (const auto& p : j["prompts"]) f->prompts.push_back(p["ids"].get<std::vector<int32_t>>());
+    // Twelve more: prefixes of the long paragraph, 3 to 250 tokens.
+    const auto longest = *std::max_element(f->prompts.begin(), f->prompts.end(),
+                                           [](auto& a, auto& b) { return a.size() < b.size(); });
+    for (size_t n : {3, 5, 9, 17, 31, 48, 64, 80, 111, 150, 200, 250})
+      f->prompts.emplace_back(longest.begin(), longest.begin() + long(n));
+    return f;
+  }();
+  return f;
+}
+
+#define NEED_MODEL()      \
+  Fixture* f = fixture(); \
+  if (!f) GTEST_SKIP() << "DS_SMOLLM2_GGUF is not set (scripts/test.sh sets it)"
+
+std::vector<std::vector<int32_t>> run_all(Fixture* f, const EngineConfig& cfg,
+                                          const std::vector<std::vector<int32_t>>& prompts,
+                                          int max_tokens, bool concurrent,
+                                          EngineStats* stats = nullptr) {
+  Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), cfg);
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  auto collect = [](RequestHandle& h) {
+    std::vector<int32_t> toks;
+    while (auto ev = h.next()) {
+      if (ev->token >= 0) toks.push_back(ev->token);
+      if (ev->final) {
+        EXPECT_TRUE(ev->error.empty()) << ev->error;
+      }
+    }
+    return toks;
+  };
+  auto request = [&](const std::vector<int32_t>& p) {
+    EngineRequest r;
+    r.prompt = p;
+    r.max_tokens = max_tokens;
+    r.sampling.temperature = 0;
+    r.ignore_eos = true;
+    return r;
+  };
+  if (concurrent) {
+    std::vector<std::shared_ptr<RequestHandle>> hs;
+    for (const auto& p : prompts) hs.push_back(engine.submit(request(p)));
+    for (size_t i = 0; i < hs.size(); ++i) out[i] = collect(*hs[i]);
+  } else {
+    for (size_t i = 0; i < prompts.size(); ++i)
+      out[i] = collect(*engine.submit(request(prompts[i])));
+  }
+  if (stats) *stats = engine.stats();
+  return out;
+}
+
+TEST(Engine, BatchedEqualsAlone) {
+  NEED_MODEL();
+  ASSERT_EQ(f->prompts.size(), 32u);
+  EngineConfig alone_cfg;
+  alone_cfg.prefix_cache = false;
+  const auto alone = run_all(f, alone_cfg, f->prompts, 12, false);
+
+  EngineConfig batched = alone_cfg;
+  EngineStats st;
+  EXPECT_EQ(run_all(f, batched, f->prompts, 12, true, &st), alone) << "plain batching";
+  EXPECT_GT(double(st.tokens_generated) / double(st.steps), 4.0) << "requests did share steps";
+
+  EngineConfig chunked = alone_cfg;
+  chunked.max_num_seqs = 8;
+  chunked.max_num_batched_tokens = 13;  // prompts split into many small chunks
+  EXPECT_EQ(run_all(f, chunked, f->prompts, 12, true), alone) << "tiny prefill chunks";
+
+  EngineConfig tight = alone_cfg;
+  tight.kv_cache_tokens = 16 * 40;  // 40 blocks: far less than 32 prompts need at once
+  EXPECT_EQ(run_all(f, tight, f->prompts, 12, true, &st), alone) << "with preemptions";
+  EXPECT_GT(st.preemptions, 0);
+}
+
+TEST(Engine, PrefixCacheComputesASharedSystemPromptOnce) {
+  NEED_MODEL();
+  // A 400-token shared prefix (the long paragraph, repeated) plus a different question each.
+  std::vector<int32_t> system;
+  while (system.size() < 400)
+    system.insert(system.end(), f->prompts[16].begin(), f->prompts[16].end());
+  system.resize(400);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 6; ++i) {
+    auto p = system;
+    p.insert(p.end(), f->prompts[size_t(i)].begin(), f->prompts[size_t(i)].end());
+    prompts.push_back(p);
+  }
+  EngineConfig off;
+  off.prefix_cache = false;
+  EngineStats st_off, st_on;
+  const auto without = run_all(f, off, prompts, 8, false, &st_off);
+  EngineConfig on;
+  const auto with = run_all(f, on, prompts, 8, false, &st_on);
+  EXPECT_EQ(with, without);
+  // Requests after the first reuse the 400-token prefix: 25 full blocks of 16 each.
+  EXPECT_EQ(st_on.kv.prefix_hit_tokens, 5 * 400);
+  EXPECT_EQ(st_off.prompt_tokens_computed - st_on.prompt_tokens_computed, 5 * 400);
+}
+
+TEST(Engine, CancelFreesBlocksAndImpossibleRequestsAreRejected) {
+  NEED_MODEL();
+  EngineConfig cfg;
+  cfg.kv_cache_tokens = 256;
+  Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), cfg);
+  EngineRequest r;
+  r.prompt = f->prompts[0];
+  r.max_tokens = 100000;
+  r.ignore_eos = true;
+  auto too_long = engine.submit(r);
+  const EngineEvent rej = too_long->wait();
+  EXPECT_EQ(rej.finish_reason, "rejected");
+  EXPECT_FALSE(rej.error.empty());
+
+  r.max_tokens = 200;
+  auto h = engine.submit(r);
+  ASSERT_TRUE(h->next().has_value());  // first token arrived: it holds blocks now
+  engine.cancel(h->id());
+  const EngineEvent fin = h->wait();
+  EXPECT_EQ(fin.finish_reason, "cancelled");
+  EXPECT_LT(fin.usage.completion_tokens, 200);
+  EXPECT_EQ(engine.stats().kv.used_blocks, 0);
+}
+
+}  // namespace
+}  // namespace ds
