@@ -1,6 +1,8 @@
 // Matmul at SmolLM2-135M shapes: M = 1 (decode, memory-bound: GB/s of weights streamed)
 // and M = 512 (prompt, compute-bound: GFLOP/s), on pools of 2 threads (wall time) and 1
 // thread (CPU time of the caller: steadier on a machine shared with other work).
+// Block-quantized weights run in both activation precisions: f32-act (precise, the
+// default) and q8-act (llama.cpp-compatible 8-bit activations).
 //
 // F16 at one shape covers the float-weight path.
 // Weights are spread over enough copies (>= 96 MiB, beyond the L3) that every decode
@@ -27,6 +29,7 @@ struct Case {
   int64_t N, K, M;
   Isa isa;
   int threads;
+  ActPrecision act;
 };
 
 void run_case(benchmark::State& state, Case c) {
@@ -60,6 +63,7 @@ void run_case(benchmark::State& state, Case c) {
   a.w_row_bytes = row_bytes;
   a.out = out.data();
   a.ldo = c.N;
+  a.act = c.act;
   size_t copy = 0;
   for (auto _ : state) {
     a.w = w.data() + copy * matrix;
@@ -94,17 +98,24 @@ void register_all() {
         if (s.N == 49152 && t != DType::Q8_0) continue;  // SmolLM2's lm_head is Q8_0
         if (t == DType::F16 && s.N != 3072) continue;    // the float path, one shape
         for (int64_t M : {1, 512})
-          for (int threads : {2, 1}) {
-            if (s.N == 49152 && M != 1) continue;  // prompts compute logits for one token
-            const std::string name = "matmul/" + std::string(dtype_name(t)) + "/" + s.what +
-                                     "/N=" + std::to_string(s.N) + "/K=" + std::to_string(s.K) +
-                                     "/M=" + std::to_string(M) + "/" + std::string(isa_name(isa)) +
-                                     "/threads:" + std::to_string(threads);
-            auto* b = benchmark::RegisterBenchmark(name.c_str(), run_case,
-                                                   Case{t, s.N, s.K, M, isa, threads});
-            b->Unit(benchmark::kMicrosecond);
-            if (threads > 1) b->UseRealTime();
-          }
+          for (ActPrecision act : {ActPrecision::F32, ActPrecision::Q8})
+            for (int threads : {2, 1}) {
+              if (s.N == 49152 && M != 1) continue;  // prompts compute logits for one token
+              if (t == DType::F16 && act == ActPrecision::Q8)
+                continue;  // float weights: no act mode
+              const std::string name = "matmul/" + std::string(dtype_name(t)) + "/" + s.what +
+                                       "/N=" + std::to_string(s.N) + "/K=" + std::to_string(s.K) +
+                                       "/M=" + std::to_string(M) + "/" +
+                                       std::string(isa_name(isa)) +
+                                       (t == DType::F16            ? ""
+                                        : act == ActPrecision::F32 ? "/f32-act"
+                                                                   : "/q8-act") +
+                                       "/threads:" + std::to_string(threads);
+              auto* b = benchmark::RegisterBenchmark(name.c_str(), run_case,
+                                                     Case{t, s.N, s.K, M, isa, threads, act});
+              b->Unit(benchmark::kMicrosecond);
+              if (threads > 1) b->UseRealTime();
+            }
       }
 }
 
@@ -112,4 +123,3 @@ const int kRegistered = (register_all(), 0);
 
 }  // namespace
 }  // namespace ds::cpu
-

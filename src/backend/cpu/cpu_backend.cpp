@@ -72,7 +72,7 @@ class CpuBackend final : public Backend {
   bool supports(Op op, DType t) const override {
     switch (op) {
       case Op::MatMul:
-        return cpu::matmul_supports(t);
+        return cpu::matmul_supports(t, act());
       case Op::Embed:
         return t == DType::F32 || cpu::matmul_supports(t);
       case Op::StoreKv:
@@ -136,7 +136,7 @@ class CpuBackend final : public Backend {
     a.w_row_bytes = size_t(w.row_stride());
     a.out = out.ptr<float>();
     a.ldo = out.row_stride() / 4;
-    a.act = precision_ == ActivationPrecision::Q8 ? cpu::ActPrecision::Q8 : cpu::ActPrecision::F32;
+    a.act = act();
     cpu::matmul(a, pool_, isa_);
   }
 
@@ -285,6 +285,10 @@ class CpuBackend final : public Backend {
       auto [b, e] = ThreadPool::split(rows, ith, nth);
       for (int64_t r = b; r < e; ++r) fn(r);
     });
+  }
+
+  cpu::ActPrecision act() const {
+    return precision_ == ActivationPrecision::Q8 ? cpu::ActPrecision::Q8 : cpu::ActPrecision::F32;
   }
 
   ThreadPool pool_;

@@ -56,7 +56,7 @@ Q8Layout scalar_q8_layout(int64_t K) {
   return l;
 }
 
-void scalar_quantize_q8(const float* x, int64_t K, uint8_t* row) {
+void scalar_quantize_q8(const float* x, int64_t K, DType, uint8_t* row) {
   quantize_row_act(x, reinterpret_cast<ActBlock*>(row), K);
 }
 
@@ -120,8 +120,22 @@ void scalar_matmul_k(const KJob& j, int64_t n0, int64_t n1) {
   }
 }
 
-constexpr Kernels kScalar = {scalar_q8_layout, scalar_quantize_q8,  scalar_scratch_bytes,
-                             scalar_matmul_q8, scalar_matmul_float, scalar_matmul_k};
+size_t scalar_precise_scratch_bytes(int64_t K) {
+  return size_t(K) * 4;
+}
+
+// Each weight row dequantized once (dequantize_row's values), then k-ordered F32 dots.
+void scalar_matmul_precise(const FloatJob& j, int64_t n0, int64_t n1, uint8_t* scratch) {
+  auto* w = reinterpret_cast<float*>(scratch);  // [K]
+  for (int64_t n = n0; n < n1; ++n) {
+    dequantize_row_ref(j.wtype, j.w + size_t(n) * j.w_row_bytes, w, j.K);
+    for (int64_t m = 0; m < j.M; ++m) j.out[m * j.ldo + n] = vec_dot_f32(w, j.x + m * j.ldx, j.K);
+  }
+}
+
+constexpr Kernels kScalar = {
+    scalar_q8_layout,    scalar_quantize_q8, scalar_scratch_bytes,         scalar_matmul_q8,
+    scalar_matmul_float, scalar_matmul_k,    scalar_precise_scratch_bytes, scalar_matmul_precise};
 
 const Kernels& kernels_for(Isa isa) {
   switch (isa) {
@@ -201,7 +215,7 @@ void matmul_q8(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
   uint8_t* xq = t_activations.get(size_t(a.M) * j.lay.row_bytes);
   j.xq = xq;
   parallel_rows(pool, a.M, a.K, [&](int64_t m) {
-    k.quantize_q8(a.x + m * a.ldx, a.K, xq + size_t(m) * j.lay.row_bytes);
+    k.quantize_q8(a.x + m * a.ldx, a.K, a.wtype, xq + size_t(m) * j.lay.row_bytes);
   });
   const size_t scratch = k.scratch_bytes(a.K);
   parallel_for_output(pool, a.M, a.N, a.K, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
@@ -240,7 +254,7 @@ void matmul_k(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
   });
 }
 
-void matmul_float(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
+FloatJob float_job(const MatmulArgs& a) {
   FloatJob j;
   j.wtype = a.wtype;
   j.x = a.x;
@@ -251,6 +265,11 @@ void matmul_float(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
   j.w_row_bytes = a.w_row_bytes;
   j.out = a.out;
   j.ldo = a.ldo;
+  return j;
+}
+
+void matmul_float(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
+  const FloatJob j = float_job(a);
   parallel_for_output(pool, a.M, a.N, a.K, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     FloatJob sub = j;
     sub.x = j.x + m0 * j.ldx;
@@ -260,17 +279,35 @@ void matmul_float(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
   });
 }
 
+void matmul_precise(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
+  const int64_t bs = dtype_info(a.wtype).block_size;
+  if (a.K % bs != 0)
+    throw Error("matmul: K = " + std::to_string(a.K) + " is not a multiple of the " +
+                std::string(dtype_name(a.wtype)) + " block size");
+  const FloatJob j = float_job(a);
+  const size_t scratch = k.precise_scratch_bytes(a.K);
+  parallel_for_output(pool, a.M, a.N, a.K, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    FloatJob sub = j;
+    sub.x = j.x + m0 * j.ldx;
+    sub.out = j.out + m0 * j.ldo;
+    sub.M = m1 - m0;
+    k.matmul_precise(sub, n0, n1, t_kernel.get(scratch));
+  });
+}
+
 }  // namespace
 
-bool matmul_supports(DType t) {
+namespace detail {
+
+bool precise_supports(DType t) {
   switch (t) {
-    case DType::F32:
-    case DType::F16:
-    case DType::BF16:
     case DType::Q4_0:
     case DType::Q4_1:
+    case DType::Q5_0:
+    case DType::Q5_1:
     case DType::Q8_0:
     case DType::Q4_K:
+    case DType::Q5_K:
     case DType::Q6_K:
       return true;
     default:
@@ -278,10 +315,30 @@ bool matmul_supports(DType t) {
   }
 }
 
+}  // namespace detail
+
+bool matmul_supports(DType t, ActPrecision act) {
+  switch (t) {
+    case DType::F32:
+    case DType::F16:
+    case DType::BF16:
+      return true;
+    case DType::Q4_0:
+    case DType::Q4_1:
+    case DType::Q8_0:
+    case DType::Q4_K:
+    case DType::Q6_K:
+      return true;
+    default:
+      return act == ActPrecision::F32 && detail::precise_supports(t);
+  }
+}
+
 void matmul(const MatmulArgs& a, ThreadPool& pool, Isa isa) {
-  if (!matmul_supports(a.wtype))
+  if (!matmul_supports(a.wtype, a.act))
     throw UnsupportedError("cpu matmul does not support " + std::string(dtype_name(a.wtype)) +
-                           " weights");
+                           " weights" +
+                           (a.act == ActPrecision::Q8 ? " with 8-bit activations" : ""));
   if (!isa_supported(isa))
     throw Error("cpu matmul: this CPU cannot run " + std::string(isa_name(isa)) + " kernels");
   DS_CHECK(a.M >= 0 && a.N >= 0 && a.K > 0, "matmul shape");
@@ -290,6 +347,8 @@ void matmul(const MatmulArgs& a, ThreadPool& pool, Isa isa) {
            "matmul weight row is shorter than K");
   if (a.M == 0 || a.N == 0) return;
   const Kernels& k = kernels_for(isa);
+  if (dtype_info(a.wtype).quantized && a.act == ActPrecision::F32)
+    return matmul_precise(a, pool, k);
   switch (a.wtype) {
     case DType::F32:
     case DType::F16:

@@ -14,8 +14,9 @@ namespace ds::cpu::detail {
 // stores the same values (ActBlock's q, d, s) in the order its kernels read fastest.
 struct Q8Layout {
   int64_t nb = 0;        // 32-element blocks per row
+  size_t c_off = 0;      // byte offset of per-block integer corrections (ISA-specific; or 0)
   size_t d_off = 0;      // byte offset of the per-block scales d (F32)
-  size_t s_off = 0;      // byte offset of the per-block s = d * sum(q) (F32)
+  size_t s_off = 0;      // byte offset of the per-block s (F32)
   size_t row_bytes = 0;  // stride between rows, a multiple of 64
 };
 
@@ -30,8 +31,10 @@ struct Q8Job {
   int64_t ldo = 0;
 };
 
+// Float weights (F32, F16, BF16), or block-quantized weights against F32 activations
+// (the precise mode).
 struct FloatJob {
-  DType wtype = DType::F32;  // F32, F16 or BF16
+  DType wtype = DType::F32;
   const float* x = nullptr;  // [M, ldx]
   int64_t ldx = 0;
   int64_t M = 0, K = 0;
@@ -55,19 +58,30 @@ struct KJob {
 // output element the same bits whatever M, n0, n1 and the scratch are.
 struct Kernels {
   Q8Layout (*q8_layout)(int64_t K);
-  void (*quantize_q8)(const float* x, int64_t K, uint8_t* row);  // one row, in q8_layout
+  // One row, in q8_layout, for weights of type wtype (the layout may hold corrections).
+  void (*quantize_q8)(const float* x, int64_t K, DType wtype, uint8_t* row);
   size_t (*scratch_bytes)(int64_t K);  // per-thread scratch matmul_q8 needs
   void (*matmul_q8)(const Q8Job& job, int64_t n0, int64_t n1, uint8_t* scratch);
   void (*matmul_float)(const FloatJob& job, int64_t n0, int64_t n1);
   void (*matmul_k)(const KJob& job, int64_t n0, int64_t n1);
+  // Precise mode: block-quantized weights (precise_supports) against F32 activations.
+  size_t (*precise_scratch_bytes)(int64_t K);
+  void (*matmul_precise)(const FloatJob& job, int64_t n0, int64_t n1, uint8_t* scratch);
 };
 
 const Kernels& kernels_avx2();
 const Kernels& kernels_avx512();
 
+// Weight types the precise kernels of every ISA take.
+bool precise_supports(DType wtype);
+
 // Kernels shared across the tables (defined in the file of their ISA).
 void matmul_float_avx2(const FloatJob& job, int64_t n0, int64_t n1);
 void matmul_float_avx512(const FloatJob& job, int64_t n0, int64_t n1);
 void matmul_k_avx2(const KJob& job, int64_t n0, int64_t n1);
+size_t precise_scratch_bytes_avx2(int64_t K);
+void matmul_precise_avx2(const FloatJob& job, int64_t n0, int64_t n1, uint8_t* scratch);
+size_t precise_scratch_bytes_avx512(int64_t K);
+void matmul_precise_avx512(const FloatJob& job, int64_t n0, int64_t n1, uint8_t* scratch);
 
 }  // namespace ds::cpu::detail

@@ -1,8 +1,9 @@
 // AVX2 kernels for Q4_0 / Q4_1 / Q8_0 weights against 8-bit activations (vpmaddubsw).
 //
-// One block per ymm. Every output element runs the same float sequence on every path:
-// per block acc = fma(float(lanes), dw * dx, acc) with exact int32 lanes, then Q4_1's min
-// term, then hsum4; GEMV is the tile with one activation row.
+// One block per ymm. Every output element runs llama.cpp's vec_dot sequence on every
+// path: per block acc = fma(dw * dx, float(lanes), acc) with exact int32 lanes, hsum8,
+// then + summs (Q4_1: summs = fma(m, s, summs) block by block); GEMV is the tile with one
+// activation row.
 #include "backend/cpu/matmul_kernels.h"
 #include "backend/cpu/simd_avx2.h"
 
@@ -33,17 +34,7 @@ Q8Layout layout(int64_t K) {
   return l;
 }
 
-// Rounds half away from zero, bit-exact with roundf.
-inline __m256i round_away(__m256 v) {
-  const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-  const __m256 sign = _mm256_and_ps(v, _mm256_set1_ps(-0.0f));
-  const __m256 frac = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_sub_ps(v, t));
-  const __m256 up = _mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
-  const __m256 one = _mm256_and_ps(up, _mm256_or_ps(sign, _mm256_set1_ps(1.0f)));
-  return _mm256_cvttps_epi32(_mm256_add_ps(t, one));
-}
-
-void quantize_q8(const float* x, int64_t K, uint8_t* row) {
+void quantize_q8(const float* x, int64_t K, DType, uint8_t* row) {
   const Dims dm(K);
   const Q8Layout l = layout(K);
   auto* d = reinterpret_cast<float*>(row + l.d_off);
@@ -60,10 +51,13 @@ void quantize_q8(const float* x, int64_t K, uint8_t* row) {
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float dd = _mm_cvtss_f32(m4) / 127.0f;
-    const __m256 id = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
+    const float mx = _mm_cvtss_f32(m4), dd = mx / 127.0f;
+    // 127 / amax and half-to-even rounding, as llama.cpp's quantize_row_q8_0 / q8_1.
+    const __m256 id = _mm256_set1_ps(mx != 0.0f ? 127.0f / mx : 0.0f);
     __m256i q[4];
-    for (int i = 0; i < 4; ++i) q[i] = round_away(_mm256_mul_ps(v[i], id));
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvttps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -74,7 +68,7 @@ void quantize_q8(const float* x, int64_t K, uint8_t* row) {
         _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_store_si256(reinterpret_cast<__m256i*>(row + 32 * b), ordered);
     d[b] = _cvtsh_ss(_cvtss_sh(dd, _MM_FROUND_TO_NEAREST_INT));
-    s[b] = d[b] * float(_mm_cvtsi128_si32(s4));
+    s[b] = _cvtsh_ss(_cvtss_sh(dd * float(_mm_cvtsi128_si32(s4)), _MM_FROUND_TO_NEAREST_INT));
   }
   for (int64_t b = dm.nb; b < dm.nb8; ++b) d[b] = s[b] = 0.0f;
 }
@@ -113,20 +107,21 @@ inline __m256i block_lanes(__m256i w, __m256i x, __m256i corr) {
   return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-// d (and Q4_1's m) of a row's blocks as F32, zero-padded to a multiple of 8.
+// d of a row's blocks as F32, zero-padded to a multiple of 8; Q4_1's m into column r of
+// m[nb][kNR] (the layout the min-term FMAs read).
 template <DType T>
-void row_scales(const uint8_t* w, const Dims& dm, float* d, float* m) {
+void row_scales(const uint8_t* w, const Dims& dm, int r, float* d, float* m) {
   for (int64_t b = 0; b < dm.nb; ++b) {
     const uint8_t* blk = w + b * kBlockBytes<T>;
     d[b] = _cvtsh_ss(uint16_t(blk[0] | blk[1] << 8));
-    if constexpr (T == DType::Q4_1) m[b] = _cvtsh_ss(uint16_t(blk[2] | blk[3] << 8));
+    if constexpr (T == DType::Q4_1) m[b * kNR + r] = _cvtsh_ss(uint16_t(blk[2] | blk[3] << 8));
   }
-  for (int64_t b = dm.nb; b < dm.nb8; ++b) d[b] = m[b] = 0.0f;
+  for (int64_t b = dm.nb; b < dm.nb8; ++b) d[b] = 0.0f;
 }
 
 struct Scales {
   float* d;  // [kNR][nb8]
-  float* m;  // [kNR][nb8]
+  float* m;  // [nb][kNR]
 };
 
 template <DType T, int MR, int NR>
@@ -154,25 +149,27 @@ void tile(const uint8_t* x, const Q8Layout& lay, const Dims& dm, const uint8_t* 
       for (int i = 0; i < MR; ++i) {
         const float* xd = reinterpret_cast<const float*>(x + i * lay.row_bytes + lay.d_off);
         const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + b));
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_lanes<T>(wv, xv[i], corr[i])), scale,
+        acc[i][j] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(block_lanes<T>(wv, xv[i], corr[i])),
                                     acc[i][j]);
       }
     }
   }
   DS_UNROLL
   for (int i = 0; i < MR; ++i) {
+    const __m256 z = _mm256_setzero_ps();
+    __m128 r =
+        hsum4(acc[i][0], NR > 1 ? acc[i][1] : z, NR > 2 ? acc[i][2] : z, NR > 3 ? acc[i][3] : z);
     if constexpr (T == DType::Q4_1) {
+      // summs for the NR columns in lanes, one block after another as llama.cpp adds them.
       const auto* s = reinterpret_cast<const float*>(x + i * lay.row_bytes + lay.s_off);
-      DS_UNROLL
-      for (int j = 0; j < NR; ++j) {
-        __m256 macc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < dm.nb8; b += 8)
-          macc =
-              _mm256_fmadd_ps(_mm256_loadu_ps(sc.m + j * dm.nb8 + b), _mm256_loadu_ps(s + b), macc);
-        acc[i][j] = _mm256_add_ps(acc[i][j], macc);
-      }
+      __m128 summs = _mm_setzero_ps();
+      for (int64_t b = 0; b < dm.nb; ++b)
+        summs = _mm_fmadd_ps(_mm_loadu_ps(sc.m + b * kNR), _mm_broadcast_ss(s + b), summs);
+      r = _mm_add_ps(r, summs);
     }
-    store_sums<NR>(acc[i], out + i * ldo);
+    alignas(16) float tmp[4];
+    _mm_store_ps(tmp, r);
+    for (int j = 0; j < NR; ++j) out[i * ldo + j] = tmp[j];
   }
 }
 
@@ -193,13 +190,15 @@ void run(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
   const Dims dm(j.K);
   const Scales sc{reinterpret_cast<float*>(scratch),
                   reinterpret_cast<float*>(scratch) + kNR * dm.nb8};
+  if constexpr (T == DType::Q4_1)
+    for (int64_t i = 0; i < kNR * dm.nb; ++i) sc.m[i] = 0.0f;  // columns past nr stay 0
   for (int64_t m0 = 0; m0 < j.M; m0 += kMBlock) {
     const int64_t m1 = imin(j.M, m0 + kMBlock);
     for (int64_t n = n0; n < n1; n += kNR) {
       const int nr = int(imin(kNR, n1 - n));
       const uint8_t* w = j.w + n * j.w_row_bytes;
       for (int r = 0; r < nr; ++r)
-        row_scales<T>(w + r * j.w_row_bytes, dm, sc.d + r * dm.nb8, sc.m + r * dm.nb8);
+        row_scales<T>(w + r * j.w_row_bytes, dm, r, sc.d + r * dm.nb8, sc.m);
       for (int64_t m = m0; m < m1; m += kMR) {
         const TileFn<T> fn = m + 1 < m1 ? tile_for<T, 2>(nr) : tile_for<T, 1>(nr);
         fn(j.xq + m * j.lay.row_bytes, j.lay, dm, w, j.w_row_bytes, sc, j.out + m * j.ldo + n,
@@ -227,8 +226,14 @@ size_t scratch_bytes(int64_t K) {
 }  // namespace
 
 const Kernels& kernels_avx2() {
-  static constexpr Kernels k = {layout,    quantize_q8,       scratch_bytes,
-                                matmul_q8, matmul_float_avx2, matmul_k_avx2};
+  static constexpr Kernels k = {layout,
+                                quantize_q8,
+                                scratch_bytes,
+                                matmul_q8,
+                                matmul_float_avx2,
+                                matmul_k_avx2,
+                                precise_scratch_bytes_avx2,
+                                matmul_precise_avx2};
   return k;
 }
 

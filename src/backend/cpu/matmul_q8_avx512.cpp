@@ -1,24 +1,27 @@
 // AVX-512 VNNI kernels for Q4_0 / Q4_1 / Q8_0 weights against 8-bit activations.
 //
-// Two blocks share one zmm: dword lane 2u+b holds elements 4u..4u+3 of block b of the
-// pair, so a vpdpbusd leaves per-block partial sums in alternating lanes and the two block
-// scales broadcast as one 64-bit pair. Activations are stored as q + 128 (unsigned).
+// Two weight rows share one zmm: lanes 0..7 hold block b of row n, lanes 8..15 block b of
+// row n + 1, so one vpdpbusd against the activation block broadcast to both halves gives
+// each row's eight exact int32 lane sums (lane u: elements 4u..4u+3). Every output element
+// then runs llama.cpp's AVX2 vec_dot sequence, block by block:
+//   acc = fma(dw * dx, float(lanes), acc)   (8 lanes)   Q4_1: summs = fma(m, s, summs)
+// and the result is hsum8(acc) [+ summs]. GEMV (M == 1) and the register tiles differ only
+// in where the weights come from (the row itself or a packed panel), so batched results
+// equal single-row ones.
 //
-// Every output element runs the same float sequence on every path: for each block pair p
-//   acc = fma(float(lanes_p), dw_p * dx_p, acc)          (16 lanes)
-//   Q4_1: (lo, hi) = fma((m_2p, m_2p+1), (s_2p, s_2p+1), (lo, hi))
-// where lanes_p are exact int32 sums of x_q * w_q over the lane's four elements, and the
-// result is hsum4(acc) [+ (lo + hi)]. GEMV (M == 1) and the register tiles differ only in
-// how they form the exact integer lanes, so batched results equal single-row ones.
+// Weights are the unsigned vpdpbusd operand (Q4 nibbles 0..15, Q8_0 q + 128) and the
+// activations the signed one; the activation row carries the integer lane corrections
+// (-8 or -128 times the lane sums of q) that undo the offsets.
 #include "backend/cpu/matmul_kernels.h"
 #include "backend/cpu/simd_avx512.h"
 
 namespace ds::cpu::detail {
 namespace {
 
-constexpr int kMR = 4, kNR = 4;
+constexpr int kMR = 4, kNP = 4;  // tile: activation rows x weight-row pairs
 // GEMV software prefetch distance: DRAM latency times per-core bandwidth, with margin.
 constexpr int kPrefetchBytes = 10 << 10;
+constexpr size_t kXBlockBytes = 256 << 10;  // activation rows kept hot in L2 per pass
 
 // Local helpers instead of std::min/max: no library template gets instantiated with
 // AVX-512 flags and then merged by the linker into code that runs on other CPUs.
@@ -28,75 +31,46 @@ constexpr int64_t imin(int64_t a, int64_t b) {
 constexpr int64_t imax(int64_t a, int64_t b) {
   return a > b ? a : b;
 }
-template <bool V>
-struct Bool {
-  static constexpr bool value = V;
-};
-constexpr size_t kXBlockBytes = 256 << 10;  // activation rows kept hot in L2 per pass
 
-struct Dims {
-  int64_t nb, np;  // blocks, block pairs
-  explicit Dims(int64_t K) : nb(K / 32), np((K / 32 + 1) / 2) {}
-};
-
+// Row: q [nb][32] int8, c [nb][8] int32, d [nb] F32, s [nb] F32.
 Q8Layout layout(int64_t K) {
-  const Dims dm(K);
+  const int64_t nb = K / 32;
   Q8Layout l;
-  l.nb = dm.nb;
-  l.d_off = size_t(dm.np) * 64;
-  l.s_off = (l.d_off + size_t(dm.np) * 8 + 63) / 64 * 64;
-  l.row_bytes = (l.s_off + size_t(dm.np) * 8 + 63) / 64 * 64;
+  l.nb = nb;
+  l.c_off = size_t(nb) * 32;
+  l.d_off = l.c_off + size_t(nb) * 32;
+  l.s_off = (l.d_off + size_t(nb) * 4 + 63) / 64 * 64;
+  l.row_bytes = (l.s_off + size_t(nb) * 4 + 63) / 64 * 64;
   return l;
 }
 
-// Rounds half away from zero, bit-exact with roundf.
-inline __m512i round_away(__m512 v) {
-  const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-  const __m512 frac = _mm512_sub_ps(v, t);
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(frac), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
-  const __m512 one = _mm512_or_ps(_mm512_and_ps(v, _mm512_set1_ps(-0.0f)), _mm512_set1_ps(1.0f));
-  return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, one));
-}
-
-// One block of 32 floats -> 32 int8 as quantize_block_q8 computes them.
-inline __m256i quant_block(const float* x, float* d_out, int* sum_out) {
-  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-  const float d = amax / 127.0f;
-  const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-  const __m512i q0 = round_away(_mm512_mul_ps(v0, id)), q1 = round_away(_mm512_mul_ps(v1, id));
-  *sum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-  *d_out = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(q0)),
-                                 _mm512_cvtepi32_epi8(q1), 1);
-}
-
-inline __m512i pair_index() {
-  return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-}
-
-void quantize_q8(const float* x, int64_t K, uint8_t* row) {
-  const Dims dm(K);
+void quantize_q8(const float* x, int64_t K, DType wtype, uint8_t* row) {
   const Q8Layout l = layout(K);
   auto* d = reinterpret_cast<float*>(row + l.d_off);
   auto* s = reinterpret_cast<float*>(row + l.s_off);
-  const __m512i idx = pair_index(), bias = _mm512_set1_epi8(char(0x80));
-  for (int64_t p = 0; p < dm.np; ++p) {
-    __m256i q[2];
-    for (int b = 0; b < 2; ++b) {
-      const int64_t blk = 2 * p + b;
-      if (blk < dm.nb) {
-        int sum;
-        q[b] = quant_block(x + 32 * blk, &d[blk], &sum);
-        s[blk] = d[blk] * float(sum);
-      } else {  // the missing half of the last pair: q = 0 contributes nothing
-        q[b] = _mm256_setzero_si256();
-        d[blk] = s[blk] = 0.0f;
-      }
-    }
-    const __m512i z =
-        _mm512_permutex2var_epi32(_mm512_castsi256_si512(q[0]), idx, _mm512_castsi256_si512(q[1]));
-    _mm512_store_si512(row + 64 * p, _mm512_xor_si512(z, bias));
+  // The weights' offset the corrections undo: Q4_0 stores q + 8, Q8_0 is fed to vpdpbusd
+  // as q + 128, Q4_1 has none (its corrections stay zero and are never read).
+  const __m256i offset = _mm256_set1_epi8(wtype == DType::Q4_0   ? char(8)
+                                          : wtype == DType::Q8_0 ? char(0x80)
+                                                                 : char(0));
+  for (int64_t b = 0; b < l.nb; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    // 127 / amax and half-to-even rounding, as llama.cpp's quantize_row_q8_0 / q8_1.
+    const __m512 id = _mm512_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i q0 = _mm512_cvttps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, id), kRne));
+    const __m512i q1 = _mm512_cvttps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, id), kRne));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(q0)),
+                                              _mm512_cvtepi32_epi8(q1), 1);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(row + 32 * b), q);
+    const __m256i c = _mm256_dpbusd_epi32(_mm256_setzero_si256(), offset, q);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(row + l.c_off + 32 * b),
+                       _mm256_sub_epi32(_mm256_setzero_si256(), c));
+    const float dd = amax / 127.0f;
+    d[b] = _cvtsh_ss(_cvtss_sh(dd, _MM_FROUND_TO_NEAREST_INT));
+    s[b] = _cvtsh_ss(_cvtss_sh(dd * float(sum), _MM_FROUND_TO_NEAREST_INT));
   }
 }
 
@@ -107,336 +81,268 @@ constexpr int kBlockBytes = T == DType::Q4_0   ? 18
                             : T == DType::Q4_1 ? 20
                                                : 34;
 
-// Bytes [0, n) set, for masked loads that never touch memory past a row's last block.
-constexpr __mmask64 bytes_mask(int n) {
-  return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1;
-}
-
-// 64 bytes from p; only the first n are needed. Unless kMasked, the rest must be readable
-// (an unmasked load is much faster when the weights stream from DRAM).
-template <bool kMasked>
-inline __m512i load_bytes(const uint8_t* p, int n) {
-  if constexpr (kMasked) return _mm512_maskz_loadu_epi8(bytes_mask(n), p);
-  return _mm512_loadu_si512(p);
-}
-
-// Block pair (blk, blk + 1) straight from the weight row, in one or two loads:
-// w = raw values in pair lane order (Q4 nibbles 0..15, Q8 int8); dm = [d0, m0, d1, m1]
-// as F32 (Q4_1), [d0, d0, d1, d1] otherwise. kTwo = false for an odd last block, whose
-// missing partner reads as zeros. kMasked: never read past the pair (the row's end).
-template <DType T, bool kTwo, bool kMasked = true>
-inline void load_pair(const uint8_t* blk, __m512i& w, __m128& dm) {
-  constexpr int kBytes = kBlockBytes<T> * (kTwo ? 2 : 1);
-  constexpr bool kMask = kMasked || !kTwo;
-  if constexpr (T == DType::Q4_1) {
-    // Dwords: 0 = (d0, m0), 1..4 = qs0, 5 = (d1, m1), 6..9 = qs1.
-    const __m512i z = load_bytes<kMask>(blk, kBytes);
-    const __m512i t = _mm512_permutexvar_epi32(
-        _mm512_setr_epi32(1, 6, 2, 7, 3, 8, 4, 9, 1, 6, 2, 7, 3, 8, 4, 9), z);
-    w = _mm512_and_si512(_mm512_mask_srli_epi16(t, __mmask32(0xffff0000u), t, 4),
-                         _mm512_set1_epi8(0x0f));
-    const __m512i h = _mm512_permutexvar_epi32(_mm512_set1_epi64(int64_t(5) << 32), z);
-    dm = _mm_cvtph_ps(_mm512_castsi512_si128(h));
-  } else if constexpr (T == DType::Q4_0) {
-    // Words: 0 = d0, 1..8 = qs0, 9 = d1, 10..17 = qs1.
-    const __m512i z = load_bytes<kMask>(blk, kBytes);
-    const __m512i t = _mm512_permutexvar_epi16(
-        _mm512_set_epi16(17, 16, 8, 7, 15, 14, 6, 5, 13, 12, 4, 3, 11, 10, 2, 1,  //
-                         17, 16, 8, 7, 15, 14, 6, 5, 13, 12, 4, 3, 11, 10, 2, 1),
-        z);
-    w = _mm512_and_si512(_mm512_mask_srli_epi16(t, __mmask32(0xffff0000u), t, 4),
-                         _mm512_set1_epi8(0x0f));
-    const __m512i h = _mm512_permutexvar_epi16(_mm512_set1_epi64(0x0009000900000000ll), z);
-    dm = _mm_cvtph_ps(_mm512_castsi512_si128(h));
+// Block b of rows a and b2 (pointers to the blocks): w = their 32 values as the unsigned
+// operand, row a in bytes 0..31, row b2 in 32..63, in element order; f = [d_a, m_a, d_b,
+// m_b] as F32 (m = 0 unless Q4_1).
+template <DType T>
+inline void load_pair(const uint8_t* a, const uint8_t* b2, __m512i& w, __m128& f) {
+  if constexpr (T == DType::Q8_0) {
+    const __m512i v =
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 2))),
+                           _mm256_loadu_si256((const __m256i*)(b2 + 2)), 1);
+    w = _mm512_xor_si512(v, _mm512_set1_epi8(char(0x80)));
   } else {
-    // Bytes: 0 = d0, 2..33 = qs0, 34 = d1, 36..67 = qs1: loads that stay inside the pair.
-    const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + 2)));
-    const __m512i b = kTwo ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + 36)))
-                           : _mm512_setzero_si512();
-    w = _mm512_permutex2var_epi32(a, pair_index(), b);
-    uint16_t d0, d1 = 0;
-    __builtin_memcpy(&d0, blk, 2);
-    if constexpr (kTwo) __builtin_memcpy(&d1, blk + 34, 2);
-    dm = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(d0), d1, 2));
+    constexpr int kQs = T == DType::Q4_1 ? 4 : 2;
+    const __m256i v =
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(a + kQs))),
+                                _mm_loadu_si128((const __m128i*)(b2 + kQs)), 1);
+    // 128-bit lanes [a, a, b2, b2]; the second of each pair shifted to its high nibbles.
+    const __m512i t = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                               _mm512_castsi256_si512(v));
+    w = _mm512_and_si512(_mm512_mask_srli_epi16(t, __mmask32(0xff00ff00u), t, 4),
+                         _mm512_set1_epi8(0x0f));
   }
+  uint32_t ha, hb;
+  __builtin_memcpy(&ha, a, 4);
+  __builtin_memcpy(&hb, b2, 4);
+  if constexpr (T != DType::Q4_1) {  // only d: the next two bytes are quants
+    ha &= 0xffff;
+    hb &= 0xffff;
+  }
+  f = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(int(ha)), int(hb), 1));
 }
 
-// [d0, d1] repeated over 16 lanes from load_pair's dm.
-inline __m512 scale_pair(__m128 dm) {
-  return _mm512_permutexvar_ps(_mm512_set1_epi64(int64_t(2) << 32), _mm512_castps128_ps512(dm));
+// [d_a x 8, d_b x 8] from load_pair's f.
+inline __m512 pair_scales(__m128 f) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                               _mm512_castps128_ps512(f));
 }
 
-// Weights as the unsigned vpdpbusd operand (GEMV): Q4 nibbles as they are, Q8 + 128.
-template <DType T>
-inline __m512i to_unsigned(__m512i w) {
-  if constexpr (T == DType::Q8_0) return _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80)));
-  return w;
+// hsum8 of both halves of four row-pair accumulators: the eight row results in order, each
+// ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) over its own lanes like llama.cpp's hsum_float_8.
+inline __m256 hsum8x8(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 1, 3, 1)));
+  // Per 128-bit lane k: rows k of ab (t0, t1) and of cd.
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(t, t, _MM_SHUFFLE(3, 1, 3, 1)));
+  // Lane k of u holds row k (from ab) in element 0 and row 4 + k (from cd) in element 1.
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, u));
 }
 
-// Weights as the signed operand (tiles): Q4_0 q - 8, Q4_1 q, Q8_0 as stored.
-template <DType T>
-inline __m512i to_signed(__m512i w) {
-  if constexpr (T == DType::Q4_0) return _mm512_sub_epi8(w, _mm512_set1_epi8(8));
-  return w;
-}
-
-inline __m512 accumulate(__m512 acc, __m512i lanes, __m512 dw, __m512 dx) {
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(dw, dx), acc);
-}
-
-// ---- M == 1: stream NR weight rows against one activation row ----
-
-struct GemvX {
-  const uint8_t* xs;  // [np, 64] signed q
-  const uint8_t* xc;  // [np, 64] int32 lane corrections (Q4_0: -8 sum x, Q8_0: -128 sum x)
-  const float* d;     // [np * 2]
-  const float* s;     // [np * 2]
+// One row's activations as the kernels read them.
+struct XRow {
+  const uint8_t* q;  // [nb][32]
+  const uint8_t* c;  // [nb][32]
+  const float* d;    // [nb]
+  const float* s;    // [nb]
 };
 
-template <DType T, int NR>
-void gemv_rows(const uint8_t* w, size_t wrb, const Dims& dm, const GemvX& x, float* out) {
-  __m512 acc[NR];
-  __m128 macc[NR];  // Q4_1: lanes 1 and 3 hold the (lo, hi) min-term sums
-  DS_UNROLL
-  for (int j = 0; j < NR; ++j) {
-    acc[j] = _mm512_setzero_ps();
-    macc[j] = _mm_setzero_ps();
-  }
-  auto step = [&](int64_t p, auto two, auto masked) {
-    const __m512i xv = _mm512_load_si512(x.xs + 64 * p);
-    const __m512 dx = broadcast_pair(x.d + 2 * p);
-    const __m512i c = T == DType::Q4_1 ? _mm512_setzero_si512() : _mm512_load_si512(x.xc + 64 * p);
-    const __m128 sx =
-        _mm_unpacklo_ps(_mm_setzero_ps(), _mm_castpd_ps(_mm_load_sd((const double*)(x.s + 2 * p))));
-    DS_UNROLL
-    for (int j = 0; j < NR; ++j) {
-      // The weights streamed from DRAM: fetch 10 KiB ahead (the hardware prefetcher alone
-      // leaves a core at half the bandwidth); a Q8_0 pair spans more than one line.
-      const uint8_t* ahead = w + j * wrb + 2 * p * kBlockBytes<T> + kPrefetchBytes;
-      _mm_prefetch((const char*)ahead, _MM_HINT_T0);
-      if constexpr (2 * kBlockBytes < T >> 64) _mm_prefetch((const char*)(ahead + 64), _MM_HINT_T0);
-      __m512i wv;
-      __m128 dmv;
-      load_pair<T, decltype(two)::value, decltype(masked)::value>(
-          w + j * wrb + 2 * p * kBlockBytes<T>, wv, dmv);
-      acc[j] =
-          accumulate(acc[j], _mm512_dpbusd_epi32(c, to_unsigned<T>(wv), xv), scale_pair(dmv), dx);
-      if constexpr (T == DType::Q4_1) macc[j] = _mm_fmadd_ps(dmv, sx, macc[j]);
-    }
-  };
-  // Unmasked pair loads read 64 bytes: only where that much of the row is left.
-  const int64_t full = dm.nb / 2, row = dm.nb * kBlockBytes<T>;
-  const int64_t fast = row < 64 ? 0 : imin(full, (row - 64) / (2 * kBlockBytes<T>) + 1);
-  for (int64_t p = 0; p < fast; ++p) step(p, Bool<true>{}, Bool<false>{});
-  for (int64_t p = fast; p < full; ++p) step(p, Bool<true>{}, Bool<true>{});
-  if (full < dm.np) step(full, Bool<false>{}, Bool<true>{});
-  if constexpr (T == DType::Q4_1) {
-    alignas(16) float h[4];
-    _mm_store_ps(h, hsum4(acc[0], NR > 1 ? acc[1] : acc[0], NR > 2 ? acc[2] : acc[0],
-                          NR > 3 ? acc[3] : acc[0]));
-    DS_UNROLL
-    for (int j = 0; j < NR; ++j) {
-      alignas(16) float mv[4];
-      _mm_store_ps(mv, macc[j]);
-      out[j] = h[j] + (mv[1] + mv[3]);
-    }
-  } else {
-    DS_STORE_SUMS(NR, out, acc);
-  }
+inline XRow x_row(const uint8_t* row, const Q8Layout& l) {
+  return {row, row + l.c_off, reinterpret_cast<const float*>(row + l.d_off),
+          reinterpret_cast<const float*>(row + l.s_off)};
 }
 
 template <DType T>
-void gemv(const Q8Job& j, const Dims& dm, int64_t n0, int64_t n1, uint8_t* scratch) {
-  auto* xs = scratch;
-  auto* xc = xs + dm.np * 64;
-  const __m512i bias = _mm512_set1_epi8(char(0x80));
-  const __m512i scale = _mm512_set1_epi8(T == DType::Q4_0 ? 8 : char(0x80));
-  for (int64_t p = 0; p < dm.np; ++p) {
-    const __m512i v = _mm512_xor_si512(_mm512_load_si512(j.xq + 64 * p), bias);
-    _mm512_store_si512(xs + 64 * p, v);
-    const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), scale, v);
-    _mm512_store_si512(xc + 64 * p, _mm512_sub_epi32(_mm512_setzero_si512(), c));
+inline __m512i x_corrections(const XRow& x, int64_t b) {
+  if constexpr (T == DType::Q4_1) return _mm512_setzero_si512();
+  return _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i*)(x.c + 32 * b)));
+}
+
+// Stores the first nr of eight results.
+inline void store_results(float* out, __m256 r, int nr) {
+  _mm256_mask_storeu_ps(out, __mmask8((1u << nr) - 1), r);
+}
+
+// ---- M == 1: stream 2 * NP weight rows against one activation row ----
+
+template <DType T, int NP>
+void gemv_rows(const uint8_t* const* rows, int nr, int64_t nb, const XRow& x, float* out) {
+  __m512 acc[NP];
+  __m128 summs[NP];  // Q4_1: lanes 1 and 3 run the two rows' min-term chains
+  DS_UNROLL
+  for (int p = 0; p < NP; ++p) {
+    acc[p] = _mm512_setzero_ps();
+    summs[p] = _mm_setzero_ps();
   }
-  const GemvX x{xs, xc, reinterpret_cast<const float*>(j.xq + j.lay.d_off),
-                reinterpret_cast<const float*>(j.xq + j.lay.s_off)};
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i xv = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i*)(x.q + 32 * b)));
+    const __m512i cx = x_corrections<T>(x, b);
+    const __m512 dx = _mm512_set1_ps(x.d[b]);
+    DS_UNROLL
+    for (int p = 0; p < NP; ++p) {
+      const uint8_t* ba = rows[2 * p] + b * kBlockBytes<T>;
+      const uint8_t* bb = rows[2 * p + 1] + b * kBlockBytes<T>;
+      // The weights stream from DRAM: fetch 10 KiB ahead (the hardware prefetcher alone
+      // leaves a core at half the bandwidth); once per 64 bytes of each row.
+      if (T == DType::Q8_0 || (b & 1) == 0) {
+        _mm_prefetch((const char*)(ba + kPrefetchBytes), _MM_HINT_T0);
+        _mm_prefetch((const char*)(bb + kPrefetchBytes), _MM_HINT_T0);
+      }
+      __m512i w;
+      __m128 f;
+      load_pair<T>(ba, bb, w, f);
+      const __m512 dd = _mm512_mul_ps(pair_scales(f), dx);
+      acc[p] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cx, w, xv)), acc[p]);
+      if constexpr (T == DType::Q4_1) summs[p] = _mm_fmadd_ps(f, _mm_set1_ps(x.s[b]), summs[p]);
+    }
+  }
+  const __m512 z = _mm512_setzero_ps();
+  __m256 r = hsum8x8(acc[0], NP > 1 ? acc[NP > 1 ? 1 : 0] : z, z, z);
+  if constexpr (T == DType::Q4_1) {
+    const __m128 s01 = summs[0], s23 = summs[NP > 1 ? 1 : 0];
+    r = _mm256_add_ps(r, _mm256_castps128_ps256(_mm_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 1, 3, 1))));
+  }
+  store_results(out, r, nr);
+}
+
+template <DType T>
+void gemv(const Q8Job& j, int64_t n0, int64_t n1) {
+  const XRow x = x_row(j.xq, j.lay);
   // Start the stream: the in-loop prefetches run kPrefetchBytes ahead of the first rows.
   const uint8_t* first = j.w + n0 * j.w_row_bytes;
   const int64_t lead = imin(kPrefetchBytes, (n1 - n0) * int64_t(j.w_row_bytes));
   for (int64_t off = 0; off < lead; off += 64)
     _mm_prefetch((const char*)(first + off), _MM_HINT_T0);
-  int64_t n = n0;
-  for (; n + kNR <= n1; n += kNR)
-    gemv_rows<T, kNR>(j.w + n * j.w_row_bytes, j.w_row_bytes, dm, x, j.out + n);
-  const uint8_t* w = j.w + n * j.w_row_bytes;
-  switch (n1 - n) {
-    case 3:
-      gemv_rows<T, 3>(w, j.w_row_bytes, dm, x, j.out + n);
-      break;
-    case 2:
-      gemv_rows<T, 2>(w, j.w_row_bytes, dm, x, j.out + n);
-      break;
-    case 1:
-      gemv_rows<T, 1>(w, j.w_row_bytes, dm, x, j.out + n);
-      break;
-    default:
-      break;
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nr = int(imin(4, n1 - n));
+    const uint8_t* rows[4];
+    for (int r = 0; r < 4; ++r) rows[r] = j.w + (n + imin(r, nr - 1)) * j.w_row_bytes;
+    if (nr > 2)
+      gemv_rows<T, 2>(rows, nr, j.lay.nb, x, j.out + n);
+    else
+      gemv_rows<T, 1>(rows, nr, j.lay.nb, x, j.out + n);
   }
 }
 
-// ---- M > 1: kNR weight rows packed once, reused by every kMR-row activation tile ----
+// ---- M > 1: 2 * kNP weight rows packed once, reused by every kMR-row activation tile ----
 
 struct Panel {
-  __m512i* w;  // [np][kNR] signed weights
-  __m512i* c;  // [np][kNR] -128 * lane sums of w (undoes the +128 of the activations)
-  float* d;    // [np][kNR][2] block-pair scales
-  float* m;    // [np][kNR][2] block-pair mins (Q4_1)
-  Panel(uint8_t* p, const Dims& dm)
+  __m512i* w;  // [nb][kNP] unsigned weights, a row pair per zmm
+  __m512* dw;  // [nb][kNP] [d_a x 8, d_b x 8]
+  float* m;    // [nb][2 * kNP] Q4_1 mins
+  Panel(uint8_t* p, int64_t nb)
       : w(reinterpret_cast<__m512i*>(p)),
-        c(w + dm.np * kNR),
-        d(reinterpret_cast<float*>(c + dm.np * kNR)),
-        m(d + dm.np * kNR * 2) {}
-  static size_t bytes(const Dims& dm) { return size_t(dm.np) * kNR * (128 + 16); }
+        dw(reinterpret_cast<__m512*>(w + nb * kNP)),
+        m(reinterpret_cast<float*>(dw + nb * kNP)) {}
+  static size_t bytes(int64_t nb) { return size_t(nb) * (kNP * 128 + 2 * kNP * 4); }
 };
 
 template <DType T>
-void pack_panel(const uint8_t* w, size_t wrb, int nr, const Dims& dm, const Panel& pan) {
-  const __m512i c128 = _mm512_set1_epi8(char(0x80));
-  for (int64_t p = 0; p < dm.np; ++p) {
-    const bool two = 2 * p + 1 < dm.nb;
-    for (int j = 0; j < kNR; ++j) {
-      __m512i wv = _mm512_setzero_si512();
-      __m128 dmv = _mm_setzero_ps();  // rows past nr stay zero
-      if (j < nr) {
-        const uint8_t* blk = w + j * wrb + 2 * p * kBlockBytes<T>;
-        if (two)
-          load_pair<T, true>(blk, wv, dmv);
-        else
-          load_pair<T, false>(blk, wv, dmv);
-        wv = to_signed<T>(wv);
-      }
-      const int64_t at = p * kNR + j;
-      pan.w[at] = wv;
-      pan.c[at] = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                   _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv));
-      _mm_storel_pi((__m64*)(pan.d + 2 * at), _mm_shuffle_ps(dmv, dmv, _MM_SHUFFLE(3, 1, 2, 0)));
-      _mm_storel_pi((__m64*)(pan.m + 2 * at), _mm_shuffle_ps(dmv, dmv, _MM_SHUFFLE(2, 0, 3, 1)));
+void pack_panel(const uint8_t* const* rows, int64_t nb, const Panel& pan) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int p = 0; p < kNP; ++p) {
+      __m512i w;
+      __m128 f;
+      load_pair<T>(rows[2 * p] + b * kBlockBytes<T>, rows[2 * p + 1] + b * kBlockBytes<T>, w, f);
+      pan.w[b * kNP + p] = w;
+      pan.dw[b * kNP + p] = pair_scales(f);
+      alignas(16) float v[4];
+      _mm_store_ps(v, f);
+      pan.m[b * 2 * kNP + 2 * p] = v[1];
+      pan.m[b * 2 * kNP + 2 * p + 1] = v[3];
     }
-  }
 }
-
-template <DType T, int MR, int NR>
-void tile(const uint8_t* x, const Q8Layout& lay, const Dims& dm, const Panel& pan, float* out,
-          int64_t ldo) {
-  const int64_t np = dm.np;
-  const size_t stride = lay.row_bytes, d_off = lay.d_off, s_off = lay.s_off;
-  const __m512i* pw = pan.w;
-  const __m512i* pc = pan.c;
-  const float* pd = pan.d;
-  const float* pm = pan.m;
-  __m512 acc[MR][NR];
-  __m256 macc[MR];  // Q4_1: lanes (2j, 2j + 1) hold the (lo, hi) min-term sums of column j
-  DS_UNROLL
-  for (int i = 0; i < MR; ++i) {
-    macc[i] = _mm256_setzero_ps();
-    DS_UNROLL
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  }
-  for (int64_t p = 0; p < np; ++p) {
-    __m512i xv[MR];
-    __m512 dx[MR];
-    DS_UNROLL
-    for (int i = 0; i < MR; ++i) {
-      const uint8_t* row = x + i * stride;
-      xv[i] = _mm512_load_si512(row + 64 * p);
-      dx[i] = broadcast_pair(reinterpret_cast<const float*>(row + d_off) + 2 * p);
-    }
-    DS_UNROLL
-    for (int j = 0; j < NR; ++j) {
-      const __m512i w = pw[p * kNR + j], c = pc[p * kNR + j];
-      const __m512 dw = broadcast_pair(pd + 2 * (p * kNR + j));
-      DS_UNROLL
-      for (int i = 0; i < MR; ++i)
-        acc[i][j] = accumulate(acc[i][j], _mm512_dpbusd_epi32(c, xv[i], w), dw, dx[i]);
-    }
-    if constexpr (T == DType::Q4_1) {
-      const __m256 mv = _mm256_loadu_ps(pm + 2 * p * kNR);
-      DS_UNROLL
-      for (int i = 0; i < MR; ++i) {
-        const auto* s = reinterpret_cast<const double*>(x + i * stride + s_off);
-        macc[i] = _mm256_fmadd_ps(mv, _mm256_castpd_ps(_mm256_broadcast_sd(s + p)), macc[i]);
-      }
-    }
-  }
-  DS_UNROLL
-  for (int i = 0; i < MR; ++i) {
-    if constexpr (T == DType::Q4_1) {
-      const __m256 t = _mm256_add_ps(macc[i], _mm256_permute_ps(macc[i], _MM_SHUFFLE(2, 3, 0, 1)));
-      const __m128 lohi = _mm256_castps256_ps128(
-          _mm256_permutevar8x32_ps(t, _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0)));
-      const __m512 z = _mm512_setzero_ps();
-      const __m128 r = _mm_add_ps(
-          hsum4(acc[i][0], NR > 1 ? acc[i][1] : z, NR > 2 ? acc[i][2] : z, NR > 3 ? acc[i][3] : z),
-          lohi);
-      _mm_mask_storeu_ps(out + i * ldo, __mmask8((1u << NR) - 1), r);
-    } else {
-      DS_STORE_SUMS(NR, out + i * ldo, acc[i]);
-    }
-  }
-}
-
-template <DType T>
-using TileFn = void (*)(const uint8_t*, const Q8Layout&, const Dims&, const Panel&, float*,
-                        int64_t);
 
 template <DType T, int MR>
-constexpr TileFn<T> tile_for(int nr) {
-  return nr == 4   ? tile<T, MR, 4>
-         : nr == 3 ? tile<T, MR, 3>
-         : nr == 2 ? tile<T, MR, 2>
-                   : tile<T, MR, 1>;
+void tile(const uint8_t* x, const Q8Layout& lay, const Panel& pan, int nr, float* out,
+          int64_t ldo) {
+  const int64_t nb = lay.nb;
+  XRow xr[MR];
+  DS_UNROLL
+  for (int i = 0; i < MR; ++i) xr[i] = x_row(x + i * lay.row_bytes, lay);
+  __m512 acc[MR][kNP];
+  __m256 summs[MR];  // Q4_1: one min-term chain per column
+  DS_UNROLL
+  for (int i = 0; i < MR; ++i) {
+    summs[i] = _mm256_setzero_ps();
+    DS_UNROLL
+    for (int p = 0; p < kNP; ++p) acc[i][p] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i xv[MR], cx[MR];
+    DS_UNROLL
+    for (int i = 0; i < MR; ++i) {
+      xv[i] = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i*)(xr[i].q + 32 * b)));
+      cx[i] = x_corrections<T>(xr[i], b);
+    }
+    DS_UNROLL
+    for (int p = 0; p < kNP; ++p) {
+      const __m512i w = pan.w[b * kNP + p];
+      const __m512 dw = pan.dw[b * kNP + p];
+      DS_UNROLL
+      for (int i = 0; i < MR; ++i) {
+        const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(xr[i].d[b]));
+        const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cx[i], w, xv[i]));
+        acc[i][p] = _mm512_fmadd_ps(dd, lanes, acc[i][p]);
+      }
+    }
+    if constexpr (T == DType::Q4_1) {
+      const __m256 mv = _mm256_load_ps(pan.m + b * 2 * kNP);
+      DS_UNROLL
+      for (int i = 0; i < MR; ++i)
+        summs[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xr[i].s[b]), summs[i]);
+    }
+  }
+  DS_UNROLL
+  for (int i = 0; i < MR; ++i) {
+    __m256 r = hsum8x8(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+    if constexpr (T == DType::Q4_1) r = _mm256_add_ps(r, summs[i]);
+    store_results(out + i * ldo, r, nr);
+  }
 }
+static_assert(kNP == 4, "tile's hsum8x8 takes four row pairs");
 
 template <DType T>
-TileFn<T> tile_for(int mr, int nr) {
+using TileFn = void (*)(const uint8_t*, const Q8Layout&, const Panel&, int, float*, int64_t);
+
+template <DType T>
+TileFn<T> tile_for(int mr) {
   switch (mr) {
     case 4:
-      return tile_for<T, 4>(nr);
+      return tile<T, 4>;
     case 3:
-      return tile_for<T, 3>(nr);
+      return tile<T, 3>;
     case 2:
-      return tile_for<T, 2>(nr);
+      return tile<T, 2>;
     default:
-      return tile_for<T, 1>(nr);
+      return tile<T, 1>;
   }
 }
 
 template <DType T>
-void gemm(const Q8Job& j, const Dims& dm, int64_t n0, int64_t n1, uint8_t* scratch) {
-  const Panel pan(scratch, dm);
+void gemm(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
+  const Panel pan(scratch, j.lay.nb);
+  constexpr int kNR = 2 * kNP;
   const int64_t mb = imax(kMR, int64_t(kXBlockBytes / j.lay.row_bytes) / kMR * kMR);
   for (int64_t m0 = 0; m0 < j.M; m0 += mb) {
     const int64_t m1 = imin(j.M, m0 + mb);
     for (int64_t n = n0; n < n1; n += kNR) {
       const int nr = int(imin(kNR, n1 - n));
-      pack_panel<T>(j.w + n * j.w_row_bytes, j.w_row_bytes, nr, dm, pan);
-      const TileFn<T> full = tile_for<T>(kMR, nr);
+      const uint8_t* rows[kNR];  // rows past nr repeat the last one; their results are dropped
+      for (int r = 0; r < kNR; ++r) rows[r] = j.w + (n + imin(r, nr - 1)) * j.w_row_bytes;
+      pack_panel<T>(rows, j.lay.nb, pan);
       int64_t m = m0;
       for (; m + kMR <= m1; m += kMR)
-        full(j.xq + m * j.lay.row_bytes, j.lay, dm, pan, j.out + m * j.ldo + n, j.ldo);
+        tile<T, kMR>(j.xq + m * j.lay.row_bytes, j.lay, pan, nr, j.out + m * j.ldo + n, j.ldo);
       if (m < m1)
-        tile_for<T>(int(m1 - m), nr)(j.xq + m * j.lay.row_bytes, j.lay, dm, pan,
-                                     j.out + m * j.ldo + n, j.ldo);
+        tile_for<T>(int(m1 - m))(j.xq + m * j.lay.row_bytes, j.lay, pan, nr, j.out + m * j.ldo + n,
+                                 j.ldo);
     }
   }
 }
 
 template <DType T>
 void run(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
-  const Dims dm(j.K);
   if (j.M == 1)
-    gemv<T>(j, dm, n0, n1, scratch);
+    gemv<T>(j, n0, n1);
   else
-    gemm<T>(j, dm, n0, n1, scratch);
+    gemm<T>(j, n0, n1, scratch);
 }
 
 void matmul_q8(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
@@ -451,14 +357,20 @@ void matmul_q8(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
 }
 
 size_t scratch_bytes(int64_t K) {
-  return Panel::bytes(Dims(K));
+  return Panel::bytes(K / 32);
 }
 
 }  // namespace
 
 const Kernels& kernels_avx512() {
-  static constexpr Kernels k = {layout,    quantize_q8,         scratch_bytes,
-                                matmul_q8, matmul_float_avx512, matmul_k_avx2};
+  static constexpr Kernels k = {layout,
+                                quantize_q8,
+                                scratch_bytes,
+                                matmul_q8,
+                                matmul_float_avx512,
+                                matmul_k_avx2,
+                                precise_scratch_bytes_avx512,
+                                matmul_precise_avx512};
   return k;
 }
 

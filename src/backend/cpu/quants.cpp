@@ -218,14 +218,23 @@ int quantize_block_q8(const float* x, int8_t* q, float* d_out) {
   return sum;
 }
 
+void quantize_block_act(const float* x, ActBlock* out) {
+  float amax = 0;
+  for (int j = 0; j < kQk; ++j) amax = std::max(amax, std::fabs(x[j]));
+  // 127 / amax, not 1 / d, and half-to-even rounding: what the SIMD quantizers compute.
+  const float d = amax / 127.f, id = amax != 0 ? 127.f / amax : 0.0f;
+  int sum = 0;
+  for (int j = 0; j < kQk; ++j) {
+    out->qs[j] = int8_t(nearest_int(x[j] * id));
+    sum += out->qs[j];
+  }
+  out->d = fp16_round(d);
+  out->s = fp16_round(d * float(sum));
+}
+
 void quantize_row_act(const float* x, ActBlock* dst, int64_t n) {
   DS_CHECK(n % kQk == 0, "row length must be a multiple of 32");
-  for (int64_t i = 0; i < n / kQk; ++i) {
-    float d;
-    const int sum = quantize_block_q8(x + i * kQk, dst[i].qs, &d);
-    dst[i].d = fp16_round(d);
-    dst[i].s = dst[i].d * float(sum);
-  }
+  for (int64_t i = 0; i < n / kQk; ++i) quantize_block_act(x + i * kQk, &dst[i]);
 }
 
 void dequantize_row_ref(DType t, const void* src, float* y, int64_t n) {
@@ -327,36 +336,58 @@ void quantize_row_ref(DType t, const float* x, void* dst, int64_t n) {
   }
 }
 
-float vec_dot_q4_0(const BlockQ4_0* w, const ActBlock* x, int64_t nb) {
-  float sum = 0;
-  for (int64_t i = 0; i < nb; ++i) {
-    int isum = 0;
-    for (int j = 0; j < kQk / 2; ++j)
-      isum += ((w[i].qs[j] & 0xf) - 8) * x[i].qs[j] + ((w[i].qs[j] >> 4) - 8) * x[i].qs[j + 16];
-    sum += float(isum) * (h2f(w[i].d) * x[i].d);
+namespace {
+
+// The eight-lane sum order of llama.cpp's hsum_float_8.
+float hsum8(const float* a) {
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// Element e of a Q4 block: the low nibble of qs[e] for e < 16, the high one of qs[e - 16].
+int nibble(const uint8_t* qs, int e) {
+  return e < kQk / 2 ? qs[e] & 0xf : qs[e - kQk / 2] >> 4;
+}
+
+// The block loop shared by the three 32-element types; wq(b, e) is weight element e of
+// block b as an integer, dw(b) the block scale.
+template <typename WQ, typename DW>
+void accumulate_q8(const ActBlock* x, int64_t nb, WQ wq, DW dw, float* acc) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float dd = dw(b) * x[b].d;
+    for (int u = 0; u < 8; ++u) {
+      int isum = 0;
+      for (int e = 4 * u; e < 4 * u + 4; ++e) isum += wq(b, e) * x[b].qs[e];
+      acc[u] = std::fma(dd, float(isum), acc[u]);
+    }
   }
-  return sum;
+}
+
+}  // namespace
+
+float vec_dot_q4_0(const BlockQ4_0* w, const ActBlock* x, int64_t nb) {
+  float acc[8] = {};
+  accumulate_q8(
+      x, nb, [&](int64_t b, int e) { return nibble(w[b].qs, e) - 8; },
+      [&](int64_t b) { return h2f(w[b].d); }, acc);
+  return hsum8(acc);
 }
 
 float vec_dot_q4_1(const BlockQ4_1* w, const ActBlock* x, int64_t nb) {
-  float sum = 0;
-  for (int64_t i = 0; i < nb; ++i) {
-    int isum = 0;
-    for (int j = 0; j < kQk / 2; ++j)
-      isum += (w[i].qs[j] & 0xf) * x[i].qs[j] + (w[i].qs[j] >> 4) * x[i].qs[j + 16];
-    sum += float(isum) * (h2f(w[i].d) * x[i].d) + h2f(w[i].m) * x[i].s;
-  }
-  return sum;
+  float acc[8] = {};
+  accumulate_q8(
+      x, nb, [&](int64_t b, int e) { return nibble(w[b].qs, e); },
+      [&](int64_t b) { return h2f(w[b].d); }, acc);
+  float summs = 0;
+  for (int64_t b = 0; b < nb; ++b) summs = std::fma(h2f(w[b].m), x[b].s, summs);
+  return hsum8(acc) + summs;
 }
 
 float vec_dot_q8_0(const BlockQ8_0* w, const ActBlock* x, int64_t nb) {
-  float sum = 0;
-  for (int64_t i = 0; i < nb; ++i) {
-    int isum = 0;
-    for (int j = 0; j < kQk; ++j) isum += w[i].qs[j] * x[i].qs[j];
-    sum += float(isum) * (h2f(w[i].d) * x[i].d);
-  }
-  return sum;
+  float acc[8] = {};
+  accumulate_q8(
+      x, nb, [&](int64_t b, int e) { return int(w[b].qs[e]); },
+      [&](int64_t b) { return h2f(w[b].d); }, acc);
+  return hsum8(acc);
 }
 
 float vec_dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {

@@ -69,29 +69,37 @@ static_assert(sizeof(BlockQ5_1) == 24 && sizeof(BlockQ8_0) == 34 && sizeof(Block
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ6_K) == 210 && sizeof(BlockQ8_K) == 292);
 
-// One activation block as the scalar kernels read it: the Q8_0 / Q8_1 values with d
-// rounded through fp16 exactly as the GGML block stores it, and s = d * sum(q) kept in
-// F32 (exact: an 11-bit mantissa times a 12-bit integer).
+// One activation block as the scalar kernels read it, bit for bit what llama.cpp's x86
+// quantize_row_q8_0 / quantize_row_q8_1 (AVX2 / AVX-512 builds) store: q = x * (127 / amax)
+// rounded half to even, d = fp16(amax / 127), s = fp16(d * sum(q)) with the unrounded d.
+// d and s are kept as the F32 values of those fp16 numbers.
 struct ActBlock {
   float d;
   float s;
   int8_t qs[kQk];
 };
 
-// Quantizes one block of 32 floats the way ggml's quantize_row_q8_1_ref does:
-// d = amax / 127, q = roundf(x / d). Returns sum(q); *d_out is d rounded through fp16.
+// Quantizes one block of 32 floats the way ggml's quantize_row_q8_1_ref does (the bytes
+// gguf-py writes): d = amax / 127, q = roundf(x / d). Returns sum(q); *d_out is d unrounded.
 int quantize_block_q8(const float* x, int8_t* q, float* d_out);
+// Quantizes one activation block the way llama.cpp's SIMD quantizers do (see ActBlock).
+void quantize_block_act(const float* x, ActBlock* out);
 
 // Scalar reference conversions (n a multiple of the block size).
 void dequantize_row_ref(DType t, const void* src, float* dst, int64_t n);
 void quantize_row_ref(DType t, const float* src, void* dst, int64_t n);
 void quantize_row_act(const float* x, ActBlock* dst, int64_t n);
 
-// Scalar reference dot products of one weight row with one activation row, blocks summed
-// in k order into a single F32 accumulator. nb = number of weight blocks.
+// Scalar reference dot products of one weight row with one activation row, summed the
+// way llama.cpp's AVX2 vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 do: eight F32 lanes, lane u
+// taking the exact integer sum over elements 4u..4u+3 of each block in k order,
+//   acc[u] = fma(d_w * d_x, float(isum_u), acc[u]),
+// then ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)); Q4_1 adds summs = fma(m_w, s_x, summs) last.
+// nb = number of weight blocks.
 float vec_dot_q4_0(const BlockQ4_0* w, const ActBlock* x, int64_t nb);
 float vec_dot_q4_1(const BlockQ4_1* w, const ActBlock* x, int64_t nb);
 float vec_dot_q8_0(const BlockQ8_0* w, const ActBlock* x, int64_t nb);
+// K-quants against Q8_K: integer sums per super-block, one F32 accumulator in k order.
 float vec_dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb);
 float vec_dot_q6_k(const BlockQ6_K* w, const BlockQ8_K* x, int64_t nb);
 // Weights F32 / F16 / BF16 against F32 activations, k in order.

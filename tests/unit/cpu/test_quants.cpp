@@ -1,6 +1,7 @@
 // Block formats against gguf-py (tools/make_quant_fixtures.py), plus quantizer invariants.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include "backend/cpu/quants.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 
 namespace ds::cpu {
 namespace {
@@ -140,19 +142,87 @@ TEST(Quantize, Q8_KRoundTripAndGroupSums) {
   EXPECT_EQ(q[1].d, 0.0f);
 }
 
-TEST(Quantize, ActivationBlocksMatchQ8_0) {
-  const int64_t n = 96;
-  const auto x = random_row(n, 3);
+// Activation blocks follow llama.cpp's x86 SIMD quantizers, not the _ref rounding:
+// q = nearest-even(x * (127 / amax)), d = fp16(amax / 127), s = fp16(amax / 127 * sum(q)).
+TEST(Quantize, ActivationBlocksFollowLlamaCppSimdRounding) {
+  const int64_t n = 128;
+  auto x = random_row(n, 3);
+  x[64] = 127.0f;  // block 2: 127 / amax = 1, so x.5 values are exact ties
+  for (int i = 65; i < 96; ++i) x[size_t(i)] = float(i - 80) + 0.5f;
+  std::fill(x.begin() + 96, x.end(), 0.0f);  // block 3: all zero
   std::vector<ActBlock> a(n / 32);
-  std::vector<BlockQ8_0> q(n / 32);
   quantize_row_act(x.data(), a.data(), n);
-  quantize_row(DType::Q8_0, x.data(), q.data(), n);
   for (size_t b = 0; b < a.size(); ++b) {
-    EXPECT_EQ(a[b].d, fp16_to_f32(q[b].d));
-    EXPECT_EQ(std::memcmp(a[b].qs, q[b].qs, 32), 0);
+    float amax = 0;
+    for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(x[b * 32 + size_t(e)]));
+    const float d = amax / 127.f, id = amax != 0 ? 127.f / amax : 0.f;
     int sum = 0;
-    for (int8_t v : a[b].qs) sum += v;
-    EXPECT_EQ(a[b].s, a[b].d * float(sum));
+    for (int e = 0; e < 32; ++e) {
+      const int q = int(std::nearbyint(x[b * 32 + size_t(e)] * id));
+      EXPECT_EQ(int(a[b].qs[e]), q) << "block " << b << " element " << e;
+      sum += q;
+    }
+    EXPECT_EQ(a[b].d, fp16_to_f32(f32_to_fp16(d))) << "block " << b;
+    EXPECT_EQ(a[b].s, fp16_to_f32(f32_to_fp16(d * float(sum)))) << "block " << b;
+  }
+  EXPECT_EQ(a[2].qs[1], -14);  // -14.5: half to even, where roundf gives -15
+  EXPECT_EQ(a[2].qs[2], -14);  // -13.5
+  EXPECT_EQ(a[3].d, 0.0f);
+}
+
+// llama.cpp's own quantize_row_q8_0 / q8_1 and vec_dot kernels (x86 AVX-512 build, run
+// through ctypes by tools/make_quant_fixtures.py --ggml-cpu): the Q8 activation mode must
+// give the same activation bytes and the same dot product bits on every ISA.
+TEST(Quantize, Q8ModeReproducesLlamaCppBits) {
+  const auto j = load_fixture("llamacpp_q8_dots");
+  const int64_t K = j["k"], M = j["m"], N = j["n"];
+  const auto x = unhex_f32(j["x"]);
+  std::vector<ActBlock> act(size_t(K / 32));
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row_act(x.data() + m * K, act.data(), K);
+    const auto q8_0 = unhex(j["q8_0"][size_t(m)]), q8_1 = unhex(j["q8_1"][size_t(m)]);
+    for (int64_t b = 0; b < K / 32; ++b) {
+      BlockQ8_0 b0;
+      BlockQ8_1 b1;
+      std::memcpy(&b0, q8_0.data() + b * sizeof(BlockQ8_0), sizeof(b0));
+      std::memcpy(&b1, q8_1.data() + b * sizeof(BlockQ8_1), sizeof(b1));
+      const ActBlock& a = act[size_t(b)];
+      ASSERT_EQ(std::memcmp(a.qs, b0.qs, 32), 0) << "row " << m << " block " << b;
+      ASSERT_EQ(std::memcmp(a.qs, b1.qs, 32), 0) << "row " << m << " block " << b;
+      EXPECT_EQ(a.d, fp16_to_f32(b0.d)) << "row " << m << " block " << b;
+      EXPECT_EQ(a.d, fp16_to_f32(b1.d)) << "row " << m << " block " << b;
+      EXPECT_EQ(a.s, fp16_to_f32(b1.s)) << "row " << m << " block " << b;
+    }
+  }
+  ThreadPool pool(2);
+  for (const auto& c : j["types"]) {
+    const DType t = type_of(c);
+    const auto w = unhex(c["weights"]);
+    const auto want = unhex_f32(c["dots"]);
+    for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni}) {
+      if (!isa_supported(isa)) continue;
+      for (int64_t rows : {int64_t(1), M}) {  // GEMV and the tiles
+        std::vector<float> out(size_t(M * N), NAN);
+        for (int64_t m0 = 0; m0 < M; m0 += rows) {
+          MatmulArgs a;
+          a.x = x.data() + m0 * K;
+          a.M = rows;
+          a.K = K;
+          a.ldx = K;
+          a.w = w.data();
+          a.wtype = t;
+          a.N = N;
+          a.w_row_bytes = dtype_bytes(t, K);
+          a.out = out.data() + m0 * N;
+          a.ldo = N;
+          a.act = ActPrecision::Q8;
+          matmul(a, pool, isa);
+        }
+        expect_same_floats(out, want,
+                           std::string(dtype_name(t)) + " " + std::string(isa_name(isa)) +
+                               " M=" + std::to_string(rows));
+      }
+    }
   }
 }
 
