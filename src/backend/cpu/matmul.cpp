@@ -202,16 +202,23 @@ void parallel_rows(ThreadPool& pool, int64_t M, int64_t K, const Fn& fn) {
   });
 }
 
-void matmul_q8(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
-  Q8Job j;
+// A job of type Job with the fields every job type shares filled from a.
+template <class Job>
+Job job_for(const MatmulArgs& a) {
+  Job j;
   j.wtype = a.wtype;
-  j.lay = k.q8_layout(a.K);
   j.M = a.M;
   j.K = a.K;
   j.w = static_cast<const uint8_t*>(a.w);
   j.w_row_bytes = a.w_row_bytes;
   j.out = a.out;
   j.ldo = a.ldo;
+  return j;
+}
+
+void matmul_q8(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
+  Q8Job j = job_for<Q8Job>(a);
+  j.lay = k.q8_layout(a.K);
   uint8_t* xq = t_activations.get(size_t(a.M) * j.lay.row_bytes);
   j.xq = xq;
   parallel_rows(pool, a.M, a.K, [&](int64_t m) {
@@ -236,15 +243,8 @@ void matmul_k(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
   parallel_rows(pool, a.M, a.K, [&](int64_t m) {
     quantize_row_ref(DType::Q8_K, a.x + m * a.ldx, xq + m * nb, a.K);
   });
-  KJob j;
-  j.wtype = a.wtype;
+  KJob j = job_for<KJob>(a);
   j.xq = xq;
-  j.M = a.M;
-  j.K = a.K;
-  j.w = static_cast<const uint8_t*>(a.w);
-  j.w_row_bytes = a.w_row_bytes;
-  j.out = a.out;
-  j.ldo = a.ldo;
   parallel_for_output(pool, a.M, a.N, a.K, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     KJob sub = j;
     sub.xq = j.xq + m0 * nb;
@@ -255,27 +255,25 @@ void matmul_k(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
 }
 
 FloatJob float_job(const MatmulArgs& a) {
-  FloatJob j;
-  j.wtype = a.wtype;
+  FloatJob j = job_for<FloatJob>(a);
   j.x = a.x;
   j.ldx = a.ldx;
-  j.M = a.M;
-  j.K = a.K;
-  j.w = static_cast<const uint8_t*>(a.w);
-  j.w_row_bytes = a.w_row_bytes;
-  j.out = a.out;
-  j.ldo = a.ldo;
   return j;
+}
+
+// The part of j that computes output rows [m0, m1).
+FloatJob float_rows(const FloatJob& j, int64_t m0, int64_t m1) {
+  FloatJob sub = j;
+  sub.x = j.x + m0 * j.ldx;
+  sub.out = j.out + m0 * j.ldo;
+  sub.M = m1 - m0;
+  return sub;
 }
 
 void matmul_float(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
   const FloatJob j = float_job(a);
   parallel_for_output(pool, a.M, a.N, a.K, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-    FloatJob sub = j;
-    sub.x = j.x + m0 * j.ldx;
-    sub.out = j.out + m0 * j.ldo;
-    sub.M = m1 - m0;
-    k.matmul_float(sub, n0, n1);
+    k.matmul_float(float_rows(j, m0, m1), n0, n1);
   });
 }
 
@@ -287,11 +285,7 @@ void matmul_precise(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
   const FloatJob j = float_job(a);
   const size_t scratch = k.precise_scratch_bytes(a.K);
   parallel_for_output(pool, a.M, a.N, a.K, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-    FloatJob sub = j;
-    sub.x = j.x + m0 * j.ldx;
-    sub.out = j.out + m0 * j.ldo;
-    sub.M = m1 - m0;
-    k.matmul_precise(sub, n0, n1, t_kernel.get(scratch));
+    k.matmul_precise(float_rows(j, m0, m1), n0, n1, t_kernel.get(scratch));
   });
 }
 

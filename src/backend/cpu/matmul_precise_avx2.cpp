@@ -1,45 +1,11 @@
-// AVX2 precise kernels: block-quantized weights against F32 activations.
-//
-// Same scheme as the AVX-512 file with 8-lane chunks: every weight is dequantized to one
-// F32 value on every path,
-//   Q4_0 d * (q - 8)   Q4_1 fma(d, q, m)   Q5_0 d * (q - 16)   Q5_1 fma(d, q, m)   Q8_0 d * q
-//   Q4_K, Q5_K fma(d * sc, q, -(dmin * mn))                    Q6_K (d * sc) * (q - 32)
-// and each output element accumulates fma(x, w, acc) over 8-lane chunks of k in order,
-// then hsum4, exactly as the float tiles do. GEMV decodes the weights in registers; GEMM
-// runs the float tiles on a panel of dequantized rows.
+// AVX2 precise kernels: block-quantized weights against F32 activations. The loops are
+// matmul_precise.h's; this file decodes blocks into 8-lane chunks, each weight to the F32
+// value listed there.
 #include "backend/cpu/float_tile_avx2.h"
+#include "backend/cpu/matmul_precise.h"
 
 namespace ds::cpu::detail {
 namespace {
-
-constexpr int kRows = 4;
-constexpr int kPrefetchBytes = 10 << 10;
-constexpr int64_t kMBlock = 64;
-constexpr int kChunk = 16;
-
-constexpr int64_t imin(int64_t a, int64_t b) {
-  return a < b ? a : b;
-}
-
-template <DType T>
-constexpr int kBlockBytes = T == DType::Q4_0   ? sizeof(BlockQ4_0)
-                            : T == DType::Q4_1 ? sizeof(BlockQ4_1)
-                            : T == DType::Q5_0 ? sizeof(BlockQ5_0)
-                            : T == DType::Q5_1 ? sizeof(BlockQ5_1)
-                            : T == DType::Q8_0 ? sizeof(BlockQ8_0)
-                            : T == DType::Q4_K ? sizeof(BlockQ4_K)
-                            : T == DType::Q5_K ? sizeof(BlockQ5_K)
-                                               : sizeof(BlockQ6_K);
-template <DType T>
-constexpr int kBlockElems = T == DType::Q4_K || T == DType::Q5_K || T == DType::Q6_K ? 256 : 32;
-template <DType T>
-constexpr bool kDirect = T == DType::Q4_0 || T == DType::Q4_1 || T == DType::Q8_0;
-
-inline float h2f(const uint8_t* p) {
-  uint16_t h;
-  __builtin_memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 inline __m256i bytes8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
@@ -166,179 +132,61 @@ void dequant_q6_k(const BlockQ6_K& b, float* out) {
     }
 }
 
-template <DType T>
-void dequant_block(const uint8_t* blk, float* out) {
-  if constexpr (T == DType::Q4_0 || T == DType::Q4_1) {
-    __m256 v[4];
-    q4_values<T>(blk + (T == DType::Q4_1 ? 4 : 2), h2f(blk), T == DType::Q4_1 ? h2f(blk + 2) : 0.0f,
-                 v);
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + 8 * c, v[c]);
-  } else if constexpr (T == DType::Q8_0) {
-    const float d = h2f(blk);
-    for (int c = 0; c < 4; ++c)
-      _mm256_storeu_ps(out + 8 * c, q8_chunk(reinterpret_cast<const int8_t*>(blk + 2 + 8 * c), d));
-  } else if constexpr (T == DType::Q5_0 || T == DType::Q5_1) {
-    dequant_q5<T>(blk, out);
-  } else if constexpr (T == DType::Q4_K) {
-    dequant_q4_k(*reinterpret_cast<const BlockQ4_K*>(blk), out);
-  } else if constexpr (T == DType::Q5_K) {
-    dequant_q5_k(*reinterpret_cast<const BlockQ5_K*>(blk), out);
-  } else {
-    dequant_q6_k(*reinterpret_cast<const BlockQ6_K*>(blk), out);
-  }
-}
+// The AVX2 pieces of the precise loops (matmul_precise.h).
+struct PreciseIsa {
+  using V = __m256;
+  using Tile = TileIsa;
+  static constexpr int kW = 8, kRows = 4;
 
-// ---- M == 1 ----
+  static V zero() { return _mm256_setzero_ps(); }
+  static V loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const float* p) { return _mm256_load_ps(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 
-template <DType T>
-void gemv_rows_small(const uint8_t* const* rows, int nr, const float* x, int64_t nb, float* out,
-                     uint8_t* scratch) {
-  auto* half = reinterpret_cast<uint32_t*>(scratch);      // [kChunk][kRows] (d, m) halves
-  auto* dm = reinterpret_cast<float*>(scratch + 64 * 4);  // [kChunk][kRows][2]
-  __m256 acc[kRows];
-  DS_UNROLL
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t c0 = 0; c0 < nb; c0 += kChunk) {
-    const int nc = int(imin(kChunk, nb - c0));
-    for (int c = 0; c < nc; ++c)
-      for (int r = 0; r < kRows; ++r) {
-        uint32_t h;
-        __builtin_memcpy(&h, rows[r] + (c0 + c) * kBlockBytes<T>, 4);
-        half[c * kRows + r] = T == DType::Q4_1 ? h : (h & 0xffff);
-      }
-    for (int i = 0; i < nc * kRows * 2; i += 8)
+  // dm[0..n) = the n halves at half, converted (n a multiple of 8; both 32-byte aligned).
+  static void halves_to_floats(const uint32_t* half, int n, float* dm) {
+    for (int i = 0; i < n; i += 8)
       _mm256_store_ps(dm + i, _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(half + i / 2))));
-    for (int c = 0; c < nc; ++c) {
-      const int64_t b = c0 + c;
-      __m256 xv[4];
-      for (int k = 0; k < 4; ++k) xv[k] = _mm256_loadu_ps(x + 32 * b + 8 * k);
-      DS_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const uint8_t* blk = rows[r] + b * kBlockBytes<T>;
-        if (T == DType::Q8_0 || (b & 1) == 0)
-          _mm_prefetch((const char*)(blk + kPrefetchBytes), _MM_HINT_T0);
-        const float d = dm[(c * kRows + r) * 2];
-        __m256 w[4];
-        if constexpr (T == DType::Q8_0) {
-          for (int k = 0; k < 4; ++k)
-            w[k] = q8_chunk(reinterpret_cast<const int8_t*>(blk + 2 + 8 * k), d);
-        } else {
-          q4_values<T>(blk + (T == DType::Q4_1 ? 4 : 2), d, dm[(c * kRows + r) * 2 + 1], w);
-        }
-        for (int k = 0; k < 4; ++k) acc[r] = _mm256_fmadd_ps(xv[k], w[k], acc[r]);
-      }
+  }
+
+  // The four chunks of a Q4_0 / Q4_1 / Q8_0 block with scale d and min m.
+  template <DType T>
+  static void decode(const uint8_t* blk, float d, float m, V* w) {
+    if constexpr (T == DType::Q8_0) {
+      for (int k = 0; k < 4; ++k)
+        w[k] = q8_chunk(reinterpret_cast<const int8_t*>(blk + 2 + 8 * k), d);
+    } else {
+      q4_values<T>(blk + (T == DType::Q4_1 ? 4 : 2), d, m, w);
     }
   }
-  alignas(16) float s[4];
-  _mm_store_ps(s, hsum4(acc[0], acc[1], acc[2], acc[3]));
-  for (int r = 0; r < nr; ++r) out[r] = s[r];
-}
 
-template <DType T>
-void gemv_rows_buffered(const uint8_t* const* rows, int nr, const float* x, int64_t nb, float* out,
-                        uint8_t* scratch) {
-  constexpr int kE = kBlockElems<T>;
-  auto* buf = reinterpret_cast<float*>(scratch);  // [kRows][kE]
-  __m256 acc[kRows];
-  DS_UNROLL
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int r = 0; r < kRows; ++r) {
-      const uint8_t* blk = rows[r] + b * kBlockBytes<T>;
-      for (int off = 0; off < kBlockBytes<T>; off += 64)
-        _mm_prefetch((const char*)(blk + kPrefetchBytes + off), _MM_HINT_T0);
-      dequant_block<T>(blk, buf + r * kE);
-    }
-    for (int k = 0; k < kE; k += 8) {
-      const __m256 xv = _mm256_loadu_ps(x + b * kE + k);
-      DS_UNROLL
-      for (int r = 0; r < kRows; ++r)
-        acc[r] = _mm256_fmadd_ps(xv, _mm256_load_ps(buf + r * kE + k), acc[r]);
-    }
+  static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
+
+  // The block types decoded through an L1 buffer (dequant_block, matmul_precise.h).
+  template <DType T>
+  static void dequant_q5(const uint8_t* blk, float* out) {
+    detail::dequant_q5<T>(blk, out);
   }
-  alignas(16) float s[4];
-  _mm_store_ps(s, hsum4(acc[0], acc[1], acc[2], acc[3]));
-  for (int r = 0; r < nr; ++r) out[r] = s[r];
-}
+  static void dequant_q4_k(const BlockQ4_K& b, float* out) { detail::dequant_q4_k(b, out); }
+  static void dequant_q5_k(const BlockQ5_K& b, float* out) { detail::dequant_q5_k(b, out); }
+  static void dequant_q6_k(const BlockQ6_K& b, float* out) { detail::dequant_q6_k(b, out); }
 
-template <DType T>
-void gemv(const FloatJob& j, int64_t n0, int64_t n1, uint8_t* scratch) {
-  const int64_t nb = j.K / kBlockElems<T>;
-  const uint8_t* first = j.w + n0 * j.w_row_bytes;
-  const int64_t lead = imin(kPrefetchBytes, (n1 - n0) * int64_t(j.w_row_bytes));
-  for (int64_t off = 0; off < lead; off += 64)
-    _mm_prefetch((const char*)(first + off), _MM_HINT_T0);
-  for (int64_t n = n0; n < n1; n += kRows) {
-    const int nr = int(imin(kRows, n1 - n));
-    const uint8_t* rows[kRows];  // rows past nr repeat the last one; their sums are dropped
-    for (int r = 0; r < kRows; ++r) rows[r] = j.w + (n + imin(r, nr - 1)) * j.w_row_bytes;
-    if constexpr (kDirect<T>)
-      gemv_rows_small<T>(rows, nr, j.x, nb, j.out + n, scratch);
-    else
-      gemv_rows_buffered<T>(rows, nr, j.x, nb, j.out + n, scratch);
+  // The sums of the first nr of kRows accumulators.
+  static void store_rows(const V* acc, int nr, float* out) {
+    alignas(16) float s[4];
+    _mm_store_ps(s, hsum4(acc[0], acc[1], acc[2], acc[3]));
+    for (int r = 0; r < nr; ++r) out[r] = s[r];
   }
-}
-
-// ---- M > 1 ----
-
-template <DType T>
-void gemm(const FloatJob& j, int64_t n0, int64_t n1, uint8_t* scratch) {
-  using ftiles::kNR;
-  auto* panel = reinterpret_cast<float*>(scratch);  // [kNR][K]
-  const int64_t nb = j.K / kBlockElems<T>;
-  const size_t panel_row = size_t(j.K) * 4;
-  for (int64_t m0 = 0; m0 < j.M; m0 += kMBlock) {
-    const int64_t m1 = imin(j.M, m0 + kMBlock);
-    for (int64_t n = n0; n < n1; n += kNR) {
-      const int nr = int(imin(kNR, n1 - n));
-      for (int r = 0; r < nr; ++r) {
-        const uint8_t* row = j.w + (n + r) * j.w_row_bytes;
-        for (int64_t b = 0; b < nb; ++b)
-          dequant_block<T>(row + b * kBlockBytes<T>, panel + r * j.K + b * kBlockElems<T>);
-      }
-      const auto* w = reinterpret_cast<const uint8_t*>(panel);
-      for (int64_t m = m0; m < m1; m += 2) {
-        const FTileFn fn = m + 1 < m1 ? ftile_for<DType::F32, 2>(nr) : ftile_for<DType::F32, 1>(nr);
-        fn(j.x + m * j.ldx, j.ldx, w, panel_row, j.K, j.out + m * j.ldo + n, j.ldo);
-      }
-    }
-  }
-}
-
-template <DType T>
-void run(const FloatJob& j, int64_t n0, int64_t n1, uint8_t* scratch) {
-  if (j.M == 1)
-    gemv<T>(j, n0, n1, scratch);
-  else
-    gemm<T>(j, n0, n1, scratch);
-}
+};
 
 }  // namespace
 
 size_t precise_scratch_bytes_avx2(int64_t K) {
-  const size_t gemv = size_t(kRows) * 256 * 4, panel = size_t(ftiles::kNR) * size_t(K) * 4;
-  return panel > gemv ? panel : gemv;
+  return precise::scratch_bytes<PreciseIsa>(K);
 }
 
 void matmul_precise_avx2(const FloatJob& j, int64_t n0, int64_t n1, uint8_t* scratch) {
-  switch (j.wtype) {
-    case DType::Q4_0:
-      return run<DType::Q4_0>(j, n0, n1, scratch);
-    case DType::Q4_1:
-      return run<DType::Q4_1>(j, n0, n1, scratch);
-    case DType::Q8_0:
-      return run<DType::Q8_0>(j, n0, n1, scratch);
-    case DType::Q5_0:
-      return run<DType::Q5_0>(j, n0, n1, scratch);
-    case DType::Q5_1:
-      return run<DType::Q5_1>(j, n0, n1, scratch);
-    case DType::Q4_K:
-      return run<DType::Q4_K>(j, n0, n1, scratch);
-    case DType::Q5_K:
-      return run<DType::Q5_K>(j, n0, n1, scratch);
-    default:
-      return run<DType::Q6_K>(j, n0, n1, scratch);
-  }
+  precise::matmul<PreciseIsa>(j, n0, n1, scratch);
 }
 
 }  // namespace ds::cpu::detail

@@ -4,7 +4,7 @@
 // path: per block acc = fma(dw * dx, float(lanes), acc) with exact int32 lanes, hsum8,
 // then + summs (Q4_1: summs = fma(m, s, summs) block by block); GEMV is the tile with one
 // activation row.
-#include "backend/cpu/matmul_kernels.h"
+#include "backend/cpu/matmul_common.h"
 #include "backend/cpu/simd_avx2.h"
 
 namespace ds::cpu::detail {
@@ -13,10 +13,6 @@ namespace {
 constexpr int kMR = 2, kNR = 4;
 constexpr int kPrefetchBytes = 10 << 10;
 constexpr int64_t kMBlock = 256;  // activation rows per pass over a thread's weight rows
-
-constexpr int64_t imin(int64_t a, int64_t b) {
-  return a < b ? a : b;
-}
 
 struct Dims {
   int64_t nb, nb8;  // blocks, blocks rounded up to 8
@@ -73,10 +69,6 @@ void quantize_q8(const float* x, int64_t K, DType, uint8_t* row) {
   for (int64_t b = dm.nb; b < dm.nb8; ++b) d[b] = s[b] = 0.0f;
 }
 
-template <DType T>
-constexpr int kBlockBytes = T == DType::Q4_0   ? 18
-                            : T == DType::Q4_1 ? 20
-                                               : 34;
 template <DType T>
 constexpr int kQsOffset = T == DType::Q4_1 ? 4 : 2;
 
@@ -209,14 +201,8 @@ void run(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
 }
 
 void matmul_q8(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
-  switch (j.wtype) {
-    case DType::Q4_0:
-      return run<DType::Q4_0>(j, n0, n1, scratch);
-    case DType::Q4_1:
-      return run<DType::Q4_1>(j, n0, n1, scratch);
-    default:
-      return run<DType::Q8_0>(j, n0, n1, scratch);
-  }
+  with_type<DType::Q4_0, DType::Q4_1, DType::Q8_0>(
+      j.wtype, [&](auto t) { run<decltype(t)::value>(j, n0, n1, scratch); });
 }
 
 size_t scratch_bytes(int64_t K) {

@@ -12,7 +12,7 @@
 // Weights are the unsigned vpdpbusd operand (Q4 nibbles 0..15, Q8_0 q + 128) and the
 // activations the signed one; the activation row carries the integer lane corrections
 // (-8 or -128 times the lane sums of q) that undo the offsets.
-#include "backend/cpu/matmul_kernels.h"
+#include "backend/cpu/matmul_common.h"
 #include "backend/cpu/simd_avx512.h"
 
 namespace ds::cpu::detail {
@@ -23,11 +23,7 @@ constexpr int kMR = 4, kNP = 4;  // tile: activation rows x weight-row pairs
 constexpr int kPrefetchBytes = 10 << 10;
 constexpr size_t kXBlockBytes = 256 << 10;  // activation rows kept hot in L2 per pass
 
-// Local helpers instead of std::min/max: no library template gets instantiated with
-// AVX-512 flags and then merged by the linker into code that runs on other CPUs.
-constexpr int64_t imin(int64_t a, int64_t b) {
-  return a < b ? a : b;
-}
+// Local helper instead of std::max, as imin (matmul_common.h).
 constexpr int64_t imax(int64_t a, int64_t b) {
   return a > b ? a : b;
 }
@@ -75,11 +71,6 @@ void quantize_q8(const float* x, int64_t K, DType wtype, uint8_t* row) {
 }
 
 // ---- weights ----
-
-template <DType T>
-constexpr int kBlockBytes = T == DType::Q4_0   ? 18
-                            : T == DType::Q4_1 ? 20
-                                               : 34;
 
 // Block b of rows a and b2 (pointers to the blocks): w = their 32 values as the unsigned
 // operand, row a in bytes 0..31, row b2 in 32..63, in element order; f = [d_a, m_a, d_b,
@@ -346,14 +337,8 @@ void run(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
 }
 
 void matmul_q8(const Q8Job& j, int64_t n0, int64_t n1, uint8_t* scratch) {
-  switch (j.wtype) {
-    case DType::Q4_0:
-      return run<DType::Q4_0>(j, n0, n1, scratch);
-    case DType::Q4_1:
-      return run<DType::Q4_1>(j, n0, n1, scratch);
-    default:
-      return run<DType::Q8_0>(j, n0, n1, scratch);
-  }
+  with_type<DType::Q4_0, DType::Q4_1, DType::Q8_0>(
+      j.wtype, [&](auto t) { run<decltype(t)::value>(j, n0, n1, scratch); });
 }
 
 size_t scratch_bytes(int64_t K) {

@@ -2,19 +2,7 @@
 // everything here has internal linkage so no AVX2 code leaks into other files).
 #pragma once
 
-// GCC 12 warns inside its own intrinsics headers (the _mm*_undefined_* idiom, GCC bug
-// 105593); the pragma covers the header's lines, not ours.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-
-#include <cstdint>
-
-// Fully unrolls a register-tile loop early, so GCC keeps accumulator arrays in registers
-// (without it, it also stores every accumulator to the stack on every iteration).
-#define DS_UNROLL _Pragma("GCC unroll 16")
+#include "backend/cpu/simd_common.h"
 
 namespace ds::cpu::detail {
 namespace {
