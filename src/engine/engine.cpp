@@ -256,6 +256,21 @@ void Engine::step() {
   }
   sched_.on_step_done(sampled);
 
+  // Statistics first, so a caller woken by a final event below already sees this step.
+  const BlockManagerStats kv = sched_.block_manager().stats();
+  const SchedulerStats ss = sched_.stats();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.steps += 1;
+    stats_.preemptions = ss.preemptions;
+    stats_.prompt_tokens_computed += prompt_tokens;
+    stats_.tokens_generated += int64_t(sampled.size());
+    stats_.mean_fragmentation +=
+        (kv.fragmentation - stats_.mean_fragmentation) / double(stats_.steps);
+    stats_.peak_kv_usage = std::max(stats_.peak_kv_usage, kv.usage);
+    stats_.kv = kv;
+  }
+
   const double t = now_s();
   for (const auto& st : sampled) {
     Live& l = *live_.at(st.id);
@@ -272,18 +287,6 @@ void Engine::step() {
     else if (l.generated >= l.req.max_tokens)
       finish(st.id, FinishReason::Length);
   }
-
-  const BlockManagerStats kv = sched_.block_manager().stats();
-  const SchedulerStats ss = sched_.stats();
-  std::lock_guard<std::mutex> lock(mu_);
-  stats_.steps += 1;
-  stats_.preemptions = ss.preemptions;
-  stats_.prompt_tokens_computed += prompt_tokens;
-  stats_.tokens_generated += int64_t(sampled.size());
-  stats_.mean_fragmentation +=
-      (kv.fragmentation - stats_.mean_fragmentation) / double(stats_.steps);
-  stats_.peak_kv_usage = std::max(stats_.peak_kv_usage, kv.usage);
-  stats_.kv = kv;
 }
 
 }  // namespace ds

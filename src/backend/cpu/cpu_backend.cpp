@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/attention.h"
 #include "backend/cpu/matmul.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -28,20 +29,6 @@ class HostBuffer final : public Buffer {
   void* data_;
   size_t size_;
 };
-
-float load_elem(const uint8_t* p, DType t) {
-  switch (t) {
-    case DType::F32: {
-      float f;
-      std::memcpy(&f, p, 4);
-      return f;
-    }
-    case DType::F16:
-      return fp16_to_f32(uint16_t(p[0] | p[1] << 8));
-    default:
-      return bf16_to_f32(uint16_t(p[0] | p[1] << 8));
-  }
-}
 
 void store_elem(uint8_t* p, DType t, float v) {
   if (t == DType::F32) {
@@ -188,63 +175,25 @@ class CpuBackend final : public Backend {
   }
 
   void attention(const AttentionParams& p, const AttentionMeta& meta) override {
-    const int heads = int(p.q.shape[1]), hd = int(p.q.shape[2]);
-    const int group = heads / p.kv.kv_heads;
-    // One work item per (token, head); each is computed the same way whatever the batch.
-    const int64_t items = int64_t(meta.num_tokens) * heads;
+    const int heads = int(p.q.shape[1]), kv_heads = p.kv.kv_heads;
+    const int group = heads / kv_heads;
     std::vector<int> seq_of(size_t(meta.num_tokens));
     for (int s = 0; s < meta.num_seqs; ++s)
       for (int t = meta.query_start[s]; t < meta.query_start[s + 1]; ++t) seq_of[size_t(t)] = s;
-    const bool f32 = p.kv.dtype == DType::F32;
-    const int64_t es = int64_t(dtype_info(p.kv.dtype).type_size);
+    // A work item is a whole kv group (each K/V row is loaded once for all its query heads)
+    // unless that leaves too few items to go round; a head's result is the same either way.
+    const int per_item = int64_t(meta.num_tokens) * kv_heads >= 4 * pool_.size() ? group : 1;
+    const int chunks = group / per_item;
+    const int64_t per_token = int64_t(kv_heads) * chunks;
+    const int64_t items = meta.num_tokens * per_token;
+    const cpu::AttentionKernel kernel = cpu::attention_kernel(isa_);
+    if (attn_scratch_.size() < size_t(pool_.size())) attn_scratch_.resize(size_t(pool_.size()));
     pool_.run([&](int ith, int nth) {
       auto [begin, end] = ThreadPool::split(items, ith, nth);
-      std::vector<float> scores, kbuf(static_cast<size_t>(hd)), acc(static_cast<size_t>(hd));
-      for (int64_t it = begin; it < end; ++it) {
-        const int t = int(it / heads), h = int(it % heads), kvh = h / group;
-        const int s = seq_of[size_t(t)];
-        const int n_new = meta.query_start[s + 1] - meta.query_start[s];
-        const int ctx = meta.context_lens[s];
-        const int pos = ctx - n_new + (t - meta.query_start[s]);
-        const int n_keys = p.causal ? pos + 1 : ctx;
-        const int32_t* table = meta.block_tables + int64_t(s) * meta.max_blocks_per_seq;
-        const float* q = reinterpret_cast<const float*>(static_cast<const uint8_t*>(p.q.data) +
-                                                        t * p.q.stride[0] + h * p.q.stride[1]);
-        auto row = [&](void* base, int j) {
-          const int64_t slot =
-              int64_t(table[j / p.kv.block_size]) * p.kv.block_size + j % p.kv.block_size;
-          return static_cast<const uint8_t*>(base) +
-                 (slot * p.kv.slot_stride() + int64_t(kvh) * hd) * es;
-        };
-        auto load = [&](const uint8_t* r) -> const float* {
-          if (f32) return reinterpret_cast<const float*>(r);
-          for (int i = 0; i < hd; ++i) kbuf[size_t(i)] = load_elem(r + i * es, p.kv.dtype);
-          return kbuf.data();
-        };
-        scores.resize(size_t(n_keys));
-        float mx = -INFINITY;
-        for (int j = 0; j < n_keys; ++j) {
-          const float* kr = load(row(p.kv.k, j));
-          float d = 0;
-          for (int i = 0; i < hd; ++i) d += q[i] * kr[i];
-          scores[size_t(j)] = d * p.scale;
-          mx = std::max(mx, scores[size_t(j)]);
-        }
-        float sum = 0;
-        for (int j = 0; j < n_keys; ++j) {
-          scores[size_t(j)] = std::exp(scores[size_t(j)] - mx);
-          sum += scores[size_t(j)];
-        }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int j = 0; j < n_keys; ++j) {
-          const float* vr = load(row(p.kv.v, j));
-          const float w = scores[size_t(j)];
-          for (int i = 0; i < hd; ++i) acc[size_t(i)] += w * vr[i];
-        }
-        float* o = reinterpret_cast<float*>(static_cast<uint8_t*>(p.out.data) +
-                                            t * p.out.stride[0] + h * p.out.stride[1]);
-        const float inv = 1.0f / sum;
-        for (int i = 0; i < hd; ++i) o[i] = acc[size_t(i)] * inv;
+      for (int64_t i = begin; i < end; ++i) {
+        const int t = int(i / per_token), r = int(i % per_token);
+        const int kvh = r / chunks, h0 = kvh * group + r % chunks * per_item;
+        kernel(p, meta, {t, seq_of[size_t(t)], kvh, h0, h0 + per_item}, attn_scratch_[size_t(ith)]);
       }
     });
   }
@@ -293,6 +242,7 @@ class CpuBackend final : public Backend {
 
   ThreadPool pool_;
   cpu::Isa isa_;
+  std::vector<cpu::AttentionScratch> attn_scratch_;  // one per pool thread
   ActivationPrecision precision_;
 };
 
