@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include "sched_test_util.h"
+
 #include <numeric>
 #include <random>
 
@@ -19,11 +21,7 @@ BlockManagerConfig config(int num_blocks, int block_size,
   return c;
 }
 
-std::vector<int32_t> iota_tokens(int n, int32_t first) {
-  std::vector<int32_t> v(static_cast<size_t>(n));
-  std::iota(v.begin(), v.end(), first);
-  return v;
-}
+using test::iota_tokens;
 
 std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
   a.insert(a.end(), b.begin(), b.end());

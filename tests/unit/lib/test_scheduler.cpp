@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include "sched_test_util.h"
+
 #include <algorithm>
 #include <numeric>
 
@@ -25,11 +27,7 @@ BlockManagerConfig blocks(int num_blocks, int block_size = 4, bool prefix = true
   return c;
 }
 
-std::vector<int32_t> iota_tokens(int n, int32_t first) {
-  std::vector<int32_t> v(static_cast<size_t>(n));
-  std::iota(v.begin(), v.end(), first);
-  return v;
-}
+using test::iota_tokens;
 
 Request req(SeqId id, int prompt_len, int max_tokens, Priority p = Priority::Standard) {
   return Request{id, iota_tokens(prompt_len, int32_t(id) * 1000), max_tokens, p};
