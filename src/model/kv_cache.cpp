@@ -2,10 +2,6 @@
 
 namespace ds {
 
-size_t KvCache::bytes_per_token(const ModelConfig& cfg, DType dtype) {
-  return size_t(cfg.layers) * 2 * dtype_bytes(dtype, int64_t(cfg.kv_heads) * cfg.head_dim);
-}
-
 KvCache::KvCache(Backend& backend, const ModelConfig& cfg, const KvCacheConfig& kv) : cfg_(kv) {
   DS_CHECK(kv.num_blocks > 0 && kv.block_size > 0, "KV cache needs blocks");
   const size_t per_layer =

@@ -12,24 +12,29 @@
 namespace ds {
 namespace {
 
-void draw_progress(size_t done, size_t total, double t0) {
-  static int last = -1;
-  const int pct = total ? int(100.0 * double(done) / double(total)) : 100;
-  if (pct == last) return;
-  last = pct;
-  const int width = 30, fill = pct * width / 100;
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count() -
-      t0;
-  std::fprintf(stderr, "\rloading [%.*s%*s] %3d%% %6.0f/%.0f MB %5.2f GB/s", fill,
-               "##############################", width - fill, "", pct, double(done) / 1e6,
-               double(total) / 1e6, secs > 0 ? double(done) / secs / 1e9 : 0.0);
-  if (done >= total) {
-    std::fputc('\n', stderr);
-    last = -1;
+// A one-line progress bar on stderr, redrawn when the percentage changes.
+class ProgressBar {
+ public:
+  explicit ProgressBar(double t0) : t0_(t0) {}
+  void update(size_t done, size_t total) {
+    const int pct = total ? int(100.0 * double(done) / double(total)) : 100;
+    if (pct == last_) return;
+    last_ = pct;
+    const int width = 30, fill = pct * width / 100;
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count() -
+        t0_;
+    std::fprintf(stderr, "\rloading [%.*s%*s] %3d%% %6.0f/%.0f MB %5.2f GB/s", fill,
+                 "##############################", width - fill, "", pct, double(done) / 1e6,
+                 double(total) / 1e6, secs > 0 ? double(done) / secs / 1e9 : 0.0);
+    if (done >= total) std::fputc('\n', stderr);
+    std::fflush(stderr);
   }
-  std::fflush(stderr);
-}
+
+ private:
+  double t0_;
+  int last_ = -1;
+};
 
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -74,8 +79,9 @@ LoadedModel load_model(const std::filesystem::path& path, Backend& backend,
   const double t0 = now();
   LoadedModel m = open_model_metadata(path);
   const bool bar = opts.progress && isatty(2);
+  ProgressBar progress(t0);
   m.weights->prefetch(opts.threads, [&](size_t done, size_t total) {
-    if (bar) draw_progress(done, total, t0);
+    if (bar) progress.update(done, total);
   });
   if (m.config.arch != "llama")
     throw UnsupportedError(m.path + ": architecture '" + m.config.arch + "' is not supported");

@@ -28,8 +28,6 @@ class KvCache {
   int block_size() const { return cfg_.block_size; }
   int64_t capacity_tokens() const { return int64_t(cfg_.num_blocks) * cfg_.block_size; }
   size_t bytes() const { return bytes_; }
-  // Bytes one cached token takes across all layers.
-  static size_t bytes_per_token(const ModelConfig& cfg, DType dtype);
 
  private:
   KvCacheConfig cfg_;
