@@ -33,6 +33,16 @@ struct ChatOptions {
   std::string system;
 };
 
+struct ServeOptions {
+  ModelOptions model;
+  EngineOptions engine;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string api_key;
+  std::string served_model_name;  // default: the model file's name without extension
+  double drain_timeout_s = 30;
+};
+
 struct InspectOptions {
   std::string path;
   bool json = false;
@@ -42,5 +52,6 @@ struct InspectOptions {
 int run_generate(const GenerateOptions& o);
 int run_chat(const ChatOptions& o);
 int run_inspect(const InspectOptions& o);
+int run_serve(const ServeOptions& o);
 
 }  // namespace ds

@@ -1,4 +1,4 @@
-// deepserve command line: generate | chat | inspect.
+// deepserve command line: generate | chat | serve | inspect.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
@@ -94,6 +94,27 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   c->add_option("--system", chat.system, "system message");
 
+  ds::ServeOptions serve;
+  auto* sv = app.add_subcommand("serve", "serve the OpenAI-compatible HTTP API");
+  add_model_options(sv, serve.model);
+  add_engine_options(sv, serve.engine);
+  sv->add_option_function<bool>(
+      "--enable-dynamic-kv-cache",
+      [&serve](bool on) { serve.engine.kv_mode = on ? "dynamic" : "static"; },
+      "true: paged KV cache (default); false: static reservation, as --kv-mode static");
+  sv->add_option("--host", serve.host, "address to listen on")->capture_default_str();
+  sv->add_option("--port", serve.port, "TCP port (0 = any free port)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  sv->add_option("--api-key", serve.api_key,
+                 "require 'Authorization: Bearer KEY' on /v1 and /api routes");
+  sv->add_option("--served-model-name", serve.served_model_name,
+                 "the model id clients use (default: the model file's name)");
+  sv->add_option("--drain-timeout", serve.drain_timeout_s,
+                 "seconds in-flight requests get to finish on SIGTERM / SIGINT")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+
   ds::InspectOptions insp;
   auto* i =
       app.add_subcommand("inspect", "show a model file's architecture, tokenizer and tensors");
@@ -110,6 +131,10 @@ int main(int argc, char** argv) {
     if (c->parsed()) {
       ds::set_log_level(chat.model.verbose ? ds::LogLevel::Info : ds::LogLevel::Warn);
       return ds::run_chat(chat);
+    }
+    if (sv->parsed()) {
+      ds::set_log_level(serve.model.verbose ? ds::LogLevel::Info : ds::LogLevel::Warn);
+      return ds::run_serve(serve);
     }
     if (i->parsed()) return ds::run_inspect(insp);
   } catch (const std::exception& e) {

@@ -1,0 +1,362 @@
+#include "server/server.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace ds {
+namespace {
+
+using Json = nlohmann::json;
+
+std::string dump(const Json& j) {
+  return j.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+void send_json(httplib::Response& res, int status, const Json& j) {
+  res.status = status;
+  res.set_content(dump(j), "application/json");
+}
+
+void send_error(httplib::Response& res, const ApiError& e) {
+  send_json(res, e.status, error_body(e));
+}
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+bool starts_with(const std::string& s, const char* prefix) {
+  return s.rfind(prefix, 0) == 0;
+}
+
+}  // namespace
+
+// One API request: its engine requests and what has been read from them. Destroying it
+// cancels whatever is unfinished (a client that went away) and waits for the engine to let go.
+struct ApiServer::Job {
+  struct Sub {
+    std::shared_ptr<RequestHandle> handle;
+    Priority priority = Priority::Standard;
+    bool had_token = false;
+    bool finished = false;
+    std::string text;
+    EngineEvent fin;
+  };
+
+  ApiServer* srv = nullptr;
+  ApiRequest req;
+  std::vector<Sub> subs;
+  std::string id;
+  int64_t created = 0;
+
+  ~Job() {
+    abandon();
+    srv->job_done();
+  }
+
+  // The next event of choice `i` (nullopt after its final one), with metrics recorded.
+  std::optional<EngineEvent> next(size_t i) {
+    Sub& s = subs[i];
+    if (s.finished) return std::nullopt;
+    auto ev = s.handle->next();
+    if (!ev) return ev;
+    if (ev->token >= 0) {
+      srv->metrics_.token(!s.had_token);
+      s.had_token = true;
+    }
+    s.text += ev->text;
+    if (ev->final) {
+      s.finished = true;
+      s.fin = *ev;
+      srv->metrics_.request_finished({s.priority, ev->finish_reason, ev->usage.prompt_tokens,
+                                      ev->usage.completion_tokens, ev->timings},
+                                     s.had_token);
+      std::lock_guard<std::mutex> lock(srv->mu_);
+      srv->live_.erase(s.handle->id());
+    }
+    return ev;
+  }
+
+  void finish_all() {
+    for (size_t i = 0; i < subs.size(); ++i)
+      while (next(i)) {
+      }
+  }
+
+  void abandon() {
+    for (auto& s : subs)
+      if (!s.finished) srv->engine_.cancel(s.handle->id());
+    finish_all();
+  }
+
+  Json usage() const {
+    int prompt = 0, completion = 0;
+    for (size_t i = 0; i < subs.size(); ++i) {
+      if (i % size_t(req.n) == 0) prompt += subs[i].fin.usage.prompt_tokens;
+      completion += subs[i].fin.usage.completion_tokens;
+    }
+    return {{"prompt_tokens", prompt},
+            {"completion_tokens", completion},
+            {"total_tokens", prompt + completion}};
+  }
+
+  // A streamed chunk for choice `i`: a text delta and/or the finish reason.
+  Json chunk(size_t i, const std::string* text, const std::string* finish, bool role) const {
+    Json choice = {{"index", i}, {"logprobs", nullptr}};
+    choice["finish_reason"] = finish ? Json(*finish) : Json();
+    if (req.chat) {
+      Json delta = Json::object();
+      if (role) delta["role"] = "assistant";
+      if (text) delta["content"] = *text;
+      choice["delta"] = delta;
+    } else {
+      choice["text"] = text ? *text : "";
+    }
+    Json j = {{"id", id},
+              {"object", req.chat ? "chat.completion.chunk" : "text_completion"},
+              {"created", created},
+              {"model", srv->cfg_.model_name},
+              {"choices", Json::array({choice})}};
+    if (req.include_usage) j["usage"] = nullptr;
+    return j;
+  }
+};
+
+ApiServer::ApiServer(Engine& engine, const LoadedModel& model, ServerConfig cfg)
+    : engine_(engine),
+      cfg_(std::move(cfg)),
+      metrics_(cfg_.model_name),
+      http_(std::make_unique<httplib::Server>()),
+      created_(unix_now()) {
+  limits_.tokenizer = model.tokenizer.get();
+  if (limits_.tokenizer) {
+    chat_ = ChatTemplate::detect(model.chat_template, model.config.arch);
+    limits_.chat = &*chat_;
+    limits_.chat_stops = chat_->stop_strings();
+  }
+  limits_.vocab = int32_t(model.config.vocab);
+  limits_.context = std::min<int64_t>(model.config.max_context, engine.kv_capacity_tokens());
+  limits_.model_name = cfg_.model_name;
+  next_id_ = std::random_device{}() & 0xffffffu;
+  routes();
+}
+
+ApiServer::~ApiServer() = default;
+
+int ApiServer::bind() {
+  if (cfg_.port == 0) {
+    const int port = http_->bind_to_any_port(cfg_.host);
+    if (port < 0) throw Error("cannot listen on " + cfg_.host);
+    return port;
+  }
+  if (!http_->bind_to_port(cfg_.host, cfg_.port))
+    throw Error("cannot listen on " + cfg_.host + ":" + std::to_string(cfg_.port));
+  return cfg_.port;
+}
+
+bool ApiServer::run() {
+  return http_->listen_after_bind();
+}
+
+void ApiServer::shutdown(double timeout_s) {
+  draining_ = true;
+  http_->stop();  // no new connections; open ones close after their current request
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  if (!cv_.wait_until(lock, until, [&] { return in_flight_ == 0; })) {
+    log_warn("shutdown: cancelling " + std::to_string(live_.size()) + " unfinished requests");
+    for (SeqId id : live_) engine_.cancel(id);
+    cv_.wait_for(lock, std::chrono::seconds(5), [&] { return in_flight_ == 0; });
+  }
+}
+
+void ApiServer::job_done() {
+  std::lock_guard<std::mutex> lock(mu_);
+  --in_flight_;
+  cv_.notify_all();
+}
+
+std::shared_ptr<ApiServer::Job> ApiServer::start_job(ApiRequest req) {
+  auto job = std::make_shared<Job>();
+  job->srv = this;
+  job->id = (req.chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
+  job->created = unix_now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++in_flight_;
+  }
+  for (auto& er : req.engine) {
+    Job::Sub s;
+    s.priority = er.priority;
+    metrics_.request_started();
+    s.handle = engine_.submit(std::move(er));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live_.insert(s.handle->id());
+    }
+    job->subs.push_back(std::move(s));
+  }
+  req.engine.clear();
+  job->req = std::move(req);
+  return job;
+}
+
+void ApiServer::completions(bool chat, const std::string& body, void* res_ptr) {
+  auto& res = *static_cast<httplib::Response*>(res_ptr);
+  if (draining_) throw ApiError(503, "the server is shutting down");
+  Json j;
+  try {
+    j = Json::parse(body);
+  } catch (const Json::parse_error& e) {
+    throw ApiError(400, std::string("the body is not valid JSON: ") + e.what(), "", "invalid_json");
+  }
+  std::shared_ptr<Job> job = start_job(parse_api_request(j, chat, limits_));
+
+  if (!job->req.stream) {
+    job->finish_all();
+    Json choices = Json::array();
+    for (size_t i = 0; i < job->subs.size(); ++i) {
+      const auto& s = job->subs[i];
+      if (s.fin.finish_reason == "rejected") throw ApiError(400, s.fin.error, "", "rejected");
+      Json c = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", s.fin.finish_reason}};
+      if (chat)
+        c["message"] = {{"role", "assistant"}, {"content", s.text}};
+      else
+        c["text"] = s.text;
+      choices.push_back(c);
+    }
+    send_json(res, 200,
+              {{"id", job->id},
+               {"object", chat ? "chat.completion" : "text_completion"},
+               {"created", job->created},
+               {"model", cfg_.model_name},
+               {"choices", choices},
+               {"usage", job->usage()}});
+    return;
+  }
+
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider("text/event-stream", [job](size_t, httplib::DataSink& sink) {
+    auto send = [&](const Json& ev) {
+      const std::string s = "data: " + dump(ev) + "\n\n";
+      return sink.write(s.data(), s.size());
+    };
+    for (size_t i = 0; i < job->subs.size(); ++i) {
+      if (job->req.chat && !send(job->chunk(i, nullptr, nullptr, true))) return false;
+      while (auto ev = job->next(i)) {
+        bool ok = true;
+        if (ev->final && ev->finish_reason == "rejected") {
+          ok = send(error_body(ApiError(400, ev->error, "", "rejected")));
+        } else if (ev->final) {
+          ok = send(
+              job->chunk(i, ev->text.empty() ? nullptr : &ev->text, &ev->finish_reason, false));
+        } else if (!ev->text.empty()) {
+          ok = send(job->chunk(i, &ev->text, nullptr, false));
+        }
+        if (!ok) return false;  // the client is gone: ~Job cancels the rest
+      }
+    }
+    if (job->req.include_usage) {
+      Json u = {{"id", job->id},
+                {"object", job->req.chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", job->created},
+                {"model", job->srv->cfg_.model_name},
+                {"choices", Json::array()},
+                {"usage", job->usage()}};
+      if (!send(u)) return false;
+    }
+    static const std::string done = "data: [DONE]\n\n";
+    if (!sink.write(done.data(), done.size())) return false;
+    sink.done();
+    return true;
+  });
+}
+
+void ApiServer::routes() {
+  auto& h = *http_;
+  h.new_task_queue = [n = cfg_.http_threads] { return new httplib::ThreadPool(size_t(n)); };
+  h.set_payload_max_length(cfg_.max_body_bytes);
+  h.set_keep_alive_timeout(5);
+  h.set_read_timeout(30);
+  h.set_write_timeout(30);
+
+  h.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (cfg_.api_key.empty() || !(starts_with(req.path, "/v1/") || starts_with(req.path, "/api/")))
+      return httplib::Server::HandlerResponse::Unhandled;
+    if (req.get_header_value("Authorization") == "Bearer " + cfg_.api_key)
+      return httplib::Server::HandlerResponse::Unhandled;
+    send_error(res, ApiError(401, "missing or wrong API key", "", "invalid_api_key"));
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  // httplib's own failures (unknown route, body over the limit, unreadable request) get
+  // OpenAI-style bodies too.
+  h.set_error_handler(
+      httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty() || res.content_provider_)
+          return httplib::Server::HandlerResponse::Unhandled;
+        std::string msg = "request failed";
+        if (res.status == 404) msg = "no route for " + req.method + " " + req.path;
+        if (res.status == 413) msg = "the request body is larger than the server accepts";
+        if (res.status == 400) msg = "malformed HTTP request";
+        send_error(res, ApiError(res.status, msg));
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  ;
+  h.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        try {
+          std::rethrow_exception(ep);
+        } catch (const ApiError& e) {
+          send_error(res, e);
+        } catch (const std::exception& e) {
+          log_warn(std::string("internal error: ") + e.what());
+          send_error(res, ApiError(500, std::string("internal error: ") + e.what()));
+        } catch (...) {
+          send_error(res, ApiError(500, "internal error"));
+        }
+      });
+
+  h.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    completions(false, req.body, &res);
+  });
+  h.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    completions(true, req.body, &res);
+  });
+  h.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    send_json(res, 200,
+              {{"object", "list"},
+               {"data", Json::array({{{"id", cfg_.model_name},
+                                      {"object", "model"},
+                                      {"created", created_},
+                                      {"owned_by", "deepserve"},
+                                      {"max_model_len", limits_.context}}})}});
+  });
+  h.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+    send_json(res, 200, {{"status", "ok"}});
+  });
+  h.Get("/ready", [this](const httplib::Request&, httplib::Response& res) {
+    if (draining_)
+      send_error(res, ApiError(503, "the server is shutting down"));
+    else
+      send_json(res, 200, {{"status", "ready"}});
+  });
+  h.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_.prometheus(engine_.stats()), "text/plain; version=0.0.4");
+  });
+  h.Get("/api/v1/metrics", [this](const httplib::Request& req, httplib::Response& res) {
+    if (req.has_param("model") && req.get_param_value("model") != cfg_.model_name)
+      throw ApiError(404, "the model '" + req.get_param_value("model") + "' does not exist",
+                     "model", "model_not_found");
+    send_json(res, 200, metrics_.json(engine_.stats()));
+  });
+}
+
+}  // namespace ds
