@@ -184,6 +184,16 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
   if (const auto* u = field(body, "user"); u && !u->is_string())
     bad("user", "'user' must be a string");
 
+  // Token log-probabilities are not reported by the engine yet: refuse rather than omit them.
+  for (const char* name : {"logprobs", "top_logprobs"}) {
+    const auto* v = field(body, name);
+    if (v && !(v->is_boolean() || v->is_number_integer()))
+      bad(name, std::string("'") + name + "' must be a boolean or an integer");
+    if (v && ((v->is_boolean() && v->get<bool>()) || (v->is_number_integer() && *v != 0)))
+      throw ApiError(400, std::string("'") + name + "' is not supported yet", name,
+                     "unsupported_parameter");
+  }
+
   ApiRequest r;
   r.chat = chat;
   r.stream = boolean(body, "stream", false);

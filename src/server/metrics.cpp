@@ -12,10 +12,12 @@ double wall_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-const std::vector<double>& latency_bounds() {
-  static const std::vector<double> b = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
-                                        0.75,  1.0,   2.5,  5.0,  7.5,  10,   20,   40,  80};
-  return b;
+// Seconds: fine steps below 100 ms (inter-token gaps), coarse ones up to long requests.
+constexpr double kLatencyBounds[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                                     0.75,  1.0,   2.5,  5.0,  7.5,  10,   20,   40,  80};
+
+std::vector<double> latency_bounds() {
+  return {std::begin(kLatencyBounds), std::end(kLatencyBounds)};
 }
 
 std::string fmt(double v) {

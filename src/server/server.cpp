@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <string_view>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -273,7 +274,7 @@ void ApiServer::completions(bool chat, const std::string& body, void* res_ptr) {
                 {"usage", job->usage()}};
       if (!send(u)) return false;
     }
-    static const std::string done = "data: [DONE]\n\n";
+    constexpr std::string_view done = "data: [DONE]\n\n";
     if (!sink.write(done.data(), done.size())) return false;
     sink.done();
     return true;

@@ -1,0 +1,302 @@
+"""`deepserve serve` on the embedded default model, driven by the openai client and raw HTTP."""
+import concurrent.futures
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import openai
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(deepserve, log_path, *extra):
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([str(deepserve), "serve", "--threads", "2", "--port", str(port),
+                             *extra], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited ({proc.returncode}):\n{open(log_path).read()}")
+        try:
+            if requests.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except requests.ConnectionError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not become healthy:\n" + open(log_path).read())
+
+
+def stop_server(proc, timeout=40):
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def server(deepserve, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc, base = start_server(deepserve, log, "--api-key", KEY)
+    yield base
+    assert stop_server(proc) == 0, open(log).read()
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return requests.get(server + "/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, timeout=60, max_retries=0)
+
+
+def post(server, path, body=None, data=None, headers=AUTH, timeout=60):
+    return requests.post(server + path, json=body, data=data, headers=headers, timeout=timeout)
+
+
+def assert_alive(server, model):
+    assert requests.get(server + "/health", timeout=10).status_code == 200
+    r = post(server, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+
+
+def test_models_health_ready(server, model):
+    assert model == "SmolLM2-135M-Instruct.Q4_1"
+    assert requests.get(server + "/ready", timeout=10).json() == {"status": "ready"}
+    models = requests.get(server + "/v1/models", headers=AUTH, timeout=10).json()
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+
+
+def test_completion_stream_matches_non_stream(client, model):
+    prompt = "The quick brown fox"
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    c = full.choices[0]
+    assert full.object == "text_completion" and c.index == 0
+    assert c.finish_reason in ("length", "stop") and c.text
+    assert full.usage.prompt_tokens > 0 and full.usage.completion_tokens <= 8
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                            temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert chunks[-1].choices[0].finish_reason == c.finish_reason
+
+
+def test_chat_non_stream_and_stream_with_usage(client, model):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert "Paris" in r.choices[0].message.content
+    assert r.usage.completion_tokens <= 16
+    chunks = list(client.chat.completions.create(
+        model=model, messages=msgs, max_completion_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_n_choices_and_prompt_forms(client, model):
+    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, n=3,
+                                  seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert 3 <= r.usage.completion_tokens <= 12
+    r = client.chat.completions.create(model=model, n=2, max_tokens=4,
+                                       messages=[{"role": "user", "content": "Hello"}])
+    assert len(r.choices) == 2
+    streamed = list(client.completions.create(model=model, prompt="Hello", max_tokens=3, n=2,
+                                              stream=True))
+    assert {ch.choices[0].index for ch in streamed} == {0, 1}
+    for prompt, count in ((["Hello", "Goodbye"], 2), ([1, 2, 3], 1), ([[1, 2], [3, 4, 5]], 2)):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=2, user="u1",
+                                      presence_penalty=0.5, frequency_penalty=0.5, top_p=0.9,
+                                      extra_body={"priority": "batch"})
+        assert len(r.choices) == count
+
+
+def test_stop_strings(client, model):
+    prompt = "Count: one, two, three,"
+    base = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    text = base.choices[0].text
+    words = [w for w in text.split() if len(w) > 2]
+    if not words:
+        pytest.skip(f"greedy output has no word to stop on: {text!r}")
+    stop = words[len(words) // 2]
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                                  stop=[stop, "never-seen-xyz"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[:text.index(stop)]
+
+
+BAD = [
+    ("malformed json", "/v1/completions", b'{"prompt": "hi", ', 400),
+    ("not an object", "/v1/completions", b'[1, 2]', 400),
+    ("wrong type max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400),
+    ("wrong type temperature", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400),
+    ("wrong type prompt", "/v1/completions", {"prompt": {"a": 1}}, 400),
+    ("wrong type messages", "/v1/chat/completions", {"messages": "hello"}, 400),
+    ("wrong type stream", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400),
+    ("bad priority", "/v1/completions", {"prompt": "hi", "priority": "urgent"}, 400),
+    ("token out of vocab", "/v1/completions", {"prompt": [1, 10 ** 9]}, 400),
+    ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("max_tokens -1", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400),
+    ("logprobs unsupported", "/v1/completions", {"prompt": "hi", "logprobs": 2}, 400),
+    ("unknown model", "/v1/completions", {"model": "gpt-7", "prompt": "hi"}, 404),
+    ("over-long prompt", "/v1/completions", {"prompt": "hello " * 6000, "max_tokens": 4}, 400),
+    ("invalid utf-8", "/v1/completions", b'{"prompt": "caf\xe9 \xff\xfe", "max_tokens": 4}', 400),
+    ("unknown route", "/v1/engines", {"prompt": "hi"}, 404),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(server, model, name, path, body, status):
+    if isinstance(body, bytes):
+        r = post(server, path, data=body, headers={**AUTH, "Content-Type": "application/json"})
+    else:
+        r = post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert_alive(server, model)
+
+
+def test_huge_body_is_413(server, model):
+    r = post(server, "/v1/completions", data=b'{"prompt": "' + b"a" * (50 << 20) + b'"}',
+             headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert r.json()["error"]["type"] == "request_too_large"
+    assert_alive(server, model)
+
+
+def test_api_key(server, model):
+    body = {"model": model, "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = post(server, "/v1/completions", body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="nope", max_retries=0).models.list()
+    assert requests.get(server + "/health", timeout=10).status_code == 200  # open without key
+    assert_alive(server, model)
+
+
+def test_metrics_parse(server, model):
+    post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 3,
+                                     "priority": "latency-critical"})
+    fams = {f.name: f for f in
+            text_string_to_metric_families(requests.get(server + "/metrics", timeout=10).text)}
+    for name in ("deepserve:prompt_tokens", "deepserve:generation_tokens",
+                 "deepserve:requests", "deepserve:preemptions"):
+        assert fams[name].type == "counter"
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage",
+                 "kv_fragmentation", "prefix_cache_hit_rate", "tokens_per_second_1m_avg"):
+        assert fams["deepserve:" + name].type == "gauge"
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "queue_time_seconds"):
+        fam = fams["deepserve:" + name]
+        assert fam.type == "histogram"
+        counts = {s.labels["priority"]: s.value for s in fam.samples if s.name.endswith("_count")}
+        assert set(counts) == {"latency-critical", "standard", "batch"}
+        if name != "inter_token_latency_seconds":
+            assert counts["latency-critical"] >= 1
+    assert fams["deepserve:tokens_per_second_1m_avg"].samples[0].value > 0
+    j = requests.get(server + f"/api/v1/metrics?model={model}", headers=AUTH, timeout=10).json()
+    assert j["tokens_per_second_1m_avg"] > 0 and j["generation_tokens_total"] > 0
+    r = requests.get(server + "/api/v1/metrics?model=other", headers=AUTH, timeout=10)
+    assert r.status_code == 404
+
+
+def api_metrics(server):
+    return requests.get(server + "/api/v1/metrics", headers=AUTH, timeout=10).json()
+
+
+def test_load_with_disconnects(server, model):
+    before = api_metrics(server)
+    prios = ["latency-critical", "standard", "batch"]
+
+    def one(i):
+        body = {"model": model, "prompt": f"Request {i}: tell me about number {i}",
+                "priority": prios[i % 3], "temperature": 0.7, "seed": i}
+        if i % 4 == 0:  # a streaming client that hangs up after a few events
+            body.update(stream=True, max_tokens=48)
+            with requests.post(server + "/v1/completions", json=body, headers=AUTH,
+                               stream=True, timeout=60) as r:
+                assert r.status_code == 200, r.text
+                seen = 0
+                for line in r.iter_lines():
+                    if line.startswith(b"data: "):
+                        seen += 1
+                    if seen >= 2:
+                        break
+            return ("stream", r.status_code, None)
+        body["max_tokens"] = 4 + i % 4
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        return ("plain", r.status_code, r.json()["usage"])
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(one, range(200), timeout=120))
+    assert all(status < 500 for _, status, _ in results)
+    plain = [u for kind, _, u in results if kind == "plain"]
+    assert len(plain) == 150
+
+    deadline = time.time() + 30
+    while True:
+        after = api_metrics(server)
+        idle = after["num_requests_running"] == 0 and after["num_requests_waiting"] == 0
+        if idle and after["kv_cache_usage"] == 0:
+            break
+        assert time.time() < deadline, f"engine did not drain: {after}"
+        time.sleep(0.2)
+
+    def delta(key):
+        return after[key] - before[key]
+
+    reqs = {k: after["requests_total"][k] - before["requests_total"][k]
+            for k in after["requests_total"]}
+    assert sum(reqs.values()) == 200, reqs
+    assert reqs["rejected"] == 0
+    assert 5 <= reqs["cancelled"] <= 50, reqs  # hung-up streams were cancelled
+    assert reqs["stop"] + reqs["length"] >= 150
+    assert delta("prompt_tokens_total") >= sum(u["prompt_tokens"] for u in plain)
+    assert delta("generation_tokens_total") >= sum(u["completion_tokens"] for u in plain)
+    assert_alive(server, model)
+
+
+def test_sigterm_drains_in_flight(deepserve, tmp_path):
+    proc, base = start_server(deepserve, tmp_path / "server.log")
+    try:
+        out = {}
+
+        def call():
+            out["r"] = requests.post(base + "/v1/completions", timeout=60, json={
+                "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+                "stream": True})
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.5)
+        assert stop_server(proc) == 0
+        t.join(60)
+        body = out["r"].text
+        assert body.rstrip().endswith("data: [DONE]")
+        events = [json.loads(l[6:]) for l in body.splitlines()
+                  if l.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
