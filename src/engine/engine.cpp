@@ -1,6 +1,8 @@
 #include "engine/engine.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -35,6 +37,35 @@ BlockManagerConfig block_config(const EngineConfig& c) {
   b.mode = c.kv_mode;
   b.enable_prefix_cache = c.prefix_cache;
   return b;
+}
+
+// Log-softmax of one logits row, read at `token` and at the `top` most likely ids. The
+// normaliser is summed in double: a float sum over a large vocabulary loses the tail.
+struct TokenLogprobs {
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
+};
+
+TokenLogprobs token_logprobs(std::span<const float> row, int32_t token, int top) {
+  double mx = -INFINITY;
+  for (float x : row) mx = std::max(mx, double(x));
+  double sum = 0;
+  for (float x : row) sum += std::exp(double(x) - mx);
+  const double log_z = mx + std::log(sum);
+  TokenLogprobs r;
+  r.logprob = float(double(row[size_t(token)]) - log_z);
+  const size_t k = std::min(size_t(std::max(top, 0)), row.size());
+  if (k == 0) return r;
+  std::vector<int32_t> ids(row.size());
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i);
+  auto better = [&](int32_t a, int32_t b) {
+    return row[size_t(a)] != row[size_t(b)] ? row[size_t(a)] > row[size_t(b)] : a < b;
+  };
+  std::partial_sort(ids.begin(), ids.begin() + std::ptrdiff_t(k), ids.end(), better);
+  r.top.reserve(k);
+  for (size_t i = 0; i < k; ++i)
+    r.top.emplace_back(ids[i], float(double(row[size_t(ids[i])]) - log_z));
+  return r;
 }
 
 }  // namespace
@@ -105,6 +136,8 @@ std::shared_ptr<RequestHandle> Engine::submit(EngineRequest req) {
     if (id < 0 || id >= model_.config().vocab)
       throw Error("prompt token id " + std::to_string(id) + " is outside the vocabulary of " +
                   std::to_string(model_.config().vocab));
+  if (req.logprobs < -1 || req.logprobs > 20)
+    throw Error("logprobs must be between -1 and 20, got " + std::to_string(req.logprobs));
   std::unique_lock<std::mutex> lock(mu_);
   const SeqId id = next_id_++;
   auto handle = std::make_shared<RequestHandle>(id);
@@ -246,13 +279,18 @@ void Engine::step() {
 
   std::vector<SampledToken> sampled;
   sampled.reserve(rows);
+  std::vector<TokenLogprobs> lps;  // sized only when a request in the batch asked
   for (size_t i = 0; i < rows; ++i) {
     const SeqId id = batch.logit_seqs[i];
     const Sequence* seq = sched_.find(id);
     Live& l = *live_.at(id);
-    const int32_t tok =
-        l.sampler.sample(std::span(logits_.data() + i * size_t(vocab), size_t(vocab)), seq->tokens);
+    const std::span<const float> row(logits_.data() + i * size_t(vocab), size_t(vocab));
+    const int32_t tok = l.sampler.sample(row, seq->tokens);
     sampled.push_back({id, tok});
+    if (l.req.logprobs >= 0) {
+      lps.resize(rows);
+      lps[i] = token_logprobs(row, tok, l.req.logprobs);
+    }
   }
   sched_.on_step_done(sampled);
 
@@ -272,7 +310,8 @@ void Engine::step() {
   }
 
   const double t = now_s();
-  for (const auto& st : sampled) {
+  for (size_t i = 0; i < sampled.size(); ++i) {
+    const SampledToken& st = sampled[i];
     Live& l = *live_.at(st.id);
     ++l.generated;
     if (l.t_first < 0) l.t_first = t;
@@ -281,6 +320,10 @@ void Engine::step() {
     EngineEvent ev;
     ev.token = st.token;
     ev.text = std::string(d.text);
+    if (l.req.logprobs >= 0) {
+      ev.logprob = lps[i].logprob;
+      ev.top_logprobs = std::move(lps[i].top);
+    }
     l.handle->push(std::move(ev));
     if (d.finished)
       finish(st.id, FinishReason::Stop);

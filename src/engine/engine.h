@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "engine/output.h"
@@ -37,6 +38,9 @@ struct EngineRequest {
   std::vector<std::string> stop;
   bool ignore_eos = false;
   Priority priority = Priority::Standard;
+  // -1: none; 0..20: each token event carries the sampled token's log-probability and this
+  // many top alternatives, from the model's raw logits (before penalties and temperature).
+  int logprobs = -1;
 };
 
 struct Usage {
@@ -59,8 +63,10 @@ struct Timings {
 
 struct EngineEvent {
   bool final = false;
-  int32_t token = -1;         // the sampled id (token events)
-  std::string text;           // newly final text
+  int32_t token = -1;  // the sampled id (token events)
+  std::string text;    // newly final text
+  float logprob = 0;   // token events of requests with logprobs >= 0: log p(token)
+  std::vector<std::pair<int32_t, float>> top_logprobs;  // descending; ties by lower id
   std::string finish_reason;  // final: "stop", "length", "cancelled", "rejected"
   std::string error;          // final, rejected: why
   Usage usage;

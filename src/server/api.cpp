@@ -142,6 +142,29 @@ std::vector<std::string> stop_strings(const nlohmann::json& body) {
   return out;
 }
 
+// Completions: legacy `logprobs: int (0..5)`. Chat: `logprobs: bool` with `top_logprobs: int
+// (0..20)`, the latter only alongside logprobs=true. Returns -1 when none were asked for.
+int requested_logprobs(const nlohmann::json& body, bool chat) {
+  const auto* lp = field(body, "logprobs");
+  const auto* top = field(body, "top_logprobs");
+  if (!chat) {
+    if (top) bad("top_logprobs", "'top_logprobs' is for chat completions: use 'logprobs'");
+    if (!lp) return -1;
+    if (!lp->is_number_integer()) bad("logprobs", "'logprobs' must be an integer");
+    const int64_t n = lp->get<int64_t>();
+    if (n < 0 || n > 5) bad("logprobs", "'logprobs' must be between 0 and 5");
+    return int(n);
+  }
+  if (lp && !lp->is_boolean()) bad("logprobs", "'logprobs' must be a boolean");
+  const bool want = lp && lp->get<bool>();
+  if (!top) return want ? 0 : -1;
+  if (!top->is_number_integer()) bad("top_logprobs", "'top_logprobs' must be an integer");
+  const int64_t n = top->get<int64_t>();
+  if (n < 0 || n > 20) bad("top_logprobs", "'top_logprobs' must be between 0 and 20");
+  if (!want && n > 0) bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true");
+  return want ? int(n) : -1;
+}
+
 }  // namespace
 
 ApiError::ApiError(int status_, const std::string& message, std::string param_, std::string code_)
@@ -184,16 +207,6 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
   if (const auto* u = field(body, "user"); u && !u->is_string())
     bad("user", "'user' must be a string");
 
-  // Token log-probabilities are not reported by the engine yet: refuse rather than omit them.
-  for (const char* name : {"logprobs", "top_logprobs"}) {
-    const auto* v = field(body, name);
-    if (v && !(v->is_boolean() || v->is_number_integer()))
-      bad(name, std::string("'") + name + "' must be a boolean or an integer");
-    if (v && ((v->is_boolean() && v->get<bool>()) || (v->is_number_integer() && *v != 0)))
-      throw ApiError(400, std::string("'") + name + "' is not supported yet", name,
-                     "unsupported_parameter");
-  }
-
   ApiRequest r;
   r.chat = chat;
   r.stream = boolean(body, "stream", false);
@@ -205,6 +218,7 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
   if (n && (*n < 1 || *n > lim.max_n))
     bad("n", "'n' must be between 1 and " + std::to_string(lim.max_n));
   r.n = int(n.value_or(1));
+  r.logprobs = requested_logprobs(body, chat);
 
   // max_completion_tokens is the newer name; either must be >= 1 when given.
   std::optional<int64_t> max_tokens = integer(body, "max_completion_tokens");
@@ -257,6 +271,7 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
       if (sp.seed) er.sampling.seed = *sp.seed + uint64_t(i);  // n choices must differ
       er.stop = stop;
       er.priority = priority;
+      er.logprobs = r.logprobs;
       r.engine.push_back(std::move(er));
     }
   }

@@ -43,6 +43,7 @@ struct ApiRequest {
   int n = 1;
   bool stream = false;
   bool include_usage = false;
+  int logprobs = -1;  // -1: none; else alternatives per token (completions 0..5, chat 0..20)
   std::vector<EngineRequest> engine;  // prompts.size() * n, prompt-major
 };
 

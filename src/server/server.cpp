@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <span>
 #include <string_view>
 
 #include "core/error.h"
@@ -13,7 +14,8 @@
 namespace ds {
 namespace {
 
-using Json = nlohmann::json;
+// Insertion-ordered, so maps such as completions' top_logprobs keep their descending order.
+using Json = nlohmann::ordered_json;
 
 std::string dump(const Json& j) {
   return j.dump(-1, ' ', false, Json::error_handler_t::replace);
@@ -38,6 +40,58 @@ bool starts_with(const std::string& s, const char* prefix) {
   return s.rfind(prefix, 0) == 0;
 }
 
+// One generated token's log-probabilities, kept until the text it stands for is returned.
+struct TokenLp {
+  int32_t id = -1;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
+  size_t begin = 0, end = 0;  // its byte range in the choice's text
+};
+
+std::string token_text(const Tokenizer* tok, int32_t id) {
+  return tok ? tok->token_bytes(id) : std::string();
+}
+
+Json byte_values(const std::string& s) {
+  Json out = Json::array();
+  for (unsigned char c : s) out.push_back(int(c));
+  return out;
+}
+
+// OpenAI's chat shape: {content: [{token, logprob, bytes, top_logprobs: [...]}]}.
+Json chat_logprobs(const Tokenizer* tok, std::span<const TokenLp> lps) {
+  Json content = Json::array();
+  for (const auto& t : lps) {
+    Json top = Json::array();
+    for (const auto& [id, lp] : t.top) {
+      const std::string s = token_text(tok, id);
+      top.push_back({{"token", s}, {"logprob", lp}, {"bytes", byte_values(s)}});
+    }
+    const std::string s = token_text(tok, t.id);
+    content.push_back(
+        {{"token", s}, {"logprob", t.logprob}, {"bytes", byte_values(s)}, {"top_logprobs", top}});
+  }
+  return {{"content", content}};
+}
+
+// The legacy completions shape: parallel lists, alternatives as {token: logprob} maps.
+Json completion_logprobs(const Tokenizer* tok, std::span<const TokenLp> lps) {
+  Json tokens = Json::array(), token_lps = Json::array(), tops = Json::array(),
+       offsets = Json::array();
+  for (const auto& t : lps) {
+    tokens.push_back(token_text(tok, t.id));
+    token_lps.push_back(t.logprob);
+    Json top = Json::object();
+    for (const auto& [id, lp] : t.top) top[token_text(tok, id)] = lp;
+    tops.push_back(top);
+    offsets.push_back(t.begin);
+  }
+  return {{"tokens", tokens},
+          {"token_logprobs", token_lps},
+          {"top_logprobs", tops},
+          {"text_offset", offsets}};
+}
+
 }  // namespace
 
 // One API request: its engine requests and what has been read from them. Destroying it
@@ -50,6 +104,8 @@ struct ApiServer::Job {
     bool finished = false;
     std::string text;
     EngineEvent fin;
+    std::vector<TokenLp> lps;  // requests with logprobs: one per generated token
+    size_t lps_sent = 0;       // streamed so far
   };
 
   ApiServer* srv = nullptr;
@@ -72,6 +128,11 @@ struct ApiServer::Job {
     if (ev->token >= 0) {
       srv->metrics_.token(!s.had_token);
       s.had_token = true;
+      if (req.logprobs >= 0) {
+        const size_t begin = s.lps.empty() ? 0 : s.lps.back().end;
+        const size_t len = token_text(srv->limits_.tokenizer, ev->token).size();
+        s.lps.push_back({ev->token, ev->logprob, std::move(ev->top_logprobs), begin, begin + len});
+      }
     }
     s.text += ev->text;
     if (ev->final) {
@@ -84,6 +145,26 @@ struct ApiServer::Job {
       srv->live_.erase(s.handle->id());
     }
     return ev;
+  }
+
+  // The logprobs of choice `i`'s tokens from `from` on whose text has been returned: tokens
+  // whose text was cut (a stop string, an end-of-turn token) are left out, so the token
+  // strings always join to the text.
+  Json logprobs(size_t i, size_t from) const {
+    const Sub& s = subs[i];
+    size_t to = from;
+    while (to < s.lps.size() && s.lps[to].end <= s.text.size()) ++to;
+    const std::span<const TokenLp> part(s.lps.data() + from, to - from);
+    return req.chat ? chat_logprobs(srv->limits_.tokenizer, part)
+                    : completion_logprobs(srv->limits_.tokenizer, part);
+  }
+
+  // For a streamed chunk: the ready tokens not sent yet (null when logprobs are off).
+  Json take_logprobs(size_t i) {
+    if (req.logprobs < 0) return nullptr;
+    Json j = logprobs(i, subs[i].lps_sent);
+    subs[i].lps_sent += (req.chat ? j["content"] : j["tokens"]).size();
+    return j;
   }
 
   void finish_all() {
@@ -110,8 +191,9 @@ struct ApiServer::Job {
   }
 
   // A streamed chunk for choice `i`: a text delta and/or the finish reason.
-  Json chunk(size_t i, const std::string* text, const std::string* finish, bool role) const {
-    Json choice = {{"index", i}, {"logprobs", nullptr}};
+  Json chunk(size_t i, const std::string* text, const std::string* finish, bool role,
+             Json lp = nullptr) const {
+    Json choice = {{"index", i}, {"logprobs", std::move(lp)}};
     choice["finish_reason"] = finish ? Json(*finish) : Json();
     if (req.chat) {
       Json delta = Json::object();
@@ -213,10 +295,10 @@ std::shared_ptr<ApiServer::Job> ApiServer::start_job(ApiRequest req) {
 void ApiServer::completions(bool chat, const std::string& body, void* res_ptr) {
   auto& res = *static_cast<httplib::Response*>(res_ptr);
   if (draining_) throw ApiError(503, "the server is shutting down");
-  Json j;
+  nlohmann::json j;
   try {
-    j = Json::parse(body);
-  } catch (const Json::parse_error& e) {
+    j = nlohmann::json::parse(body);
+  } catch (const nlohmann::json::parse_error& e) {
     throw ApiError(400, std::string("the body is not valid JSON: ") + e.what(), "", "invalid_json");
   }
   std::shared_ptr<Job> job = start_job(parse_api_request(j, chat, limits_));
@@ -227,7 +309,9 @@ void ApiServer::completions(bool chat, const std::string& body, void* res_ptr) {
     for (size_t i = 0; i < job->subs.size(); ++i) {
       const auto& s = job->subs[i];
       if (s.fin.finish_reason == "rejected") throw ApiError(400, s.fin.error, "", "rejected");
-      Json c = {{"index", i}, {"logprobs", nullptr}, {"finish_reason", s.fin.finish_reason}};
+      Json c = {{"index", i},
+                {"logprobs", job->req.logprobs >= 0 ? job->logprobs(i, 0) : Json()},
+                {"finish_reason", s.fin.finish_reason}};
       if (chat)
         c["message"] = {{"role", "assistant"}, {"content", s.text}};
       else
@@ -257,10 +341,10 @@ void ApiServer::completions(bool chat, const std::string& body, void* res_ptr) {
         if (ev->final && ev->finish_reason == "rejected") {
           ok = send(error_body(ApiError(400, ev->error, "", "rejected")));
         } else if (ev->final) {
-          ok = send(
-              job->chunk(i, ev->text.empty() ? nullptr : &ev->text, &ev->finish_reason, false));
+          ok = send(job->chunk(i, ev->text.empty() ? nullptr : &ev->text, &ev->finish_reason, false,
+                               job->take_logprobs(i)));
         } else if (!ev->text.empty()) {
-          ok = send(job->chunk(i, &ev->text, nullptr, false));
+          ok = send(job->chunk(i, &ev->text, nullptr, false, job->take_logprobs(i)));
         }
         if (!ok) return false;  // the client is gone: ~Job cancels the rest
       }

@@ -143,6 +143,60 @@ def test_stop_strings(client, model):
     assert r.choices[0].text == text[:text.index(stop)]
 
 
+def test_completion_logprobs_greedy(client, model):
+    r = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=8,
+                                  temperature=0, logprobs=3)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert 0 < len(lp.tokens) <= r.usage.completion_tokens
+    assert "".join(lp.tokens) == c.text
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0
+        assert 1 <= len(top) <= 3
+        assert logprob == pytest.approx(max(top.values()), abs=1e-6)  # greedy takes the argmax
+        assert top[tok] == pytest.approx(logprob, abs=1e-6)
+        values = list(top.values())
+        assert values == sorted(values, reverse=True)
+    chunks = list(client.completions.create(model=model, prompt="The quick brown fox",
+                                            max_tokens=8, temperature=0, logprobs=3,
+                                            stream=True))
+    streamed = [t for ch in chunks if ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+
+
+def check_chat_logprobs(content, text, top):
+    assert "".join(t.token for t in content) == text
+    for t in content:
+        assert t.logprob <= 0
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+        assert len(t.top_logprobs) == top
+        values = [a.logprob for a in t.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert t.logprob == pytest.approx(values[0], abs=1e-6)  # greedy takes the argmax
+
+
+def test_chat_logprobs(client, model):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    text = r.choices[0].message.content
+    content = r.choices[0].logprobs.content
+    assert content
+    check_chat_logprobs(content, text, 2)
+    chunks = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=16,
+                                                 temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]
+    check_chat_logprobs(streamed, text, 2)
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content])
+    plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
 BAD = [
     ("malformed json", "/v1/completions", b'{"prompt": "hi", ', 400),
     ("not an object", "/v1/completions", b'[1, 2]', 400),
@@ -156,7 +210,10 @@ BAD = [
     ("max_tokens 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
     ("max_tokens -1", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400),
-    ("logprobs unsupported", "/v1/completions", {"prompt": "hi", "logprobs": 2}, 400),
+    ("logprobs over 5", "/v1/completions", {"prompt": "hi", "logprobs": 6}, 400),
+    ("top_logprobs over 20", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     400),
     ("unknown model", "/v1/completions", {"model": "gpt-7", "prompt": "hi"}, 404),
     ("over-long prompt", "/v1/completions", {"prompt": "hello " * 6000, "max_tokens": 4}, 400),
     ("invalid utf-8", "/v1/completions", b'{"prompt": "caf\xe9 \xff\xfe", "max_tokens": 4}', 400),

@@ -65,12 +65,82 @@ TEST(ServerApi, RejectsBadRequests) {
   EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"stream", 1}}), 400);
   EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"priority", "urgent"}}), 400);
   EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"stop", {1}}}), 400);
-  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"logprobs", true}}), 400);
-  EXPECT_EQ(status_of(Json{{"prompt", {100}}}), 400);                    // outside the vocabulary
-  EXPECT_EQ(status_of(Json{{"prompt", std::vector<int>(32, 1)}}), 400);  // no room to generate
-  EXPECT_EQ(status_of(Json{{"prompt", "text"}}), 400);                   // no tokenizer
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"logprobs", true}}), 400);  // an integer here
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"logprobs", 6}}), 400);
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"logprobs", -1}}), 400);
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"top_logprobs", 2}}), 400);  // chat only
+  EXPECT_EQ(status_of(Json{{"prompt", {100}}}), 400);                     // outside the vocabulary
+  EXPECT_EQ(status_of(Json{{"prompt", std::vector<int>(32, 1)}}), 400);   // no room to generate
+  EXPECT_EQ(status_of(Json{{"prompt", "text"}}), 400);                    // no tokenizer
   EXPECT_EQ(status_of(Json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}}, true), 400);
   EXPECT_EQ(status_of(Json::object()), 400);
+}
+
+// A byte-level BPE vocabulary of the 256 bytes (no merges) plus the ChatML markers.
+std::unique_ptr<Tokenizer> byte_tokenizer() {
+  TokenizerSpec spec;
+  int next = 256;
+  for (int b = 0; b < 256; ++b) {
+    const bool self = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
+    const uint32_t cp = self ? uint32_t(b) : uint32_t(next++);
+    std::string s;  // the code point in UTF-8 (at most two bytes here)
+    if (cp < 0x80) {
+      s += char(cp);
+    } else {
+      s += char(0xC0 | (cp >> 6));
+      s += char(0x80 | (cp & 0x3F));
+    }
+    spec.tokens.push_back(s);
+    spec.types.push_back(TokenType::Normal);
+  }
+  for (const char* special : {"<|im_start|>", "<|im_end|>"}) {
+    spec.tokens.push_back(special);
+    spec.types.push_back(TokenType::Control);
+  }
+  return Tokenizer::create(spec);
+}
+
+TEST(ServerApi, Logprobs) {
+  auto r = parse_api_request(Json{{"prompt", {1}}}, false, limits());
+  EXPECT_EQ(r.logprobs, -1);
+  EXPECT_EQ(r.engine[0].logprobs, -1);
+  r = parse_api_request(Json{{"prompt", {1}}, {"logprobs", 3}, {"n", 2}}, false, limits());
+  EXPECT_EQ(r.logprobs, 3);
+  EXPECT_EQ(r.engine[1].logprobs, 3);
+  r = parse_api_request(Json{{"prompt", {1}}, {"logprobs", 0}}, false, limits());
+  EXPECT_EQ(r.engine[0].logprobs, 0);
+
+  const auto tok = byte_tokenizer();
+  const ChatTemplate chat = ChatTemplate::of_kind(ChatTemplateKind::ChatML);
+  ApiLimits lim = limits();
+  lim.tokenizer = tok.get();
+  lim.chat = &chat;
+  lim.vocab = 258;
+  lim.context = 1000;
+  const Json msgs = {{{"role", "user"}, {"content", "hi"}}};
+  auto chat_lp = [&](Json extra) {
+    extra["messages"] = msgs;
+    return parse_api_request(extra, true, lim).engine.at(0).logprobs;
+  };
+  auto chat_status = [&](Json extra) {
+    try {
+      chat_lp(std::move(extra));
+    } catch (const ApiError& e) {
+      return e.status;
+    }
+    return 200;
+  };
+  EXPECT_EQ(chat_lp(Json::object()), -1);
+  EXPECT_EQ(chat_lp({{"logprobs", false}}), -1);
+  EXPECT_EQ(chat_lp({{"logprobs", true}}), 0);
+  EXPECT_EQ(chat_lp({{"logprobs", true}, {"top_logprobs", 20}}), 20);
+  EXPECT_EQ(chat_lp({{"logprobs", false}, {"top_logprobs", 0}}), -1);
+  EXPECT_EQ(chat_status({{"logprobs", true}, {"top_logprobs", 21}}), 400);
+  EXPECT_EQ(chat_status({{"logprobs", true}, {"top_logprobs", -1}}), 400);
+  EXPECT_EQ(chat_status({{"logprobs", true}, {"top_logprobs", 1.5}}), 400);
+  EXPECT_EQ(chat_status({{"logprobs", 2}}), 400);      // a boolean in chat
+  EXPECT_EQ(chat_status({{"top_logprobs", 2}}), 400);  // needs logprobs=true
+  EXPECT_EQ(chat_status({{"logprobs", false}, {"top_logprobs", 2}}), 400);
 }
 
 TEST(ServerApi, ErrorBodyHasOpenAiFields) {
