@@ -319,6 +319,7 @@ void Engine::step() {
     const auto d = l.out.push(st.token);
     EngineEvent ev;
     ev.token = st.token;
+    ev.time_s = t;
     ev.text = std::string(d.text);
     if (l.req.logprobs >= 0) {
       ev.logprob = lps[i].logprob;

@@ -64,6 +64,7 @@ struct Timings {
 struct EngineEvent {
   bool final = false;
   int32_t token = -1;  // the sampled id (token events)
+  double time_s = 0;   // token events: when the engine sampled it (steady clock, seconds)
   std::string text;    // newly final text
   float logprob = 0;   // token events of requests with logprobs >= 0: log p(token)
   std::vector<std::pair<int32_t, float>> top_logprobs;  // descending; ties by lower id

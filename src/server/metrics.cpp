@@ -86,8 +86,9 @@ void ServerMetrics::advance_window_locked(int64_t now_s) const {
   window_head_s_ = std::max(window_head_s_, now_s);
 }
 
-void ServerMetrics::token(bool first) {
+void ServerMetrics::token(Priority priority, bool first, double gap_s) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (gap_s >= 0) per_priority_[size_t(priority)].itl.observe(gap_s);
   const int64_t now = int64_t(wall_s());
   advance_window_locked(now);
   ++window_[size_t(now % kWindowS)];
@@ -111,11 +112,6 @@ void ServerMetrics::request_finished(const RequestRecord& r, bool had_token) {
   pp.e2e.observe(r.timings.total_s);
   pp.queue.observe(r.timings.queue_s);
   if (r.completion_tokens > 0) pp.ttft.observe(r.timings.ttft_s);
-  // Gaps are taken from the engine's decode time, not from when a reader saw the events.
-  if (r.completion_tokens > 1) {
-    const double gap = r.timings.decode_s / double(r.completion_tokens - 1);
-    for (int i = 1; i < r.completion_tokens; ++i) pp.itl.observe(gap);
-  }
 }
 
 double ServerMetrics::tokens_per_second_locked() const {

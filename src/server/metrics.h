@@ -46,7 +46,8 @@ class ServerMetrics {
 
   void request_started();  // submitted to the engine
   // One generated token arrived; the first of a request moves it from waiting to running.
-  void token(bool first);
+  // gap_s: engine time since the request's previous token (< 0 for the first).
+  void token(Priority priority, bool first, double gap_s);
   void request_finished(const RequestRecord& r, bool had_token);
 
   std::string prometheus(const EngineStats& st) const;

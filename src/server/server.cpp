@@ -101,6 +101,7 @@ struct ApiServer::Job {
     std::shared_ptr<RequestHandle> handle;
     Priority priority = Priority::Standard;
     bool had_token = false;
+    double last_token_s = -1;  // engine time of the previous token
     bool finished = false;
     std::string text;
     EngineEvent fin;
@@ -126,7 +127,10 @@ struct ApiServer::Job {
     auto ev = s.handle->next();
     if (!ev) return ev;
     if (ev->token >= 0) {
-      srv->metrics_.token(!s.had_token);
+      // Gaps come from the engine's timestamps, not from when this reader got the event.
+      srv->metrics_.token(s.priority, !s.had_token,
+                          s.last_token_s >= 0 ? ev->time_s - s.last_token_s : -1.0);
+      s.last_token_s = ev->time_s;
       s.had_token = true;
       if (req.logprobs >= 0) {
         const size_t begin = s.lps.empty() ? 0 : s.lps.back().end;

@@ -161,8 +161,8 @@ TEST(ServerMetrics, CountsAndRenders) {
 
   ServerMetrics m("m");
   m.request_started();
-  m.token(true);
-  m.token(false);
+  m.token(Priority::LatencyCritical, true, -1.0);
+  m.token(Priority::LatencyCritical, false, 0.2);
   RequestRecord r;
   r.priority = Priority::LatencyCritical;
   r.finish_reason = "length";
@@ -179,6 +179,7 @@ TEST(ServerMetrics, CountsAndRenders) {
   EXPECT_EQ(j["num_requests_waiting"], 0);
   EXPECT_GT(j["tokens_per_second_1m_avg"].get<double>(), 0);
   EXPECT_EQ(j["latency"]["latency-critical"]["inter_token_latency_seconds"]["count"], 1);
+  EXPECT_DOUBLE_EQ(j["latency"]["latency-critical"]["inter_token_latency_seconds"]["sum"], 0.2);
   const std::string text = m.prometheus(EngineStats{});
   EXPECT_NE(text.find("deepserve:requests_total{model_name=\"m\",finish_reason=\"length\"} 1\n"),
             std::string::npos);
