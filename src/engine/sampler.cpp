@@ -56,7 +56,8 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
     std::sort(cand_.begin(), cand_.end(), by_logit);
   }
   // Softmax at temperature 1 for the nucleus and min-p cut-offs, as llama.cpp orders them.
-  std::vector<double> prob(n);
+  std::vector<double>& prob = prob_;
+  prob.resize(n);
   double sum = 0;
   for (size_t i = 0; i < n; ++i) sum += prob[i] = std::exp(double(cand_[i].first - cand_[0].first));
   if (p_.top_p < 1.0f) {

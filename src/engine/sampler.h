@@ -35,6 +35,7 @@ class Sampler {
   uint64_t seed_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, int32_t>> cand_;  // scratch: (logit, id)
+  std::vector<double> prob_;                     // scratch: unnormalised probabilities
 };
 
 // Index of the largest value; ties go to the lowest index.

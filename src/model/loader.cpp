@@ -78,13 +78,14 @@ LoadedModel load_model(const std::filesystem::path& path, Backend& backend,
                        const LoadOptions& opts) {
   const double t0 = now();
   LoadedModel m = open_model_metadata(path);
+  // Before reading the weights in: an unsupported model should not cost a full read.
+  if (m.config.arch != "llama")
+    throw UnsupportedError(m.path + ": architecture '" + m.config.arch + "' is not supported");
   const bool bar = opts.progress && isatty(2);
   ProgressBar progress(t0);
   m.weights->prefetch(opts.threads, [&](size_t done, size_t total) {
     if (bar) progress.update(done, total);
   });
-  if (m.config.arch != "llama")
-    throw UnsupportedError(m.path + ": architecture '" + m.config.arch + "' is not supported");
   m.model = make_llama(m.config, *m.weights, backend);
   m.load_seconds = now() - t0;
   log_info("loaded " + m.path + " (" + m.config.summary() + ") in " +

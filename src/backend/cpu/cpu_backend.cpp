@@ -129,10 +129,8 @@ class CpuBackend final : public Backend {
 
   void rope(TensorView x, const int32_t* positions, const RopeParams& p) override {
     const int64_t T = x.shape[0], H = x.shape[1];
-    const int rd = p.rotary_dim, half = rd / 2;
-    std::vector<float> inv_freq(static_cast<size_t>(half));
-    for (int i = 0; i < half; ++i)
-      inv_freq[size_t(i)] = p.freq_scale * std::pow(p.theta, -2.0f * float(i) / float(rd));
+    const int half = p.rotary_dim / 2;
+    const std::vector<float>& inv_freq = rope_frequencies(p);
     parallel_rows(T, [&](int64_t t) {
       float cs[512], sn[512];  // rotary dims up to 1024
       DS_CHECK(half <= 512, "rotary dim too large");
@@ -236,6 +234,21 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // Per-pair inverse frequencies, computed once per distinct parameter set instead of on every
+  // call (each layer rotates Q and K every step with the same parameters).
+  const std::vector<float>& rope_frequencies(const RopeParams& p) {
+    if (inv_freq_.size() != size_t(p.rotary_dim / 2) || inv_freq_theta_ != p.theta ||
+        inv_freq_scale_ != p.freq_scale) {
+      const int rd = p.rotary_dim;
+      inv_freq_.resize(size_t(rd / 2));
+      for (int i = 0; i < rd / 2; ++i)
+        inv_freq_[size_t(i)] = p.freq_scale * std::pow(p.theta, -2.0f * float(i) / float(rd));
+      inv_freq_theta_ = p.theta;
+      inv_freq_scale_ = p.freq_scale;
+    }
+    return inv_freq_;
+  }
+
   cpu::ActPrecision act() const {
     return precision_ == ActivationPrecision::Q8 ? cpu::ActPrecision::Q8 : cpu::ActPrecision::F32;
   }
@@ -244,6 +257,8 @@ class CpuBackend final : public Backend {
   cpu::Isa isa_;
   std::vector<cpu::AttentionScratch> attn_scratch_;  // one per pool thread
   ActivationPrecision precision_;
+  std::vector<float> inv_freq_;  // rope_frequencies() cache
+  float inv_freq_theta_ = 0, inv_freq_scale_ = 0;
 };
 
 }  // namespace
