@@ -192,14 +192,16 @@ void Engine::loop() {
     } catch (const std::exception& e) {
       // A failed step fails the requests in it rather than the process.
       log_error(std::string("engine step failed: ") + e.what());
-      std::vector<SeqId> ids;
-      for (const auto& [id, l] : live_) ids.push_back(id);
-      for (SeqId id : ids) finish(id, FinishReason::Rejected, e.what());
+      finish_all(FinishReason::Rejected, e.what());
     }
   }
-  std::vector<SeqId> ids;
+  finish_all(FinishReason::Cancelled);
+}
+
+void Engine::finish_all(FinishReason reason, const std::string& error) {
+  std::vector<SeqId> ids;  // finish() erases from live_
   for (const auto& [id, l] : live_) ids.push_back(id);
-  for (SeqId id : ids) finish(id, FinishReason::Cancelled);
+  for (SeqId id : ids) finish(id, reason, error);
 }
 
 void Engine::finish(SeqId id, FinishReason reason, const std::string& error) {

@@ -131,6 +131,7 @@ class Engine {
   void loop();
   void step();
   void finish(SeqId id, FinishReason reason, const std::string& error = {});
+  void finish_all(FinishReason reason, const std::string& error = {});
   void copy_blocks(const std::vector<BlockCopy>& copies);
 
   Model& model_;
