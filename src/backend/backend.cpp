@@ -1,5 +1,8 @@
 #include "backend/backend.h"
 
+#include <algorithm>
+#include <cmath>
+
 namespace ds {
 
 std::string_view op_name(Op op) {
@@ -20,8 +23,54 @@ std::string_view op_name(Op op) {
       return "silu_mul";
     case Op::Add:
       return "add";
+    case Op::BatchedMatMul:
+      return "batched_matmul";
+    case Op::MlaAttention:
+      return "mla_attention";
+    case Op::MoeRoute:
+      return "moe_route";
+    case Op::MoeFfn:
+      return "moe_ffn";
   }
   return "?";
+}
+
+float yarn_mscale(float factor, float mscale) {
+  return factor <= 1.0f ? 1.0f : 0.1f * mscale * std::log(factor) + 1.0f;
+}
+
+namespace {
+// The rotary dim index whose wavelength makes `rotations` turns over the original context.
+double yarn_correction_dim(double rotations, int dim, double base, int max_pos) {
+  return dim * std::log(max_pos / (rotations * 2 * M_PI)) / (2 * std::log(base));
+}
+}  // namespace
+
+std::vector<float> rope_inv_freq(const RopeParams& p) {
+  const int dim = p.rotary_dim, half = dim / 2;
+  std::vector<float> inv(size_t(std::max(half, 0)));
+  // Computed in float like the reference (torch float32 arange / pow), so angles match.
+  for (int i = 0; i < half; ++i) {
+    const float extra = 1.0f / std::pow(p.theta, float(2 * i) / float(dim));
+    inv[size_t(i)] = p.freq_scale * extra;
+  }
+  if (p.yarn_factor > 0.0f) {
+    double low = std::floor(
+        yarn_correction_dim(p.yarn_beta_fast, dim, p.theta, p.yarn_original_max_position));
+    double high = std::ceil(
+        yarn_correction_dim(p.yarn_beta_slow, dim, p.theta, p.yarn_original_max_position));
+    low = std::max(low, 0.0);
+    high = std::min(high, double(dim - 1));
+    if (low == high) high += 0.001;
+    for (int i = 0; i < half; ++i) {
+      const float extra = 1.0f / std::pow(p.theta, float(2 * i) / float(dim));
+      const float inter = 1.0f / (p.yarn_factor * std::pow(p.theta, float(2 * i) / float(dim)));
+      const float ramp = std::clamp(float((i - low) / (high - low)), 0.0f, 1.0f);
+      const float mask = 1.0f - ramp;  // 1: keep the original (extrapolated) frequency
+      inv[size_t(i)] = inter * (1.0f - mask) + extra * mask;
+    }
+  }
+  return inv;
 }
 
 }  // namespace ds

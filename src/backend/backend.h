@@ -7,7 +7,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -22,6 +24,10 @@ enum class Op {
   Attention,
   SiluMul,
   Add,
+  BatchedMatMul,
+  MlaAttention,
+  MoeRoute,
+  MoeFfn,
 };
 std::string_view op_name(Op op);
 
@@ -46,14 +52,29 @@ struct RopeParams {
   RopeStyle style = RopeStyle::RotateHalf;
   int rotary_dim = 0;  // leading dims of each head that rotate (== head_dim for llama)
   float theta = 10000.0f;
-  // Frequency scaling hooks (YaRN and friends) come with the architectures that use them.
-  float freq_scale = 1.0f;
-  float attn_factor = 1.0f;  // multiplies cos/sin (YaRN mscale)
+  float freq_scale = 1.0f;   // linear position scaling (1 = none)
+  float attn_factor = 1.0f;  // multiplies cos/sin (YaRN: mscale / mscale_all_dim)
+  // YaRN (DeepSeek-V2): 0 = off. Frequencies blend between the original and the factor-scaled
+  // ones over the dims whose wavelength lies between beta_fast and beta_slow rotations of the
+  // original context; see rope_inv_freq().
+  float yarn_factor = 0.0f;
+  int yarn_original_max_position = 0;
+  float yarn_beta_fast = 32.0f;
+  float yarn_beta_slow = 1.0f;
+  bool operator==(const RopeParams&) const = default;
 };
+
+// Inverse frequency of each rotated pair [rotary_dim / 2], shared by every backend so they
+// rotate by identical angles (YaRN included).
+std::vector<float> rope_inv_freq(const RopeParams& p);
+// DeepSeek's yarn_get_mscale: 0.1 * mscale * ln(factor) + 1 for factor > 1, else 1.
+float yarn_mscale(float factor, float mscale);
 
 // A paged KV cache of one layer. Block b holds block_size tokens of every kv head:
 // k[b][slot][head][0..head_dim), likewise v. A token's cache slot is block * block_size +
 // offset, so the flat view [num_blocks * block_size, kv_heads, head_dim] addresses it too.
+// A latent (MLA) cache has v == nullptr, kv_heads == 1 and head_dim == kv_lora_rank +
+// rope_dim: each slot holds the normalized compressed KV followed by the rotated shared key.
 struct PagedKv {
   void* k = nullptr;
   void* v = nullptr;
@@ -86,6 +107,58 @@ struct AttentionParams {
   bool causal = true;  // token i of a sequence sees cache positions <= its own
 };
 
+// Multi-head latent attention in the absorbed form, over a latent cache (PagedKv with
+// v == nullptr). For token t, head h and cached position j of t's sequence (j <= position
+// of t when causal), with c_j = cache[j][0..R) and r_j = cache[j][R..R+P):
+//   s_j = scale * (q_latent[t,h] . c_j + q_rope[t,h] . r_j)
+//   out[t,h] = sum_j softmax(s)_j * c_j
+// The key up-projection is already folded into q_latent; the value up-projection is applied
+// by the caller to out (batched_matmul).
+struct MlaAttentionParams {
+  TensorView q_latent;   // [num_tokens, heads, R] F32, R = kv_lora_rank
+  TensorView q_rope;     // [num_tokens, heads, P] F32, rotated; P = qk_rope_head_dim
+  TensorView out;        // [num_tokens, heads, R] F32
+  PagedKv cache;         // latent cache, head_dim == R + P
+  int kv_lora_rank = 0;  // R
+  float scale = 1.0f;
+  bool causal = true;
+};
+
+// DeepSeek-V2 MoE routing (MoEGate): scores = softmax(logits) over experts, then top_k.
+// GroupLimitedGreedy first keeps the topk_group groups (experts split into n_group equal
+// consecutive groups) with the highest max score and takes top_k among their experts.
+// With norm_topk_prob (and top_k > 1) the chosen weights are divided by their sum (+1e-20);
+// otherwise they are multiplied by routed_scaling_factor (DeepSeek's own modeling code).
+enum class MoeTopk : uint8_t { Greedy, GroupLimitedGreedy };
+struct MoeRouteParams {
+  int top_k = 1;
+  MoeTopk method = MoeTopk::Greedy;
+  int n_group = 1;
+  int topk_group = 1;
+  bool norm_topk_prob = false;
+  float routed_scaling_factor = 1.0f;
+  // Optional [num_experts] counters in backend memory: += 1 for every (token, chosen expert).
+  int64_t* expert_counts = nullptr;
+};
+
+// One routed expert's SwiGLU MLP: down(silu(gate x) * up x).
+struct ExpertWeights {
+  TensorView gate;  // [F, hidden]
+  TensorView up;    // [F, hidden]
+  TensorView down;  // [hidden, F]
+};
+
+struct MoeFfnParams {
+  TensorView x;        // [T, hidden] F32
+  TensorView ids;      // [T, top_k] I32, from moe_route
+  TensorView weights;  // [T, top_k] F32, from moe_route
+  // [num_experts] on the host; the views point to backend memory. A backend may cache
+  // per-expert pointer tables keyed by experts.data(), so the span must stay alive and
+  // unchanged for the model's lifetime.
+  std::span<const ExpertWeights> experts;
+  TensorView out;  // [T, hidden] F32, overwritten: sum_k weights[t,k] * expert_{ids[t,k]}(x[t])
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -101,6 +174,8 @@ class Backend {
   virtual void download(void* host, const TensorView& src, size_t bytes) = 0;
   virtual void synchronize() = 0;
 
+  // Pointer arguments (ids, positions, everything in AttentionMeta) are in the backend's
+  // memory (device memory on CUDA); the engine uploads them once per step.
   // out[t, :] = table[ids[t], :] as F32. table: [vocab, hidden] any supported dtype.
   virtual void embed(const TensorView& table, const int32_t* ids, int n, TensorView out) = 0;
   // out = x / rms(x) * w, per row. x, out: [rows, n] F32; w: [n] F32.
@@ -111,6 +186,7 @@ class Backend {
   // Rotates x: [num_tokens, heads, head_dim] in place at positions[t].
   virtual void rope(TensorView x, const int32_t* positions, const RopeParams& p) = 0;
   // Writes this step's k, v ([num_tokens, kv_heads, head_dim] F32) into the cache slots.
+  // For a latent cache (kv.v == nullptr) only k ([num_tokens, 1, R + P]) is written.
   virtual void store_kv(const TensorView& k, const TensorView& v, const PagedKv& kv,
                         const AttentionMeta& meta) = 0;
   virtual void attention(const AttentionParams& p, const AttentionMeta& meta) = 0;
@@ -118,6 +194,16 @@ class Backend {
   virtual void silu_mul(const TensorView& gate_up, TensorView out) = 0;
   // x += y elementwise, both [rows, n] F32.
   virtual void add(TensorView x, const TensorView& y) = 0;
+  // out[b, m, n] = sum_k x[b, m, k] * w[b, n, k] for every b. 3-D views with byte strides
+  // (x, out F32; w F32, F16 or BF16), so heads of a [T, H, d] buffer are batches of a
+  // [H, T, d] view. Each (b, m) result depends on that row alone.
+  virtual void batched_matmul(const TensorView& x, const TensorView& w, TensorView out) = 0;
+  virtual void mla_attention(const MlaAttentionParams& p, const AttentionMeta& meta) = 0;
+  // logits: [T, num_experts] F32 -> ids [T, top_k] I32, weights [T, top_k] F32. Ties go to
+  // the lower expert index. The order of the k chosen experts within a row is unspecified.
+  virtual void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
+                         TensorView weights) = 0;
+  virtual void moe_ffn(const MoeFfnParams& p) = 0;
   // dst = src, same dtype and shape; either may be strided in its outer dimensions.
   virtual void copy(const TensorView& src, TensorView dst) = 0;
 };
@@ -128,7 +214,9 @@ class Backend {
 enum class ActivationPrecision : uint8_t { F32, Q8 };
 
 struct BackendOptions {
-  int threads = 0;           // CPU threads; 0 = all cores
+  int threads = 0;  // CPU threads; 0 = all cores
+  // CUDA: fraction of the GPU's memory this process may hold (weights, KV cache, scratch).
+  double gpu_memory_utilization = 0.9;
   std::string isa = "auto";  // CPU kernels: auto, scalar, avx2, avx512-vnni
   ActivationPrecision precision = ActivationPrecision::F32;
 };

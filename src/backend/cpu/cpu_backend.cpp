@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "backend/backend.h"
@@ -215,6 +216,19 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void batched_matmul(const TensorView&, const TensorView&, TensorView) override {
+    throw UnsupportedError("cpu: batched_matmul not implemented yet");
+  }
+  void mla_attention(const MlaAttentionParams&, const AttentionMeta&) override {
+    throw UnsupportedError("cpu: mla_attention not implemented yet");
+  }
+  void moe_route(const TensorView&, const MoeRouteParams&, TensorView, TensorView) override {
+    throw UnsupportedError("cpu: moe_route not implemented yet");
+  }
+  void moe_ffn(const MoeFfnParams&) override {
+    throw UnsupportedError("cpu: moe_ffn not implemented yet");
+  }
+
   void copy(const TensorView& src, TensorView dst) override {
     DS_CHECK(src.dtype == dst.dtype && src.numel() == dst.numel(), "copy shape/dtype mismatch");
     for (int64_t r = 0; r < src.rows(); ++r) std::memcpy(dst.row(r), src.row(r), src.row_bytes());
@@ -237,14 +251,9 @@ class CpuBackend final : public Backend {
   // Per-pair inverse frequencies, computed once per distinct parameter set instead of on every
   // call (each layer rotates Q and K every step with the same parameters).
   const std::vector<float>& rope_frequencies(const RopeParams& p) {
-    if (inv_freq_.size() != size_t(p.rotary_dim / 2) || inv_freq_theta_ != p.theta ||
-        inv_freq_scale_ != p.freq_scale) {
-      const int rd = p.rotary_dim;
-      inv_freq_.resize(size_t(rd / 2));
-      for (int i = 0; i < rd / 2; ++i)
-        inv_freq_[size_t(i)] = p.freq_scale * std::pow(p.theta, -2.0f * float(i) / float(rd));
-      inv_freq_theta_ = p.theta;
-      inv_freq_scale_ = p.freq_scale;
+    if (!inv_freq_params_ || !(*inv_freq_params_ == p)) {
+      inv_freq_ = rope_inv_freq(p);
+      inv_freq_params_ = p;
     }
     return inv_freq_;
   }
@@ -258,7 +267,7 @@ class CpuBackend final : public Backend {
   std::vector<cpu::AttentionScratch> attn_scratch_;  // one per pool thread
   ActivationPrecision precision_;
   std::vector<float> inv_freq_;  // rope_frequencies() cache
-  float inv_freq_theta_ = 0, inv_freq_scale_ = 0;
+  std::optional<RopeParams> inv_freq_params_;
 };
 
 }  // namespace

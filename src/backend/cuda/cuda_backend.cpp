@@ -80,6 +80,16 @@ class CudaBackend final : public Backend {
   }
   void attention(const AttentionParams&, const AttentionMeta&) override { missing(Op::Attention); }
   void silu_mul(const TensorView&, TensorView) override { missing(Op::SiluMul); }
+  void batched_matmul(const TensorView&, const TensorView&, TensorView) override {
+    missing(Op::BatchedMatMul);
+  }
+  void mla_attention(const MlaAttentionParams&, const AttentionMeta&) override {
+    missing(Op::MlaAttention);
+  }
+  void moe_route(const TensorView&, const MoeRouteParams&, TensorView, TensorView) override {
+    missing(Op::MoeRoute);
+  }
+  void moe_ffn(const MoeFfnParams&) override { missing(Op::MoeFfn); }
 
  private:
   [[noreturn]] void missing(Op op) const {
