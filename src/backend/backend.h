@@ -97,6 +97,12 @@ struct AttentionMeta {
   int max_blocks_per_seq = 0;
   const int32_t* slot_mapping = nullptr;  // [num_tokens] cache slot each new token writes
   const int32_t* positions = nullptr;     // [num_tokens]
+  // Host-side bounds for sizing launches without reading the arrays back. A CUDA graph is
+  // captured per (num_seqs, num_tokens) bucket, so kernels must size their grids from
+  // num_seqs, num_tokens and max_blocks_per_seq only; these two are upper bounds that may be
+  // used for early exits or workspace sizing but not baked into a captured launch.
+  int max_query_len = 0;    // longest query (this step's tokens) of any sequence
+  int max_context_len = 0;  // longest context_lens entry
 };
 
 struct AttentionParams {

@@ -235,12 +235,12 @@ void Engine::finish(SeqId id, FinishReason reason, const std::string& error) {
 }
 
 void Engine::copy_blocks(const std::vector<BlockCopy>& copies) {
-  const int64_t row =
-      int64_t(cache_.block_size()) * model_.config().kv_heads * model_.config().head_dim;
   for (const auto& [src, dst] : copies)
     for (int l = 0; l < model_.config().layers; ++l) {
       const PagedKv& kv = cache_.layer(l);
+      const int64_t row = int64_t(kv.block_size) * kv.slot_stride();
       for (void* base : {kv.k, kv.v}) {
+        if (!base) continue;  // latent caches have no separate V
         TensorView all =
             TensorView::contiguous(base, kv.dtype, {kv.num_blocks, row}, backend_.device());
         backend_.copy(all.slice_rows(src, src + 1), all.slice_rows(dst, dst + 1));
@@ -297,6 +297,7 @@ void Engine::step() {
   sched_.on_step_done(sampled);
 
   // Statistics first, so a caller woken by a final event below already sees this step.
+  std::vector<ExpertLoad> expert_load = model_.expert_load();
   const BlockManagerStats kv = sched_.block_manager().stats();
   const SchedulerStats ss = sched_.stats();
   {
@@ -308,6 +309,9 @@ void Engine::step() {
     stats_.mean_fragmentation +=
         (kv.fragmentation - stats_.mean_fragmentation) / double(stats_.steps);
     stats_.peak_kv_usage = std::max(stats_.peak_kv_usage, kv.usage);
+    stats_.running = sched_.num_running();
+    stats_.waiting = sched_.num_waiting();
+    stats_.expert_load = std::move(expert_load);
     stats_.kv = kv;
   }
 

@@ -102,6 +102,9 @@ struct EngineStats {
   int64_t tokens_generated = 0;
   double mean_fragmentation = 0;  // over steps, of the KV blocks held
   double peak_kv_usage = 0;
+  int running = 0;  // sequences the scheduler holds as running after the last step
+  int waiting = 0;  // admitted but not yet running (incl. preempted)
+  std::vector<ExpertLoad> expert_load;  // MoE models: tokens per expert per layer
   BlockManagerStats kv;
 };
 

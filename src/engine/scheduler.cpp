@@ -264,6 +264,11 @@ AttentionMeta StepBatch::meta() const {
   m.max_blocks_per_seq = max_blocks_per_seq;
   m.slot_mapping = slot_mapping.data();
   m.positions = positions.data();
+  for (int i = 0; i < m.num_seqs; ++i) {
+    m.max_query_len =
+        std::max(m.max_query_len, query_start[size_t(i) + 1] - query_start[size_t(i)]);
+    m.max_context_len = std::max(m.max_context_len, context_lens[size_t(i)]);
+  }
   return m;
 }
 

@@ -67,6 +67,24 @@ class Llama final : public Model {
   }
 
   const ModelConfig& config() const override { return cfg_; }
+  WeightBytes weight_bytes() const override {
+    WeightBytes b;
+    auto add = [&](const TensorView& t) { b.total += t.nbytes(); };
+    add(tok_embd_);
+    if (!cfg_.tied_embeddings) add(output_);
+    for (const auto& L : layers_)
+      for (const TensorView* t :
+           {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_norm, &L.w_gate, &L.w_up, &L.w_down})
+        add(*t);
+    // A decode step reads every layer and the output projection, but only its tokens' rows
+    // of the embedding table.
+    b.dense = b.total - (cfg_.tied_embeddings ? 0 : tok_embd_.nbytes());
+    return b;
+  }
+  uint64_t kv_bytes_per_token(DType kv_dtype) const override {
+    return uint64_t(cfg_.layers) * 2 *
+           dtype_bytes(kv_dtype, int64_t(cfg_.kv_heads) * cfg_.head_dim);
+  }
 
   void forward(const ForwardInput& in, KvCache& cache, TensorView logits) override {
     const int64_t T = int64_t(in.tokens.size());

@@ -46,10 +46,34 @@ struct ForwardInput {
 // layer against a reference.
 using DebugHook = std::function<void(const std::string& name, const TensorView& t)>;
 
+// Bytes of weights a decode step reads, for roofline estimates: `dense` every step, plus
+// `per_expert` for each routed expert touched in each of `moe_layers` layers.
+struct WeightBytes {
+  uint64_t total = 0;
+  uint64_t dense = 0;
+  uint64_t per_expert = 0;  // one routed expert of one layer
+  int moe_layers = 0;
+  int experts = 0;  // routed experts per MoE layer
+  int top_k = 0;
+  // Expected bytes per decode step of `batch` sequences under uniform random routing.
+  double decode_step(int batch) const;
+};
+
+// Tokens routed to each expert so far, one entry per MoE layer.
+struct ExpertLoad {
+  int layer = 0;
+  std::vector<int64_t> tokens;  // [experts]
+};
+
 class Model {
  public:
   virtual ~Model() = default;
   virtual const ModelConfig& config() const = 0;
+  virtual WeightBytes weight_bytes() const = 0;
+  // KV cache bytes one token takes over all layers at the given cache dtype.
+  virtual uint64_t kv_bytes_per_token(DType kv_dtype) const = 0;
+  // Routed-expert counters (empty for dense models). Synchronizes with the backend.
+  virtual std::vector<ExpertLoad> expert_load() { return {}; }
   // logits: [logit_rows.size(), vocab] F32 on the backend.
   virtual void forward(const ForwardInput& in, KvCache& cache, TensorView logits) = 0;
   void set_debug_hook(DebugHook hook) { debug_ = std::move(hook); }

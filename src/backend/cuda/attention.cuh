@@ -1,0 +1,16 @@
+// Paged attention launchers: GQA prefill/decode over a K/V cache, and MLA over a latent cache.
+#pragma once
+
+#include "backend/backend.h"
+#include "backend/cuda/context.cuh"
+
+namespace ds::cuda {
+
+// Semantics of Backend::attention (backend.h): queries of variable-length sequences in one
+// launch, causal, online softmax; long contexts split over several blocks (split-K).
+void paged_attention(const Context& ctx, const AttentionParams& p, const AttentionMeta& meta);
+
+// Semantics of Backend::mla_attention (backend.h).
+void mla_attention(const Context& ctx, const MlaAttentionParams& p, const AttentionMeta& meta);
+
+}  // namespace ds::cuda

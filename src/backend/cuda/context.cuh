@@ -1,0 +1,29 @@
+// What every CUDA op launcher gets from the backend: its stream and scratch memory.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <functional>
+
+namespace ds::cuda {
+
+struct Context {
+  cudaStream_t stream = nullptr;
+  int sm_count = 0;
+  // Device scratch owned by the backend, one buffer per `slot` (use a distinct slot per op
+  // family); grows on demand, so call it outside CUDA-graph capture with the largest size
+  // first, or size it from bounds that do not change between replays.
+  std::function<void*(int slot, size_t bytes)> scratch;
+};
+
+// Scratch slots, one per op family, so buffers of different ops never alias.
+enum ScratchSlot : int {
+  kScratchMatmul = 0,
+  kScratchAttention = 1,
+  kScratchMla = 2,
+  kScratchMoe = 3,
+  kScratchCount = 4,
+};
+
+}  // namespace ds::cuda
