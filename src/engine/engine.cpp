@@ -89,6 +89,18 @@ std::optional<EngineEvent> RequestHandle::next() {
   return ev;
 }
 
+std::optional<EngineEvent> RequestHandle::next_for(double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (done_) return std::nullopt;
+  if (!cv_.wait_for(lock, std::chrono::duration<double>(std::max(timeout_s, 0.0)),
+                    [&] { return !events_.empty(); }))
+    return std::nullopt;
+  EngineEvent ev = std::move(events_.front());
+  events_.pop_front();
+  if (ev.final) done_ = true;
+  return ev;
+}
+
 EngineEvent RequestHandle::wait() {
   std::string text;
   for (;;) {
@@ -213,6 +225,8 @@ void Engine::finish(SeqId id, FinishReason reason, const std::string& error) {
     // Before the final event, so a caller that reads the stats after it sees the blocks freed.
     std::lock_guard<std::mutex> lock(mu_);
     stats_.kv = sched_.block_manager().stats();
+    stats_.running = sched_.num_running();
+    stats_.waiting = sched_.num_waiting();
   }
   EngineEvent ev;
   ev.final = true;
@@ -248,6 +262,36 @@ void Engine::copy_blocks(const std::vector<BlockCopy>& copies) {
     }
 }
 
+ForwardInput Engine::place_inputs(const StepBatch& b) {
+  ForwardInput in;
+  in.tokens = b.tokens;
+  in.host_meta = b.meta();
+  in.meta = in.host_meta;
+  in.logit_rows = b.logit_rows;
+  if (backend_.device().kind == DeviceKind::CPU) return in;
+  // One upload per step of every int32 array the kernels read.
+  staging_.clear();
+  auto put = [&](const std::vector<int32_t>& v) {
+    const size_t at = staging_.size();
+    staging_.insert(staging_.end(), v.begin(), v.end());
+    return at;
+  };
+  const size_t tok = put(b.tokens), pos = put(b.positions), qs = put(b.query_start),
+               ctx = put(b.context_lens), bt = put(b.block_tables), sm = put(b.slot_mapping);
+  const size_t bytes = std::max<size_t>(staging_.size(), 1) * 4;
+  if (!meta_buf_ || meta_buf_->size() < bytes) meta_buf_ = backend_.alloc(bytes * 2);
+  backend_.upload(meta_buf_->view(DType::I32, {int64_t(staging_.size())}), staging_.data(),
+                  staging_.size() * 4);
+  const int32_t* base = static_cast<const int32_t*>(meta_buf_->data());
+  in.device_tokens = base + tok;
+  in.meta.positions = base + pos;
+  in.meta.query_start = base + qs;
+  in.meta.context_lens = base + ctx;
+  in.meta.block_tables = base + bt;
+  in.meta.slot_mapping = base + sm;
+  return in;
+}
+
 void Engine::step() {
   StepPlan plan = sched_.schedule();
   for (const auto& r : plan.rejected) finish(r.id, FinishReason::Rejected, r.reason);
@@ -270,10 +314,7 @@ void Engine::step() {
   const size_t rows = batch.logit_rows.size();
   if (!logits_buf_ || logits_buf_->size() < rows * size_t(vocab) * 4)
     logits_buf_ = backend_.alloc(std::max<size_t>(rows, 1) * size_t(vocab) * 4);
-  ForwardInput in;
-  in.tokens = batch.tokens;
-  in.meta = batch.meta();
-  in.logit_rows = batch.logit_rows;
+  const ForwardInput in = place_inputs(batch);
   TensorView logits = logits_buf_->view(DType::F32, {int64_t(rows), vocab});
   model_.forward(in, cache_, logits);
   logits_.resize(rows * size_t(vocab));

@@ -81,6 +81,8 @@ class RequestHandle {
   SeqId id() const { return id_; }
   // Blocks until the next event; nullopt once the final event has been read.
   std::optional<EngineEvent> next();
+  // Like next(), but waits at most `timeout_s`: nullopt also when nothing arrived in time.
+  std::optional<EngineEvent> next_for(double timeout_s);
   // Reads events until the final one; returns it with `text` holding the whole output.
   EngineEvent wait();
 
@@ -136,6 +138,7 @@ class Engine {
   void finish(SeqId id, FinishReason reason, const std::string& error = {});
   void finish_all(FinishReason reason, const std::string& error = {});
   void copy_blocks(const std::vector<BlockCopy>& copies);
+  ForwardInput place_inputs(const StepBatch& b);
 
   Model& model_;
   Backend& backend_;
@@ -145,6 +148,8 @@ class Engine {
   Scheduler sched_;
   std::unordered_map<SeqId, std::unique_ptr<Live>> live_;  // engine thread only
   std::unique_ptr<Buffer> logits_buf_;
+  std::unique_ptr<Buffer> meta_buf_;  // step metadata in backend memory (non-CPU backends)
+  std::vector<int32_t> staging_;      // host side of meta_buf_'s upload
   std::vector<float> logits_;
 
   mutable std::mutex mu_;  // guards the inbox, cancels, stats_ and stop_

@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -9,10 +10,21 @@
 namespace ds {
 
 std::string ModelConfig::summary() const {
-  return arch + " hidden=" + std::to_string(hidden) + " layers=" + std::to_string(layers) +
-         " heads=" + std::to_string(heads) + "/" + std::to_string(kv_heads) +
-         " head_dim=" + std::to_string(head_dim) + " ffn=" + std::to_string(intermediate) +
-         " vocab=" + std::to_string(vocab) + " ctx=" + std::to_string(max_context);
+  std::string s = arch + " hidden=" + std::to_string(hidden) + " layers=" + std::to_string(layers) +
+                  " heads=" + std::to_string(heads) + "/" + std::to_string(kv_heads) +
+                  " head_dim=" + std::to_string(head_dim) + " ffn=" + std::to_string(intermediate) +
+                  " vocab=" + std::to_string(vocab) + " ctx=" + std::to_string(max_context);
+  if (is_mla())
+    s += " mla(q_lora=" + std::to_string(q_lora_rank) + " kv_lora=" + std::to_string(kv_lora_rank) +
+         " nope=" + std::to_string(qk_nope_dim) + " rope=" + std::to_string(qk_rope_dim) +
+         " v=" + std::to_string(v_head_dim) + ")";
+  if (moe_experts > 0)
+    s += " moe(" + std::to_string(moe_experts) + " experts top-" + std::to_string(moe_top_k) +
+         " shared=" + std::to_string(moe_shared_experts) +
+         " ffn=" + std::to_string(moe_intermediate) +
+         " dense_layers=" + std::to_string(first_k_dense) + ")";
+  if (rope.yarn_factor > 0) s += " yarn(x" + std::to_string(rope.yarn_factor) + ")";
+  return s;
 }
 
 namespace {
@@ -32,6 +44,22 @@ void validate(const ModelConfig& c, const std::string& where) {
   if (c.head_dim % 2 != 0 || c.rope.rotary_dim > c.head_dim || c.rope.rotary_dim % 2 != 0)
     bad("head_dim and rotary dim must be even, rotary dim <= head_dim");
   if (!(c.rms_eps > 0) || !(c.rope.theta > 0)) bad("rms eps and rope theta must be positive");
+  if (c.is_mla()) {
+    if (c.qk_nope_dim <= 0 || c.qk_rope_dim <= 0 || c.v_head_dim <= 0 || c.q_lora_rank < 0)
+      bad("MLA dims (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) must be positive");
+    if (c.qk_rope_dim % 2 != 0) bad("qk_rope_head_dim must be even");
+  }
+  if (c.moe_experts > 0) {
+    if (c.moe_top_k <= 0 || c.moe_top_k > c.moe_experts || c.moe_intermediate <= 0)
+      bad("MoE needs 0 < num_experts_per_tok <= n_routed_experts and moe_intermediate_size > 0");
+    if (c.moe_top_k > 16) bad("num_experts_per_tok above 16 is not supported");
+    if (c.moe_topk_method == MoeTopk::GroupLimitedGreedy &&
+        (c.moe_n_group <= 0 || c.moe_experts % c.moe_n_group != 0 || c.moe_topk_group <= 0 ||
+         c.moe_topk_group > c.moe_n_group ||
+         c.moe_topk_group * (c.moe_experts / c.moe_n_group) < c.moe_top_k))
+      bad("group_limited_greedy needs n_group dividing the experts and enough experts in "
+          "topk_group groups for num_experts_per_tok");
+  }
 }
 
 }  // namespace
@@ -66,6 +94,129 @@ ModelConfig config_from_gguf(const GgufFile& f) {
   return c;
 }
 
+namespace {
+
+// Reads a JSON object with typed accessors whose errors name the file and the key.
+struct JsonReader {
+  const nlohmann::json& j;
+  const std::string& path;
+  int64_t get_int(const char* key, int64_t def) const {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return def;
+    if (!it->is_number_integer()) throw Error(path + ": '" + key + "' must be an integer");
+    return it->get<int64_t>();
+  }
+  double get_float(const char* key, double def) const {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return def;
+    if (!it->is_number()) throw Error(path + ": '" + key + "' must be a number");
+    return it->get<double>();
+  }
+  bool get_bool(const char* key, bool def) const {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return def;
+    if (!it->is_boolean()) throw Error(path + ": '" + key + "' must be true or false");
+    return it->get<bool>();
+  }
+  std::string get_string(const char* key, const std::string& def) const {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return def;
+    if (!it->is_string()) throw Error(path + ": '" + key + "' must be a string");
+    return it->get<std::string>();
+  }
+};
+
+// RoPE theta and scaling from either layout: published checkpoints have top-level
+// `rope_theta` and a `rope_scaling` object; transformers 5 writes one `rope_parameters`
+// object holding rope_theta, rope_type and the scaling keys.
+void read_rope(const nlohmann::json& j, const std::string& path, ModelConfig& c) {
+  const JsonReader top{j, path};
+  double theta = top.get_float("rope_theta", 10000.0);
+  const nlohmann::json* scaling = nullptr;
+  for (const char* key : {"rope_parameters", "rope_scaling"})
+    if (auto it = j.find(key); it != j.end() && it->is_object()) {
+      scaling = &*it;
+      break;
+    }
+  if (!scaling) {
+    c.rope.theta = float(theta);
+    return;
+  }
+  const JsonReader r{*scaling, path};
+  theta = r.get_float("rope_theta", theta);
+  c.rope.theta = float(theta);
+  std::string type = r.get_string("rope_type", r.get_string("type", "default"));
+  if (type == "default" || type == "none") return;
+  if (type == "linear") {
+    c.rope.freq_scale = float(1.0 / r.get_float("factor", 1.0));
+    return;
+  }
+  if (type != "yarn")
+    throw UnsupportedError(path + ": rope scaling type '" + type +
+                           "' is not supported (supported: default, linear, yarn)");
+  const double factor = r.get_float("factor", 1.0);
+  c.rope.yarn_factor = float(factor);
+  c.rope.yarn_original_max_position =
+      int(r.get_int("original_max_position_embeddings", c.max_context));
+  c.rope.yarn_beta_fast = float(r.get_float("beta_fast", 32.0));
+  c.rope.yarn_beta_slow = float(r.get_float("beta_slow", 1.0));
+  // cos/sin scale: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
+  // given, else mscale(factor, 1) (transformers' rule; DeepSeek's checkpoints give both).
+  // The softmax scale gains mscale(factor, mscale_all_dim)^2.
+  const float mscale = float(r.get_float("mscale", 0.0));
+  const float mscale_all_dim = float(r.get_float("mscale_all_dim", 0.0));
+  if (auto af = scaling->find("attention_factor"); af != scaling->end() && af->is_number())
+    c.rope.attn_factor = af->get<float>();
+  else if (mscale != 0.0f && mscale_all_dim != 0.0f)
+    c.rope.attn_factor =
+        yarn_mscale(float(factor), mscale) / yarn_mscale(float(factor), mscale_all_dim);
+  else
+    c.rope.attn_factor = yarn_mscale(float(factor), 1.0f);
+  if (mscale_all_dim != 0.0f && c.attn_scale > 0) {
+    const float m = yarn_mscale(float(factor), mscale_all_dim);
+    c.attn_scale *= m * m;
+  }
+  if (c.rope.yarn_original_max_position <= 0)
+    throw Error(path + ": yarn rope scaling needs original_max_position_embeddings");
+}
+
+void read_deepseek(const JsonReader& r, ModelConfig& c) {
+  c.q_lora_rank = int(r.get_int("q_lora_rank", 0));
+  c.kv_lora_rank = int(r.get_int("kv_lora_rank", 0));
+  c.qk_nope_dim = int(r.get_int("qk_nope_head_dim", 0));
+  c.qk_rope_dim = int(r.get_int("qk_rope_head_dim", 0));
+  c.v_head_dim = int(r.get_int("v_head_dim", 0));
+  if (c.kv_lora_rank <= 0) throw Error(r.path + ": deepseek_v2 needs kv_lora_rank > 0");
+  c.head_dim = c.qk_nope_dim + c.qk_rope_dim;
+  c.kv_heads = c.heads;  // every head has its own expanded K/V (from the shared latent)
+  c.attn_scale = 1.0f / std::sqrt(float(c.head_dim));
+  c.rope.style = RopeStyle::Adjacent;  // DeepSeek rotates (2i, 2i+1) pairs of q_pe / k_pe
+  c.rope.rotary_dim = c.qk_rope_dim;
+  c.moe_experts = int(r.get_int("n_routed_experts", 0));
+  c.moe_top_k = int(r.get_int("num_experts_per_tok", 0));
+  c.moe_shared_experts = int(r.get_int("n_shared_experts", 0));
+  c.moe_intermediate = int(r.get_int("moe_intermediate_size", 0));
+  c.first_k_dense = int(r.get_int("first_k_dense_replace", 0));
+  c.moe_layer_freq = int(r.get_int("moe_layer_freq", 1));
+  const std::string method = r.get_string("topk_method", "greedy");
+  if (method == "greedy")
+    c.moe_topk_method = MoeTopk::Greedy;
+  else if (method == "group_limited_greedy")
+    c.moe_topk_method = MoeTopk::GroupLimitedGreedy;
+  else
+    throw UnsupportedError(r.path + ": topk_method '" + method +
+                           "' is not supported (greedy, group_limited_greedy)");
+  const std::string scoring = r.get_string("scoring_func", "softmax");
+  if (scoring != "softmax")
+    throw UnsupportedError(r.path + ": scoring_func '" + scoring + "' is not supported");
+  c.moe_n_group = int(r.get_int("n_group", 1));
+  c.moe_topk_group = int(r.get_int("topk_group", 1));
+  c.moe_norm_topk_prob = r.get_bool("norm_topk_prob", false);
+  c.moe_routed_scaling = float(r.get_float("routed_scaling_factor", 1.0));
+}
+
+}  // namespace
+
 ModelConfig config_from_hf_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw Error(path + ": cannot open");
@@ -75,42 +226,38 @@ ModelConfig config_from_hf_json(const std::string& path) {
   } catch (const nlohmann::json::exception& e) {
     throw Error(path + ": invalid JSON: " + e.what());
   }
-  auto get_int = [&](const char* key, int64_t def) -> int64_t {
-    auto it = j.find(key);
-    if (it == j.end() || it->is_null()) return def;
-    if (!it->is_number_integer()) throw Error(path + ": '" + key + "' must be an integer");
-    return it->get<int64_t>();
-  };
-  auto get_float = [&](const char* key, double def) -> double {
-    auto it = j.find(key);
-    if (it == j.end() || it->is_null()) return def;
-    if (!it->is_number()) throw Error(path + ": '" + key + "' must be a number");
-    return it->get<double>();
-  };
+  if (!j.is_object()) throw Error(path + ": config.json must hold a JSON object");
+  const JsonReader r{j, path};
   ModelConfig c;
-  c.arch = j.value("model_type", "");
-  if (c.arch != "llama")
-    throw UnsupportedError(path + ": model_type '" + c.arch + "' is not supported yet");
-  c.name = j.value("_name_or_path", "");
-  c.hidden = int(get_int("hidden_size", 0));
-  c.layers = int(get_int("num_hidden_layers", 0));
-  c.heads = int(get_int("num_attention_heads", 0));
-  c.kv_heads = int(get_int("num_key_value_heads", c.heads));
-  c.intermediate = int(get_int("intermediate_size", 0));
-  c.vocab = int(get_int("vocab_size", 0));
-  c.max_context = get_int("max_position_embeddings", 2048);
-  c.rms_eps = float(get_float("rms_norm_eps", 1e-6));
-  c.head_dim = int(get_int("head_dim", c.heads ? c.hidden / c.heads : 0));
-  c.rope.style = RopeStyle::RotateHalf;
-  // transformers 5 nests rope_theta inside rope_parameters.
-  double theta = get_float("rope_theta", 10000.0);
-  if (auto rp = j.find("rope_parameters"); rp != j.end() && rp->is_object())
-    theta = rp->value("rope_theta", theta);
-  c.rope.theta = float(theta);
-  c.rope.rotary_dim = c.head_dim;
-  c.tied_embeddings = j.value("tie_word_embeddings", false);
+  c.arch = r.get_string("model_type", "");
+  if (c.arch != "llama" && c.arch != "deepseek_v2")
+    throw UnsupportedError(path + ": model_type '" + c.arch +
+                           "' is not supported (supported: llama, deepseek_v2)");
+  c.name = r.get_string("_name_or_path", "");
+  c.hidden = int(r.get_int("hidden_size", 0));
+  c.layers = int(r.get_int("num_hidden_layers", 0));
+  c.heads = int(r.get_int("num_attention_heads", 0));
+  c.kv_heads = int(r.get_int("num_key_value_heads", c.heads));
+  c.intermediate = int(r.get_int("intermediate_size", 0));
+  c.vocab = int(r.get_int("vocab_size", 0));
+  c.max_context = r.get_int("max_position_embeddings", 2048);
+  c.rms_eps = float(r.get_float("rms_norm_eps", 1e-6));
+  c.tied_embeddings = r.get_bool("tie_word_embeddings", false);
+  if (c.arch == "deepseek_v2") {
+    read_deepseek(r, c);
+  } else {
+    c.head_dim = int(r.get_int("head_dim", c.heads ? c.hidden / c.heads : 0));
+    c.rope.style = RopeStyle::RotateHalf;
+    c.rope.rotary_dim = c.head_dim;
+  }
+  read_rope(j, path, c);
   if (auto b = j.find("bos_token_id"); b != j.end() && b->is_number_integer()) c.bos_id = *b;
-  if (auto e = j.find("eos_token_id"); e != j.end() && e->is_number_integer()) c.eos_id = *e;
+  if (auto e = j.find("eos_token_id"); e != j.end()) {
+    if (e->is_number_integer())
+      c.eos_id = *e;
+    else if (e->is_array() && !e->empty() && e->front().is_number_integer())
+      c.eos_id = e->front();
+  }
   validate(c, path);
   return c;
 }

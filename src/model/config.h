@@ -11,7 +11,7 @@ namespace ds {
 class GgufFile;
 
 struct ModelConfig {
-  std::string arch;  // "llama"
+  std::string arch;  // "llama" or "deepseek_v2"
   std::string name;
   int hidden = 0;  // d_model
   int layers = 0;
@@ -27,12 +27,45 @@ struct ModelConfig {
   int bos_id = -1;
   int eos_id = -1;
 
+  // deepseek_v2: multi-head latent attention (heads, head_dim = nope + rope for queries).
+  int q_lora_rank = 0;  // 0: plain q_proj
+  int kv_lora_rank = 0;
+  int qk_nope_dim = 0;
+  int qk_rope_dim = 0;
+  int v_head_dim = 0;
+  float attn_scale = 0;  // softmax scale; 0 = 1/sqrt(head_dim)
+  // deepseek_v2: DeepSeekMoE. Layers >= first_k_dense (every moe_layer_freq-th) are MoE.
+  int moe_experts = 0;  // routed experts per MoE layer; 0 = dense model
+  int moe_top_k = 0;
+  int moe_shared_experts = 0;
+  int moe_intermediate = 0;
+  int first_k_dense = 0;
+  int moe_layer_freq = 1;
+  MoeTopk moe_topk_method = MoeTopk::Greedy;
+  int moe_n_group = 1;
+  int moe_topk_group = 1;
+  bool moe_norm_topk_prob = false;
+  float moe_routed_scaling = 1.0f;
+
+  bool is_mla() const { return kv_lora_rank > 0; }
+  bool is_moe_layer(int l) const {
+    return moe_experts > 0 && l >= first_k_dense && moe_layer_freq > 0 &&
+           (l - first_k_dense) % moe_layer_freq == 0;
+  }
+  // The K/V cache geometry: MLA caches one latent row per token (1 "head" of R + P values,
+  // no separate V); GQA caches kv_heads x head_dim for K and for V.
+  int cache_heads() const { return is_mla() ? 1 : kv_heads; }
+  int cache_head_dim() const { return is_mla() ? kv_lora_rank + qk_rope_dim : head_dim; }
+  bool cache_has_v() const { return !is_mla(); }
+
   std::string summary() const;  // one line for logs
 };
 
 // llama-family hyperparameters from GGUF metadata ("<arch>.block_count", ...).
 ModelConfig config_from_gguf(const GgufFile& f);
-// llama-family hyperparameters from a Hugging Face config.json.
+// llama or deepseek_v2 hyperparameters from a Hugging Face config.json, in the published
+// checkpoints' layout (rope_scaling, top-level rope_theta) or transformers 5's
+// (rope_parameters).
 ModelConfig config_from_hf_json(const std::string& path);
 
 }  // namespace ds

@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "core/error.h"
+#include "model/binder.h"
 #include "model/model.h"
 
 namespace ds {
@@ -19,63 +20,51 @@ struct LlamaLayer {
   std::optional<TensorView> w_gate_up;  // [2 ffn, hidden]
 };
 
-// Columns [begin, begin + n) of a 2-D F32 view.
-TensorView cols(const TensorView& t, int64_t begin, int64_t n) {
-  TensorView v = t;
-  v.data = static_cast<uint8_t*>(t.data) + begin * 4;
-  v.shape[1] = n;
-  return v;
-}
-
-// A [rows, heads * hd] F32 view as [rows, heads, hd].
-TensorView heads_view(const TensorView& t, int heads, int hd) {
-  TensorView v = t;
-  v.ndim = 3;
-  v.shape = {t.shape[0], heads, hd, 0};
-  v.stride = {t.stride[0], int64_t(hd) * 4, 4, 0};
-  return v;
-}
-
 class Llama final : public Model {
  public:
   Llama(const ModelConfig& cfg, const WeightSource& w, Backend& be) : cfg_(cfg), be_(be) {
-    tok_embd_ = w.get("token_embd.weight");
-    output_norm_ = f32_vector(w.get("output_norm.weight"), "output_norm.weight");
-    output_ = cfg.tied_embeddings ? tok_embd_ : w.get("output.weight");
-    check_shape(tok_embd_, cfg.vocab, cfg.hidden, "token_embd.weight");
-    check_shape(output_, cfg.vocab, cfg.hidden, "output.weight");
+    WeightBinder b(w, be);
+    tok_embd_ = b.table("token_embd.weight", cfg.vocab, cfg.hidden);
+    output_norm_ = b.norm("output_norm.weight", cfg.hidden);
+    output_ = cfg.tied_embeddings ? tok_embd_ : b.linear("output.weight", cfg.vocab, cfg.hidden);
+    if (cfg.tied_embeddings && !be.supports(Op::MatMul, tok_embd_.dtype))
+      throw UnsupportedError(be.name() + " has no matmul for " +
+                             std::string(dtype_name(tok_embd_.dtype)) + " (tied output)");
     const int q_dim = cfg.heads * cfg.head_dim, kv_dim = cfg.kv_heads * cfg.head_dim;
     for (int l = 0; l < cfg.layers; ++l) {
       const std::string p = "blk." + std::to_string(l) + ".";
       LlamaLayer L;
-      L.attn_norm = f32_vector(w.get(p + "attn_norm.weight"), p + "attn_norm.weight");
-      L.ffn_norm = f32_vector(w.get(p + "ffn_norm.weight"), p + "ffn_norm.weight");
-      L.wq = linear(w, p + "attn_q.weight", q_dim, cfg.hidden);
-      L.wk = linear(w, p + "attn_k.weight", kv_dim, cfg.hidden);
-      L.wv = linear(w, p + "attn_v.weight", kv_dim, cfg.hidden);
-      L.wo = linear(w, p + "attn_output.weight", cfg.hidden, q_dim);
-      L.w_gate = linear(w, p + "ffn_gate.weight", cfg.intermediate, cfg.hidden);
-      L.w_up = linear(w, p + "ffn_up.weight", cfg.intermediate, cfg.hidden);
-      L.w_down = linear(w, p + "ffn_down.weight", cfg.hidden, cfg.intermediate);
-      L.wqkv = fuse_rows({L.wq, L.wk, L.wv});
-      L.w_gate_up = fuse_rows({L.w_gate, L.w_up});
+      L.attn_norm = b.norm(p + "attn_norm.weight", cfg.hidden);
+      L.ffn_norm = b.norm(p + "ffn_norm.weight", cfg.hidden);
+      const TensorView wq = b.checked(p + "attn_q.weight", q_dim, cfg.hidden);
+      const TensorView wk = b.checked(p + "attn_k.weight", kv_dim, cfg.hidden);
+      const TensorView wv = b.checked(p + "attn_v.weight", kv_dim, cfg.hidden);
+      const TensorView wg = b.checked(p + "ffn_gate.weight", cfg.intermediate, cfg.hidden);
+      const TensorView wu = b.checked(p + "ffn_up.weight", cfg.intermediate, cfg.hidden);
+      L.wo = b.linear(p + "attn_output.weight", cfg.hidden, q_dim);
+      L.w_down = b.linear(p + "ffn_down.weight", cfg.hidden, cfg.intermediate);
+      // Fused copies replace the parts (on a GPU only the fused copy is uploaded).
+      L.wqkv = b.fuse_rows({wq, wk, wv});
+      if (!L.wqkv) {
+        L.wq = b.place(wq);
+        L.wk = b.place(wk);
+        L.wv = b.place(wv);
+      }
+      L.w_gate_up = b.fuse_rows({wg, wu});
+      if (!L.w_gate_up) {
+        L.w_gate = b.place(wg);
+        L.w_up = b.place(wu);
+      }
       layers_.push_back(L);
     }
-    if (!be_.supports(Op::Embed, tok_embd_.dtype))
-      throw UnsupportedError(be_.name() + ": embedding of " +
-                             std::string(dtype_name(tok_embd_.dtype)));
+    owned_ = std::move(b.buffers());
+    weight_bytes_ = b.bytes();
   }
 
   const ModelConfig& config() const override { return cfg_; }
   WeightBytes weight_bytes() const override {
     WeightBytes b;
-    auto add = [&](const TensorView& t) { b.total += t.nbytes(); };
-    add(tok_embd_);
-    if (!cfg_.tied_embeddings) add(output_);
-    for (const auto& L : layers_)
-      for (const TensorView* t :
-           {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_norm, &L.w_gate, &L.w_up, &L.w_down})
-        add(*t);
+    b.total = weight_bytes_;
     // A decode step reads every layer and the output projection, but only its tokens' rows
     // of the embedding table.
     b.dense = b.total - (cfg_.tied_embeddings ? 0 : tok_embd_.nbytes());
@@ -103,7 +92,7 @@ class Llama final : public Model {
     TensorView act = act_->view(DType::F32, {T, ffn});
     const float scale = 1.0f / std::sqrt(float(hd));
 
-    be_.embed(tok_embd_, in.tokens.data(), int(T), x);
+    be_.embed(tok_embd_, in.token_ids(), int(T), x);
     dump("token_embd", x);
     for (int l = 0; l < cfg_.layers; ++l) {
       const LlamaLayer& W = layers_[size_t(l)];
@@ -160,71 +149,6 @@ class Llama final : public Model {
   }
 
  private:
-  static void check_shape(const TensorView& t, int64_t rows, int64_t cols, const std::string& n) {
-    if (t.ndim != 2 || t.shape[0] != rows || t.shape[1] != cols)
-      throw Error("tensor '" + n + "' has shape " + t.shape_str() + ", expected [" +
-                  std::to_string(rows) + ", " + std::to_string(cols) + "]");
-  }
-
-  TensorView linear(const WeightSource& w, const std::string& name, int64_t rows, int64_t cols) {
-    TensorView t = w.get(name);
-    check_shape(t, rows, cols, name);
-    if (!be_.supports(Op::MatMul, t.dtype))
-      throw UnsupportedError(be_.name() + " has no matmul for " + std::string(dtype_name(t.dtype)) +
-                             " weights (" + name + ")");
-    return t;
-  }
-
-  // One weight whose rows are the parts' rows in order, so a single matmul computes all the
-  // parts' outputs side by side. nullopt when the dtypes differ (then each part runs alone).
-  std::optional<TensorView> fuse_rows(std::initializer_list<TensorView> parts) {
-    const TensorView& first = *parts.begin();
-    int64_t rows = 0;
-    for (const auto& t : parts) {
-      if (t.dtype != first.dtype || t.cols() != first.cols() || !t.is_contiguous())
-        return std::nullopt;
-      rows += t.rows();
-    }
-    const size_t row_bytes = first.row_bytes();
-    owned_.push_back(be_.alloc(size_t(rows) * row_bytes));
-    TensorView fused = owned_.back()->view(first.dtype, {rows, first.cols()});
-    int64_t at = 0;
-    for (const auto& t : parts) {
-      be_.upload(fused.slice_rows(at, at + t.rows()), t.data, t.nbytes());
-      at += t.rows();
-    }
-    return fused;
-  }
-
-  // Norm weights as F32 on the backend (checkpoints store them as F32, F16 or BF16).
-  TensorView f32_vector(const TensorView& t, const std::string& name) {
-    if (t.ndim != 1 || t.shape[0] != cfg_.hidden)
-      throw Error("tensor '" + name + "' has shape " + t.shape_str() + ", expected [" +
-                  std::to_string(cfg_.hidden) + "]");
-    std::vector<float> host(size_t(t.shape[0]));
-    for (int64_t i = 0; i < t.shape[0]; ++i) {
-      const uint8_t* p = static_cast<const uint8_t*>(t.data) + i * t.stride[0];
-      switch (t.dtype) {
-        case DType::F32:
-          std::memcpy(&host[size_t(i)], p, 4);
-          break;
-        case DType::F16:
-          host[size_t(i)] = fp16_to_f32(uint16_t(p[0] | p[1] << 8));
-          break;
-        case DType::BF16:
-          host[size_t(i)] = bf16_to_f32(uint16_t(p[0] | p[1] << 8));
-          break;
-        default:
-          throw UnsupportedError("tensor '" + name + "' has dtype " +
-                                 std::string(dtype_name(t.dtype)) + "; norms must be F32/F16/BF16");
-      }
-    }
-    owned_.push_back(be_.alloc(host.size() * 4));
-    TensorView v = owned_.back()->view(DType::F32, {t.shape[0]});
-    be_.upload(v, host.data(), host.size() * 4);
-    return v;
-  }
-
   void reserve(int64_t T, int64_t L) {
     const int64_t hd = cfg_.head_dim, q_dim = cfg_.heads * hd, kv_dim = cfg_.kv_heads * hd;
     auto grow = [&](std::unique_ptr<Buffer>& b, int64_t floats) {
@@ -244,6 +168,7 @@ class Llama final : public Model {
   TensorView tok_embd_, output_norm_, output_;
   std::vector<LlamaLayer> layers_;
   std::vector<std::unique_ptr<Buffer>> owned_;
+  uint64_t weight_bytes_ = 0;
   std::unique_ptr<Buffer> x_, xn_, qkv_, attn_, gate_up_, act_, last_;
 };
 

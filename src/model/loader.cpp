@@ -79,17 +79,22 @@ LoadedModel load_model(const std::filesystem::path& path, Backend& backend,
   const double t0 = now();
   LoadedModel m = open_model_metadata(path);
   // Before reading the weights in: an unsupported model should not cost a full read.
-  if (m.config.arch != "llama")
+  if (m.config.arch != "llama" && m.config.arch != "deepseek_v2")
     throw UnsupportedError(m.path + ": architecture '" + m.config.arch + "' is not supported");
   const bool bar = opts.progress && isatty(2);
   ProgressBar progress(t0);
   m.weights->prefetch(opts.threads, [&](size_t done, size_t total) {
     if (bar) progress.update(done, total);
   });
-  m.model = make_llama(m.config, *m.weights, backend);
+  if (m.config.arch == "deepseek_v2")
+    m.model = make_deepseek_v2(m.config, *m.weights, backend, {.mla_expanded = opts.mla_expanded});
+  else
+    m.model = make_llama(m.config, *m.weights, backend);
   m.load_seconds = now() - t0;
+  char speed[64];
+  std::snprintf(speed, sizeof speed, "%.2f GB/s", double(m.bytes) / m.load_seconds / 1e9);
   log_info("loaded " + m.path + " (" + m.config.summary() + ") in " +
-           std::to_string(m.load_seconds) + " s");
+           std::to_string(m.load_seconds) + " s, " + speed + " on " + backend.name());
   return m;
 }
 

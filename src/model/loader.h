@@ -14,8 +14,9 @@ namespace ds {
 class GgufFile;
 
 struct LoadOptions {
-  int threads = 1;        // for reading the weights in
-  bool progress = false;  // draw a progress bar on stderr
+  int threads = 1;            // for reading the weights in
+  bool progress = false;      // draw a progress bar on stderr
+  bool mla_expanded = false;  // deepseek_v2: expanded-form attention (a reference path)
 };
 
 struct LoadedModel {

@@ -37,9 +37,14 @@ class KvCache {
 };
 
 struct ForwardInput {
-  std::span<const int32_t> tokens;      // [num_tokens]
-  AttentionMeta meta;                   // positions, sequences, block tables, slot mapping
-  std::span<const int32_t> logit_rows;  // token rows whose next-token logits are wanted
+  std::span<const int32_t> tokens;  // [num_tokens] on the host
+  // Step metadata in the backend's memory (what kernels read) and the same on the host (for
+  // host-side decisions such as gathering a sequence's context). On the CPU they coincide.
+  AttentionMeta meta;
+  AttentionMeta host_meta;
+  const int32_t* device_tokens = nullptr;  // tokens in backend memory; null: tokens.data()
+  std::span<const int32_t> logit_rows;     // token rows whose next-token logits are wanted
+  const int32_t* token_ids() const { return device_tokens ? device_tokens : tokens.data(); }
 };
 
 // Sees named intermediate tensors ("blk.3.attn_norm") so a forward can be diffed layer by
@@ -90,5 +95,11 @@ class Model {
 
 std::unique_ptr<Model> make_llama(const ModelConfig& cfg, const WeightSource& weights,
                                   Backend& backend);
+
+struct DeepseekOptions {
+  bool mla_expanded = false;  // attention through expanded per-head K/V instead of absorbed
+};
+std::unique_ptr<Model> make_deepseek_v2(const ModelConfig& cfg, const WeightSource& weights,
+                                        Backend& backend, const DeepseekOptions& opts = {});
 
 }  // namespace ds

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The one GPU job: run on the H200 machine (through the device tool) from the repo root.
+# Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
+# JSON under $OUT. Stages (default: build test): build, test, cputest, lite, bench, hfbase.
+#   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
+#   test    ctest -L gpu, JUnit XML + log
+#   cputest the CPU unit tests too (on the GPU machine's CPU)
+#   lite    writes the DeepSeek-V2-Lite-shaped random BF16 checkpoint to $LITE_DIR
+#   bench   deepserve bench for bench/w{1,2,3}.yaml on that checkpoint
+#   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
+# The machine has no package registry: cpp-httplib and PCRE2 come from Debian .debs unpacked
+# into .carry/deps (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"].
+set -uo pipefail
+
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/gpu-out}
+LITE_DIR=${LITE_DIR:-/tmp/deepseek-v2-lite-random}
+BUILD=${BUILD:-$ROOT/build-gpu}
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build test)
+mkdir -p "$OUT"
+
+log() { echo "[gpu_run $(date +%T)] $*" | tee -a "$OUT/gpu_run.log"; }
+has_stage() { local s; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+
+deps_env() {
+  local deps=$ROOT/.carry/deps
+  [ -d "$deps" ] || { log "missing .carry/deps (run scripts/fetch_gpu_deps.sh and carry it)"; exit 2; }
+  # The .debs' pkg-config files say prefix=/usr; point them at the unpacked tree.
+  local pc=/tmp/deepserve-pc
+  mkdir -p "$pc"
+  for f in "$deps"/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc; do
+    sed "s|^prefix=/usr|prefix=$deps/usr|" "$f" >"$pc/$(basename "$f")"
+  done
+  export PKG_CONFIG_PATH=$pc${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
+
+system_info() {
+  {
+    echo "{"
+    echo "  \"gpu\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)\","
+    echo "  \"driver\": \"$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)\","
+    echo "  \"cuda\": \"$(nvcc --version | tail -2 | head -1 | sed 's/"//g')\","
+    echo "  \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')\","
+    echo "  \"commit\": \"$(git rev-parse HEAD 2>/dev/null || cat "$ROOT/.commit" 2>/dev/null || echo unknown)\","
+    echo "  \"date\": \"$(date -u +%FT%TZ)\""
+    echo "}"
+  } >"$OUT/system.json"
+}
+
+deps_env
+system_info
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+
+if has_stage build; then
+  log "configure + build ($BUILD)"
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DDEEPSERVE_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="90a-real;90-virtual" >"$OUT/cmake.log" 2>&1 ||
+    { log "cmake failed"; tail -30 "$OUT/cmake.log"; exit 1; }
+  ninja -C "$BUILD" -j"$(nproc)" >"$OUT/build.log" 2>&1 ||
+    { log "build failed"; grep -E "error|FAILED" "$OUT/build.log" | head -40; exit 1; }
+  log "built"
+fi
+
+if has_stage test; then
+  log "ctest -L gpu"
+  ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 300 \
+    --output-junit "$OUT/ctest-gpu.xml" >"$OUT/ctest-gpu.log" 2>&1
+  log "gpu tests rc=$? : $(grep -E 'tests passed|tests failed' "$OUT/ctest-gpu.log")"
+  grep -E "\*\*\*Failed|Failed  |FAILED" "$OUT/ctest-gpu.log" | head -40
+fi
+
+if has_stage cputest; then
+  log "ctest -L cpu"
+  ctest --test-dir "$BUILD" -L cpu -j8 --timeout 300 >"$OUT/ctest-cpu.log" 2>&1
+  log "cpu tests: $(grep -E 'tests passed|tests failed' "$OUT/ctest-cpu.log")"
+fi
+
+if has_stage lite; then
+  if [ -f "$LITE_DIR/model.safetensors.index.json" ]; then
+    log "lite checkpoint already at $LITE_DIR"
+  else
+    log "writing DeepSeek-V2-Lite-shaped checkpoint to $LITE_DIR"
+    python3 tools/make_hf_fixtures.py --shapes deepseek-v2-lite --out "$LITE_DIR" --device cuda \
+      >"$OUT/lite.log" 2>&1 || { log "lite checkpoint failed"; tail -20 "$OUT/lite.log"; }
+    log "lite: $(du -sh "$LITE_DIR" | cut -f1)"
+  fi
+fi
+
+if has_stage bench; then
+  for w in w3 w1 w2; do
+    log "bench $w"
+    DEEPSERVE_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
+      --model "$LITE_DIR" --output "$OUT/bench-$w.json" >"$OUT/bench-$w.log" 2>&1
+    log "bench $w rc=$?"
+    tail -15 "$OUT/bench-$w.log"
+  done
+fi
+
+if has_stage hfbase; then
+  log "HF transformers baseline"
+  python3 tools/hf_baseline.py --model "$LITE_DIR" --out "$OUT/hf-baseline.json" \
+    >"$OUT/hf-baseline.log" 2>&1
+  log "hf baseline rc=$?"
+  tail -10 "$OUT/hf-baseline.log"
+fi
+log "done"

@@ -1,0 +1,64 @@
+// Shared pieces of every architecture's "bind weights" step: shape checks, support checks,
+// moving weights into backend memory, and the F32 views a forward slices its scratch into.
+#pragma once
+
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "model/weights.h"
+
+namespace ds {
+
+// Columns [begin, begin + n) of a 2-D F32 view.
+TensorView cols(const TensorView& t, int64_t begin, int64_t n);
+// A [rows, heads * hd] F32 view (any row stride) as [rows, heads, hd].
+TensorView heads_view(const TensorView& t, int heads, int hd);
+// A [rows, heads, hd] view as [heads, rows, hd] (heads become batches of batched_matmul).
+TensorView heads_first(const TensorView& t);
+
+class WeightBinder {
+ public:
+  WeightBinder(const WeightSource& w, Backend& be) : w_(w), be_(be) {}
+
+  // A [rows, cols] weight in backend memory that the backend can run `op` on.
+  TensorView linear(const std::string& name, int64_t rows, int64_t cols, Op op = Op::MatMul) {
+    return place(checked(name, rows, cols, op));
+  }
+  // The same checks, but the host view (for fuse_rows or load-time transforms).
+  TensorView checked(const std::string& name, int64_t rows, int64_t cols, Op op = Op::MatMul);
+  // An embedding table [rows, cols] the backend can embed from.
+  TensorView table(const std::string& name, int64_t rows, int64_t cols);
+  // A norm weight [n] as F32 in backend memory (checkpoints store F32, F16 or BF16).
+  TensorView norm(const std::string& name, int64_t n);
+  // One weight in backend memory whose rows are the (host) parts' rows in order (one matmul
+  // for several outputs); nullopt when the parts' dtypes or widths differ.
+  std::optional<TensorView> fuse_rows(std::initializer_list<TensorView> parts);
+  // A host tensor's bytes in backend memory (the same view on the CPU, a copy elsewhere).
+  TensorView place(const TensorView& host);
+  // A new backend buffer holding `host` as a contiguous tensor of `dtype` and `dims`.
+  TensorView upload(const void* host, DType dtype, std::initializer_list<int64_t> dims);
+
+  bool has(const std::string& name) const { return w_.find(name).has_value(); }
+  // The raw (host) view of a weight, for load-time transforms.
+  TensorView host(const std::string& name) const { return w_.get(name); }
+  Backend& backend() { return be_; }
+  // Buffers the bound weights live in; the model keeps them.
+  std::vector<std::unique_ptr<Buffer>>& buffers() { return owned_; }
+  uint64_t bytes() const { return bytes_; }  // bytes of the bound weights
+
+ private:
+  const WeightSource& w_;
+  Backend& be_;
+  std::vector<std::unique_ptr<Buffer>> owned_;
+  uint64_t bytes_ = 0;
+};
+
+void check_shape(const TensorView& t, int64_t rows, int64_t cols, const std::string& name);
+// Element i of a 1-D (or flattened contiguous) F32/F16/BF16 host tensor as float.
+float host_element(const TensorView& t, int64_t i);
+
+}  // namespace ds

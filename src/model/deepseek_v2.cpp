@@ -1,0 +1,498 @@
+// DeepSeek-V2 forward: multi-head latent attention (MLA) over a latent KV cache, DeepSeekMoE
+// (softmax router, greedy or group-limited top-k, shared experts), YaRN RoPE. Any backend.
+//
+// Weights by their names in published Hugging Face checkpoints (model.layers.N.self_attn.
+// kv_a_proj_with_mqa.weight, model.layers.N.mlp.experts.E.gate_proj.weight, ...).
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "core/error.h"
+#include "model/binder.h"
+#include "model/model.h"
+
+namespace ds {
+namespace {
+
+struct DsMlp {
+  std::optional<TensorView> gate_up;  // [2F, hidden] when gate and up share a dtype
+  TensorView gate, up;                // [F, hidden] otherwise
+  TensorView down;                    // [hidden, F]
+  int64_t ffn = 0;                    // F
+};
+
+struct DsLayer {
+  TensorView attn_norm, ffn_norm;  // [hidden] F32
+  // Queries: plain q_proj, or the LoRA q_a_proj -> q_a_layernorm -> q_b_proj.
+  TensorView wq;                     // [H * qk, hidden] (no LoRA)
+  TensorView wq_a, q_a_norm;         // [q_lora, hidden], [q_lora]
+  TensorView wq_b;                   // [H * qk, q_lora]
+  TensorView wkv_a;                  // [R + P, hidden]
+  std::optional<TensorView> wqkv_a;  // [q_lora + R + P, hidden]: q_a_proj and kv_a_proj fused
+  TensorView kv_a_norm;              // [R]
+  TensorView wkv_b;                  // [H * (nope + v), R]
+  TensorView w_uk_t;                 // [H, R, nope]: per head, the key up-projection transposed
+  TensorView w_uv;                   // [H, v, R]: per head, the value up-projection (view of wkv_b)
+  TensorView wo;                     // [hidden, H * v]
+  bool moe = false;
+  DsMlp mlp;          // dense layers: the MLP; MoE layers: the shared experts
+  TensorView router;  // [E, hidden]
+  std::vector<ExpertWeights> experts;
+  int moe_index = -1;  // row of the expert counters
+};
+
+// q_a_layernorm and kv_a_layernorm are built without the config's eps in DeepSeek's code and
+// in transformers, so they keep RMSNorm's default.
+constexpr float kLatentNormEps = 1e-6f;
+
+int64_t round_up_rows(int64_t n) {
+  return std::max<int64_t>(n, 1);
+}
+
+class DeepseekV2 final : public Model {
+ public:
+  DeepseekV2(const ModelConfig& cfg, const WeightSource& w, Backend& be,
+             const DeepseekOptions& opts)
+      : cfg_(cfg), be_(be), opts_(opts) {
+    WeightBinder b(w, be);
+    const int64_t hidden = cfg.hidden, H = cfg.heads, R = cfg.kv_lora_rank, P = cfg.qk_rope_dim;
+    const int64_t nope = cfg.qk_nope_dim, v = cfg.v_head_dim, qk = nope + P;
+    tok_embd_ = b.table("model.embed_tokens.weight", cfg.vocab, hidden);
+    output_norm_ = b.norm("model.norm.weight", hidden);
+    if (cfg.tied_embeddings) {
+      output_ = tok_embd_;
+      if (!be.supports(Op::MatMul, output_.dtype))
+        throw UnsupportedError(be.name() + " has no matmul for tied embeddings of " +
+                               std::string(dtype_name(output_.dtype)));
+    } else {
+      output_ = b.linear("lm_head.weight", cfg.vocab, hidden);
+    }
+    for (int l = 0; l < cfg.layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      const std::string a = p + "self_attn.";
+      DsLayer L;
+      L.attn_norm = b.norm(p + "input_layernorm.weight", hidden);
+      L.ffn_norm = b.norm(p + "post_attention_layernorm.weight", hidden);
+      const TensorView kv_a = b.checked(a + "kv_a_proj_with_mqa.weight", R + P, hidden);
+      if (cfg.q_lora_rank > 0) {
+        const TensorView q_a = b.checked(a + "q_a_proj.weight", cfg.q_lora_rank, hidden);
+        L.wqkv_a = b.fuse_rows({q_a, kv_a});
+        if (!L.wqkv_a) {
+          L.wq_a = b.place(q_a);
+          L.wkv_a = b.place(kv_a);
+        }
+        L.q_a_norm = b.norm(a + "q_a_layernorm.weight", cfg.q_lora_rank);
+        L.wq_b = b.linear(a + "q_b_proj.weight", H * qk, cfg.q_lora_rank);
+      } else {
+        L.wq = b.linear(a + "q_proj.weight", H * qk, hidden);
+        L.wkv_a = b.place(kv_a);
+      }
+      L.kv_a_norm = b.norm(a + "kv_a_layernorm.weight", R);
+      const TensorView kv_b = b.checked(a + "kv_b_proj.weight", H * (nope + v), R);
+      L.wkv_b = b.place(kv_b);
+      bind_absorbed(b, kv_b, L);
+      L.wo = b.linear(a + "o_proj.weight", hidden, H * v);
+      L.moe = cfg.is_moe_layer(l);
+      if (L.moe) {
+        L.moe_index = num_moe_layers_++;
+        L.router = b.linear(p + "mlp.gate.weight", cfg.moe_experts, hidden);
+        for (int e = 0; e < cfg.moe_experts; ++e) {
+          const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+          ExpertWeights ew;
+          ew.gate = b.linear(x + "gate_proj.weight", cfg.moe_intermediate, hidden, Op::MoeFfn);
+          ew.up = b.linear(x + "up_proj.weight", cfg.moe_intermediate, hidden, Op::MoeFfn);
+          ew.down = b.linear(x + "down_proj.weight", hidden, cfg.moe_intermediate, Op::MoeFfn);
+          L.experts.push_back(ew);
+        }
+        if (cfg.moe_shared_experts > 0)
+          L.mlp = bind_mlp(b, p + "mlp.shared_experts.",
+                           int64_t(cfg.moe_shared_experts) * cfg.moe_intermediate);
+      } else {
+        L.mlp = bind_mlp(b, p + "mlp.", cfg.intermediate);
+      }
+      layers_.push_back(std::move(L));
+    }
+    owned_ = std::move(b.buffers());
+    total_bytes_ = b.bytes();
+    if (num_moe_layers_ > 0) {
+      const size_t n = size_t(num_moe_layers_) * size_t(cfg.moe_experts);
+      counts_buf_ = be.alloc(n * 8);
+      const std::vector<int64_t> zeros(n, 0);
+      be.upload(counts_buf_->view(DType::I32, {int64_t(n) * 2}), zeros.data(), n * 8);
+    }
+  }
+
+  const ModelConfig& config() const override { return cfg_; }
+
+  WeightBytes weight_bytes() const override {
+    WeightBytes w;
+    w.total = total_bytes_;
+    w.moe_layers = num_moe_layers_;
+    w.experts = cfg_.moe_experts;
+    w.top_k = cfg_.moe_top_k;
+    if (num_moe_layers_ > 0) {
+      const auto& e = layers_[size_t(first_moe_layer())].experts[0];
+      w.per_expert = e.gate.nbytes() + e.up.nbytes() + e.down.nbytes();
+    }
+    const uint64_t routed = w.per_expert * uint64_t(w.experts) * uint64_t(w.moe_layers);
+    // Every step reads all non-expert weights except the embedding table's untouched rows.
+    w.dense = total_bytes_ - routed - (cfg_.tied_embeddings ? 0 : tok_embd_.nbytes());
+    return w;
+  }
+
+  uint64_t kv_bytes_per_token(DType kv_dtype) const override {
+    return uint64_t(cfg_.layers) * dtype_bytes(kv_dtype, cfg_.cache_head_dim());
+  }
+
+  std::vector<ExpertLoad> expert_load() override {
+    std::vector<ExpertLoad> out;
+    if (num_moe_layers_ == 0) return out;
+    const size_t E = size_t(cfg_.moe_experts);
+    std::vector<int64_t> host(size_t(num_moe_layers_) * E);
+    be_.download(host.data(), counts_buf_->view(DType::I32, {int64_t(host.size()) * 2}),
+                 host.size() * 8);
+    for (const auto& L : layers_) {
+      if (!L.moe) continue;
+      ExpertLoad el;
+      el.layer = int(&L - layers_.data());
+      el.tokens.assign(host.begin() + ptrdiff_t(size_t(L.moe_index) * E),
+                       host.begin() + ptrdiff_t(size_t(L.moe_index + 1) * E));
+      out.push_back(std::move(el));
+    }
+    return out;
+  }
+
+  void forward(const ForwardInput& in, KvCache& cache, TensorView logits) override {
+    const int64_t T = int64_t(in.tokens.size());
+    const int64_t NL = int64_t(in.logit_rows.size());
+    DS_CHECK(T > 0 && T == in.meta.num_tokens, "batch token count mismatch");
+    DS_CHECK(logits.ndim == 2 && logits.shape[0] == NL && logits.shape[1] == cfg_.vocab,
+             "logits must be [logit rows, vocab]");
+    reserve(T, NL);
+    const int64_t hidden = cfg_.hidden;
+    TensorView x = x_->view(DType::F32, {T, hidden});
+    TensorView xn = xn_->view(DType::F32, {T, hidden});
+    be_.embed(tok_embd_, in.token_ids(), int(T), x);
+    dump("token_embd", x);
+    for (int l = 0; l < cfg_.layers; ++l) {
+      const DsLayer& W = layers_[size_t(l)];
+      be_.rms_norm(x, W.attn_norm, cfg_.rms_eps, xn);
+      dump(l, "attn_norm", xn);
+      attention(l, W, in, cache, xn);  // xn <- attention output
+      be_.add(x, xn);
+      be_.rms_norm(x, W.ffn_norm, cfg_.rms_eps, xn);
+      dump(l, "ffn_norm", xn);
+      TensorView y = tmp_->view(DType::F32, {T, hidden});
+      if (W.moe) {
+        moe(W, xn, y);
+      } else {
+        mlp(W.mlp, xn, y);
+      }
+      be_.add(x, y);
+      dump(l, "out", x);
+    }
+    TensorView h = last_->view(DType::F32, {NL, hidden});
+    for (int64_t r = 0; r < NL; ++r) {
+      const int32_t row = in.logit_rows[size_t(r)];
+      DS_CHECK(row >= 0 && row < T, "logit row out of range");
+      be_.copy(x.slice_rows(row, row + 1), h.slice_rows(r, r + 1));
+    }
+    be_.rms_norm(h, output_norm_, cfg_.rms_eps, h);
+    dump("output_norm", h);
+    be_.matmul(h, output_, logits);
+  }
+
+ private:
+  int first_moe_layer() const {
+    for (int l = 0; l < cfg_.layers; ++l)
+      if (cfg_.is_moe_layer(l)) return l;
+    return -1;
+  }
+
+  static DsMlp bind_mlp(WeightBinder& b, const std::string& prefix, int64_t ffn) {
+    const int64_t hidden = b.host(prefix + "gate_proj.weight").cols();
+    DsMlp m;
+    m.ffn = ffn;
+    const TensorView g = b.checked(prefix + "gate_proj.weight", ffn, hidden);
+    const TensorView u = b.checked(prefix + "up_proj.weight", ffn, hidden);
+    m.gate_up = b.fuse_rows({g, u});
+    if (!m.gate_up) {
+      m.gate = b.place(g);
+      m.up = b.place(u);
+    }
+    m.down = b.linear(prefix + "down_proj.weight", hidden, ffn);
+    return m;
+  }
+
+  // The absorbed-form weights: W_uk^T per head ([H, R, nope], a transposed copy in the
+  // checkpoint's dtype, so q_nope . k_nope = (q_nope W_uk) . c) and W_uv as a strided view
+  // of kv_b_proj's value rows ([H, v, R]).
+  void bind_absorbed(WeightBinder& b, const TensorView& kv_b, DsLayer& L) {
+    const int64_t H = cfg_.heads, R = cfg_.kv_lora_rank, nope = cfg_.qk_nope_dim;
+    const int64_t v = cfg_.v_head_dim;
+    const DType dt = kv_b.dtype;
+    if (dt != DType::F32 && dt != DType::F16 && dt != DType::BF16)
+      throw UnsupportedError("kv_b_proj must be F32, F16 or BF16 for MLA, not " +
+                             std::string(dtype_name(dt)));
+    if (!be_.supports(Op::BatchedMatMul, dt))
+      throw UnsupportedError(be_.name() + " has no batched matmul for " +
+                             std::string(dtype_name(dt)));
+    const size_t es = dtype_info(dt).type_size;
+    std::vector<uint8_t> t(size_t(H * R * nope) * es);
+    const auto* src = static_cast<const uint8_t*>(kv_b.data);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < nope; ++i) {
+        const uint8_t* row = src + (h * (nope + v) + i) * kv_b.row_stride();
+        for (int64_t c = 0; c < R; ++c)
+          std::memcpy(&t[size_t((h * R + c) * nope + i) * es], row + c * int64_t(es), es);
+      }
+    L.w_uk_t = b.upload(t.data(), dt, {H, R, nope});
+    TensorView uv = L.wkv_b;
+    uv.data = static_cast<uint8_t*>(L.wkv_b.data) + nope * L.wkv_b.row_stride();
+    uv.ndim = 3;
+    uv.shape = {H, v, R, 0};
+    uv.stride = {(nope + v) * L.wkv_b.row_stride(), L.wkv_b.row_stride(), int64_t(es), 0};
+    L.w_uv = uv;
+  }
+
+  // Multi-head latent attention of layer l; reads xn [T, hidden], overwrites it with the
+  // attention output.
+  void attention(int l, const DsLayer& W, const ForwardInput& in, KvCache& cache, TensorView xn) {
+    const int64_t T = xn.shape[0], H = cfg_.heads, R = cfg_.kv_lora_rank, P = cfg_.qk_rope_dim;
+    const int64_t nope = cfg_.qk_nope_dim, v = cfg_.v_head_dim, qk = nope + P;
+    const int64_t qlr = cfg_.q_lora_rank;
+    TensorView q = q_->view(DType::F32, {T, H * qk});
+    TensorView kva;  // [T, R + P]: compressed KV, then the shared rope key
+    if (qlr > 0) {
+      TensorView qa, qa_n = qa_n_->view(DType::F32, {T, qlr});
+      if (W.wqkv_a) {
+        TensorView both = qkv_a_->view(DType::F32, {T, qlr + R + P});
+        be_.matmul(xn, *W.wqkv_a, both);
+        qa = cols(both, 0, qlr);
+        kva = cols(both, qlr, R + P);
+      } else {
+        qa = qkv_a_->view(DType::F32, {T, qlr + R + P});
+        kva = cols(qa, qlr, R + P);
+        qa = cols(qa, 0, qlr);
+        be_.matmul(xn, W.wq_a, qa);
+        be_.matmul(xn, W.wkv_a, kva);
+      }
+      be_.rms_norm(qa, W.q_a_norm, kLatentNormEps, qa_n);
+      be_.matmul(qa_n, W.wq_b, q);
+    } else {
+      kva = qkv_a_->view(DType::F32, {T, R + P});
+      be_.matmul(xn, W.wq, q);
+      be_.matmul(xn, W.wkv_a, kva);
+    }
+    TensorView ckv = cols(kva, 0, R);
+    be_.rms_norm(ckv, W.kv_a_norm, kLatentNormEps, ckv);
+    TensorView k_pe = heads_view(cols(kva, R, P), 1, int(P));
+    TensorView qh = heads_view(q, int(H), int(qk));
+    TensorView q_pe = sub_heads(qh, nope, P), q_nope = sub_heads(qh, 0, nope);
+    be_.rope(q_pe, in.meta.positions, cfg_.rope);
+    be_.rope(k_pe, in.meta.positions, cfg_.rope);
+    dump(l, "q", q);
+    dump(l, "kv_latent", kva);
+    be_.store_kv(heads_view(kva, 1, int(R + P)), TensorView{}, cache.layer(l), in.meta);
+
+    TensorView o = o_->view(DType::F32, {T, H * v});
+    TensorView oh = heads_view(o, int(H), int(v));
+    if (opts_.mla_expanded) {
+      expanded_attention(l, W, in, cache, qh, oh);
+    } else {
+      TensorView q_lat = heads_view(q_lat_->view(DType::F32, {T, H * R}), int(H), int(R));
+      TensorView o_lat = heads_view(o_lat_->view(DType::F32, {T, H * R}), int(H), int(R));
+      be_.batched_matmul(heads_first(q_nope), W.w_uk_t, heads_first(q_lat));
+      MlaAttentionParams mp;
+      mp.q_latent = q_lat;
+      mp.q_rope = q_pe;
+      mp.out = o_lat;
+      mp.cache = cache.layer(l);
+      mp.kv_lora_rank = int(R);
+      mp.scale = cfg_.attn_scale;
+      be_.mla_attention(mp, in.meta);
+      be_.batched_matmul(heads_first(o_lat), W.w_uv, heads_first(oh));
+    }
+    dump(l, "attn_out", o);
+    be_.matmul(o, W.wo, xn);
+  }
+
+  // Dims [begin, begin + n) of every head of a [T, H, d] F32 view.
+  static TensorView sub_heads(const TensorView& t, int64_t begin, int64_t n) {
+    TensorView v = t;
+    v.data = static_cast<uint8_t*>(t.data) + begin * 4;
+    v.shape[2] = n;
+    return v;
+  }
+
+  // The reference form: each sequence's cached latents are gathered and up-projected into
+  // per-head keys [k_nope | k_pe] and values, then ordinary causal attention runs over them.
+  // Needs an F32 cache (the gathered latents feed a matmul directly).
+  void expanded_attention(int l, const DsLayer& W, const ForwardInput& in, KvCache& cache,
+                          const TensorView& qh, TensorView oh) {
+    const AttentionMeta& hm = in.host_meta.query_start ? in.host_meta : in.meta;
+    const PagedKv& kv = cache.layer(l);
+    if (kv.dtype != DType::F32) throw UnsupportedError("expanded MLA needs an F32 KV cache");
+    const int64_t H = cfg_.heads, R = cfg_.kv_lora_rank, P = cfg_.qk_rope_dim;
+    const int64_t nope = cfg_.qk_nope_dim, v = cfg_.v_head_dim, qk = nope + P;
+    const TensorView flat = TensorView::contiguous(
+        kv.k, DType::F32, {int64_t(kv.num_blocks) * kv.block_size, R + P}, be_.device());
+    for (int s = 0; s < hm.num_seqs; ++s) {
+      const int q0 = hm.query_start[s], nq = hm.query_start[s + 1] - q0;
+      const int64_t C = hm.context_lens[s];
+      auto grow = [&](std::unique_ptr<Buffer>& buf, int64_t floats) {
+        if (!buf || buf->size() < size_t(floats) * 4) buf = be_.alloc(size_t(floats) * 4);
+      };
+      grow(x_lat_, C * (R + P));
+      grow(x_kv_, C * H * (nope + v));
+      grow(x_k_, C * H * qk);
+      grow(x_v_, C * H * qk);
+      grow(x_o_, int64_t(nq) * H * qk);
+      TensorView lat = x_lat_->view(DType::F32, {C, R + P});
+      for (int64_t j0 = 0; j0 < C; j0 += kv.block_size) {
+        const int64_t n = std::min<int64_t>(kv.block_size, C - j0);
+        const int64_t blk =
+            hm.block_tables[int64_t(s) * hm.max_blocks_per_seq + j0 / kv.block_size];
+        be_.copy(flat.slice_rows(blk * kv.block_size, blk * kv.block_size + n),
+                 lat.slice_rows(j0, j0 + n));
+      }
+      TensorView kvx = x_kv_->view(DType::F32, {C, H * (nope + v)});
+      be_.matmul(cols(lat, 0, R), W.wkv_b, kvx);
+      // Keys [C, H, qk] = [k_nope | k_pe]; values padded to qk dims so one attention op with
+      // a single head size serves (the padding is zero and dropped afterwards).
+      TensorView k = x_k_->view(DType::F32, {C, H * qk});
+      TensorView vv = x_v_->view(DType::F32, {C, H * qk});
+      const std::vector<float> zeros(size_t(C * H * qk), 0.0f);
+      be_.upload(vv, zeros.data(), zeros.size() * 4);
+      for (int64_t h = 0; h < H; ++h) {
+        be_.copy(cols(kvx, h * (nope + v), nope), cols(k, h * qk, nope));
+        be_.copy(cols(lat, R, P), cols(k, h * qk + nope, P));
+        be_.copy(cols(kvx, h * (nope + v) + nope, v), cols(vv, h * qk, v));
+      }
+      // One sequence, one block holding its whole context.
+      const int32_t small[4] = {0, nq, int32_t(C), 0};  // query_start[2], context_lens, table
+      if (!x_meta_) x_meta_ = be_.alloc(sizeof small);
+      be_.upload(x_meta_->view(DType::I32, {4}), small, sizeof small);
+      const int32_t* dm = static_cast<const int32_t*>(x_meta_->data());
+      AttentionMeta m;
+      m.num_seqs = 1;
+      m.num_tokens = nq;
+      m.query_start = dm;
+      m.context_lens = dm + 2;
+      m.block_tables = dm + 3;
+      m.max_blocks_per_seq = 1;
+      m.positions = in.meta.positions + q0;
+      m.max_query_len = nq;
+      m.max_context_len = int(C);
+      AttentionParams ap;
+      ap.q = qh.slice_rows(q0, q0 + nq);
+      ap.out = heads_view(x_o_->view(DType::F32, {int64_t(nq), H * qk}), int(H), int(qk));
+      ap.kv.k = k.data;
+      ap.kv.v = vv.data;
+      ap.kv.dtype = DType::F32;
+      ap.kv.num_blocks = 1;
+      ap.kv.block_size = int(C);
+      ap.kv.kv_heads = int(H);
+      ap.kv.head_dim = int(qk);
+      ap.scale = cfg_.attn_scale;
+      be_.attention(ap, m);
+      const TensorView o2 = x_o_->view(DType::F32, {int64_t(nq), H * qk});
+      TensorView dst = oh.slice_rows(q0, q0 + nq);
+      const TensorView dst2 = TensorView::contiguous(dst.data, DType::F32, {nq, H * v}, dst.device);
+      for (int64_t h = 0; h < H; ++h) be_.copy(cols(o2, h * qk, v), cols(dst2, h * v, v));
+    }
+  }
+
+  void mlp(const DsMlp& m, const TensorView& xn, TensorView out) {
+    const int64_t T = xn.shape[0], F = m.ffn;
+    TensorView gu = gate_up_->view(DType::F32, {T, 2 * F});
+    TensorView act = act_->view(DType::F32, {T, F});
+    if (m.gate_up) {
+      be_.matmul(xn, *m.gate_up, gu);
+    } else {
+      be_.matmul(xn, m.gate, cols(gu, 0, F));
+      be_.matmul(xn, m.up, cols(gu, F, F));
+    }
+    be_.silu_mul(gu, act);
+    be_.matmul(act, m.down, out);
+  }
+
+  // Routed experts plus shared experts, into out [T, hidden].
+  void moe(const DsLayer& W, const TensorView& xn, TensorView out) {
+    const int64_t T = xn.shape[0], E = cfg_.moe_experts, K = cfg_.moe_top_k;
+    TensorView logits = router_->view(DType::F32, {T, E});
+    be_.matmul(xn, W.router, logits);
+    TensorView ids = ids_->view(DType::I32, {T, K});
+    TensorView wts = wts_->view(DType::F32, {T, K});
+    MoeRouteParams rp;
+    rp.top_k = int(K);
+    rp.method = cfg_.moe_topk_method;
+    rp.n_group = cfg_.moe_n_group;
+    rp.topk_group = cfg_.moe_topk_group;
+    rp.norm_topk_prob = cfg_.moe_norm_topk_prob;
+    rp.routed_scaling_factor = cfg_.moe_routed_scaling;
+    rp.expert_counts = static_cast<int64_t*>(counts_buf_->data()) + int64_t(W.moe_index) * E;
+    be_.moe_route(logits, rp, ids, wts);
+    MoeFfnParams fp;
+    fp.x = xn;
+    fp.ids = ids;
+    fp.weights = wts;
+    fp.experts = W.experts;
+    fp.out = out;
+    be_.moe_ffn(fp);
+    if (cfg_.moe_shared_experts > 0) {
+      TensorView shared = shared_->view(DType::F32, {T, cfg_.hidden});
+      mlp(W.mlp, xn, shared);
+      be_.add(out, shared);
+    }
+  }
+
+  void reserve(int64_t T, int64_t NL) {
+    const int64_t H = cfg_.heads, R = cfg_.kv_lora_rank, P = cfg_.qk_rope_dim;
+    const int64_t qk = cfg_.qk_nope_dim + P, v = cfg_.v_head_dim;
+    const int64_t ffn = std::max<int64_t>(cfg_.intermediate,
+                                          int64_t(cfg_.moe_shared_experts) * cfg_.moe_intermediate);
+    auto grow = [&](std::unique_ptr<Buffer>& b, int64_t elems) {
+      if (!b || b->size() < size_t(elems) * 4) b = be_.alloc(size_t(round_up_rows(elems)) * 4);
+    };
+    grow(x_, T * cfg_.hidden);
+    grow(xn_, T * cfg_.hidden);
+    grow(tmp_, T * cfg_.hidden);
+    grow(shared_, T * cfg_.hidden);
+    grow(qkv_a_, T * (cfg_.q_lora_rank + R + P));
+    grow(qa_n_, T * std::max(cfg_.q_lora_rank, 1));
+    grow(q_, T * H * qk);
+    grow(q_lat_, T * H * R);
+    grow(o_lat_, T * H * R);
+    grow(o_, T * H * v);
+    grow(gate_up_, T * 2 * ffn);
+    grow(act_, T * ffn);
+    grow(router_, T * std::max(cfg_.moe_experts, 1));
+    grow(ids_, T * std::max(cfg_.moe_top_k, 1));
+    grow(wts_, T * std::max(cfg_.moe_top_k, 1));
+    grow(last_, std::max<int64_t>(NL, 1) * cfg_.hidden);
+  }
+
+  ModelConfig cfg_;
+  Backend& be_;
+  DeepseekOptions opts_;
+  TensorView tok_embd_, output_norm_, output_;
+  std::vector<DsLayer> layers_;
+  std::vector<std::unique_ptr<Buffer>> owned_;
+  uint64_t total_bytes_ = 0;
+  int num_moe_layers_ = 0;
+  std::unique_ptr<Buffer> counts_buf_;  // [moe layers, E] int64 tokens routed per expert
+  std::unique_ptr<Buffer> x_, xn_, tmp_, shared_, qkv_a_, qa_n_, q_, q_lat_, o_lat_, o_, gate_up_,
+      act_, router_, ids_, wts_, last_;
+  std::unique_ptr<Buffer> x_lat_, x_kv_, x_k_, x_v_, x_o_, x_meta_;  // expanded-form scratch
+};
+
+}  // namespace
+
+std::unique_ptr<Model> make_deepseek_v2(const ModelConfig& cfg, const WeightSource& weights,
+                                        Backend& backend, const DeepseekOptions& opts) {
+  if (!cfg.is_mla()) throw Error("deepseek_v2 config without kv_lora_rank");
+  return std::make_unique<DeepseekV2>(cfg, weights, backend, opts);
+}
+
+}  // namespace ds
