@@ -35,6 +35,23 @@ std::string_view op_name(Op op) {
   return "?";
 }
 
+void Backend::argmax(const TensorView& logits, TensorView ids) {
+  const int64_t R = logits.rows(), V = logits.cols();
+  DS_CHECK(logits.dtype == DType::F32 && logits.is_contiguous() && ids.numel() >= R,
+           "argmax takes contiguous F32 logits [R, V] and I32 ids [R]");
+  std::vector<float> host(static_cast<size_t>(R * V));
+  std::vector<int32_t> out(static_cast<size_t>(R));
+  download(host.data(), logits, host.size() * 4);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = host.data() + r * V;
+    int64_t best = 0;
+    for (int64_t i = 1; i < V; ++i)
+      if (row[i] > row[best]) best = i;
+    out[size_t(r)] = int32_t(best);
+  }
+  upload(ids, out.data(), out.size() * 4);
+}
+
 float yarn_mscale(float factor, float mscale) {
   return factor <= 1.0f ? 1.0f : 0.1f * mscale * std::log(factor) + 1.0f;
 }

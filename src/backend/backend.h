@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
 
 namespace ds {
@@ -210,6 +211,18 @@ class Backend {
   virtual void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
                          TensorView weights) = 0;
   virtual void moe_ffn(const MoeFfnParams& p) = 0;
+  // ids[r] = index of the largest logits[r, :] (the lowest index among equal maxima).
+  // logits: [R, V] F32 (contiguous); ids: [R] I32. Greedy sampling without moving the logits
+  // to the host. The base version goes through host memory (right for the CPU).
+  virtual void argmax(const TensorView& logits, TensorView ids);
+
+  // Graphs (CUDA graphs): ops issued between begin_capture() and end_capture() are recorded,
+  // not run; replay(g) reruns them with the same pointers and launch shapes (the memory they
+  // read may hold new contents). Callers check supports_graphs() and otherwise run eagerly.
+  virtual bool supports_graphs() const { return false; }
+  virtual void begin_capture() { throw UnsupportedError(name() + " has no graphs"); }
+  virtual int end_capture() { throw UnsupportedError(name() + " has no graphs"); }
+  virtual void replay(int /*graph*/) { throw UnsupportedError(name() + " has no graphs"); }
   // dst = src, same dtype and shape; either may be strided in its outer dimensions.
   virtual void copy(const TensorView& src, TensorView dst) = 0;
 };

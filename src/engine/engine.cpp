@@ -317,22 +317,38 @@ void Engine::step() {
   const ForwardInput in = place_inputs(batch);
   TensorView logits = logits_buf_->view(DType::F32, {int64_t(rows), vocab});
   model_.forward(in, cache_, logits);
-  logits_.resize(rows * size_t(vocab));
-  if (rows) backend_.download(logits_.data(), logits, logits_.size() * 4);
 
   std::vector<SampledToken> sampled;
   sampled.reserve(rows);
   std::vector<TokenLogprobs> lps;  // sized only when a request in the batch asked
-  for (size_t i = 0; i < rows; ++i) {
-    const SeqId id = batch.logit_seqs[i];
-    const Sequence* seq = sched_.find(id);
-    Live& l = *live_.at(id);
-    const std::span<const float> row(logits_.data() + i * size_t(vocab), size_t(vocab));
-    const int32_t tok = l.sampler.sample(row, seq->tokens);
-    sampled.push_back({id, tok});
-    if (l.req.logprobs >= 0) {
-      lps.resize(rows);
-      lps[i] = token_logprobs(row, tok, l.req.logprobs);
+  // On a device, a batch that is all plain greedy (no penalties, no logprobs) is sampled there:
+  // R ids come back instead of R x vocab logits.
+  bool device_greedy = backend_.device().kind != DeviceKind::CPU && rows > 0;
+  for (size_t i = 0; i < rows && device_greedy; ++i) {
+    const Live& l = *live_.at(batch.logit_seqs[i]);
+    device_greedy = l.sampler.plain_greedy() && l.req.logprobs < 0;
+  }
+  if (device_greedy) {
+    if (!ids_buf_ || ids_buf_->size() < rows * 4) ids_buf_ = backend_.alloc(rows * 8);
+    TensorView ids = ids_buf_->view(DType::I32, {int64_t(rows)});
+    backend_.argmax(logits, ids);
+    std::vector<int32_t> host(rows);
+    backend_.download(host.data(), ids, rows * 4);
+    for (size_t i = 0; i < rows; ++i) sampled.push_back({batch.logit_seqs[i], host[i]});
+  } else {
+    logits_.resize(rows * size_t(vocab));
+    if (rows) backend_.download(logits_.data(), logits, logits_.size() * 4);
+    for (size_t i = 0; i < rows; ++i) {
+      const SeqId id = batch.logit_seqs[i];
+      const Sequence* seq = sched_.find(id);
+      Live& l = *live_.at(id);
+      const std::span<const float> row(logits_.data() + i * size_t(vocab), size_t(vocab));
+      const int32_t tok = l.sampler.sample(row, seq->tokens);
+      sampled.push_back({id, tok});
+      if (l.req.logprobs >= 0) {
+        lps.resize(rows);
+        lps[i] = token_logprobs(row, tok, l.req.logprobs);
+      }
     }
   }
   sched_.on_step_done(sampled);

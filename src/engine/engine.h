@@ -148,6 +148,7 @@ class Engine {
   Scheduler sched_;
   std::unordered_map<SeqId, std::unique_ptr<Live>> live_;  // engine thread only
   std::unique_ptr<Buffer> logits_buf_;
+  std::unique_ptr<Buffer> ids_buf_;   // device-side greedy picks
   std::unique_ptr<Buffer> meta_buf_;  // step metadata in backend memory (non-CPU backends)
   std::vector<int32_t> staging_;      // host side of meta_buf_'s upload
   std::vector<float> logits_;

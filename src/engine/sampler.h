@@ -28,6 +28,11 @@ class Sampler {
   // generated so far (for penalties). Logits are not modified.
   int32_t sample(std::span<const float> logits, std::span<const int32_t> history);
   uint64_t seed() const { return seed_; }
+  // Greedy with no penalties: the pick is argmax of the raw logits (a device can do it).
+  bool plain_greedy() const {
+    return p_.temperature <= 0.0f && p_.repetition_penalty == 1.0f && p_.presence_penalty == 0.0f &&
+           p_.frequency_penalty == 0.0f;
+  }
   const SamplingParams& params() const { return p_; }
 
  private:

@@ -8,6 +8,8 @@
 #include "backend/backend.h"
 #include "backend/cpu/attention.h"
 #include "backend/cpu/matmul.h"
+#include "backend/cpu/mla_attention.h"
+#include "backend/cpu/moe.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 
@@ -65,7 +67,11 @@ class CpuBackend final : public Backend {
         return t == DType::F32 || cpu::matmul_supports(t);
       case Op::StoreKv:
       case Op::Attention:
+      case Op::BatchedMatMul:
+      case Op::MlaAttention:
         return t == DType::F32 || t == DType::F16 || t == DType::BF16;
+      case Op::MoeFfn:
+        return cpu::matmul_supports(t, act());
       default:
         return t == DType::F32;
     }
@@ -129,12 +135,19 @@ class CpuBackend final : public Backend {
   }
 
   void rope(TensorView x, const int32_t* positions, const RopeParams& p) override {
+    DS_CHECK(x.ndim == 3 && x.dtype == DType::F32 && x.stride[2] == 4,
+             "rope takes an F32 [tokens, heads, head_dim] view");
     const int64_t T = x.shape[0], H = x.shape[1];
     const int half = p.rotary_dim / 2;
+    DS_CHECK(p.rotary_dim % 2 == 0 && p.rotary_dim <= x.shape[2] && half <= 512,
+             "rope: rotary_dim " + std::to_string(p.rotary_dim) + " for head_dim " +
+                 std::to_string(x.shape[2]));
+    if (T == 0 || half == 0) return;
     const std::vector<float>& inv_freq = rope_frequencies(p);
+    // Only the leading rotary_dim dims of each head move; strided views (a slice of each
+    // head) work since heads are addressed through the strides.
     parallel_rows(T, [&](int64_t t) {
-      float cs[512], sn[512];  // rotary dims up to 1024
-      DS_CHECK(half <= 512, "rotary dim too large");
+      float cs[512], sn[512];
       for (int i = 0; i < half; ++i) {
         const float a = float(positions[t]) * inv_freq[size_t(i)];
         cs[i] = std::cos(a) * p.attn_factor;
@@ -156,14 +169,24 @@ class CpuBackend final : public Backend {
 
   void store_kv(const TensorView& k, const TensorView& v, const PagedKv& kv,
                 const AttentionMeta& meta) override {
-    const int64_t n = kv.slot_stride(), es = int64_t(dtype_info(kv.dtype).type_size);
+    const int64_t es = int64_t(dtype_info(kv.dtype).type_size);
     const int64_t capacity = int64_t(kv.num_blocks) * kv.block_size;
+    // A latent (MLA) cache has no V: only k ([T, 1, R + P]) is written.
+    const bool latent = kv.v == nullptr;
+    for (const TensorView* src : {&k, &v}) {
+      if (latent && src == &v) break;
+      DS_CHECK(src->dtype == DType::F32 && src->ndim == 3 && src->shape[0] >= meta.num_tokens &&
+                   src->shape[1] == kv.kv_heads && src->shape[2] == kv.head_dim,
+               "store_kv: " + src->shape_str() + " does not fit a cache of " +
+                   std::to_string(kv.kv_heads) + " x " + std::to_string(kv.head_dim));
+    }
     for (int t = 0; t < meta.num_tokens; ++t) {
       const int64_t slot = meta.slot_mapping[t];
       DS_CHECK(slot >= 0 && slot < capacity, "KV slot out of range");
       for (const auto& [src, dst] : {std::pair{&k, kv.k}, std::pair{&v, kv.v}}) {
-        uint8_t* d = static_cast<uint8_t*>(dst) + slot * n * es;
-        for (int64_t h = 0; h < src->shape[1]; ++h) {
+        if (dst == nullptr) continue;
+        uint8_t* d = static_cast<uint8_t*>(dst) + slot * kv.slot_stride() * es;
+        for (int64_t h = 0; h < kv.kv_heads; ++h) {
           const float* s = reinterpret_cast<const float*>(static_cast<const uint8_t*>(src->data) +
                                                           t * src->stride[0] + h * src->stride[1]);
           for (int64_t i = 0; i < kv.head_dim; ++i)
@@ -216,17 +239,83 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void batched_matmul(const TensorView&, const TensorView&, TensorView) override {
-    throw UnsupportedError("cpu: batched_matmul not implemented yet");
+  void batched_matmul(const TensorView& x, const TensorView& w, TensorView out) override {
+    DS_CHECK(x.ndim == 3 && w.ndim == 3 && out.ndim == 3, "batched_matmul takes 3-D views");
+    DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32,
+             "batched_matmul takes F32 activations");
+    if (w.dtype != DType::F32 && w.dtype != DType::F16 && w.dtype != DType::BF16)
+      throw UnsupportedError("cpu batched_matmul does not support " +
+                             std::string(dtype_name(w.dtype)) + " weights");
+    const int64_t B = x.shape[0], M = x.shape[1], K = x.shape[2], N = w.shape[1];
+    DS_CHECK(w.shape[0] == B && w.shape[2] == K && out.shape[0] == B && out.shape[1] == M &&
+                 out.shape[2] == N && K > 0,
+             "batched_matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " +
+                 out.shape_str());
+    if (B == 0 || M == 0 || N == 0) return;
+    const int64_t ws = int64_t(dtype_info(w.dtype).type_size);
+    // Matrices whose rows the kernels cannot address (element-strided innermost dim,
+    // overlapping or unaligned rows) are packed into scratch first; out is then unpacked.
+    const bool x_direct = rows_addressable(x, 4), w_direct = rows_addressable(w, ws);
+    const bool o_direct = rows_addressable(out, 4);
+    const int64_t x_bytes = x_direct ? 0 : B * M * K * 4, w_bytes = w_direct ? 0 : B * N * K * ws;
+    const int64_t o_bytes = o_direct ? 0 : B * M * N * 4;
+    if (bmm_scratch_.size() < size_t(x_bytes + w_bytes + o_bytes))
+      bmm_scratch_.resize(size_t(x_bytes + w_bytes + o_bytes));
+    uint8_t* xs = bmm_scratch_.data();
+    uint8_t* wsc = xs + x_bytes;
+    uint8_t* os = wsc + w_bytes;
+    if (!x_direct) pack(x, 4, xs);
+    if (!w_direct) pack(w, ws, wsc);
+    auto args = [&](int64_t b) {
+      cpu::MatmulArgs a;
+      a.M = M;
+      a.K = K;
+      a.N = N;
+      a.x = x_direct
+                ? reinterpret_cast<const float*>(static_cast<uint8_t*>(x.data) + b * x.stride[0])
+                : reinterpret_cast<const float*>(xs) + b * M * K;
+      a.ldx = x_direct && M > 1 ? x.stride[1] / 4 : K;
+      a.w = w_direct ? static_cast<const uint8_t*>(w.data) + b * w.stride[0] : wsc + b * N * K * ws;
+      a.wtype = w.dtype;
+      a.w_row_bytes = size_t(w_direct && N > 1 ? w.stride[1] : K * ws);
+      a.out = o_direct
+                  ? reinterpret_cast<float*>(static_cast<uint8_t*>(out.data) + b * out.stride[0])
+                  : reinterpret_cast<float*>(os) + b * M * N;
+      a.ldo = o_direct && M > 1 ? out.stride[1] / 4 : N;
+      a.act = act();
+      return a;
+    };
+    // With a batch per thread or more, whole batches go to threads (each matmul then runs
+    // on a one-thread pool, which never leaves the calling thread); otherwise each matmul
+    // spreads over the pool. The kernels give every element the same bits either way.
+    if (B >= pool_.size() && pool_.size() > 1) {
+      pool_.run([&](int ith, int nth) {
+        const auto [b0, b1] = ThreadPool::split(B, ith, nth);
+        for (int64_t b = b0; b < b1; ++b) cpu::matmul(args(b), serial_, isa_);
+      });
+    } else {
+      for (int64_t b = 0; b < B; ++b) cpu::matmul(args(b), pool_, isa_);
+    }
+    if (!o_direct)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n)
+            std::memcpy(static_cast<uint8_t*>(out.data) + b * out.stride[0] + m * out.stride[1] +
+                            n * out.stride[2],
+                        os + ((b * M + m) * N + n) * 4, 4);
   }
-  void mla_attention(const MlaAttentionParams&, const AttentionMeta&) override {
-    throw UnsupportedError("cpu: mla_attention not implemented yet");
+
+  void mla_attention(const MlaAttentionParams& p, const AttentionMeta& meta) override {
+    cpu::mla_attention(p, meta, pool_, isa_, mla_scratch_);
   }
-  void moe_route(const TensorView&, const MoeRouteParams&, TensorView, TensorView) override {
-    throw UnsupportedError("cpu: moe_route not implemented yet");
+
+  void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
+                 TensorView weights) override {
+    cpu::moe_route(logits, p, ids, weights, pool_);
   }
-  void moe_ffn(const MoeFfnParams&) override {
-    throw UnsupportedError("cpu: moe_ffn not implemented yet");
+
+  void moe_ffn(const MoeFfnParams& p) override {
+    cpu::moe_ffn(p, {&pool_, isa_, act()}, moe_scratch_);
   }
 
   void copy(const TensorView& src, TensorView dst) override {
@@ -258,6 +347,24 @@ class CpuBackend final : public Backend {
     return inv_freq_;
   }
 
+  // Whether the kernels can read a 3-D view's matrices in place: contiguous elements and
+  // rows that are element-aligned and do not overlap (a single row may have any stride).
+  static bool rows_addressable(const TensorView& v, int64_t es) {
+    return v.stride[2] == es && reinterpret_cast<uintptr_t>(v.data) % uintptr_t(es) == 0 &&
+           v.stride[0] % es == 0 &&
+           (v.shape[1] == 1 || (v.stride[1] % es == 0 && v.stride[1] >= v.shape[2] * es));
+  }
+  // Copies a 3-D view of es-byte elements into dst as packed [shape0, shape1, shape2].
+  static void pack(const TensorView& v, int64_t es, uint8_t* dst) {
+    for (int64_t b = 0; b < v.shape[0]; ++b)
+      for (int64_t r = 0; r < v.shape[1]; ++r)
+        for (int64_t i = 0; i < v.shape[2]; ++i, dst += es)
+          std::memcpy(dst,
+                      static_cast<const uint8_t*>(v.data) + b * v.stride[0] + r * v.stride[1] +
+                          i * v.stride[2],
+                      size_t(es));
+  }
+
   cpu::ActPrecision act() const {
     return precision_ == ActivationPrecision::Q8 ? cpu::ActPrecision::Q8 : cpu::ActPrecision::F32;
   }
@@ -268,6 +375,10 @@ class CpuBackend final : public Backend {
   ActivationPrecision precision_;
   std::vector<float> inv_freq_;  // rope_frequencies() cache
   std::optional<RopeParams> inv_freq_params_;
+  ThreadPool serial_{1};                      // batched_matmul's per-thread matmuls
+  std::vector<uint8_t> bmm_scratch_;          // batched_matmul's packed operands
+  std::vector<cpu::MlaScratch> mla_scratch_;  // one per pool thread
+  cpu::MoeScratch moe_scratch_;
 };
 
 }  // namespace
