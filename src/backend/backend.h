@@ -223,6 +223,11 @@ class Backend {
   virtual void begin_capture() { throw UnsupportedError(name() + " has no graphs"); }
   virtual int end_capture() { throw UnsupportedError(name() + " has no graphs"); }
   virtual void replay(int /*graph*/) { throw UnsupportedError(name() + " has no graphs"); }
+  // Drops every captured graph (their memory may be reused).
+  virtual void reset_graphs() {}
+  // Counts device allocations (buffers and internal scratch growth): a graph captured before
+  // the count changed may point at memory that has since moved, so callers recapture.
+  virtual uint64_t alloc_epoch() const { return 0; }
   // dst = src, same dtype and shape; either may be strided in its outer dimensions.
   virtual void copy(const TensorView& src, TensorView dst) = 0;
 };

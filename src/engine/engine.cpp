@@ -131,6 +131,17 @@ Engine::Engine(Model& model, Backend& backend, const Tokenizer* tokenizer, const
       sched_(sched_config(cfg, model.config()), block_config(cfg)) {
   DS_CHECK(cfg.max_num_batched_tokens >= cfg.max_num_seqs,
            "max_num_batched_tokens must be >= max_num_seqs");
+  // Logits live at one address for the engine's lifetime (captured graphs write there).
+  const int64_t logit_rows = std::max(cfg.max_num_seqs, cfg.graph_max_batch);
+  logits_buf_ =
+      backend.alloc(size_t(std::max<int64_t>(logit_rows, 1)) * size_t(model.config().vocab) * 4);
+  if (backend.supports_graphs() && cfg.graph_max_batch > 0) {
+    DecodeGraphConfig gc;
+    gc.max_batch = cfg.graph_max_batch;
+    const int64_t len = std::min(cfg.graph_max_context, cache_.capacity_tokens());
+    gc.max_blocks_per_seq = int((len + cfg.block_size - 1) / cfg.block_size);
+    graphs_ = std::make_unique<DecodeGraphs>(backend, model, cache_, gc);
+  }
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -312,11 +323,13 @@ void Engine::step() {
   const StepBatch batch = build_step_batch(plan, sched_.block_manager());
   const int vocab = model_.config().vocab;
   const size_t rows = batch.logit_rows.size();
-  if (!logits_buf_ || logits_buf_->size() < rows * size_t(vocab) * 4)
-    logits_buf_ = backend_.alloc(std::max<size_t>(rows, 1) * size_t(vocab) * 4);
-  const ForwardInput in = place_inputs(batch);
+  DS_CHECK(logits_buf_->size() >= rows * size_t(vocab) * 4, "more logit rows than sequences");
   TensorView logits = logits_buf_->view(DType::F32, {int64_t(rows), vocab});
-  model_.forward(in, cache_, logits);
+  const int64_t cap_rows = int64_t(logits_buf_->size() / (size_t(vocab) * 4));
+  if (!graphs_ || !graphs_->run(batch, logits_buf_->view(DType::F32, {cap_rows, vocab}))) {
+    const ForwardInput in = place_inputs(batch);
+    model_.forward(in, cache_, logits);
+  }
 
   std::vector<SampledToken> sampled;
   sampled.reserve(rows);

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/decode_graphs.h"
 #include "engine/output.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
@@ -29,6 +30,11 @@ struct EngineConfig {
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
   DType kv_dtype = DType::F32;
+  // Decode steps of up to this many sequences replay device graphs (CUDA); 0 disables.
+  int graph_max_batch = 64;
+  // Contexts up to this many tokens use graphs (every captured launch is sized for it, so a
+  // larger value costs empty work in each replay); longer ones run eagerly.
+  int64_t graph_max_context = 4096;
 };
 
 struct EngineRequest {
@@ -120,6 +126,7 @@ class Engine {
   std::shared_ptr<RequestHandle> submit(EngineRequest req);
   void cancel(SeqId id);
   EngineStats stats() const;
+  int graphs_captured() const { return graphs_ ? graphs_->captured() : 0; }
   int64_t kv_capacity_tokens() const { return cache_.capacity_tokens(); }
 
  private:
@@ -147,10 +154,11 @@ class Engine {
   KvCache cache_;
   Scheduler sched_;
   std::unordered_map<SeqId, std::unique_ptr<Live>> live_;  // engine thread only
-  std::unique_ptr<Buffer> logits_buf_;
-  std::unique_ptr<Buffer> ids_buf_;   // device-side greedy picks
-  std::unique_ptr<Buffer> meta_buf_;  // step metadata in backend memory (non-CPU backends)
-  std::vector<int32_t> staging_;      // host side of meta_buf_'s upload
+  std::unique_ptr<DecodeGraphs> graphs_;                   // null when the backend has none
+  std::unique_ptr<Buffer> logits_buf_;  // [max_num_seqs (or graph bucket), vocab], fixed
+  std::unique_ptr<Buffer> ids_buf_;     // device-side greedy picks
+  std::unique_ptr<Buffer> meta_buf_;    // step metadata in backend memory (non-CPU backends)
+  std::vector<int32_t> staging_;        // host side of meta_buf_'s upload
   std::vector<float> logits_;
 
   mutable std::mutex mu_;  // guards the inbox, cancels, stats_ and stop_
