@@ -111,8 +111,11 @@ int run_generate(const GenerateOptions& o) {
     while (auto ev = handles[idx]->next()) {
       if (ev->token >= 0) tokens.push_back(ev->token);
       text += ev->text;
-      if (stream) {
+      if (stream && tok) {
         std::fwrite(ev->text.data(), 1, ev->text.size(), stdout);
+        std::fflush(stdout);
+      } else if (stream && ev->token >= 0) {  // no tokenizer: the ids are the output
+        std::printf("%s%d", tokens.size() > 1 ? " " : "", ev->token);
         std::fflush(stdout);
       }
       if (ev->final) fin = std::move(*ev);
@@ -128,7 +131,14 @@ int run_generate(const GenerateOptions& o) {
                               .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
                               .c_str());
     } else {
-      if (!stream) std::printf("%s%s", idx ? "\n---\n" : "", text.c_str());
+      if (!stream) {
+        std::printf("%s", idx ? "\n---\n" : "");
+        if (tok) {
+          std::printf("%s", text.c_str());
+        } else {
+          for (size_t i = 0; i < tokens.size(); ++i) std::printf("%s%d", i ? " " : "", tokens[i]);
+        }
+      }
       std::printf("\n");
       std::fprintf(stderr,
                    "[prompt %d tokens (%d cached), %.1f tok/s | generated %d tokens, %.1f tok/s "
