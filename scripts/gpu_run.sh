@@ -30,7 +30,8 @@ deps_env() {
   local pc=/tmp/deepserve-pc
   mkdir -p "$pc"
   for f in "$deps"/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc; do
-    sed "s|^prefix=/usr|prefix=$deps/usr|" "$f" >"$pc/$(basename "$f")"
+    # Requires.private names static-link deps (brotli, ...) whose .pc files are not there.
+    sed -e "s|^prefix=/usr|prefix=$deps/usr|" -e '/^Requires.private/d' "$f" >"$pc/$(basename "$f")"
   done
   export PKG_CONFIG_PATH=$pc${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
   export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

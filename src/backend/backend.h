@@ -194,6 +194,7 @@ class Backend {
   virtual void rope(TensorView x, const int32_t* positions, const RopeParams& p) = 0;
   // Writes this step's k, v ([num_tokens, kv_heads, head_dim] F32) into the cache slots.
   // For a latent cache (kv.v == nullptr) only k ([num_tokens, 1, R + P]) is written.
+  // A slot of -1 marks a padding token that is not stored.
   virtual void store_kv(const TensorView& k, const TensorView& v, const PagedKv& kv,
                         const AttentionMeta& meta) = 0;
   virtual void attention(const AttentionParams& p, const AttentionMeta& meta) = 0;

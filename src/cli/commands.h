@@ -1,6 +1,7 @@
 // The CLI's subcommands.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,16 @@ struct ServeOptions {
   double drain_timeout_s = 30;
 };
 
+struct BenchOptions {
+  std::string config;  // the workload YAML (docs/BENCH.md)
+  std::string output;  // JSON result file; "" = none (or DIR/bench.json with --plots)
+  std::string url;     // online mode against this server; "" = the YAML's url, else offline
+  std::optional<double> gpu_hour_price;  // USD per GPU-hour, for the cost per token
+  std::string plots;                     // folder for PNG plots; "" = none
+  bool verbose = false;
+  std::string command;  // the command line, recorded in the JSON
+};
+
 struct InspectOptions {
   std::string path;
   bool json = false;
@@ -53,5 +64,6 @@ int run_generate(const GenerateOptions& o);
 int run_chat(const ChatOptions& o);
 int run_inspect(const InspectOptions& o);
 int run_serve(const ServeOptions& o);
+int run_benchmark(const BenchOptions& o);
 
 }  // namespace ds

@@ -1,4 +1,4 @@
-// deepserve command line: generate | chat | serve | inspect.
+// deepserve command line: generate | chat | serve | bench | inspect.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
@@ -21,6 +21,14 @@ void add_model_options(CLI::App* app, ds::ModelOptions& m) {
       ->check(CLI::IsMember({"f32", "q8"}))
       ->capture_default_str();
   app->add_flag("-v,--verbose", m.verbose, "log what is loaded and which kernels run");
+  app->add_option("--device", m.device,
+                  "cpu, cuda or auto (default: cuda when built with CUDA and a GPU is present)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app->add_option("--gpu-memory-utilization", m.gpu_memory_utilization,
+                  "CUDA: fraction of the GPU's free memory to reserve for weights, KV cache and "
+                  "scratch")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
 }
 
 void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
@@ -115,6 +123,20 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
 
+  ds::BenchOptions bench;
+  auto* b = app.add_subcommand("bench", "measure throughput and latency for a workload YAML");
+  b->add_option("--config", bench.config, "workload YAML (see docs/BENCH.md)")->required();
+  b->add_option("-o,--output", bench.output, "write the JSON result here");
+  b->add_option("--url", bench.url,
+                "online mode: an OpenAI-compatible server (http://host:port); default: offline");
+  b->add_option_function<double>(
+      "--gpu-hour-price", [&bench](double v) { bench.gpu_hour_price = v; },
+      "USD per GPU-hour: adds the cost per million output tokens")
+      ->check(CLI::NonNegativeNumber);
+  b->add_option("--plots", bench.plots, "draw PNG plots into this folder (needs matplotlib)");
+  b->add_flag("-v,--verbose", bench.verbose, "log what is loaded and which kernels run");
+  for (int k = 0; k < argc; ++k) bench.command += (k ? " " : "") + std::string(argv[k]);
+
   ds::InspectOptions insp;
   auto* i =
       app.add_subcommand("inspect", "show a model file's architecture, tokenizer and tensors");
@@ -135,6 +157,10 @@ int main(int argc, char** argv) {
     if (sv->parsed()) {
       ds::set_log_level(serve.model.verbose ? ds::LogLevel::Info : ds::LogLevel::Warn);
       return ds::run_serve(serve);
+    }
+    if (b->parsed()) {
+      ds::set_log_level(bench.verbose ? ds::LogLevel::Info : ds::LogLevel::Warn);
+      return ds::run_benchmark(bench);
     }
     if (i->parsed()) return ds::run_inspect(insp);
   } catch (const std::exception& e) {

@@ -1,12 +1,68 @@
 #include "cli/session.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "cli/default_model.h"
 #include "core/error.h"
 #include "core/log.h"
+#ifdef DEEPSERVE_HAVE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace ds {
+namespace {
+
+// Share of the pool left after loading the weights that the automatic KV cache takes; the
+// rest is for activations, logits and kernel scratch, allocated on the first steps.
+constexpr double kKvShareOfFreePool = 0.9;
+
+std::string gib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / double(int64_t(1) << 30));
+  return buf;
+}
+
+DType kv_dtype_for(const std::string& name, DeviceKind device) {
+  if (name.empty()) return device == DeviceKind::CUDA ? DType::BF16 : DType::F32;
+  if (name == "f32") return DType::F32;
+  if (name == "f16") return DType::F16;
+  if (name == "bf16") return DType::BF16;
+  throw Error("KV cache dtype must be f32, f16 or bf16, not '" + name + "'");
+}
+
+// KV capacity when the user gave none: on CUDA what fits in the pool after the weights.
+int64_t auto_kv_tokens(const Session& s, DType kv_dtype, int block_size) {
+  const int64_t cpu_default = std::min<int64_t>(4096, s.loaded.config.max_context);
+#ifdef DEEPSERVE_HAVE_CUDA
+  if (s.backend->device().kind == DeviceKind::CUDA) {
+    const CudaPoolInfo pool = cuda_pool_info(*s.backend);
+    const uint64_t per_token = s.loaded.model->kv_bytes_per_token(kv_dtype);
+    DS_CHECK(per_token > 0, "model reports 0 KV bytes per token");
+    const double budget = double(pool.free_bytes) * kKvShareOfFreePool;
+    // Whole blocks, and slots addressable with 32-bit indices.
+    int64_t tokens = int64_t(budget / double(per_token)) / block_size * block_size;
+    tokens = std::min<int64_t>(tokens, (int64_t(1) << 31) - int64_t(block_size));
+    if (tokens < block_size)
+      throw Error("no GPU memory left for the KV cache: " + gib(double(pool.free_bytes)) +
+                  " of the " + gib(double(pool.capacity_bytes)) +
+                  " pool is free after loading the weights, one block of " +
+                  std::to_string(block_size) + " tokens needs " +
+                  gib(double(per_token) * block_size) +
+                  "; raise --gpu-memory-utilization or use a smaller model");
+    log_info("KV cache sized from GPU memory: " + std::to_string(tokens) + " tokens x " +
+             std::to_string(per_token) + " bytes (" + gib(double(tokens) * double(per_token)) +
+             " of " + gib(double(pool.free_bytes)) + " free in the pool)");
+    return tokens;
+  }
+#else
+  (void)kv_dtype;
+  (void)block_size;
+#endif
+  return cpu_default;
+}
+
+}  // namespace
 
 std::string resolve_model_path(const std::string& model) {
   if (!model.empty()) return model;
@@ -16,23 +72,60 @@ std::string resolve_model_path(const std::string& model) {
   return found->string();
 }
 
-Session open_session(const ModelOptions& m, const EngineOptions& e) {
-  Session s;
+std::unique_ptr<Backend> make_session_backend(const ModelOptions& m) {
   BackendOptions bo;
   bo.threads = m.threads;
   bo.isa = m.isa;
+  bo.gpu_memory_utilization = m.gpu_memory_utilization;
   if (m.precision == "q8")
     bo.precision = ActivationPrecision::Q8;
   else if (m.precision != "f32")
     throw Error("--precision must be f32 or q8, not '" + m.precision + "'");
-  s.backend = make_cpu_backend(bo);
+  const bool auto_device = m.device.empty() || m.device == "auto";
+  if (!auto_device && m.device != "cpu" && m.device != "cuda")
+    throw Error("--device must be cpu, cuda or auto, not '" + m.device + "'");
+#ifdef DEEPSERVE_HAVE_CUDA
+  if (m.device != "cpu") {
+    const int gpus = cuda_device_count();
+    if (gpus > 0) {
+      if (!(m.gpu_memory_utilization > 0.0 && m.gpu_memory_utilization <= 1.0))
+        throw Error("--gpu-memory-utilization must be in (0, 1], not " +
+                    std::to_string(m.gpu_memory_utilization));
+      log_info(std::string("device cuda") + (auto_device ? " (auto: " : " (") +
+               std::to_string(gpus) + " CUDA device(s) found, using 0)");
+      return make_cuda_backend(bo, 0);
+    }
+    if (!auto_device)
+      throw Error(
+          "--device cuda: no CUDA device is visible (check the driver, "
+          "CUDA_VISIBLE_DEVICES, or use --device cpu)");
+    log_info("device cpu (auto: no CUDA device found)");
+  } else {
+    log_info("device cpu");
+  }
+#else
+  if (m.device == "cuda")
+    throw Error(
+        "--device cuda: this deepserve was built without the CUDA backend "
+        "(configure with nvcc on the PATH or -DDEEPSERVE_CUDA=ON)");
+  log_info(auto_device ? "device cpu (auto: built without CUDA)" : "device cpu");
+#endif
+  return make_cpu_backend(bo);
+}
+
+Session open_session(const ModelOptions& m, const EngineOptions& e) {
+  Session s;
+  s.backend = make_session_backend(m);
+  const DeviceKind device = s.backend->device().kind;
+  const DType kv_dtype = kv_dtype_for(e.kv_dtype, device);
   LoadOptions lo;
   lo.threads = std::max(1, m.threads);
   lo.progress = true;
   s.loaded = load_model(resolve_model_path(m.model), *s.backend, lo);
   EngineConfig ec;
-  ec.kv_cache_tokens = e.kv_cache_tokens > 0 ? e.kv_cache_tokens
-                                             : std::min<int64_t>(4096, s.loaded.config.max_context);
+  ec.kv_cache_tokens =
+      e.kv_cache_tokens > 0 ? e.kv_cache_tokens : auto_kv_tokens(s, kv_dtype, e.block_size);
+  ec.kv_dtype = kv_dtype;
   ec.block_size = e.block_size;
   if (e.kv_mode == "static")
     ec.kv_mode = AllocationMode::Static;
@@ -43,7 +136,8 @@ Session open_session(const ModelOptions& m, const EngineOptions& e) {
   ec.max_num_batched_tokens = e.max_num_batched_tokens;
   s.engine = std::make_unique<Engine>(*s.loaded.model, *s.backend, s.loaded.tokenizer.get(), ec);
   log_info("backend " + s.backend->name() + ", KV cache " +
-           std::to_string(s.engine->kv_capacity_tokens()) + " tokens");
+           std::to_string(s.engine->kv_capacity_tokens()) + " tokens (" +
+           std::string(dtype_name(kv_dtype)) + ")");
   return s;
 }
 

@@ -16,26 +16,35 @@ struct ModelOptions {
   std::string isa = "auto";
   std::string precision = "f32";
   bool verbose = false;
+  std::string
+      device;  // "cpu", "cuda", or ""/"auto": cuda when built with CUDA and a GPU is present
+  double gpu_memory_utilization = 0.9;  // CUDA: fraction of free GPU memory the backend reserves
 };
 
 struct EngineOptions {
-  int64_t kv_cache_tokens = 0;  // 0 = min(4096, model context)
+  // 0 = min(4096, model context) on the CPU; on CUDA what fits in 90% of the memory pool left
+  // after loading the weights (the rest stays for activations and scratch).
+  int64_t kv_cache_tokens = 0;
   int block_size = 16;
   std::string kv_mode = "dynamic";
   bool prefix_cache = true;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
+  std::string kv_dtype;  // "f32", "f16", "bf16"; "" = f32 on the CPU, bf16 on CUDA
 };
 
 struct Session {
-  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Backend> backend;  // destroyed last: the model and engine hold its memory
   LoadedModel loaded;
   std::unique_ptr<Engine> engine;
 };
 
-// Resolves the model path (default model when empty), loads it with a progress bar and
-// starts an engine over it.
+// Resolves the model path (default model when empty), picks the device, loads the model with
+// a progress bar and starts an engine over it.
 Session open_session(const ModelOptions& m, const EngineOptions& e);
+// The backend --device and --gpu-memory-utilization (and the CPU options) ask for; throws a
+// clear error for cuda without a GPU or in a build without CUDA. Logs the choice.
+std::unique_ptr<Backend> make_session_backend(const ModelOptions& m);
 std::string resolve_model_path(const std::string& model);
 
 }  // namespace ds

@@ -96,7 +96,7 @@ void DecodeGraphs::fill(Bucket& k, int B, const StepBatch* b) {
 }
 
 bool DecodeGraphs::run(const StepBatch& b, const TensorView& logits) {
-  if (!be_.supports_graphs() || !eligible(b)) return false;
+  if (disabled_ || !be_.supports_graphs() || !eligible(b)) return false;
   if (b.max_blocks_per_seq > cfg_.max_blocks_per_seq) return false;
   const int n = b.num_seqs(), B = bucket_for(n);
   if (B == 0 || logits.shape[0] < B) return false;
@@ -115,14 +115,22 @@ bool DecodeGraphs::run(const StepBatch& b, const TensorView& logits) {
   fill(k, B, &b);
   auto g = graphs_.find(B);
   if (g == graphs_.end()) {
+    int id = -1;
     be_.begin_capture();
     try {
       model_.forward(k.input, cache_, out);
-    } catch (...) {
-      be_.end_capture();
-      throw;
+      id = be_.end_capture();
+    } catch (const std::exception& e) {
+      try {
+        be_.end_capture();
+      } catch (...) {
+      }
+      log_warn(std::string("decode graph capture failed, running eagerly from now on: ") +
+               e.what());
+      disabled_ = true;
+      model_.forward(k.input, cache_, out);
+      return true;
     }
-    const int id = be_.end_capture();
     if (be_.alloc_epoch() != epoch_) {  // the capture itself allocated: not replayable
       be_.reset_graphs();
       graphs_.clear();

@@ -46,6 +46,7 @@ class DecodeGraphs {
   std::map<int, Bucket> buckets_;
   std::map<int, int> graphs_;  // bucket -> graph id
   uint64_t epoch_ = 0;         // backend alloc_epoch() the graphs were captured at
+  bool disabled_ = false;      // a capture failed: eager from then on
 };
 
 }  // namespace ds

@@ -91,6 +91,16 @@ TensorView WeightBinder::table(const std::string& name, int64_t rows, int64_t co
   return place(t);
 }
 
+TensorView WeightBinder::linear_f32(const std::string& name, int64_t rows, int64_t cols) {
+  const TensorView t = w_.get(name);
+  check_shape(t, rows, cols, name);
+  if (!t.is_contiguous()) throw Error("tensor '" + name + "' is not contiguous");
+  std::vector<float> host(static_cast<size_t>(rows * cols));
+  for (int64_t i = 0; i < rows * cols; ++i) host[size_t(i)] = host_element(t, i);
+  bytes_ += t.nbytes();
+  return upload(host.data(), DType::F32, {rows, cols});
+}
+
 TensorView WeightBinder::norm(const std::string& name, int64_t n) {
   const TensorView t = w_.get(name);
   if (t.ndim != 1 || t.shape[0] != n)

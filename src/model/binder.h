@@ -32,6 +32,9 @@ class WeightBinder {
   TensorView checked(const std::string& name, int64_t rows, int64_t cols, Op op = Op::MatMul);
   // An embedding table [rows, cols] the backend can embed from.
   TensorView table(const std::string& name, int64_t rows, int64_t cols);
+  // A [rows, cols] weight converted to F32 in backend memory (small weights whose products
+  // must not see 16-bit activations on a GPU, such as the MoE router).
+  TensorView linear_f32(const std::string& name, int64_t rows, int64_t cols);
   // A norm weight [n] as F32 in backend memory (checkpoints store F32, F16 or BF16).
   TensorView norm(const std::string& name, int64_t n);
   // One weight in backend memory whose rows are the (host) parts' rows in order (one matmul

@@ -95,7 +95,9 @@ class DeepseekV2 final : public Model {
       L.moe = cfg.is_moe_layer(l);
       if (L.moe) {
         L.moe_index = num_moe_layers_++;
-        L.router = b.linear(p + "mlp.gate.weight", cfg.moe_experts, hidden);
+        // F32 like the reference's gate (F.linear on float32 copies): on a GPU the router's
+        // choices must not depend on BF16 rounding of the activations.
+        L.router = b.linear_f32(p + "mlp.gate.weight", cfg.moe_experts, hidden);
         for (int e = 0; e < cfg.moe_experts; ++e) {
           const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
           ExpertWeights ew;

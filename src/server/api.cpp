@@ -243,6 +243,7 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
     if (!parsed) bad("priority", "'priority' must be latency-critical, standard or batch");
     priority = *parsed;
   }
+  const bool ignore_eos = boolean(body, "ignore_eos", false);  // an extension, as in vLLM
   std::vector<std::string> stop = stop_strings(body);
   if (chat)
     for (const auto& s : lim.chat_stops) stop.push_back(s);
@@ -271,6 +272,7 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
       if (sp.seed) er.sampling.seed = *sp.seed + uint64_t(i);  // n choices must differ
       er.stop = stop;
       er.priority = priority;
+      er.ignore_eos = ignore_eos;
       er.logprobs = r.logprobs;
       r.engine.push_back(std::move(er));
     }

@@ -51,7 +51,47 @@ nlohmann::json histogram_json(const Histogram& h) {
           {"buckets", buckets}};
 }
 
+// Routed tokens per expert and per layer: nothing for dense models.
+void moe_prometheus(std::string& out, const std::string& m, const std::vector<ExpertLoad>& load) {
+  if (load.empty()) return;
+  header(out, "deepserve:moe_expert_tokens", "counter", "Tokens routed to each MoE expert.");
+  for (const auto& l : load)
+    for (size_t e = 0; e < l.tokens.size(); ++e)
+      sample(out, "deepserve:moe_expert_tokens_total",
+             m + ",layer=\"" + std::to_string(l.layer) + "\",expert=\"" + std::to_string(e) + "\"",
+             double(l.tokens[e]));
+  header(out, "deepserve:moe_expert_utilization_variance", "gauge",
+         "Variance over a layer's experts of their share of its routed tokens.");
+  for (const auto& l : load)
+    sample(out, "deepserve:moe_expert_utilization_variance",
+           m + ",layer=\"" + std::to_string(l.layer) + "\"", expert_utilization_variance(l.tokens));
+}
+
+nlohmann::json moe_json(const std::vector<ExpertLoad>& load) {
+  nlohmann::json layers = nlohmann::json::array();
+  double sum = 0;
+  for (const auto& l : load) {
+    const double v = expert_utilization_variance(l.tokens);
+    sum += v;
+    layers.push_back({{"layer", l.layer}, {"tokens", l.tokens}, {"utilization_variance", v}});
+  }
+  return {{"layers", layers}, {"mean_utilization_variance", sum / double(load.size())}};
+}
+
 }  // namespace
+
+double expert_utilization_variance(const std::vector<int64_t>& tokens) {
+  double total = 0;
+  for (int64_t t : tokens) total += double(t);
+  if (tokens.empty() || total <= 0) return 0;
+  const double mean = 1.0 / double(tokens.size());  // the shares sum to 1
+  double var = 0;
+  for (int64_t t : tokens) {
+    const double d = double(t) / total - mean;
+    var += d * d;
+  }
+  return var / double(tokens.size());
+}
 
 Histogram::Histogram(std::vector<double> bounds)
     : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
@@ -74,11 +114,6 @@ ServerMetrics::ServerMetrics(std::string model_name)
   window_head_s_ = int64_t(start_s_);
 }
 
-void ServerMetrics::request_started() {
-  std::lock_guard<std::mutex> lock(mu_);
-  ++waiting_;
-}
-
 void ServerMetrics::advance_window_locked(int64_t now_s) const {
   // Slots for seconds that passed without tokens are cleared as the head moves forward.
   const int64_t steps = std::min<int64_t>(now_s - window_head_s_, kWindowS);
@@ -86,24 +121,16 @@ void ServerMetrics::advance_window_locked(int64_t now_s) const {
   window_head_s_ = std::max(window_head_s_, now_s);
 }
 
-void ServerMetrics::token(Priority priority, bool first, double gap_s) {
+void ServerMetrics::token(Priority priority, double gap_s) {
   std::lock_guard<std::mutex> lock(mu_);
   if (gap_s >= 0) per_priority_[size_t(priority)].itl.observe(gap_s);
   const int64_t now = int64_t(wall_s());
   advance_window_locked(now);
   ++window_[size_t(now % kWindowS)];
-  if (first) {
-    --waiting_;
-    ++running_;
-  }
 }
 
-void ServerMetrics::request_finished(const RequestRecord& r, bool had_token) {
+void ServerMetrics::request_finished(const RequestRecord& r) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (had_token)
-    --running_;
-  else
-    --waiting_;
   prompt_tokens_ += r.prompt_tokens;
   generation_tokens_ += r.completion_tokens;
   ++requests_[r.finish_reason];
@@ -147,9 +174,9 @@ std::string ServerMetrics::prometheus(const EngineStats& st) const {
     double v;
   };
   const Gauge gauges[] = {
-      {"deepserve:num_requests_running", "Requests generating tokens.", double(running_)},
-      {"deepserve:num_requests_waiting", "Requests waiting for their first token.",
-       double(waiting_)},
+      {"deepserve:num_requests_running", "Requests the scheduler is running.", double(st.running)},
+      {"deepserve:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).",
+       double(st.waiting)},
       {"deepserve:kv_cache_usage", "Fraction of KV blocks in use (0..1).", st.kv.usage},
       {"deepserve:kv_fragmentation", "Reserved but unused KV slots over reserved slots.",
        st.kv.fragmentation},
@@ -162,6 +189,8 @@ std::string ServerMetrics::prometheus(const EngineStats& st) const {
     header(out, g.name, "gauge", g.help);
     sample(out, g.name, m, g.v);
   }
+
+  moe_prometheus(out, m, st.expert_load);
 
   struct Hist {
     const char* name;
@@ -208,18 +237,20 @@ nlohmann::json ServerMetrics::json(const EngineStats& st) const {
         {"e2e_request_latency_seconds", histogram_json(pp.e2e)},
         {"queue_time_seconds", histogram_json(pp.queue)}};
   }
-  return {{"model", model_},
-          {"prompt_tokens_total", prompt_tokens_},
-          {"generation_tokens_total", generation_tokens_},
-          {"requests_total", reqs},
-          {"num_requests_running", running_},
-          {"num_requests_waiting", waiting_},
-          {"kv_cache_usage", st.kv.usage},
-          {"kv_fragmentation", st.kv.fragmentation},
-          {"prefix_cache_hit_rate", st.kv.prefix_hit_rate},
-          {"preemptions_total", st.preemptions},
-          {"tokens_per_second_1m_avg", tokens_per_second_locked()},
-          {"latency", lat}};
+  nlohmann::json j = {{"model", model_},
+                      {"prompt_tokens_total", prompt_tokens_},
+                      {"generation_tokens_total", generation_tokens_},
+                      {"requests_total", reqs},
+                      {"num_requests_running", st.running},
+                      {"num_requests_waiting", st.waiting},
+                      {"kv_cache_usage", st.kv.usage},
+                      {"kv_fragmentation", st.kv.fragmentation},
+                      {"prefix_cache_hit_rate", st.kv.prefix_hit_rate},
+                      {"preemptions_total", st.preemptions},
+                      {"tokens_per_second_1m_avg", tokens_per_second_locked()},
+                      {"latency", lat}};
+  if (!st.expert_load.empty()) j["moe"] = moe_json(st.expert_load);
+  return j;
 }
 
 }  // namespace ds

@@ -1,5 +1,6 @@
 // Server-side metric bookkeeping: counters, latency histograms per priority, a one-minute
-// token-rate average, rendered as Prometheus text or JSON. Thread-safe.
+// token-rate average, rendered as Prometheus text or JSON together with the engine's own
+// figures (scheduler queues, KV cache, MoE expert load). Thread-safe.
 #pragma once
 
 #include <array>
@@ -31,6 +32,10 @@ class Histogram {
   double sum_ = 0;
 };
 
+// Variance over experts of each one's share of the routed tokens (tokens_e / sum): 0 for a
+// perfectly even load, and when nothing was routed yet.
+double expert_utilization_variance(const std::vector<int64_t>& tokens);
+
 // What a finished request reports.
 struct RequestRecord {
   Priority priority = Priority::Standard;
@@ -44,11 +49,10 @@ class ServerMetrics {
  public:
   explicit ServerMetrics(std::string model_name);
 
-  void request_started();  // submitted to the engine
-  // One generated token arrived; the first of a request moves it from waiting to running.
-  // gap_s: engine time since the request's previous token (< 0 for the first).
-  void token(Priority priority, bool first, double gap_s);
-  void request_finished(const RequestRecord& r, bool had_token);
+  // One generated token arrived. gap_s: engine time since the request's previous token (< 0
+  // for the first).
+  void token(Priority priority, double gap_s);
+  void request_finished(const RequestRecord& r);
 
   std::string prometheus(const EngineStats& st) const;
   nlohmann::json json(const EngineStats& st) const;
@@ -69,8 +73,6 @@ class ServerMetrics {
   int64_t prompt_tokens_ = 0;
   int64_t generation_tokens_ = 0;
   std::map<std::string, int64_t> requests_;  // by finish reason
-  int64_t running_ = 0;                      // started, first token seen, not finished
-  int64_t waiting_ = 0;                      // started, no token yet
   std::array<PerPriority, kPriorities> per_priority_;
   // Tokens per wall-clock second over the last minute: a ring indexed by second.
   mutable std::array<int64_t, kWindowS> window_{};

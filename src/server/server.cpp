@@ -2,6 +2,7 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <random>
@@ -39,6 +40,18 @@ int64_t unix_now() {
 bool starts_with(const std::string& s, const char* prefix) {
   return s.rfind(prefix, 0) == 0;
 }
+
+double mono_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Non-streaming requests that finish within this are answered directly, with a Content-Length
+// and the status their outcome calls for; longer ones go out as a chunked body.
+constexpr double kDirectWaitS = 0.5;
+// How often a response checks that its client is still connected while it waits.
+constexpr double kPollS = 0.2;
+// With several choices open, how long to wait on one before looking at the others again.
+constexpr double kSliceS = 0.02;
 
 // One generated token's log-probabilities, kept until the text it stands for is returned.
 struct TokenLp {
@@ -100,7 +113,6 @@ struct ApiServer::Job {
   struct Sub {
     std::shared_ptr<RequestHandle> handle;
     Priority priority = Priority::Standard;
-    bool had_token = false;
     double last_token_s = -1;  // engine time of the previous token
     bool finished = false;
     std::string text;
@@ -114,24 +126,24 @@ struct ApiServer::Job {
   std::vector<Sub> subs;
   std::string id;
   int64_t created = 0;
+  size_t cursor = 0;  // next_any's round-robin position
 
   ~Job() {
     abandon();
     srv->job_done();
   }
 
-  // The next event of choice `i` (nullopt after its final one), with metrics recorded.
-  std::optional<EngineEvent> next(size_t i) {
+  // The next event of choice `i` (nullopt after its final one, or when `timeout_s` >= 0 passed
+  // without one), with metrics recorded.
+  std::optional<EngineEvent> next(size_t i, double timeout_s = -1) {
     Sub& s = subs[i];
     if (s.finished) return std::nullopt;
-    auto ev = s.handle->next();
+    auto ev = timeout_s < 0 ? s.handle->next() : s.handle->next_for(timeout_s);
     if (!ev) return ev;
     if (ev->token >= 0) {
       // Gaps come from the engine's timestamps, not from when this reader got the event.
-      srv->metrics_.token(s.priority, !s.had_token,
-                          s.last_token_s >= 0 ? ev->time_s - s.last_token_s : -1.0);
+      srv->metrics_.token(s.priority, s.last_token_s >= 0 ? ev->time_s - s.last_token_s : -1.0);
       s.last_token_s = ev->time_s;
-      s.had_token = true;
       if (req.logprobs >= 0) {
         const size_t begin = s.lps.empty() ? 0 : s.lps.back().end;
         const size_t len = token_text(srv->limits_.tokenizer, ev->token).size();
@@ -143,8 +155,7 @@ struct ApiServer::Job {
       s.finished = true;
       s.fin = *ev;
       srv->metrics_.request_finished({s.priority, ev->finish_reason, ev->usage.prompt_tokens,
-                                      ev->usage.completion_tokens, ev->timings},
-                                     s.had_token);
+                                      ev->usage.completion_tokens, ev->timings});
       std::lock_guard<std::mutex> lock(srv->mu_);
       srv->live_.erase(s.handle->id());
     }
@@ -169,6 +180,74 @@ struct ApiServer::Job {
     Json j = logprobs(i, subs[i].lps_sent);
     subs[i].lps_sent += (req.chat ? j["content"] : j["tokens"]).size();
     return j;
+  }
+
+  bool all_finished() const {
+    return std::all_of(subs.begin(), subs.end(), [](const Sub& s) { return s.finished; });
+  }
+
+  // The next event of any open choice, taking the choices in turn so that their events
+  // interleave as the engine generates them; nullopt when `timeout_s` passes without one or
+  // all are finished.
+  std::optional<std::pair<size_t, EngineEvent>> next_any(double timeout_s) {
+    const double until = mono_s() + timeout_s;
+    for (;;) {
+      size_t open = 0, wait_on = 0;
+      for (size_t k = 0; k < subs.size(); ++k) {
+        const size_t i = (cursor + k) % subs.size();
+        if (subs[i].finished) continue;
+        if (open++ == 0) wait_on = i;
+        if (auto ev = next(i, 0)) {
+          cursor = i + 1;
+          return std::pair{i, std::move(*ev)};
+        }
+      }
+      const double left = until - mono_s();
+      if (open == 0 || left <= 0) return std::nullopt;
+      // One choice open: wait on it; several: wait briefly on one, then look at all again.
+      if (auto ev = next(wait_on, open == 1 ? left : std::min(left, kSliceS))) {
+        cursor = wait_on + 1;
+        return std::pair{wait_on, std::move(*ev)};
+      }
+    }
+  }
+
+  // Reads events until every choice has finished or `timeout_s` passed; true if all finished.
+  bool collect(double timeout_s) {
+    const double until = mono_s() + timeout_s;
+    while (!all_finished()) {
+      const double left = until - mono_s();
+      if (left <= 0) return false;
+      next_any(left);
+    }
+    return true;
+  }
+
+  // The non-streaming answer once all choices have finished: {status, body}.
+  std::pair<int, Json> response() const {
+    Json choices = Json::array();
+    for (size_t i = 0; i < subs.size(); ++i) {
+      const auto& s = subs[i];
+      if (s.fin.finish_reason == "rejected") {
+        const ApiError e(400, s.fin.error, "", "rejected");
+        return {e.status, error_body(e)};
+      }
+      Json c = {{"index", i},
+                {"logprobs", req.logprobs >= 0 ? logprobs(i, 0) : Json()},
+                {"finish_reason", s.fin.finish_reason}};
+      if (req.chat)
+        c["message"] = {{"role", "assistant"}, {"content", s.text}};
+      else
+        c["text"] = s.text;
+      choices.push_back(c);
+    }
+    return {200,
+            {{"id", id},
+             {"object", req.chat ? "chat.completion" : "text_completion"},
+             {"created", created},
+             {"model", srv->cfg_.model_name},
+             {"choices", choices},
+             {"usage", usage()}}};
   }
 
   void finish_all() {
@@ -283,7 +362,6 @@ std::shared_ptr<ApiServer::Job> ApiServer::start_job(ApiRequest req) {
   for (auto& er : req.engine) {
     Job::Sub s;
     s.priority = er.priority;
-    metrics_.request_started();
     s.handle = engine_.submit(std::move(er));
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -308,27 +386,27 @@ void ApiServer::completions(bool chat, const std::string& body, void* res_ptr) {
   std::shared_ptr<Job> job = start_job(parse_api_request(j, chat, limits_));
 
   if (!job->req.stream) {
-    job->finish_all();
-    Json choices = Json::array();
-    for (size_t i = 0; i < job->subs.size(); ++i) {
-      const auto& s = job->subs[i];
-      if (s.fin.finish_reason == "rejected") throw ApiError(400, s.fin.error, "", "rejected");
-      Json c = {{"index", i},
-                {"logprobs", job->req.logprobs >= 0 ? job->logprobs(i, 0) : Json()},
-                {"finish_reason", s.fin.finish_reason}};
-      if (chat)
-        c["message"] = {{"role", "assistant"}, {"content", s.text}};
-      else
-        c["text"] = s.text;
-      choices.push_back(c);
+    if (job->collect(kDirectWaitS)) {
+      const auto [status, out] = job->response();
+      send_json(res, status, out);
+      return;
     }
-    send_json(res, 200,
-              {{"id", job->id},
-               {"object", chat ? "chat.completion" : "text_completion"},
-               {"created", job->created},
-               {"model", cfg_.model_name},
-               {"choices", choices},
-               {"usage", job->usage()}});
+    // httplib says that a client hung up only to a content provider (sink.is_writable), so a
+    // longer request waits inside one; returning false there drops the job, which cancels it.
+    // The status line goes out first: a late failure can only be reported in the body.
+    res.set_chunked_content_provider("application/json", [job](size_t, httplib::DataSink& sink) {
+      double next_check = 0;
+      while (!job->all_finished()) {
+        job->next_any(kPollS);
+        if (mono_s() < next_check) continue;
+        if (!sink.is_writable()) return false;
+        next_check = mono_s() + kPollS;
+      }
+      const std::string body = dump(job->response().second);
+      if (!sink.write(body.data(), body.size())) return false;
+      sink.done();
+      return true;
+    });
     return;
   }
 
@@ -338,20 +416,27 @@ void ApiServer::completions(bool chat, const std::string& body, void* res_ptr) {
       const std::string s = "data: " + dump(ev) + "\n\n";
       return sink.write(s.data(), s.size());
     };
-    for (size_t i = 0; i < job->subs.size(); ++i) {
-      if (job->req.chat && !send(job->chunk(i, nullptr, nullptr, true))) return false;
-      while (auto ev = job->next(i)) {
-        bool ok = true;
-        if (ev->final && ev->finish_reason == "rejected") {
-          ok = send(error_body(ApiError(400, ev->error, "", "rejected")));
-        } else if (ev->final) {
-          ok = send(job->chunk(i, ev->text.empty() ? nullptr : &ev->text, &ev->finish_reason, false,
-                               job->take_logprobs(i)));
-        } else if (!ev->text.empty()) {
-          ok = send(job->chunk(i, &ev->text, nullptr, false, job->take_logprobs(i)));
-        }
-        if (!ok) return false;  // the client is gone: ~Job cancels the rest
+    if (job->req.chat)
+      for (size_t i = 0; i < job->subs.size(); ++i)
+        if (!send(job->chunk(i, nullptr, nullptr, true))) return false;
+    while (!job->all_finished()) {
+      auto got = job->next_any(kPollS);
+      if (!got) {
+        // Nothing new (queued, or a long prefill): a write would notice a hang-up, so look.
+        if (!sink.is_writable()) return false;
+        continue;
       }
+      auto& [i, ev] = *got;
+      bool ok = true;
+      if (ev.final && ev.finish_reason == "rejected") {
+        ok = send(error_body(ApiError(400, ev.error, "", "rejected")));
+      } else if (ev.final) {
+        ok = send(job->chunk(i, ev.text.empty() ? nullptr : &ev.text, &ev.finish_reason, false,
+                             job->take_logprobs(i)));
+      } else if (!ev.text.empty()) {
+        ok = send(job->chunk(i, &ev.text, nullptr, false, job->take_logprobs(i)));
+      }
+      if (!ok) return false;  // the client is gone: ~Job cancels the rest
     }
     if (job->req.include_usage) {
       Json u = {{"id", job->id},
@@ -398,7 +483,6 @@ void ApiServer::routes() {
         send_error(res, ApiError(res.status, msg));
         return httplib::Server::HandlerResponse::Handled;
       }));
-  ;
   h.set_exception_handler(
       [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
         try {
@@ -419,14 +503,23 @@ void ApiServer::routes() {
   h.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
     completions(true, req.body, &res);
   });
-  h.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-    send_json(res, 200,
-              {{"object", "list"},
-               {"data", Json::array({{{"id", cfg_.model_name},
-                                      {"object", "model"},
-                                      {"created", created_},
-                                      {"owned_by", "deepserve"},
-                                      {"max_model_len", limits_.context}}})}});
+  auto model_card = [this] {
+    return Json{{"id", cfg_.model_name},
+                {"object", "model"},
+                {"created", created_},
+                {"owned_by", "deepserve"},
+                {"max_model_len", limits_.context}};
+  };
+  h.Get("/v1/models", [model_card](const httplib::Request&, httplib::Response& res) {
+    send_json(res, 200, {{"object", "list"}, {"data", Json::array({model_card()})}});
+  });
+  // Ids may hold slashes ("org/name"); httplib matches the decoded path.
+  h.Get(R"(/v1/models/(.+))", [this, model_card](const httplib::Request& req,
+                                                 httplib::Response& res) {
+    const std::string id = req.matches[1];
+    if (id != cfg_.model_name)
+      throw ApiError(404, "the model '" + id + "' does not exist", "model", "model_not_found");
+    send_json(res, 200, model_card());
   });
   h.Get("/health", [](const httplib::Request&, httplib::Response& res) {
     send_json(res, 200, {{"status", "ok"}});

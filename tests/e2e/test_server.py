@@ -82,6 +82,17 @@ def test_models_health_ready(server, model):
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
 
 
+def test_model_by_id(server, model, client):
+    m = client.models.retrieve(model)
+    assert m.id == model and m.object == "model" and m.owned_by == "deepserve"
+    r = requests.get(server + "/v1/models/gpt-7", headers=AUTH, timeout=10)
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/gpt-7")
+    assert requests.get(server + f"/v1/models/{model}", timeout=10).status_code == 401
+
+
 def test_completion_stream_matches_non_stream(client, model):
     prompt = "The quick brown fox"
     full = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
@@ -127,6 +138,21 @@ def test_n_choices_and_prompt_forms(client, model):
                                       presence_penalty=0.5, frequency_penalty=0.5, top_p=0.9,
                                       extra_body={"priority": "batch"})
         assert len(r.choices) == count
+
+
+def test_n_streaming_interleaves_choices(client, model):
+    chunks = list(client.completions.create(model=model, prompt="Once upon a time",
+                                            max_tokens=12, n=3, seed=5, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    indices = [ch.choices[0].index for ch in chunks if ch.choices[0].text]
+    assert set(indices) == {0, 1, 2}
+    # Generated side by side, so sent side by side: not all of 0, then 1, then 2.
+    assert any(b < a for a, b in zip(indices, indices[1:])), indices
+    finals = {ch.choices[0].index: i for i, ch in enumerate(chunks)
+              if ch.choices[0].finish_reason}
+    assert sorted(finals) == [0, 1, 2]
+    first_of_2 = next(i for i, ch in enumerate(chunks) if ch.choices[0].index == 2)
+    assert first_of_2 < finals[0], indices
 
 
 def test_stop_strings(client, model):
@@ -272,8 +298,10 @@ def test_metrics_parse(server, model):
         if name != "inter_token_latency_seconds":
             assert counts["latency-critical"] >= 1
     assert fams["deepserve:tokens_per_second_1m_avg"].samples[0].value > 0
+    assert not [n for n in fams if n.startswith("deepserve:moe")]  # a dense model
     j = requests.get(server + f"/api/v1/metrics?model={model}", headers=AUTH, timeout=10).json()
     assert j["tokens_per_second_1m_avg"] > 0 and j["generation_tokens_total"] > 0
+    assert "moe" not in j
     r = requests.get(server + "/api/v1/metrics?model=other", headers=AUTH, timeout=10)
     assert r.status_code == 404
 
@@ -332,6 +360,65 @@ def test_load_with_disconnects(server, model):
     assert reqs["stop"] + reqs["length"] >= 150
     assert delta("prompt_tokens_total") >= sum(u["prompt_tokens"] for u in plain)
     assert delta("generation_tokens_total") >= sum(u["completion_tokens"] for u in plain)
+    assert_alive(server, model)
+
+
+def test_long_non_stream_response_is_json(server, client, model):
+    # Long enough to be sent as a chunked body rather than answered at once.
+    body = {"model": model, "prompt": "Tell me a story", "max_tokens": 40, "ignore_eos": True}
+    t = time.time()
+    r = post(server, "/v1/completions", body)
+    took = time.time() - t
+    assert r.status_code == 200 and r.headers["Content-Type"] == "application/json"
+    if took > 1.0:
+        assert r.headers.get("Transfer-Encoding") == "chunked"
+    assert r.json()["usage"]["completion_tokens"] == 40
+    c = client.chat.completions.create(model=model, max_tokens=24, n=2,
+                                       messages=[{"role": "user", "content": "A story, please"}],
+                                       extra_body={"ignore_eos": True})
+    assert [ch.index for ch in c.choices] == [0, 1]
+    assert all(ch.message.content for ch in c.choices)
+
+
+def raw_request(server, path, body):
+    """Sends a request on a bare socket (nothing read back) and returns the socket."""
+    host, port = server.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nAccept-Encoding: gzip, deflate\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def test_non_stream_disconnect_cancels(server, model):
+    before = api_metrics(server)
+    max_tokens = 3000
+    sock = raw_request(server, "/v1/completions", {"model": model, "prompt": "Tell me a story",
+                                                   "max_tokens": max_tokens, "ignore_eos": True})
+    try:
+        deadline = time.time() + 20
+        while True:  # generating (the scheduler runs it and it holds KV blocks)
+            m = api_metrics(server)
+            if m["num_requests_running"] == 1 and m["kv_cache_usage"] > 0:
+                break
+            assert time.time() < deadline, m
+            time.sleep(0.05)
+        time.sleep(1.0)  # past the time in which a request is answered directly
+    finally:
+        sock.close()
+    closed = time.time()
+    while True:
+        after = api_metrics(server)
+        cancelled = after["requests_total"]["cancelled"] - before["requests_total"]["cancelled"]
+        if cancelled == 1 and after["kv_cache_usage"] == 0:
+            break
+        assert time.time() - closed < 5, after
+        time.sleep(0.05)
+    assert after["num_requests_running"] == 0 and after["num_requests_waiting"] == 0
+    generated = after["generation_tokens_total"] - before["generation_tokens_total"]
+    assert 0 < generated < max_tokens // 2
+    assert after["requests_total"]["length"] == before["requests_total"]["length"]
     assert_alive(server, model)
 
 

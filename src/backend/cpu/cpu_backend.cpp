@@ -182,6 +182,7 @@ class CpuBackend final : public Backend {
     }
     for (int t = 0; t < meta.num_tokens; ++t) {
       const int64_t slot = meta.slot_mapping[t];
+      if (slot == -1) continue;  // a padding token
       DS_CHECK(slot >= 0 && slot < capacity, "KV slot out of range");
       for (const auto& [src, dst] : {std::pair{&k, kv.k}, std::pair{&v, kv.v}}) {
         if (dst == nullptr) continue;

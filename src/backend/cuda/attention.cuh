@@ -13,4 +13,12 @@ void paged_attention(const Context& ctx, const AttentionParams& p, const Attenti
 // Semantics of Backend::mla_attention (backend.h).
 void mla_attention(const Context& ctx, const MlaAttentionParams& p, const AttentionMeta& meta);
 
+// Which kernel family runs: Auto picks the fastest that supports the shape; tests pin one.
+// Simt: F32 arithmetic, every shape. TensorCore: mma.sync with split-BF16 operands (MLA).
+enum class AttentionPath { Auto, Simt, TensorCore };
+void paged_attention_on(const Context& ctx, const AttentionParams& p, const AttentionMeta& meta,
+                        AttentionPath path);
+void mla_attention_on(const Context& ctx, const MlaAttentionParams& p, const AttentionMeta& meta,
+                      AttentionPath path);
+
 }  // namespace ds::cuda

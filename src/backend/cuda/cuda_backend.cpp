@@ -1,111 +1,411 @@
-// The CUDA backend: device memory, one stream per backend, host<->device copies.
-// Model ops arrive with the CUDA issue; until then supports() says no for them, so a model
-// refuses to load on this backend with a clear error instead of running a wrong path.
+// The CUDA backend: a device memory pool, one stream, cuBLAS GEMMs and the per-op kernels.
+// Ops only enqueue work (no synchronous calls, no cudaMalloc), so a decode step can be
+// captured in a CUDA graph; bad inputs found on the device are reported at synchronize().
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "backend/backend.h"
+#include "backend/cuda/argmax.cuh"
+#include "backend/cuda/attention.cuh"
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/context.cuh"
+#include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/elementwise.cuh"
+#include "backend/cuda/embed.cuh"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/kv_store.cuh"
+#include "backend/cuda/memory_pool.h"
+#include "backend/cuda/moe.cuh"
+#include "backend/cuda/norm.cuh"
+#include "backend/cuda/rope.cuh"
 #include "core/error.h"
+#include "core/log.h"
 
 namespace ds {
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
+using cuda::check_cuda;
+
+constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;  // cuBLAS's advice for Hopper
+constexpr size_t kMiB = size_t(1) << 20;
+
+std::string gib(size_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", double(bytes) / double(size_t(1) << 30));
+  return buf;
 }
 
-class DeviceBuffer final : public Buffer {
+// A range of the pool, returned to it on destruction. Holds the pool alive, so buffers may
+// outlive the backend.
+class PoolBuffer final : public Buffer {
  public:
-  DeviceBuffer(size_t bytes, int device) : size_(bytes), device_(device) {
-    check(cudaMalloc(&data_, std::max<size_t>(bytes, 1)), "cudaMalloc");
-  }
-  ~DeviceBuffer() override { cudaFree(data_); }
+  PoolBuffer(std::shared_ptr<cuda::DevicePool> pool, size_t bytes, int device)
+      : pool_(std::move(pool)), data_(pool_->allocate(bytes)), size_(bytes), device_(device) {}
+  ~PoolBuffer() override { pool_->release(data_); }
   void* data() override { return data_; }
   size_t size() const override { return size_; }
   Device device() const override { return {DeviceKind::CUDA, device_}; }
 
  private:
-  void* data_ = nullptr;
+  std::shared_ptr<cuda::DevicePool> pool_;
+  void* data_;
   size_t size_;
   int device_;
 };
 
+bool plain_float(DType t) {
+  return t == DType::F32 || t == DType::F16 || t == DType::BF16;
+}
+
+// A byte stride in elements of t.
+int64_t elements(int64_t bytes, DType t, const char* what) {
+  const int64_t es = dtype_info(t).type_size;
+  DS_CHECK(bytes % es == 0, std::string(what) + ": stride not a whole number of elements");
+  return bytes / es;
+}
+
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device) : device_(device) {
-    check(cudaSetDevice(device), "cudaSetDevice");
-    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  CudaBackend(const BackendOptions& o, int device) : device_(device) {
+    DS_CHECK(o.gpu_memory_utilization > 0.0 && o.gpu_memory_utilization <= 1.0,
+             "--gpu-memory-utilization must be in (0, 1]");
+    check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     cudaDeviceProp prop{};
-    check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
-    name_ = std::string("cuda:") + std::to_string(device) + " (" + prop.name + ")";
+    check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    size_t free = 0, total = 0;
+    check_cuda(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+    const size_t pool_bytes =
+        size_t(double(free) * o.gpu_memory_utilization) / (2 * kMiB) * 2 * kMiB;
+    pool_ = std::make_shared<cuda::DevicePool>(pool_bytes, o.gpu_memory_utilization);
+    name_ = "cuda:" + std::to_string(device) + " (" + prop.name + ", pool " +
+            gib(pool_->info().capacity_bytes) + " of " + gib(free) + " free)";
+    log_info("CUDA backend " + name_ + ", " + std::to_string(prop.multiProcessorCount) + " SMs");
+    // Mapped host words: kernels flag bad inputs without a device->host copy per op.
+    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&errors_host_), sizeof(cuda::DeviceErrors),
+                             cudaHostAllocMapped),
+               "cudaHostAlloc");
+    *errors_host_ = {};
+    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&errors_dev_), errors_host_, 0),
+               "cudaHostGetDevicePointer");
+    workspace_ = alloc(kCublasWorkspaceBytes);
+    gemm_ = std::make_unique<cuda::CublasGemm>(stream_, workspace_->data(), kCublasWorkspaceBytes);
+    ctx_.stream = stream_;
+    ctx_.sm_count = prop.multiProcessorCount;
+    ctx_.scratch = [this](int slot, size_t bytes) { return scratch(slot, bytes); };
   }
-  ~CudaBackend() override { cudaStreamDestroy(stream_); }
+
+  ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
+    reset_graphs();
+    gemm_.reset();
+    scratch_.clear();
+    rope_tables_.clear();
+    workspace_.reset();
+    cudaStreamDestroy(stream_);
+    cudaFreeHost(errors_host_);
+  }
 
   Device device() const override { return {DeviceKind::CUDA, device_}; }
   std::string name() const override { return name_; }
-  bool supports(Op op, DType t) const override { return op == Op::Add && t == DType::F32; }
-  std::unique_ptr<Buffer> alloc(size_t bytes) override {
-    return std::make_unique<DeviceBuffer>(bytes, device_);
+
+  bool supports(Op op, DType t) const override {
+    switch (op) {
+      case Op::MatMul:
+      case Op::BatchedMatMul:
+      case Op::Embed:
+      case Op::StoreKv:
+      case Op::Attention:
+      case Op::MlaAttention:
+      case Op::MoeFfn:
+        return plain_float(t);  // no GGML block-quantized weights on CUDA yet
+      default:
+        return t == DType::F32;
+    }
   }
+
+  std::unique_ptr<Buffer> alloc(size_t bytes) override {
+    ++alloc_epoch_;  // during a capture this makes the caller discard the graph
+    return std::make_unique<PoolBuffer>(pool_, bytes, device_);
+  }
+
+  void argmax(const TensorView& logits, TensorView ids) override {
+    DS_CHECK(logits.dtype == DType::F32 && logits.ndim == 2 && ids.dtype == DType::I32 &&
+                 ids.numel() >= logits.rows(),
+             "argmax takes F32 logits [R, V] and I32 ids [R]");
+    cuda::launch_argmax(logits.ptr<float>(), logits.rows(), logits.cols(), logits.row_stride() / 4,
+                        ids.ptr<int32_t>(), stream_);
+    check_cuda(cudaGetLastError(), "argmax");
+  }
+
+  // CUDA graphs: the stream's work between begin and end is recorded into an executable
+  // graph; replay launches it on the same stream.
+  bool supports_graphs() const override { return true; }
+  void begin_capture() override {
+    DS_CHECK(!capturing_, "graph capture already in progress");
+    check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
+               "cudaStreamBeginCapture");
+    capturing_ = true;
+  }
+  int end_capture() override {
+    DS_CHECK(capturing_, "no graph capture in progress");
+    capturing_ = false;
+    cudaGraph_t graph = nullptr;
+    check_cuda(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture");
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    check_cuda(e, "cudaGraphInstantiate");
+    graphs_.push_back(exec);
+    return int(graphs_.size()) - 1;
+  }
+  void replay(int g) override {
+    DS_CHECK(g >= 0 && size_t(g) < graphs_.size() && graphs_[size_t(g)], "unknown graph");
+    check_cuda(cudaGraphLaunch(graphs_[size_t(g)], stream_), "cudaGraphLaunch");
+  }
+  void reset_graphs() override {
+    for (cudaGraphExec_t g : graphs_)
+      if (g) cudaGraphExecDestroy(g);
+    graphs_.clear();
+  }
+  uint64_t alloc_epoch() const override { return alloc_epoch_; }
   void upload(const TensorView& dst, const void* host, size_t bytes) override {
-    check(cudaMemcpyAsync(dst.data, host, bytes, cudaMemcpyHostToDevice, stream_), "upload");
+    if (bytes == 0) return;
+    check_cuda(cudaMemcpyAsync(dst.data, host, bytes, cudaMemcpyHostToDevice, stream_), "upload");
   }
   void download(void* host, const TensorView& src, size_t bytes) override {
-    check(cudaMemcpyAsync(host, src.data, bytes, cudaMemcpyDeviceToHost, stream_), "download");
+    if (bytes > 0)
+      check_cuda(cudaMemcpyAsync(host, src.data, bytes, cudaMemcpyDeviceToHost, stream_),
+                 "download");
     synchronize();
   }
-  void synchronize() override { check(cudaStreamSynchronize(stream_), "synchronize"); }
-
-  void add(TensorView x, const TensorView& y) override {
-    DS_CHECK(x.is_contiguous() && y.is_contiguous() && x.numel() == y.numel(), "add shapes");
-    cuda::launch_add_f32(x.ptr<float>(), y.ptr<float>(), x.numel(), stream_);
-    check(cudaGetLastError(), "add kernel");
+  void synchronize() override {
+    check_cuda(cudaStreamSynchronize(stream_), "synchronize");
+    report_device_errors();
   }
+
+  void embed(const TensorView& table, const int32_t* ids, int n, TensorView out) override {
+    require(Op::Embed, table.dtype);
+    cuda::launch_embed({table, ids, n, out, errors_dev_}, stream_);
+  }
+
+  void rms_norm(const TensorView& x, const TensorView& w, float eps, TensorView out) override {
+    cuda::launch_rms_norm({x, w, eps, out}, stream_);
+  }
+
+  void matmul(const TensorView& x, const TensorView& w, TensorView out) override {
+    require(Op::MatMul, w.dtype);
+    DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "matmul takes F32 activations");
+    DS_CHECK(x.cols() == w.cols() && out.cols() == w.rows() && out.rows() == x.rows(),
+             "matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " + out.shape_str());
+    DS_CHECK(cuda::rows_uniform(x) && cuda::rows_uniform(w) && cuda::rows_uniform(out),
+             "matmul: rows must be evenly spaced");
+    cuda::check_inner_dense(x, "matmul");
+    cuda::check_inner_dense(w, "matmul");
+    cuda::check_inner_dense(out, "matmul");
+    const int64_t m = x.rows(), k = x.cols(), n = w.rows();
+    if (m == 0 || n == 0) return;
+    DS_CHECK(k > 0, "matmul with K = 0");
+    cuda::GemmArgs g;
+    g.dtype = w.dtype;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    set_x_operand(x, x.row_stride(), 0, w.dtype, g);
+    g.w = w.data;
+    g.ldw = n == 1 ? k : elements(w.row_stride(), w.dtype, "matmul w");
+    g.out = out.ptr<float>();
+    g.ldo = m == 1 ? n : elements(out.row_stride(), DType::F32, "matmul out");
+    gemm_->run(g);
+  }
+
+  void batched_matmul(const TensorView& x, const TensorView& w, TensorView out) override {
+    require(Op::BatchedMatMul, w.dtype);
+    DS_CHECK(x.ndim == 3 && w.ndim == 3 && out.ndim == 3, "batched_matmul takes 3-D views");
+    DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "batched_matmul takes F32 x/out");
+    const int64_t b = x.shape[0], m = x.shape[1], k = x.shape[2], n = w.shape[1];
+    DS_CHECK(w.shape[0] == b && w.shape[2] == k && out.shape[0] == b && out.shape[1] == m &&
+                 out.shape[2] == n,
+             "batched_matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " +
+                 out.shape_str());
+    cuda::check_inner_dense(x, "batched_matmul");
+    cuda::check_inner_dense(w, "batched_matmul");
+    cuda::check_inner_dense(out, "batched_matmul");
+    if (b == 0 || m == 0 || n == 0) return;
+    DS_CHECK(k > 0, "batched_matmul with K = 0");
+    cuda::GemmArgs g;
+    g.dtype = w.dtype;
+    g.batch = b;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    set_x_operand(x, x.stride[1], x.stride[0], w.dtype, g);
+    g.w = w.data;
+    g.ldw = n == 1 ? k : elements(w.stride[1], w.dtype, "batched_matmul w");
+    g.stride_w = b == 1 ? 0 : elements(w.stride[0], w.dtype, "batched_matmul w");
+    g.out = out.ptr<float>();
+    g.ldo = m == 1 ? n : elements(out.stride[1], DType::F32, "batched_matmul out");
+    g.stride_out = b == 1 ? 0 : elements(out.stride[0], DType::F32, "batched_matmul out");
+    gemm_->run(g);
+  }
+
+  void rope(TensorView x, const int32_t* positions, const RopeParams& p) override {
+    cuda::RopeArgs a;
+    a.x = x;
+    a.positions = positions;
+    a.inv_freq = rope_table(p);
+    a.rotary_dim = p.rotary_dim;
+    a.style = p.style;
+    a.attn_factor = p.attn_factor;
+    cuda::launch_rope(a, stream_);
+  }
+
+  void store_kv(const TensorView& k, const TensorView& v, const PagedKv& kv,
+                const AttentionMeta& meta) override {
+    require(Op::StoreKv, kv.dtype);
+    cuda::launch_store_kv({k, v, kv, meta.slot_mapping, meta.num_tokens, errors_dev_}, stream_);
+  }
+
+  void attention(const AttentionParams& p, const AttentionMeta& meta) override {
+    require(Op::Attention, p.kv.dtype);
+    cuda::paged_attention(ctx_, p, meta);
+  }
+  void mla_attention(const MlaAttentionParams& p, const AttentionMeta& meta) override {
+    require(Op::MlaAttention, p.cache.dtype);
+    cuda::mla_attention(ctx_, p, meta);
+  }
+  void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
+                 TensorView weights) override {
+    cuda::moe_route(ctx_, logits, p, ids, weights);
+  }
+  void moe_ffn(const MoeFfnParams& p) override {
+    if (!p.experts.empty()) require(Op::MoeFfn, p.experts.front().gate.dtype);
+    cuda::moe_ffn(ctx_, p);
+  }
+
+  void silu_mul(const TensorView& gate_up, TensorView out) override {
+    cuda::launch_silu_mul(gate_up, out, stream_);
+  }
+  void add(TensorView x, const TensorView& y) override { cuda::launch_add(x, y, stream_); }
   void copy(const TensorView& src, TensorView dst) override {
-    DS_CHECK(src.dtype == dst.dtype && src.rows() == dst.rows(), "copy shapes");
-    check(cudaMemcpy2DAsync(dst.data, size_t(dst.row_stride()), src.data, size_t(src.row_stride()),
-                            src.row_bytes(), size_t(src.rows()), cudaMemcpyDeviceToDevice, stream_),
-          "copy");
+    cuda::launch_copy(src, dst, stream_);
   }
 
-  void embed(const TensorView&, const int32_t*, int, TensorView) override { missing(Op::Embed); }
-  void rms_norm(const TensorView&, const TensorView&, float, TensorView) override {
-    missing(Op::RmsNorm);
-  }
-  void matmul(const TensorView&, const TensorView&, TensorView) override { missing(Op::MatMul); }
-  void rope(TensorView, const int32_t*, const RopeParams&) override { missing(Op::Rope); }
-  void store_kv(const TensorView&, const TensorView&, const PagedKv&,
-                const AttentionMeta&) override {
-    missing(Op::StoreKv);
-  }
-  void attention(const AttentionParams&, const AttentionMeta&) override { missing(Op::Attention); }
-  void silu_mul(const TensorView&, TensorView) override { missing(Op::SiluMul); }
-  void batched_matmul(const TensorView&, const TensorView&, TensorView) override {
-    missing(Op::BatchedMatMul);
-  }
-  void mla_attention(const MlaAttentionParams&, const AttentionMeta&) override {
-    missing(Op::MlaAttention);
-  }
-  void moe_route(const TensorView&, const MoeRouteParams&, TensorView, TensorView) override {
-    missing(Op::MoeRoute);
-  }
-  void moe_ffn(const MoeFfnParams&) override { missing(Op::MoeFfn); }
+  CudaPoolInfo pool_info() const { return pool_->info(); }
 
  private:
-  [[noreturn]] void missing(Op op) const {
-    throw UnsupportedError(name_ + ": op " + std::string(op_name(op)) +
-                           " is not implemented on CUDA yet");
+  void require(Op op, DType t) const {
+    if (!supports(op, t))
+      throw UnsupportedError(name_ + ": " + std::string(op_name(op)) + " with " +
+                             std::string(dtype_name(t)) +
+                             " is not supported on CUDA (F32, F16 and BF16 only)");
+  }
+
+  // x as cuBLAS's B operand, its rows ld_bytes apart and batches batch_bytes apart: F32 x
+  // against F32 weights is used in place when cuBLAS can address it; otherwise it is rounded to
+  // the weights' dtype into dense scratch rows (ld a multiple of 8 elements so tensor-core
+  // kernels stay eligible).
+  void set_x_operand(const TensorView& x, int64_t ld_bytes, int64_t batch_bytes, DType wtype,
+                     cuda::GemmArgs& g) {
+    if (wtype == DType::F32 && ld_bytes % 4 == 0 && batch_bytes % 4 == 0 &&
+        (ld_bytes / 4 >= g.k || g.m == 1)) {
+      g.x = x.data;
+      g.ldx = g.m == 1 ? g.k : ld_bytes / 4;
+      g.stride_x = g.batch == 1 ? 0 : batch_bytes / 4;
+      return;
+    }
+    const int64_t ld = (g.k + 7) / 8 * 8, es = dtype_info(wtype).type_size;
+    void* buf = scratch(cuda::kScratchMatmul, size_t(g.batch * g.m * ld * es));
+    cuda::launch_convert_rows(x, wtype, buf, ld, stream_);
+    g.x = buf;
+    g.ldx = ld;
+    g.stride_x = g.m * ld;
+  }
+
+  // Per-slot device scratch from the pool; grows (never shrinks) to the largest request. A
+  // pointer stays valid until the same slot is asked for more.
+  void* scratch(int slot, size_t bytes) {
+    DS_CHECK(slot >= 0 && slot < 64, "scratch slot out of range");
+    if (size_t(slot) >= scratch_.size()) scratch_.resize(size_t(slot) + 1);
+    std::unique_ptr<Buffer>& b = scratch_[size_t(slot)];
+    if (!b || b->size() < bytes) {
+      const size_t grown = std::max(bytes, b ? b->size() + b->size() / 2 : size_t(0));
+      b.reset();  // back to the pool first, so the grown buffer may reuse its range
+      b = alloc((grown + kMiB - 1) / kMiB * kMiB);
+    }
+    return b->data();
+  }
+
+  // Inverse frequencies on the device, uploaded once per distinct parameter set.
+  const float* rope_table(const RopeParams& p) {
+    for (const auto& [params, buf] : rope_tables_)
+      if (params == p) return static_cast<const float*>(buf->data());
+    const std::vector<float> inv = rope_inv_freq(p);
+    const size_t n = std::max<size_t>(inv.size(), 1);
+    std::unique_ptr<Buffer> buf = alloc(n * sizeof(float));
+    upload(buf->view(DType::F32, {int64_t(n)}), inv.data(), inv.size() * sizeof(float));
+    rope_tables_.emplace_back(p, std::move(buf));
+    return static_cast<const float*>(rope_tables_.back().second->data());
+  }
+
+  // Input errors kernels flagged since the last check (the stream is idle when called).
+  void report_device_errors() {
+    volatile cuda::DeviceErrors* e = errors_host_;
+    if (e->bad_token) {
+      const int token = e->token, vocab = e->vocab;
+      e->bad_token = 0;
+      throw Error("token id " + std::to_string(token) + " is outside the vocabulary of " +
+                  std::to_string(vocab));
+    }
+    if (e->bad_slot) {
+      const int slot = e->slot, capacity = e->capacity;
+      e->bad_slot = 0;
+      throw Error("KV slot " + std::to_string(slot) + " out of range (the cache holds " +
+                  std::to_string(capacity) + " slots)");
+    }
   }
 
   int device_;
   cudaStream_t stream_ = nullptr;
   std::string name_;
+  std::shared_ptr<cuda::DevicePool> pool_;
+  cuda::DeviceErrors* errors_host_ = nullptr;  // mapped; errors_dev_ is its device address
+  cuda::DeviceErrors* errors_dev_ = nullptr;
+  std::unique_ptr<Buffer> workspace_;  // cuBLAS's
+  std::unique_ptr<cuda::CublasGemm> gemm_;
+  std::vector<std::unique_ptr<Buffer>> scratch_;  // by ScratchSlot
+  std::vector<std::pair<RopeParams, std::unique_ptr<Buffer>>> rope_tables_;
+  cuda::Context ctx_;
+  std::vector<cudaGraphExec_t> graphs_;
+  bool capturing_ = false;
+  uint64_t alloc_epoch_ = 0;  // allocations so far (captured graphs hold raw pointers)
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(const BackendOptions&, int device_index) {
-  return std::make_unique<CudaBackend>(device_index);
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the "no driver / no device" error
+    return 0;
+  }
+  return n;
+}
+
+CudaPoolInfo cuda_pool_info(const Backend& backend) {
+  const auto* b = dynamic_cast<const CudaBackend*>(&backend);
+  if (!b) throw Error("cuda_pool_info: backend " + backend.name() + " is not a CUDA backend");
+  return b->pool_info();
+}
+
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& opts, int device_index) {
+  return std::make_unique<CudaBackend>(opts, device_index);
 }
 
 }  // namespace ds

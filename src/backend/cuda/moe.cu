@@ -1,15 +1,412 @@
-// Placeholder until the MoE kernels land: fails loudly.
+// moe_ffn: validation, the per-device expert pointer tables, the device token lists, the
+// deterministic combine, and the choice between the decode and prefill implementations.
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "backend/cuda/moe.cuh"
 #include "core/error.h"
 
 namespace ds::cuda {
+namespace moe {
+namespace {
 
-void moe_route(const Context&, const TensorView&, const MoeRouteParams&, TensorView, TensorView) {
-  throw UnsupportedError("cuda: MoE routing is not implemented yet");
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kListThreads = 1024;  // block_exclusive_scan assumes 32 full warps
+
+// Exclusive prefix sum of v over the 1024 threads of the block; *total gets the sum.
+__device__ int block_exclusive_scan(int v, int* sums /* [33] */, int* total) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  int inc = v;
+  for (int off = 1; off < 32; off <<= 1) {
+    const int o = __shfl_up_sync(kFull, inc, off);
+    if (lane >= off) inc += o;
+  }
+  if (lane == 31) sums[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = sums[lane];
+    int winc = w;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int o = __shfl_up_sync(kFull, winc, off);
+      if (lane >= off) winc += o;
+    }
+    sums[lane] = winc - w;
+    if (lane == 31) sums[32] = winc;
+  }
+  __syncthreads();
+  const int result = sums[warp] + inc - v;
+  *total = sums[32];
+  __syncthreads();  // sums may be reused right away
+  return result;
 }
 
-void moe_ffn(const Context&, const MoeFfnParams&) {
-  throw UnsupportedError("cuda: MoE experts are not implemented yet");
+// One CTA: per-expert counts (shared atomics: order-free), offsets, the active list, then a
+// stable scatter in chunks of 1024 assignments: rank = earlier chunks + earlier warps of this
+// chunk + earlier lanes of this warp with the same expert (__match_any_sync).
+__global__ void __launch_bounds__(kListThreads)
+    token_lists_kernel(const int32_t* __restrict__ ids, int64_t n, int top_k, int E, TokenLists l) {
+  __shared__ int cnt[kMaxExperts];
+  __shared__ int running[kMaxExperts];
+  __shared__ int warp_cnt[32][kMaxExperts];
+  __shared__ int sums[33];
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  for (int i = tid; i < kMaxExperts; i += kListThreads) cnt[i] = 0;
+  for (int i = tid; i < 32 * kMaxExperts; i += kListThreads) (&warp_cnt[0][0])[i] = 0;
+  __syncthreads();
+  for (int64_t i = tid; i < n; i += kListThreads) {
+    const int e = ids[i];
+    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  const int c = tid < E ? cnt[tid] : 0;
+  int total = 0;
+  int n_active = 0;
+  const int off = block_exclusive_scan(c, sums, &total);
+  const int act = block_exclusive_scan(c > 0 ? 1 : 0, sums, &n_active);
+  if (tid < E) {
+    l.offsets[tid] = off;
+    running[tid] = off;
+    if (c > 0) l.active[act] = tid;
+  }
+  if (tid == 0) {
+    l.offsets[E] = total;
+    *l.n_active = n_active;
+  }
+  __syncthreads();
+
+  for (int64_t base = 0; base < n; base += kListThreads) {
+    const int64_t i = base + tid;
+    int e = i < n ? ids[i] : -1;
+    if (e < 0 || e >= E) e = -1;
+    const unsigned peers = __match_any_sync(kFull, e);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    if (e >= 0 && rank == 0) warp_cnt[warp][e] = __popc(peers);
+    __syncthreads();
+    if (e >= 0) {
+      int p = running[e] + rank;
+      for (int w = 0; w < warp; ++w) p += warp_cnt[w][e];
+      l.pos[i] = p;
+      l.sorted_token[p] = int(i / top_k);
+    } else if (i < n) {
+      l.pos[i] = -1;
+    }
+    __syncthreads();
+    if (tid < E) {
+      int s = 0;
+      for (int w = 0; w < 32; ++w) {
+        s += warp_cnt[w][tid];
+        warp_cnt[w][tid] = 0;
+      }
+      running[tid] += s;
+    }
+    __syncthreads();
+  }
+}
+
+// One block per token; each thread sums the token's k contributions in ascending k.
+__global__ void combine_kernel(const float* __restrict__ y, const int* __restrict__ pos,
+                               const float* __restrict__ w, int top_k, int hidden,
+                               float* __restrict__ out, int64_t out_stride) {
+  const int64_t t = blockIdx.x;
+  const int* tp = pos + t * top_k;
+  const float* tw = w + t * top_k;
+  float* orow = out + t * out_stride;
+  for (int col = threadIdx.x; col < hidden; col += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+      const int p = tp[j];
+      if (p >= 0) acc = fmaf(tw[j], y[int64_t(p) * hidden + col], acc);
+    }
+    orow[col] = acc;
+  }
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string("CUDA moe ") + what + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+void launch_token_lists(const int32_t* ids, int64_t n, int top_k, int num_experts,
+                        const TokenLists& lists, cudaStream_t stream) {
+  token_lists_kernel<<<1, kListThreads, 0, stream>>>(ids, n, top_k, num_experts, lists);
+  check(cudaGetLastError(), "token lists");
+}
+
+void launch_combine(const float* y, const int* pos, const float* weights, int64_t num_tokens,
+                    int top_k, int hidden, float* out, int64_t out_stride, cudaStream_t stream) {
+  const int threads = hidden >= 512 ? 256 : 128;
+  combine_kernel<<<unsigned(num_tokens), threads, 0, stream>>>(y, pos, weights, top_k, hidden, out,
+                                                               out_stride);
+  check(cudaGetLastError(), "combine");
+}
+
+}  // namespace moe
+
+namespace {
+
+// A device copy of one experts span's pointers, plus what it was built from.
+struct ExpertTable {
+  std::vector<moe::ExpertPtrs> host;
+  moe::ExpertPtrs* device = nullptr;
+  DType dtype = DType::BF16;
+  int hidden = 0;
+  int inter = 0;
+};
+
+struct DeviceState {
+  std::map<const ExpertWeights*, ExpertTable> tables;
+  std::vector<void*> retired;  // tables replaced while kernels may still read them
+  cublasHandle_t cublas = nullptr;
+};
+
+// moe_ffn's launcher API is stateless, so the tables (uploaded once per model layer) and
+// the cuBLAS handle live here, per device, for the life of the process.
+struct MoeRegistry {
+  std::mutex mu;
+  std::map<int, DeviceState> devices;
+};
+
+MoeRegistry& registry() {
+  static MoeRegistry* r = new MoeRegistry;  // never destroyed: CUDA may be gone at exit
+  return *r;
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  moe::check(cudaStreamIsCapturing(s, &status), "capture status");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+moe::ExpertPtrs expert_ptrs(const ExpertWeights& w) {
+  const auto ld = [](const TensorView& t) {
+    return t.row_stride() / int64_t(dtype_info(t.dtype).type_size);
+  };
+  return {w.gate.data, w.up.data, w.down.data, ld(w.gate), ld(w.up), ld(w.down)};
+}
+
+void validate_experts(std::span<const ExpertWeights> experts, ExpertTable& t) {
+  const ExpertWeights& e0 = experts[0];
+  t.dtype = e0.gate.dtype;
+  t.inter = int(e0.gate.shape[0]);
+  t.hidden = int(e0.gate.cols());
+  if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32)
+    throw UnsupportedError("cuda moe_ffn: expert weights must be BF16, F16 or F32, not " +
+                           std::string(dtype_name(t.dtype)));
+  const int esize = int(dtype_info(t.dtype).type_size);
+  for (const ExpertWeights& w : experts) {
+    for (const TensorView* m : {&w.gate, &w.up, &w.down}) {
+      DS_CHECK(m->ndim == 2 && m->dtype == t.dtype, "moe_ffn: experts differ in dtype or rank");
+      if (reinterpret_cast<uintptr_t>(m->data) % 16 != 0 || m->row_stride() % 16 != 0)
+        throw UnsupportedError("cuda moe_ffn: expert rows must be 16-byte aligned");
+      DS_CHECK(m->row_stride() % esize == 0, "moe_ffn: odd expert row stride");
+    }
+    DS_CHECK(w.gate.shape[0] == t.inter && w.gate.shape[1] == t.hidden &&
+                 w.up.shape[0] == t.inter && w.up.shape[1] == t.hidden &&
+                 w.down.shape[0] == t.hidden && w.down.shape[1] == t.inter,
+             "moe_ffn: experts differ in shape");
+  }
+}
+
+// Whether t was built from exactly these views (pointers, strides, dtype, shapes): new
+// weights may reuse both the span's and the weights' addresses.
+bool table_matches(const ExpertTable& t, std::span<const ExpertWeights> experts) {
+  if (!t.device || t.host.size() != experts.size()) return false;
+  for (size_t i = 0; i < experts.size(); ++i) {
+    const ExpertWeights& w = experts[i];
+    if (!(t.host[i] == expert_ptrs(w))) return false;
+    for (const TensorView* m : {&w.gate, &w.up, &w.down})
+      if (m->dtype != t.dtype || m->ndim != 2) return false;
+    if (w.gate.shape[0] != t.inter || w.gate.shape[1] != t.hidden || w.up.shape[0] != t.inter ||
+        w.up.shape[1] != t.hidden || w.down.shape[0] != t.hidden || w.down.shape[1] != t.inter)
+      return false;
+  }
+  return true;
+}
+
+// The table for this span: built (and uploaded) on first use, rebuilt if the span changed.
+const ExpertTable& expert_table(DeviceState& dev, std::span<const ExpertWeights> experts,
+                                cudaStream_t stream) {
+  ExpertTable& t = dev.tables[experts.data()];
+  if (table_matches(t, experts)) return t;
+  if (capturing(stream))
+    throw Error("cuda moe_ffn: expert tables must be built before graph capture");
+  ExpertTable fresh;  // t changes only once the new table is complete
+  validate_experts(experts, fresh);
+  for (const ExpertWeights& w : experts) fresh.host.push_back(expert_ptrs(w));
+  const size_t bytes = fresh.host.size() * sizeof(moe::ExpertPtrs);
+  void* d = nullptr;
+  moe::check(cudaMalloc(&d, bytes), "table alloc");
+  fresh.device = static_cast<moe::ExpertPtrs*>(d);
+  // Complete before returning, so launches on any stream see it.
+  cudaError_t up = cudaMemcpyAsync(d, fresh.host.data(), bytes, cudaMemcpyHostToDevice, stream);
+  if (up == cudaSuccess) up = cudaStreamSynchronize(stream);
+  if (up != cudaSuccess) {
+    cudaFree(d);
+    moe::check(up, "table upload");
+  }
+  if (t.device) dev.retired.push_back(t.device);
+  t = std::move(fresh);
+  return t;
+}
+
+// Carves 256-byte aligned pieces out of one scratch allocation.
+class Carver {
+ public:
+  explicit Carver(uint8_t* base) : base_(base) {}
+  template <typename T>
+  T* take(int64_t count) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    used_ += (size_t(count) * sizeof(T) + 255) / 256 * 256;
+    return p;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  uint8_t* base_;
+  size_t used_ = 0;
+};
+
+struct Scratch {
+  moe::TokenLists lists;
+  float* h = nullptr;   // decode
+  float* y = nullptr;   // decode
+  void* act = nullptr;  // prefill
+  float* gu = nullptr;  // prefill
+};
+
+// Lays out the scratch (twice: once with a null base to size it).
+size_t layout(uint8_t* base, int64_t n, int E, int H, int F, bool prefill, Scratch& s) {
+  Carver c(base);
+  s.lists.offsets = c.take<int>(E + 1);
+  s.lists.active = c.take<int>(E);
+  s.lists.n_active = c.take<int>(1);
+  s.lists.sorted_token = c.take<int>(n);
+  s.lists.pos = c.take<int>(n);
+  if (prefill) {
+    s.act = c.take<uint16_t>(n * std::max(H, F));
+    s.gu = c.take<float>(n * std::max(2 * F, H));
+  } else {
+    s.h = c.take<float>(n * F);
+    s.y = c.take<float>(n * H);
+  }
+  return c.used();
+}
+
+}  // namespace
+
+void moe_ffn(const Context& ctx, const MoeFfnParams& p) {
+  moe_ffn(ctx, p, MoeFfnPath::Auto);
+}
+
+void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
+  const int64_t T = p.x.rows();
+  const int64_t E = int64_t(p.experts.size());
+  const int k = int(p.ids.cols());
+  DS_CHECK(p.x.dtype == DType::F32 && p.out.dtype == DType::F32 && p.ids.dtype == DType::I32 &&
+               p.weights.dtype == DType::F32,
+           "moe_ffn dtypes: x, out, weights F32; ids I32");
+  DS_CHECK(p.ids.rows() == T && p.weights.rows() == T && p.weights.cols() == k &&
+               p.out.rows() == T && p.out.cols() == p.x.cols(),
+           "moe_ffn shapes: x " + p.x.shape_str() + ", ids " + p.ids.shape_str() + ", weights " +
+               p.weights.shape_str() + ", out " + p.out.shape_str());
+  DS_CHECK(p.ids.is_contiguous() && p.weights.is_contiguous(),
+           "moe_ffn: ids and weights must be contiguous");
+  DS_CHECK(p.x.row_stride() % 4 == 0 && p.out.row_stride() % 4 == 0, "moe_ffn: misaligned rows");
+  DS_CHECK(E >= 1 && k >= 1, "moe_ffn: no experts");
+  if (E > moe::kMaxExperts)
+    throw UnsupportedError("cuda moe_ffn: at most " + std::to_string(moe::kMaxExperts) +
+                           " experts");
+  DS_CHECK(ctx.scratch != nullptr, "moe_ffn: context without scratch");
+  if (T == 0) return;
+
+  int device = 0;
+  moe::check(cudaGetDevice(&device), "get device");
+  MoeRegistry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto [it, fresh] = reg.devices.try_emplace(device);
+  DeviceState& dev = it->second;
+  if (fresh) {
+    if (capturing(ctx.stream)) {
+      reg.devices.erase(it);
+      throw Error("cuda moe_ffn: first call on a device must happen before graph capture");
+    }
+    moe::prepare_decode_kernels();
+  }
+  const ExpertTable& table = expert_table(dev, p.experts, ctx.stream);
+  const int H = table.hidden;
+  const int F = table.inter;
+  DS_CHECK(p.x.cols() == H, "moe_ffn: x has " + std::to_string(p.x.cols()) +
+                                " columns, experts take " + std::to_string(H));
+  const int64_t n = T * k;
+
+  bool prefill = false;
+  if (path == MoeFfnPath::Prefill) {
+    if (table.dtype != DType::BF16)
+      throw UnsupportedError("cuda moe_ffn: the prefill path needs BF16 experts");
+    DS_CHECK(!capturing(ctx.stream), "moe_ffn: the prefill path cannot be graph-captured");
+    prefill = true;
+  } else if (path == MoeFfnPath::Auto) {
+    prefill =
+        table.dtype == DType::BF16 && n >= kMoePrefillMinAssignments && !capturing(ctx.stream);
+  }
+  if (prefill && !dev.cublas) {
+    if (cublasCreate(&dev.cublas) != CUBLAS_STATUS_SUCCESS)
+      throw Error("cuda moe_ffn: cublasCreate failed");
+  }
+
+  Scratch s;
+  const size_t bytes = layout(nullptr, n, int(E), H, F, prefill, s);
+  auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));
+  layout(base, n, int(E), H, F, prefill, s);
+
+  moe::launch_token_lists(p.ids.ptr<int32_t>(), n, k, int(E), s.lists, ctx.stream);
+  const float* y = nullptr;
+  if (prefill) {
+    moe::PrefillFfnArgs a;
+    a.experts = table.host.data();
+    a.cublas = dev.cublas;
+    a.x = p.x.ptr<float>();
+    a.x_stride = p.x.row_stride() / 4;
+    a.num_tokens = T;
+    a.num_experts = int(E);
+    a.top_k = k;
+    a.hidden = H;
+    a.inter = F;
+    a.lists = s.lists;
+    a.act = s.act;
+    a.gu = s.gu;
+    moe::run_prefill_ffn(a, ctx.stream);
+    y = s.gu;
+  } else {
+    moe::DecodeFfnArgs a;
+    a.experts = table.device;
+    a.kind = table.dtype == DType::BF16  ? moe::WeightKind::BF16
+             : table.dtype == DType::F16 ? moe::WeightKind::F16
+                                         : moe::WeightKind::F32;
+    a.x = p.x.ptr<float>();
+    a.x_stride = p.x.row_stride() / 4;
+    a.num_tokens = T;
+    a.num_experts = int(E);
+    a.top_k = k;
+    a.hidden = H;
+    a.inter = F;
+    a.lists = s.lists;
+    a.h = s.h;
+    a.y = s.y;
+    moe::launch_decode_ffn(a, ctx.stream);
+    y = s.y;
+  }
+  moe::launch_combine(y, s.lists.pos, p.weights.ptr<float>(), T, k, H, p.out.ptr<float>(),
+                      p.out.row_stride() / 4, ctx.stream);
 }
 
 }  // namespace ds::cuda

@@ -1,17 +1,120 @@
 // MoE launchers: routing (softmax + greedy / group-limited top-k) and the routed experts.
+//
+// moe_ffn has two implementations over the same device token lists (per-expert assignment
+// ranges built by one small kernel):
+//   Decode  — per (expert, tile of weight rows) CTAs stream each touched expert's weights once
+//             with 16-byte loads and multiply them against all of its tokens in F32; graph
+//             capturable, deterministic and batch-invariant (a token's output does not depend
+//             on the other tokens of the step).
+//   Prefill — tokens gathered per expert into BF16 rows, cuBLAS tensor-core GEMMs per touched
+//             expert; reads the per-expert counts to the host (one stream sync), BF16 only.
+// Both end in the same deterministic combine: out[t] = sum over k (ascending) of w * y.
 #pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "backend/backend.h"
 #include "backend/cuda/context.cuh"
 
 namespace ds::cuda {
 
-// Semantics of Backend::moe_route (backend.h).
+// Semantics of Backend::moe_route (backend.h). At most 256 experts, top_k <= 32,
+// n_group <= 32. One warp per token.
 void moe_route(const Context& ctx, const TensorView& logits, const MoeRouteParams& p,
                TensorView ids, TensorView weights);
 
 // Semantics of Backend::moe_ffn (backend.h). Keeps per-expert pointer tables on the device,
-// keyed by p.experts.data().
+// keyed by p.experts.data(); the first call for a table (and for a device) must happen
+// outside graph capture.
 void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 
+// Which moe_ffn implementation runs. Auto: Prefill for BF16 experts with at least
+// kMoePrefillMinAssignments (token, expert) pairs while the stream is not being captured,
+// Decode otherwise. Tests and benchmarks force one.
+enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill };
+constexpr int64_t kMoePrefillMinAssignments = 1024;
+void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
+
+// ---- internals shared by moe*.cu --------------------------------------------------------
+namespace moe {
+
+constexpr int kMaxExperts = 256;
+
+// One expert's weight matrices in device memory; leading dimensions in elements.
+struct ExpertPtrs {
+  const void* gate = nullptr;  // [F, hidden]
+  const void* up = nullptr;    // [F, hidden]
+  const void* down = nullptr;  // [hidden, F]
+  int64_t gate_ld = 0;
+  int64_t up_ld = 0;
+  int64_t down_ld = 0;
+  bool operator==(const ExpertPtrs&) const = default;
+};
+
+// Assignments (token t, slot j) -> i = t * top_k + j, sorted by expert (then by i).
+struct TokenLists {
+  int* offsets = nullptr;       // [E + 1] expert e owns sorted positions [offsets[e], offsets[e+1])
+  int* active = nullptr;        // [E] experts with at least one assignment, ascending
+  int* n_active = nullptr;      // [1] how many entries of `active` are valid
+  int* sorted_token = nullptr;  // [N] token of each sorted position
+  int* pos = nullptr;           // [N] sorted position of assignment i (-1: expert id out of range)
+};
+
+// Builds the lists from ids [N] (N = T * top_k) in one CTA; deterministic (no order races).
+void launch_token_lists(const int32_t* ids, int64_t n, int top_k, int num_experts,
+                        const TokenLists& lists, cudaStream_t stream);
+
+// out[t, :] = sum_{j < top_k, ascending} weights[t, j] * y[pos[t * top_k + j], :].
+void launch_combine(const float* y, const int* pos, const float* weights, int64_t num_tokens,
+                    int top_k, int hidden, float* out, int64_t out_stride, cudaStream_t stream);
+
+// Weight element type of the decode kernels.
+enum class WeightKind : int { BF16 = 0, F16 = 1, F32 = 2 };
+
+struct DecodeFfnArgs {
+  const ExpertPtrs* experts = nullptr;  // device [E]
+  WeightKind kind = WeightKind::BF16;
+  const float* x = nullptr;  // [T, hidden], row stride x_stride elements
+  int64_t x_stride = 0;
+  int64_t num_tokens = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  int hidden = 0;
+  int inter = 0;  // F
+  TokenLists lists;
+  float* h = nullptr;  // [N, F] silu(gate x) * up x per sorted position
+  float* y = nullptr;  // [N, hidden] down h per sorted position
+};
+
+// Gate/up then down over the token lists. Grid sizes depend only on T, top_k, E and shapes.
+void launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
+// Raises the dynamic shared-memory limit of every decode kernel (once per device).
+void prepare_decode_kernels();
+// Shared-memory bytes the decode kernels stage activations in; K (hidden or F) must fit
+// at least one token.
+constexpr int kDecodeStageBytes = 64 * 1024;
+
+struct PrefillFfnArgs {
+  const ExpertPtrs* experts = nullptr;  // host [E]; BF16 weights
+  cublasHandle_t cublas = nullptr;
+  const float* x = nullptr;  // [T, hidden]
+  int64_t x_stride = 0;
+  int64_t num_tokens = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  int hidden = 0;
+  int inter = 0;
+  TokenLists lists;
+  void* act = nullptr;  // max([N, hidden], [N, F]) BF16: gathered x, then silu(g) * u
+  float* gu = nullptr;  // max([N, 2F], [N, hidden]) F32: gate | up, then y
+};
+
+// Gathers, runs the GEMMs of every touched expert and leaves y [N, hidden] F32 in a.gu.
+// Synchronizes the stream once to read the per-expert counts.
+void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream);
+
+}  // namespace moe
 }  // namespace ds::cuda

@@ -2,7 +2,6 @@
 #include <gtest/gtest.h>
 
 #include "server/api.h"
-#include "server/metrics.h"
 
 namespace ds {
 namespace {
@@ -43,6 +42,15 @@ TEST(ServerApi, TokenPromptsAndChoices) {
   EXPECT_EQ(r.engine[0].stop, (std::vector<std::string>{"x"}));
   EXPECT_EQ(r.engine[0].priority, Priority::Batch);
   EXPECT_NE(r.engine[0].sampling.seed, r.engine[1].sampling.seed);
+  EXPECT_FALSE(r.engine[0].ignore_eos);
+}
+
+TEST(ServerApi, IgnoreEosExtension) {
+  auto r =
+      parse_api_request(Json{{"prompt", {1}}, {"n", 2}, {"ignore_eos", true}}, false, limits());
+  EXPECT_TRUE(r.engine[0].ignore_eos);
+  EXPECT_TRUE(r.engine[1].ignore_eos);
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"ignore_eos", "yes"}}), 400);
 }
 
 TEST(ServerApi, MaxTokensDefaultsAndClampsToContext) {
@@ -149,43 +157,6 @@ TEST(ServerApi, ErrorBodyHasOpenAiFields) {
   EXPECT_EQ(j["error"]["type"], "authentication_error");
   EXPECT_TRUE(j["error"]["param"].is_null());
   EXPECT_EQ(j["error"]["code"], "invalid_api_key");
-}
-
-TEST(ServerMetrics, CountsAndRenders) {
-  Histogram h({0.1, 1.0});
-  h.observe(0.05);
-  h.observe(0.1);
-  h.observe(5);
-  EXPECT_EQ(h.counts(), (std::vector<uint64_t>{2, 0, 1}));
-  EXPECT_DOUBLE_EQ(h.sum(), 5.15);
-
-  ServerMetrics m("m");
-  m.request_started();
-  m.token(Priority::LatencyCritical, true, -1.0);
-  m.token(Priority::LatencyCritical, false, 0.2);
-  RequestRecord r;
-  r.priority = Priority::LatencyCritical;
-  r.finish_reason = "length";
-  r.prompt_tokens = 3;
-  r.completion_tokens = 2;
-  r.timings.total_s = 0.5;
-  r.timings.decode_s = 0.2;
-  m.request_finished(r, true);
-  const Json j = m.json(EngineStats{});
-  EXPECT_EQ(j["prompt_tokens_total"], 3);
-  EXPECT_EQ(j["generation_tokens_total"], 2);
-  EXPECT_EQ(j["requests_total"]["length"], 1);
-  EXPECT_EQ(j["num_requests_running"], 0);
-  EXPECT_EQ(j["num_requests_waiting"], 0);
-  EXPECT_GT(j["tokens_per_second_1m_avg"].get<double>(), 0);
-  EXPECT_EQ(j["latency"]["latency-critical"]["inter_token_latency_seconds"]["count"], 1);
-  EXPECT_DOUBLE_EQ(j["latency"]["latency-critical"]["inter_token_latency_seconds"]["sum"], 0.2);
-  const std::string text = m.prometheus(EngineStats{});
-  EXPECT_NE(text.find("deepserve:requests_total{model_name=\"m\",finish_reason=\"length\"} 1\n"),
-            std::string::npos);
-  EXPECT_NE(text.find("deepserve:e2e_request_latency_seconds_count{model_name=\"m\","
-                      "priority=\"latency-critical\"} 1\n"),
-            std::string::npos);
 }
 
 }  // namespace

@@ -1,0 +1,319 @@
+// What every paged attention kernel shares: its parameter block, the mapping of a CTA to
+// (query tile, kv head, head chunk, value chunk, context split), cache row addressing and
+// loads, and the split-K merge. Compiled by nvcc for the GPU and by the host compiler for the
+// simulator (attention_port.cuh).
+//
+// Work decomposition. The query heads of one kv head form a group (MLA: all heads, one latent
+// "kv head"). A CTA owns up to kRows query rows = (token, head) pairs: hc heads of one group
+// times tq consecutive tokens of one sequence (a "tile"), so each cache row it loads serves
+// every one of those rows. The grid is
+//   x: tiles (an upper bound sized from num_tokens and num_seqs; surplus CTAs exit),
+//   y: context splits (split-K), each covering an equal share of the tile's keys,
+//   z: kv_heads x nhc head chunks x ndv value-dim chunks,
+// so it depends only on host-known sizes: a CUDA graph replays it with new metadata.
+#pragma once
+
+#include "backend/cuda/attention_port.cuh"
+
+namespace ds::cuda::kern {
+
+enum CacheType : int { kCacheF32 = 0, kCacheF16 = 1, kCacheBF16 = 2 };
+
+struct AttnParams {
+  // Query row (t, h): dims [0, q_dims) at q + t * q_ts + h * q_hs (F32, bytes), dims
+  // [q_dims, dim) at q2 (MLA: q_latent then q_rope).
+  const uint8_t* q = nullptr;
+  int64_t q_ts = 0, q_hs = 0;
+  const uint8_t* q2 = nullptr;
+  int64_t q2_ts = 0, q2_hs = 0;
+  int q_dims = 0;
+  uint8_t* out = nullptr;  // row (t, h) at out + t * out_ts + h * out_hs, dv F32 values
+  int64_t out_ts = 0, out_hs = 0;
+  // Cache row of slot s, kv head g: k + s * slot_bytes + g * head_bytes. v == nullptr: the
+  // values are the first dv dims of the key row (MLA's latent).
+  const uint8_t* k = nullptr;
+  const uint8_t* v = nullptr;
+  int cache_type = kCacheF32;
+  int64_t slot_bytes = 0, head_bytes = 0;
+  int block_size = 1;
+  int vec_ok = 0;  // rows and offsets aligned for 4-element vector loads
+  int dim = 0;     // score dims (head_dim; MLA: R + P)
+  int dv = 0;      // value / output dims (head_dim; MLA: R)
+  int heads = 0, kv_heads = 1, group = 1;
+  int hc = 1, nhc = 1, tq = 1;  // heads per chunk, chunks per group, tokens per tile
+  int dvc = 0, ndv = 1;         // value dims per CTA, value chunks
+  int splits = 1;
+  float scale_log2 = 1.0f;  // softmax scale * log2(e): scores live in base 2
+  int causal = 1;
+  const int32_t* query_start = nullptr;   // [num_seqs + 1]
+  const int32_t* context_lens = nullptr;  // [num_seqs]
+  const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
+  int max_blocks_per_seq = 0, num_seqs = 0, num_tokens = 0;
+  // Split-K partials (splits > 1): unnormalized outputs and (max, sum) of each split.
+  float* part_o = nullptr;   // [splits, num_tokens, heads, dv]
+  float* part_ml = nullptr;  // [splits, num_tokens, heads, 2]
+};
+
+// The CTA's share of the work, the same in every thread.
+struct Tile {
+  int seq = -1;
+  int token0 = 0, ntok = 0;  // this tile's tokens
+  int pos0 = 0;              // position of token0
+  int ctx = 0;               // context length of the sequence
+  int kvh = 0, hchunk = 0, dvi = 0, split = 0;
+  int key_begin = 0, key_end = 0;  // this split's keys
+  int dv0 = 0, nv = 0;             // value dims [dv0, dv0 + nv)
+};
+
+DS_KHD int ceil_div_int(int a, int b) {
+  return (a + b - 1) / b;
+}
+
+// Finds the tile of CTA x: with one token per tile a binary search over query_start, else a
+// warp-0 scan of the per-sequence tile counts (result shared through ints[0..1]). Returns
+// false (in every thread) when x lies past the last tile.
+DS_KDEV bool find_tile(const AttnParams& p, const Thread& th, int* ints, int key_tile, Tile& t) {
+  int seq = -1, local = 0;
+  if (p.tq == 1) {
+    const int tok = th.bx;
+    if (tok >= p.num_tokens) return false;
+    if (tok < p.num_seqs && p.query_start[tok] == tok && p.query_start[tok + 1] == tok + 1) {
+      seq = tok;  // decode: sequence i holds token i (two independent loads, no search)
+    } else {
+      int lo = 0, hi = p.num_seqs;  // query_start[lo] <= tok < query_start[hi]
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (p.query_start[mid] <= tok)
+          lo = mid;
+        else
+          hi = mid;
+      }
+      seq = lo;
+    }
+    local = tok - p.query_start[seq];
+  } else {
+    if (th.warp == 0) {
+      int base = 0, found = -1, found_local = 0;
+      for (int s0 = 0; s0 < p.num_seqs; s0 += 32) {
+        const int s = s0 + th.lane;
+        const int c =
+            s < p.num_seqs ? ceil_div_int(p.query_start[s + 1] - p.query_start[s], p.tq) : 0;
+        int incl = c;
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = shfl_up_int(incl, o);
+          if (th.lane >= o) incl += y;
+        }
+        const int excl = base + incl - c;
+        const unsigned hit = ballot(th.bx >= excl && th.bx < excl + c);
+        if (hit) {
+          const int src = first_set(hit);
+          found = s0 + src;
+          found_local = th.bx - shfl_int(excl, src);
+          break;
+        }
+        base += shfl_int(incl, 31);
+      }
+      if (th.lane == 0) {
+        ints[0] = found;
+        ints[1] = found_local;
+      }
+    }
+    sync_block();
+    seq = ints[0];
+    local = ints[1];
+    if (seq < 0) return false;
+  }
+  const int qs = p.query_start[seq];
+  const int qlen = p.query_start[seq + 1] - qs;
+  t.seq = seq;
+  t.ctx = p.context_lens[seq];
+  t.token0 = qs + local * p.tq;
+  t.ntok = qlen - local * p.tq < p.tq ? qlen - local * p.tq : p.tq;
+  t.pos0 = t.ctx - qlen + local * p.tq;
+  int z = th.bz;
+  t.dvi = z % p.ndv;
+  z /= p.ndv;
+  t.hchunk = z % p.nhc;
+  t.kvh = z / p.nhc;
+  t.split = th.by;
+  t.dv0 = t.dvi * p.dvc;
+  t.nv = p.dv - t.dv0 < p.dvc ? p.dv - t.dv0 : p.dvc;
+  // Keys any row of the tile sees, shared out over the splits in whole key tiles.
+  int n_keys = p.causal ? t.pos0 + t.ntok : t.ctx;
+  if (n_keys > t.ctx) n_keys = t.ctx;
+  if (n_keys < 0) n_keys = 0;
+  const int per_split = ceil_div_int(ceil_div_int(n_keys, p.splits), key_tile) * key_tile;
+  t.key_begin = t.split * per_split;
+  t.key_end = t.key_begin + per_split < n_keys ? t.key_begin + per_split : n_keys;
+  return true;
+}
+
+// Query row r of the CTA (0 <= r < kRows): its token, head and how many keys it sees; a row
+// past the tile or the group sees none.
+struct RowInfo {
+  int token = 0, head = 0, n_keys = 0;
+  bool valid = false;
+};
+DS_KDEV RowInfo row_info(const AttnParams& p, const Tile& t, int r) {
+  RowInfo ri;
+  const int tr = r / p.hc, hr = t.hchunk * p.hc + r % p.hc;
+  if (tr >= t.ntok || hr >= p.group) return ri;
+  ri.valid = true;
+  ri.token = t.token0 + tr;
+  ri.head = t.kvh * p.group + hr;
+  int nk = p.causal ? t.pos0 + tr + 1 : t.ctx;
+  if (nk > t.ctx) nk = t.ctx;
+  ri.n_keys = nk < 0 ? 0 : nk;
+  return ri;
+}
+
+// The CTA header in shared memory: tile lookup, key slots of the current tile, and the byte
+// offsets of each query row in q and q2 (-1 for rows the tile does not fill).
+constexpr int kHeaderBytes = 512;
+constexpr int kMaxRows = 16;
+struct Header {
+  int* ints;        // [0, 2): tile lookup; [2, 2 + 32): key slots
+  int64_t* q_off;   // [kMaxRows]
+  int64_t* q2_off;  // [kMaxRows]
+};
+DS_KDEV Header header(uint8_t* smem) {
+  Header h;
+  h.ints = reinterpret_cast<int*>(smem);
+  h.q_off = reinterpret_cast<int64_t*>(smem + 256);
+  h.q2_off = h.q_off + kMaxRows;
+  return h;
+}
+
+// Copies `total` units of kVec floats: load(u, x) for a batch of kBatch units per thread, then
+// store(u, x) for each. Global loads would otherwise wait behind shared-memory stores the
+// compiler cannot prove independent of them, one memory latency per unit.
+template <int kBatch, int kVec, typename Load, typename Store>
+DS_KDEV void batched_copy(int total, const Thread& th, Load load, Store store) {
+  for (int u0 = th.tid; u0 < total; u0 += kBatch * th.nthreads) {
+    float x[kBatch][kVec];
+    DS_UNROLL for (int b = 0; b < kBatch; ++b) {
+      const int u = u0 + b * th.nthreads;
+      if (u < total) {
+        load(u, x[b]);
+      } else {
+        DS_UNROLL for (int e = 0; e < kVec; ++e) x[b][e] = 0.0f;
+      }
+    }
+    DS_UNROLL for (int b = 0; b < kBatch; ++b) {
+      const int u = u0 + b * th.nthreads;
+      if (u < total) store(u, x[b]);
+    }
+  }
+}
+
+// Fills the header's query row offsets for rows [0, rows) (threads < rows; sync before use).
+DS_KDEV void set_query_rows(const AttnParams& p, const Thread& th, const Tile& t, int rows,
+                            const Header& hd) {
+  if (th.tid >= rows) return;
+  const RowInfo ri = row_info(p, t, th.tid);
+  hd.q_off[th.tid] = ri.valid ? ri.token * p.q_ts + ri.head * p.q_hs : -1;
+  hd.q2_off[th.tid] = ri.valid ? ri.token * p.q2_ts + ri.head * p.q2_hs : -1;
+}
+
+// Query element d of CTA row r through the header's offsets, 0 past dim or for empty rows.
+DS_KDEV float query_elem(const AttnParams& p, const Header& hd, int r, int d) {
+  const int64_t off = hd.q_off[r];
+  if (off < 0) return 0.0f;
+  if (d < p.q_dims) return *reinterpret_cast<const float*>(p.q + off + int64_t(d) * 4);
+  if (d < p.dim)
+    return *reinterpret_cast<const float*>(p.q2 + hd.q2_off[r] + int64_t(d - p.q_dims) * 4);
+  return 0.0f;
+}
+
+// Cache slot of position j of sequence seq.
+DS_KDEV int64_t slot_of(const AttnParams& p, int seq, int j) {
+  const int block = p.block_tables[int64_t(seq) * p.max_blocks_per_seq + j / p.block_size];
+  return int64_t(block) * p.block_size + j % p.block_size;
+}
+
+struct alignas(16) Vec4f {
+  float x[4];
+};
+struct alignas(8) Vec4h {
+  uint16_t x[4];
+};
+
+// Elements [d, d + 4) of a cache row of n elements as F32 (0 past n).
+DS_KDEV void load4(const uint8_t* row, int d, int n, int type, bool vec, float (&x)[4]) {
+  if (vec && d + 4 <= n) {
+    check_aligned(row + int64_t(d) * (type == kCacheF32 ? 4 : 2), type == kCacheF32 ? 16 : 8);
+    if (type == kCacheF32) {
+      const Vec4f v = *reinterpret_cast<const Vec4f*>(row + int64_t(d) * 4);
+      DS_UNROLL for (int i = 0; i < 4; ++i) x[i] = v.x[i];
+    } else {
+      const Vec4h v = *reinterpret_cast<const Vec4h*>(row + int64_t(d) * 2);
+      DS_UNROLL for (int i = 0; i < 4; ++i) {
+        x[i] = type == kCacheBF16 ? bf16_bits_to_float(v.x[i]) : f16_bits_to_float(v.x[i]);
+      }
+    }
+    return;
+  }
+  DS_UNROLL for (int i = 0; i < 4; ++i) {
+    const int e = d + i;
+    if (e >= n) {
+      x[i] = 0.0f;
+    } else if (type == kCacheF32) {
+      x[i] = *reinterpret_cast<const float*>(row + int64_t(e) * 4);
+    } else {
+      const uint16_t h = *reinterpret_cast<const uint16_t*>(row + int64_t(e) * 2);
+      x[i] = type == kCacheBF16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
+    }
+  }
+}
+
+DS_KDEV int64_t part_row(const AttnParams& p, int split, int token, int head) {
+  return (int64_t(split) * p.num_tokens + token) * p.heads + head;
+}
+
+// An empty split (its keys lie past the tile's context) still reports every row it owns, so
+// the merge can skip it: max = -inf, sum = 0.
+DS_KDEV void write_empty_split(const AttnParams& p, const Thread& th, const Tile& t, int rows) {
+  if (t.dvi != 0) return;
+  for (int r = th.tid; r < rows; r += th.nthreads) {
+    const RowInfo ri = row_info(p, t, r);
+    if (!ri.valid) continue;
+    float* ml = p.part_ml + part_row(p, t.split, ri.token, ri.head) * 2;
+    ml[0] = -INFINITY;
+    ml[1] = 0.0f;
+  }
+}
+
+// Split-K merge: one CTA per (token, head) row; every split's partial is rescaled to the
+// common max. Splits that saw no key of this row (max = -inf) are skipped.
+struct MergeParams {
+  const float* part_o = nullptr;   // [splits, num_tokens, heads, dv]
+  const float* part_ml = nullptr;  // [splits, num_tokens, heads, 2]
+  uint8_t* out = nullptr;
+  int64_t out_ts = 0, out_hs = 0;
+  int num_tokens = 0, heads = 0, dv = 0, splits = 1;
+};
+
+DS_KDEV void merge_splits(const MergeParams& m, const Thread& th) {
+  const int row = th.bx;  // token * heads + head
+  const int token = row / m.heads, head = row % m.heads;
+  const int64_t stride = int64_t(m.num_tokens) * m.heads;
+  float mx = -INFINITY;
+  for (int s = 0; s < m.splits; ++s) mx = fmaxf(mx, m.part_ml[(s * stride + row) * 2]);
+  float sum = 0.0f;
+  for (int s = 0; s < m.splits; ++s) {
+    const float ms = m.part_ml[(s * stride + row) * 2];
+    if (ms != -INFINITY) sum += m.part_ml[(s * stride + row) * 2 + 1] * exp2_approx(ms - mx);
+  }
+  const float inv = 1.0f / sum;
+  float* out = reinterpret_cast<float*>(m.out + token * m.out_ts + head * m.out_hs);
+  for (int d = th.tid; d < m.dv; d += th.nthreads) {
+    float acc = 0.0f;
+    for (int s = 0; s < m.splits; ++s) {
+      const float ms = m.part_ml[(s * stride + row) * 2];
+      if (ms != -INFINITY) acc += m.part_o[(s * stride + row) * m.dv + d] * exp2_approx(ms - mx);
+    }
+    out[d] = acc * inv;
+  }
+}
+
+}  // namespace ds::cuda::kern

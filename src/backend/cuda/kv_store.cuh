@@ -1,0 +1,24 @@
+// Writes a step's keys and values into a paged KV cache.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/backend.h"
+#include "backend/cuda/common.cuh"
+
+namespace ds::cuda {
+
+struct StoreKvArgs {
+  TensorView k;                           // [T, kv_heads, head_dim] F32, strided in T and heads
+  TensorView v;                           // likewise; ignored for a latent cache (kv.v == nullptr)
+  PagedKv kv;                             // F32, F16 or BF16
+  const int32_t* slot_mapping = nullptr;  // [T] device
+  int num_tokens = 0;
+  DeviceErrors* errors = nullptr;  // a slot outside the cache sets bad_slot; nothing is written
+};
+
+void launch_store_kv(const StoreKvArgs& a, cudaStream_t stream);
+
+}  // namespace ds::cuda

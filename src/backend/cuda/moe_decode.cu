@@ -1,0 +1,401 @@
+// Decode-path experts: bandwidth-bound "grouped GEMV" kernels. A CTA owns (touched expert,
+// tile of weight rows), streams that tile once per pass of up to TC tokens with 16-byte
+// loads, and multiplies it against the expert's tokens, staged in shared memory as F32.
+// Each output element is one lane-strided F32 dot product plus a fixed butterfly reduction,
+// so it depends only on its own token: results are deterministic and batch-invariant.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <string>
+
+#include "backend/cuda/moe.cuh"
+#include "core/error.h"
+
+namespace ds::cuda::moe {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = 4;    // weight rows a warp streams together (x is reused across them)
+constexpr int kUnroll = 2;  // 16-byte chunks per row a lane has in flight
+
+template <WeightKind K>
+struct Vec;  // elements per 16-byte chunk
+template <>
+struct Vec<WeightKind::BF16> {
+  static constexpr int kElems = 8;
+};
+template <>
+struct Vec<WeightKind::F16> {
+  static constexpr int kElems = 8;
+};
+template <>
+struct Vec<WeightKind::F32> {
+  static constexpr int kElems = 4;
+};
+
+__device__ __forceinline__ void word_to_float2(uint32_t w, WeightKind k, float& lo, float& hi) {
+  if (k == WeightKind::BF16) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+  } else {
+    lo = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+    hi = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+  }
+}
+
+template <WeightKind K>
+__device__ __forceinline__ void chunk_to_float(const uint4& v, float (&f)[Vec<K>::kElems]) {
+  if constexpr (K == WeightKind::F32) {
+    f[0] = __uint_as_float(v.x);
+    f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  } else {
+    word_to_float2(v.x, K, f[0], f[1]);
+    word_to_float2(v.y, K, f[2], f[3]);
+    word_to_float2(v.z, K, f[4], f[5]);
+    word_to_float2(v.w, K, f[6], f[7]);
+  }
+}
+
+// Shared-memory index of element k of a staged row: chunk c's V floats are split into
+// 4-float parts stored part-major ([part][chunk][4]), so a warp reading one part of 32
+// consecutive chunks touches consecutive 16-byte words (no bank conflicts).
+template <int V>
+__device__ __forceinline__ int stage_index(int k, int chunks) {
+  if constexpr (V == 4) {
+    return k;
+  } else {
+    return ((k & 7) >> 2) * chunks * 4 + (k >> 3) * 4 + (k & 3);
+  }
+}
+
+// Copies nt rows of length K (F32, global) into shared memory in the staged layout.
+template <int V>
+__device__ __forceinline__ void stage_rows(float* xs, const float* src, int64_t src_stride,
+                                           const int* row_ids, int row_base, int nt, int K) {
+  const int chunks = K / V;
+  for (int j = 0; j < nt; ++j) {
+    const int64_t r = row_ids ? row_ids[row_base + j] : row_base + j;
+    const float* s = src + r * src_stride;
+    for (int k = threadIdx.x; k < K; k += kThreads) xs[j * K + stage_index<V>(k, chunks)] = s[k];
+  }
+}
+
+// acc[r][j] = dot(row r, staged token j) for j < nt, summed over the whole warp (every
+// lane ends with the same value). Rows are byte pointers to 16-byte aligned rows of K
+// elements.
+template <WeightKind K, int TC>
+__device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], int chunks,
+                                         const float* xs, int Klen, int nt,
+                                         float (&acc)[kRows][TC]) {
+  constexpr int V = Vec<K>::kElems;
+  constexpr int P = V / 4;
+  const int lane = threadIdx.x & 31;
+  const float4* xs4 = reinterpret_cast<const float4*>(xs);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int j = 0; j < TC; ++j) acc[r][j] = 0.0f;
+
+  for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
+    uint4 w[kUnroll][kRows];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + 32 * u;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        w[u][r] = c < chunks ? __ldg(reinterpret_cast<const uint4*>(rows[r]) + c)
+                             : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < chunks) {
+        float wf[kRows][V];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) chunk_to_float<K>(w[u][r], wf[r]);
+#pragma unroll
+        for (int j = 0; j < TC; ++j) {
+          if (j < nt) {
+            float xv[V];
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+              const float4 q = xs4[(j * Klen) / 4 + p * chunks + c];
+              xv[4 * p + 0] = q.x;
+              xv[4 * p + 1] = q.y;
+              xv[4 * p + 2] = q.z;
+              xv[4 * p + 3] = q.w;
+            }
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+#pragma unroll
+              for (int i = 0; i < V; ++i) acc[r][j] = fmaf(wf[r][i], xv[i], acc[r][j]);
+          }
+        }
+      }
+    }
+  }
+  // xor butterfly: partners add the same two values, so all lanes agree bit for bit.
+#pragma unroll
+  for (int j = 0; j < TC; ++j) {
+    if (j < nt) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[r][j] += __shfl_xor_sync(kFull, acc[r][j], off);
+    }
+  }
+}
+
+// Starts pulling a warp's first rows toward L2 while the activations are being staged, so
+// the CTA's weight stream does not wait behind the staging's latency.
+__device__ __forceinline__ void prefetch_l2(const uint8_t* const (&rows)[kRows], int row_bytes) {
+  const int lane = threadIdx.x & 31;
+  for (int b = lane * 128; b < row_bytes; b += 32 * 128) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) asm volatile("prefetch.global.L2 [%0];" ::"l"(rows[r] + b));
+  }
+}
+
+__device__ __forceinline__ float silu(float g) {
+  return g / (1.0f + expf(-g));
+}
+
+// Grid (ceil(F / rows_per_cta), min(E, N)); a warp's unit is 2 F-rows of gate and up.
+template <WeightKind K, int TC>
+__global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int units_per_cta) {
+  constexpr int V = Vec<K>::kElems;
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
+  const int slot = blockIdx.y;
+  if (slot >= *a.lists.n_active) return;
+  const int e = a.lists.active[slot];
+  const int begin = a.lists.offsets[e];
+  const int count = a.lists.offsets[e + 1] - begin;
+  const ExpertPtrs ex = a.experts[e];
+  const int esize = K == WeightKind::F32 ? 4 : 2;
+  const int64_t gate_ld = ex.gate_ld * esize;
+  const int64_t up_ld = ex.up_ld * esize;
+  const uint8_t* gate = static_cast<const uint8_t*>(ex.gate);
+  const uint8_t* up = static_cast<const uint8_t*>(ex.up);
+  const int F = a.inter;
+  const int chunks = a.hidden / V;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int f_tile = blockIdx.x * units_per_cta * 2;
+  // Weight rows of unit u: gate and up of F-rows f0 and f1 (the last row twice for odd F).
+  auto unit_rows = [&](int f0, const uint8_t*(&rows)[kRows]) {
+    const int f1 = min(f0 + 1, F - 1);
+    rows[0] = gate + f0 * gate_ld;
+    rows[1] = up + f0 * up_ld;
+    rows[2] = gate + f1 * gate_ld;
+    rows[3] = up + f1 * up_ld;
+  };
+  if (f_tile + 2 * warp < F) {
+    const uint8_t* rows[kRows];
+    unit_rows(f_tile + 2 * warp, rows);
+    prefetch_l2(rows, a.hidden * esize);
+  }
+
+  for (int t0 = 0; t0 < count; t0 += TC) {
+    const int nt = min(TC, count - t0);
+    if (t0 > 0) __syncthreads();  // the previous pass is done reading xs
+    stage_rows<V>(xs, a.x, a.x_stride, a.lists.sorted_token, begin + t0, nt, a.hidden);
+    __syncthreads();
+    for (int u = warp; u < units_per_cta; u += kWarps) {
+      const int f0 = f_tile + 2 * u;
+      if (f0 >= F) break;
+      const uint8_t* rows[kRows];
+      unit_rows(f0, rows);
+      float acc[kRows][TC];
+      dot_rows<K, TC>(rows, chunks, xs, a.hidden, nt, acc);
+#pragma unroll
+      for (int j = 0; j < TC; ++j) {
+        if (j < nt && lane == j) {
+          float* hrow = a.h + int64_t(begin + t0 + j) * F;
+          hrow[f0] = silu(acc[0][j]) * acc[1][j];
+          if (f0 + 1 < F) hrow[f0 + 1] = silu(acc[2][j]) * acc[3][j];
+        }
+      }
+    }
+  }
+}
+
+// Grid (ceil(hidden / rows_per_cta), min(E, N)); a warp's unit is kRows hidden rows of down.
+template <WeightKind K, int TC>
+__global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int units_per_cta) {
+  constexpr int V = Vec<K>::kElems;
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
+  const int slot = blockIdx.y;
+  if (slot >= *a.lists.n_active) return;
+  const int e = a.lists.active[slot];
+  const int begin = a.lists.offsets[e];
+  const int count = a.lists.offsets[e + 1] - begin;
+  const ExpertPtrs ex = a.experts[e];
+  const int esize = K == WeightKind::F32 ? 4 : 2;
+  const int64_t down_ld = ex.down_ld * esize;
+  const uint8_t* down = static_cast<const uint8_t*>(ex.down);
+  const int F = a.inter;
+  const int H = a.hidden;
+  const int chunks = F / V;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int r_tile = blockIdx.x * units_per_cta * kRows;
+  // Weight rows of unit u: down rows r0.. (the last row repeated past H).
+  auto unit_rows = [&](int r0, const uint8_t*(&rows)[kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) rows[r] = down + min(r0 + r, H - 1) * down_ld;
+  };
+  if (r_tile + kRows * warp < H) {
+    const uint8_t* rows[kRows];
+    unit_rows(r_tile + kRows * warp, rows);
+    prefetch_l2(rows, F * esize);
+  }
+
+  for (int t0 = 0; t0 < count; t0 += TC) {
+    const int nt = min(TC, count - t0);
+    if (t0 > 0) __syncthreads();
+    stage_rows<V>(xs, a.h, F, nullptr, begin + t0, nt, F);
+    __syncthreads();
+    for (int u = warp; u < units_per_cta; u += kWarps) {
+      const int r0 = r_tile + kRows * u;
+      if (r0 >= H) break;
+      const uint8_t* rows[kRows];
+      unit_rows(r0, rows);
+      float acc[kRows][TC];
+      dot_rows<K, TC>(rows, chunks, xs, F, nt, acc);
+#pragma unroll
+      for (int j = 0; j < TC; ++j) {
+        if (j < nt && lane == j) {
+          float* yrow = a.y + int64_t(begin + t0 + j) * H;
+#pragma unroll
+          for (int r = 0; r < kRows; ++r)
+            if (r0 + r < H) yrow[r0 + r] = acc[r][j];
+        }
+      }
+    }
+  }
+}
+
+// Tokens per pass: n_e <= T when a token's experts are distinct, so small steps get small
+// passes (less shared memory, more CTAs per SM); capped by the staging budget.
+int pick_tc(int64_t num_tokens, int K) {
+  int tc = 1;
+  while (tc < 8 && tc < num_tokens) tc <<= 1;
+  while (tc > 1 && int64_t(tc) * K * 4 > kDecodeStageBytes) tc >>= 1;
+  return tc;
+}
+
+// Row units per CTA grow with TC so the staged activations stay small against the weights
+// streamed by the CTA.
+int units_for(int tc) {
+  return kWarps * (tc >= 2 ? tc / 2 : 1);
+}
+
+template <WeightKind K, int TC>
+void launch_down(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream) {
+  const int units = units_for(TC);
+  const int rows = units * kRows;
+  const dim3 grid(unsigned((a.hidden + rows - 1) / rows), slots);
+  const size_t smem = size_t(TC) * a.inter * 4;
+  down_kernel<K, TC><<<grid, kThreads, smem, stream>>>(a, units);
+}
+
+template <WeightKind K, int TC>
+void launch_gate_up(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream) {
+  const int units = units_for(TC);
+  const int rows = units * 2;
+  const dim3 grid(unsigned((a.inter + rows - 1) / rows), slots);
+  const size_t smem = size_t(TC) * a.hidden * 4;
+  gate_up_kernel<K, TC><<<grid, kThreads, smem, stream>>>(a, units);
+}
+
+template <WeightKind K>
+void launch_kind(const DecodeFfnArgs& a, int tc_gu, int tc_dn, unsigned slots,
+                 cudaStream_t stream) {
+  switch (tc_gu) {
+    case 1:
+      launch_gate_up<K, 1>(a, slots, stream);
+      break;
+    case 2:
+      launch_gate_up<K, 2>(a, slots, stream);
+      break;
+    case 4:
+      launch_gate_up<K, 4>(a, slots, stream);
+      break;
+    default:
+      launch_gate_up<K, 8>(a, slots, stream);
+      break;
+  }
+  switch (tc_dn) {
+    case 1:
+      launch_down<K, 1>(a, slots, stream);
+      break;
+    case 2:
+      launch_down<K, 2>(a, slots, stream);
+      break;
+    case 4:
+      launch_down<K, 4>(a, slots, stream);
+      break;
+    default:
+      launch_down<K, 8>(a, slots, stream);
+      break;
+  }
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string("CUDA moe ") + what + ": " + cudaGetErrorString(e));
+}
+
+template <WeightKind K>
+void prepare_kind() {
+  const int bytes = kDecodeStageBytes;
+  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  check(cudaFuncSetAttribute(gate_up_kernel<K, 1>, attr, bytes), "smem limit");
+  check(cudaFuncSetAttribute(gate_up_kernel<K, 2>, attr, bytes), "smem limit");
+  check(cudaFuncSetAttribute(gate_up_kernel<K, 4>, attr, bytes), "smem limit");
+  check(cudaFuncSetAttribute(gate_up_kernel<K, 8>, attr, bytes), "smem limit");
+  check(cudaFuncSetAttribute(down_kernel<K, 1>, attr, bytes), "smem limit");
+  check(cudaFuncSetAttribute(down_kernel<K, 2>, attr, bytes), "smem limit");
+  check(cudaFuncSetAttribute(down_kernel<K, 4>, attr, bytes), "smem limit");
+  check(cudaFuncSetAttribute(down_kernel<K, 8>, attr, bytes), "smem limit");
+}
+
+}  // namespace
+
+void prepare_decode_kernels() {
+  prepare_kind<WeightKind::BF16>();
+  prepare_kind<WeightKind::F16>();
+  prepare_kind<WeightKind::F32>();
+}
+
+void launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
+  const int V = a.kind == WeightKind::F32 ? 4 : 8;
+  if (a.hidden % V != 0 || a.inter % V != 0)
+    throw UnsupportedError("cuda moe_ffn: hidden and F must be multiples of " + std::to_string(V));
+  if (int64_t(a.hidden) * 4 > kDecodeStageBytes || int64_t(a.inter) * 4 > kDecodeStageBytes)
+    throw UnsupportedError("cuda moe_ffn: hidden / F too large for the decode kernels");
+  const int64_t n = a.num_tokens * a.top_k;
+  const unsigned slots = unsigned(std::min<int64_t>(a.num_experts, n));
+  const int tc_gu = pick_tc(a.num_tokens, a.hidden);
+  const int tc_dn = pick_tc(a.num_tokens, a.inter);
+  switch (a.kind) {
+    case WeightKind::BF16:
+      launch_kind<WeightKind::BF16>(a, tc_gu, tc_dn, slots, stream);
+      break;
+    case WeightKind::F16:
+      launch_kind<WeightKind::F16>(a, tc_gu, tc_dn, slots, stream);
+      break;
+    case WeightKind::F32:
+      launch_kind<WeightKind::F32>(a, tc_gu, tc_dn, slots, stream);
+      break;
+  }
+  check(cudaGetLastError(), "decode kernels");
+}
+
+}  // namespace ds::cuda::moe

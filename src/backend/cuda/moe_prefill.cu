@@ -1,0 +1,110 @@
+// Prefill-path experts: tokens gathered per expert into contiguous BF16 rows, then cuBLAS
+// tensor-core GEMMs for every touched expert (gate and up into one F32 [n, 2F] block, SiLU
+// and multiply to BF16, down into F32). Reads the per-expert counts to the host once.
+#include <cuda_bf16.h>
+
+#include <string>
+#include <vector>
+
+#include "backend/cuda/moe.cuh"
+#include "core/error.h"
+
+namespace ds::cuda::moe {
+namespace {
+
+constexpr int kThreads = 256;
+
+// act[p, :] = bf16(x[sorted_token[p], :]); one block per sorted position below *assigned.
+__global__ void gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride,
+                                   const int* __restrict__ sorted_token,
+                                   const int* __restrict__ assigned, int hidden,
+                                   __nv_bfloat16* __restrict__ act) {
+  const int64_t p = blockIdx.x;
+  if (p >= *assigned) return;
+  const float* src = x + int64_t(sorted_token[p]) * x_stride;
+  __nv_bfloat16* dst = act + p * hidden;
+  for (int k = threadIdx.x; k < hidden; k += kThreads) dst[k] = __float2bfloat16_rn(src[k]);
+}
+
+// act[p, f] = bf16(silu(gu[p, f]) * gu[p, F + f]).
+__global__ void silu_mul_bf16_kernel(const float* __restrict__ gu, int F,
+                                     __nv_bfloat16* __restrict__ act) {
+  const int64_t p = blockIdx.x;
+  const float* g = gu + p * 2 * F;
+  __nv_bfloat16* dst = act + p * F;
+  for (int f = threadIdx.x; f < F; f += kThreads) {
+    const float v = g[f];
+    dst[f] = __float2bfloat16_rn(v / (1.0f + expf(-v)) * g[F + f]);
+  }
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string("CUDA moe ") + what + ": " + cudaGetErrorString(e));
+}
+
+void check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw Error(std::string("cuBLAS moe ") + what + ": " + cublasGetStatusString(s));
+}
+
+// Row-major C[n, m] = B[n, k] * A[m, k]^T (row strides ldc, ldb, lda in elements): in cuBLAS's
+// column-major terms C^T (m x n) = op_T(A) (m x k) * B^T (k x n).
+void gemm_bf16(cublasHandle_t h, int m, int n, int k, const void* A, int64_t lda, const void* B,
+               int64_t ldb, float* C, int64_t ldc) {
+  const float one = 1.0f;
+  const float zero = 0.0f;
+  check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, A, CUDA_R_16BF, int(lda), B,
+                     CUDA_R_16BF, int(ldb), &zero, C, CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT),
+        "gemm");
+}
+
+}  // namespace
+
+void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
+  const int64_t n = a.num_tokens * a.top_k;
+  const int E = a.num_experts;
+  const int H = a.hidden;
+  const int F = a.inter;
+  auto* act = static_cast<__nv_bfloat16*>(a.act);
+
+  // Gather first (positions past the last valid one exit), then read the counts.
+  if (n > 0) {
+    gather_bf16_kernel<<<unsigned(n), kThreads, 0, stream>>>(a.x, a.x_stride, a.lists.sorted_token,
+                                                             a.lists.offsets + E, H, act);
+    check(cudaGetLastError(), "gather");
+  }
+  std::vector<int> offsets(size_t(E) + 1);
+  check(cudaMemcpyAsync(offsets.data(), a.lists.offsets, offsets.size() * sizeof(int),
+                        cudaMemcpyDeviceToHost, stream),
+        "offsets download");
+  check(cudaStreamSynchronize(stream), "offsets sync");
+  const int64_t assigned = offsets[size_t(E)];
+  DS_CHECK(assigned >= 0 && assigned <= n, "moe_ffn: bad expert offsets");
+
+  check(cublasSetStream(a.cublas, stream), "set stream");
+  for (int e = 0; e < E; ++e) {
+    const int begin = offsets[size_t(e)];
+    const int count = offsets[size_t(e) + 1] - begin;
+    if (count <= 0) continue;
+    const ExpertPtrs& ex = a.experts[e];
+    const __nv_bfloat16* xe = act + int64_t(begin) * H;
+    float* gu = a.gu + int64_t(begin) * 2 * F;
+    gemm_bf16(a.cublas, F, count, H, ex.gate, ex.gate_ld, xe, H, gu, 2 * F);
+    gemm_bf16(a.cublas, F, count, H, ex.up, ex.up_ld, xe, H, gu + F, 2 * F);
+  }
+  if (assigned > 0) {
+    silu_mul_bf16_kernel<<<unsigned(assigned), kThreads, 0, stream>>>(a.gu, F, act);
+    check(cudaGetLastError(), "silu");
+  }
+  for (int e = 0; e < E; ++e) {
+    const int begin = offsets[size_t(e)];
+    const int count = offsets[size_t(e) + 1] - begin;
+    if (count <= 0) continue;
+    const ExpertPtrs& ex = a.experts[e];
+    gemm_bf16(a.cublas, H, count, F, ex.down, ex.down_ld, act + int64_t(begin) * F, F,
+              a.gu + int64_t(begin) * H, H);
+  }
+}
+
+}  // namespace ds::cuda::moe

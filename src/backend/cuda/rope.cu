@@ -1,0 +1,54 @@
+#include <algorithm>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/rope.cuh"
+
+namespace ds::cuda {
+namespace {
+
+// One block per token: cos/sin of each pair once in shared memory, then every head.
+__global__ void rope_kernel(void* x, int64_t stride_t, int64_t stride_h, int heads,
+                            const int32_t* __restrict__ positions,
+                            const float* __restrict__ inv_freq, int half, bool adjacent,
+                            float attn_factor) {
+  extern __shared__ float cs_sn[];  // [2 * half]: cos then sin
+  const int64_t t = blockIdx.x;
+  const float pos = float(positions[t]);
+  for (int i = int(threadIdx.x); i < half; i += int(blockDim.x)) {
+    float s, c;
+    sincosf(pos * inv_freq[i], &s, &c);
+    cs_sn[i] = c * attn_factor;
+    cs_sn[half + i] = s * attn_factor;
+  }
+  __syncthreads();
+  char* row = static_cast<char*>(x) + t * stride_t;
+  for (int j = int(threadIdx.x); j < heads * half; j += int(blockDim.x)) {
+    const int h = j / half, i = j % half;
+    float* v = reinterpret_cast<float*>(row + int64_t(h) * stride_h);
+    const int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + half;
+    const float x0 = v[a], x1 = v[b], c = cs_sn[i], s = cs_sn[half + i];
+    v[a] = x0 * c - x1 * s;
+    v[b] = x0 * s + x1 * c;
+  }
+}
+
+}  // namespace
+
+void launch_rope(const RopeArgs& a, cudaStream_t stream) {
+  DS_CHECK(a.x.dtype == DType::F32 && a.x.ndim == 3, "rope takes [T, heads, head_dim] F32");
+  DS_CHECK(a.rotary_dim > 0 && a.rotary_dim % 2 == 0 && a.rotary_dim <= a.x.shape[2],
+           "rope: rotary_dim " + std::to_string(a.rotary_dim) + " for head_dim " +
+               std::to_string(a.x.shape[2]));
+  check_inner_dense(a.x, "rope");
+  const int64_t tokens = a.x.shape[0], heads = a.x.shape[1];
+  if (tokens == 0 || heads == 0) return;
+  DS_CHECK(tokens < (int64_t(1) << 31), "rope: too many tokens");
+  const int half = a.rotary_dim / 2;
+  const int threads = int(std::clamp<int64_t>((heads * half + 31) / 32 * 32, 32, 256));
+  rope_kernel<<<unsigned(tokens), threads, size_t(2 * half) * sizeof(float), stream>>>(
+      a.x.data, a.x.stride[0], a.x.stride[1], int(heads), a.positions, a.inv_freq, half,
+      a.style == RopeStyle::Adjacent, a.attn_factor);
+  check_cuda(cudaGetLastError(), "rope");
+}
+
+}  // namespace ds::cuda

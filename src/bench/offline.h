@@ -1,0 +1,37 @@
+// Offline mode: requests go straight to an in-process Engine; token times are the engine's
+// own timestamps, so step times are exact.
+#pragma once
+
+#include <string>
+
+#include "bench/target.h"
+#include "engine/engine.h"
+
+namespace ds {
+
+struct OfflineTargetConfig {
+  std::string device = "cpu";   // "cuda": device memory is sampled (CUDA builds)
+  DType kv_dtype = DType::F32;  // what the roofline counts per cached token
+};
+
+class OfflineTarget : public BenchTarget {
+ public:
+  OfflineTarget(Engine& engine, Model& model, OfflineTargetConfig cfg);
+  std::string mode() const override { return "offline"; }
+  BenchResult run(const BenchRequest& req) override;
+  TargetSnapshot snapshot() override;
+  std::optional<RooflineModel> roofline() const override;
+  bool engine_timestamps() const override { return true; }
+
+ private:
+  Engine& engine_;
+  Model& model_;
+  OfflineTargetConfig cfg_;
+};
+
+// This process's peak resident set (VmHWM in /proc/self/status), in bytes.
+std::optional<double> peak_rss_bytes();
+// Device memory in use (total - free, the whole device) on CUDA builds; nullopt otherwise.
+std::optional<double> gpu_memory_used_bytes();
+
+}  // namespace ds

@@ -1,0 +1,220 @@
+#include "bench/report.h"
+
+#include <array>
+#include <ctime>
+#include <fstream>
+#include <thread>
+
+namespace ds {
+namespace {
+
+using Json = nlohmann::json;
+
+// A command's standard output, trimmed; nullopt when it fails or prints nothing.
+std::optional<std::string> command_output(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>/dev/null").c_str(), "r");
+  if (!p) return std::nullopt;
+  std::array<char, 4096> buf{};
+  std::string out;
+  while (fgets(buf.data(), int(buf.size()), p)) out += buf.data();
+  const int rc = pclose(p);
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r' || out.back() == ' '))
+    out.pop_back();
+  if (rc != 0 || out.empty()) return std::nullopt;
+  return out;
+}
+
+std::optional<std::string> cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::string v = line.substr(colon + 1);
+    while (!v.empty() && v.front() == ' ') v.erase(v.begin());
+    return v;
+  }
+  return std::nullopt;
+}
+
+template <class T>
+Json opt(const std::optional<T>& v) {
+  return v ? Json(*v) : Json();
+}
+
+Json summary_json(const std::optional<Summary>& s) {
+  if (!s)
+    return {
+        {"mean", nullptr}, {"p50", nullptr}, {"p90", nullptr}, {"p99", nullptr}, {"max", nullptr}};
+  return {{"mean", s->mean}, {"p50", s->p50}, {"p90", s->p90}, {"p99", s->p99}, {"max", s->max}};
+}
+
+std::string cell(const std::optional<double>& v, const char* fmt) {
+  if (!v) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, fmt, *v);
+  return buf;
+}
+
+}  // namespace
+
+SystemInfo collect_system_info(const std::string& command, const std::string& version) {
+  SystemInfo s;
+  if (auto g = command_output("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader")) {
+    const std::string first = g->substr(0, g->find('\n'));  // the first GPU
+    const size_t comma = first.rfind(',');
+    s.gpu = first.substr(0, comma);
+    if (comma != std::string::npos) {
+      std::string d = first.substr(comma + 1);
+      while (!d.empty() && d.front() == ' ') d.erase(d.begin());
+      s.driver = d;
+    }
+  }
+  s.cpu = cpu_model_name();
+  s.cpu_cores = int(std::thread::hardware_concurrency());
+#ifdef DEEPSERVE_SOURCE_DIR
+  const std::string git = std::string("git -C '") + DEEPSERVE_SOURCE_DIR + "' ";
+  s.commit = command_output(git + "rev-parse HEAD");
+  if (s.commit && command_output(git + "status --porcelain --untracked-files=no"))
+    *s.commit += "-dirty";
+#endif
+  s.command = command;
+  s.version = version;
+  const std::time_t now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  s.time_utc = buf;
+  return s;
+}
+
+std::optional<double> default_bandwidth_gbps(const std::string& device,
+                                             const std::optional<std::string>& gpu_name) {
+  if (device == "cuda" && gpu_name && gpu_name->find("H200") != std::string::npos) return 4190;
+  return std::nullopt;
+}
+
+Json scenario_json(const ScenarioResult& r) {
+  const BenchScenario& s = r.scenario;
+  Json j = {{"name", s.name},
+            {"concurrency", s.concurrency},
+            {"input_len", s.input_len},
+            {"output_len", s.output_len},
+            {"num_prompts", s.num_prompts},
+            {"request_rate", opt(r.rate)},
+            {"completed", r.completed},
+            {"failed", r.failed},
+            {"errors", r.errors},
+            {"finish_reasons", r.finish_reasons},
+            {"duration_s", r.duration_s},
+            {"prompt_tokens", r.prompt_tokens},
+            {"output_tokens", r.output_tokens},
+            {"client_output_tokens", r.client_output_tokens},
+            {"usage_output_tokens", opt(r.usage_output_tokens)},
+            {"requests_per_s", r.requests_per_s},
+            {"output_tokens_per_s", r.output_tokens_per_s},
+            {"total_tokens_per_s", r.total_tokens_per_s},
+            {"prompt_tokens_per_s", opt(r.prompt_tokens_per_s)},
+            {"decode_tokens_per_s", opt(r.decode_tokens_per_s)},
+            {"ttft_ms", summary_json(r.ttft_ms)},
+            {"tpot_ms", summary_json(r.tpot_ms)},
+            {"itl_ms", summary_json(r.itl_ms)},
+            {"e2e_ms", summary_json(r.e2e_ms)}};
+  j["step_time_ms"] = {{"mean", r.step_time_ms ? Json(r.step_time_ms->mean) : Json()},
+                       {"std", r.step_time_ms ? Json(r.step_time_ms->std) : Json()},
+                       {"steps", r.step_time_ms ? r.step_time_ms->count : 0},
+                       {"source", r.step_time_source.empty() ? Json() : Json(r.step_time_source)}};
+  j["peak_gpu_memory_gb"] = opt(r.peak_gpu_memory_gb);
+  j["peak_rss_gb"] = opt(r.peak_rss_gb);
+  j["kv_usage_peak"] = opt(r.kv_usage_peak);
+  j["kv_fragmentation"] = opt(r.kv_fragmentation);
+  j["prefix_cache_hit_rate"] = opt(r.prefix_cache_hit_rate);
+  j["preemptions"] = opt(r.preemptions);
+  j["roofline_fraction"] = opt(r.roofline_fraction);
+  j["roofline"] = {{"bytes_per_step_gb", opt(r.bytes_per_step_gb)},
+                   {"achieved_gbps", opt(r.achieved_gbps)},
+                   {"bandwidth_gbps", opt(r.bandwidth_gbps)},
+                   {"mean_decode_batch", opt(r.mean_decode_batch)},
+                   {"mean_context", opt(r.mean_context)}};
+  j["usd_per_million_output_tokens"] = opt(r.usd_per_million_output_tokens);
+  j["samples"] = {
+      {"ttft_ms", r.ttft_samples_ms}, {"tpot_ms", r.tpot_samples_ms}, {"e2e_ms", r.e2e_samples_ms}};
+  return j;
+}
+
+Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sys,
+                const ReportContext& ctx) {
+  Json scen = Json::array();
+  for (const auto& r : run.scenarios) scen.push_back(scenario_json(r));
+  const Json engine = {{"kv_cache_tokens", spec.engine.kv_cache_tokens},
+                       {"block_size", spec.engine.block_size},
+                       {"kv_mode", spec.engine.kv_mode},
+                       {"prefix_cache", spec.engine.prefix_cache},
+                       {"max_num_seqs", spec.engine.max_num_seqs},
+                       {"max_num_batched_tokens", spec.engine.max_num_batched_tokens}};
+  return {{"schema_version", 1},
+          {"name", spec.name},
+          {"description", spec.description},
+          {"mode", ctx.mode},
+          {"model", ctx.model},
+          {"url", ctx.url.empty() ? Json() : Json(ctx.url)},
+          {"system",
+           {{"gpu", opt(sys.gpu)},
+            {"driver", opt(sys.driver)},
+            {"cpu", opt(sys.cpu)},
+            {"cpu_cores", sys.cpu_cores},
+            {"commit", opt(sys.commit)},
+            {"command", sys.command},
+            {"version", sys.version},
+            {"time_utc", sys.time_utc}}},
+          {"config",
+           {{"device", ctx.device.empty() ? Json(spec.device) : Json(ctx.device)},
+            {"kv_dtype", spec.kv_dtype.empty() ? Json() : Json(spec.kv_dtype)},
+            {"threads", spec.threads},
+            {"precision", spec.precision},
+            {"engine", engine},
+            {"request_rate", opt(spec.rate)},
+            {"ignore_eos", spec.ignore_eos},
+            {"temperature", spec.temperature},
+            {"warmup", spec.warmup},
+            {"prompt", spec.prompt},
+            {"seed", spec.seed},
+            {"bandwidth_gbps",
+             opt(run.scenarios.empty() ? std::nullopt : run.scenarios[0].bandwidth_gbps)},
+            {"bandwidth_source", ctx.bandwidth_source}}},
+          {"warmup_s", run.warmup_s},
+          {"scenarios", scen}};
+}
+
+void print_table(std::FILE* out, const BenchRun& run) {
+  std::fprintf(out, "%-24s %5s %6s %5s %7s %9s %9s %9s %9s %15s %13s %13s %14s %8s %7s\n",
+               "scenario", "conc", "in", "out", "req/s", "out tok/s", "tot tok/s", "pp tok/s",
+               "tg tok/s", "TTFT p50/p99", "TPOT p50/p99", "E2E p50/p99", "step ms (std)",
+               "roofline", "mem GB");
+  for (const auto& r : run.scenarios) {
+    auto pair = [](const std::optional<Summary>& s, const char* fmt) {
+      if (!s) return std::string("-");
+      return cell(s->p50, fmt) + "/" + cell(s->p99, fmt);
+    };
+    const std::string step = r.step_time_ms ? cell(r.step_time_ms->mean, "%.2f") + " (" +
+                                                  cell(r.step_time_ms->std, "%.2f") + ")"
+                                            : "-";
+    const auto mem = r.peak_gpu_memory_gb ? r.peak_gpu_memory_gb : r.peak_rss_gb;
+    const std::optional<double> roof =
+        r.roofline_fraction ? std::optional<double>(*r.roofline_fraction * 100) : std::nullopt;
+    std::fprintf(out, "%-24s %5d %6d %5d %7.2f %9.1f %9.1f %9s %9s %15s %13s %13s %14s %8s %7s\n",
+                 r.scenario.name.c_str(), r.scenario.concurrency, r.scenario.input_len,
+                 r.scenario.output_len, r.requests_per_s, r.output_tokens_per_s,
+                 r.total_tokens_per_s, cell(r.prompt_tokens_per_s, "%.1f").c_str(),
+                 cell(r.decode_tokens_per_s, "%.1f").c_str(), pair(r.ttft_ms, "%.1f").c_str(),
+                 pair(r.tpot_ms, "%.2f").c_str(), pair(r.e2e_ms, "%.0f").c_str(), step.c_str(),
+                 cell(roof, "%.1f%%").c_str(), cell(mem, "%.2f").c_str());
+    if (r.failed)
+      std::fprintf(out, "  %d request(s) failed: %s\n", r.failed,
+                   r.errors.empty() ? "" : r.errors.front().c_str());
+  }
+  std::fprintf(out,
+               "(ms unless noted; pp = prompt tokens / TTFT and tg = 1 / TPOT, per request; "
+               "mem = peak GPU memory, else peak RSS)\n");
+}
+
+}  // namespace ds

@@ -1,0 +1,44 @@
+// The benchmark's outputs: the JSON document (schema in docs/BENCH.md) and the table.
+#pragma once
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "bench/runner.h"
+#include "bench/spec.h"
+
+namespace ds {
+
+struct SystemInfo {
+  std::optional<std::string> gpu, driver;  // from nvidia-smi when there is one
+  std::optional<std::string> cpu;          // /proc/cpuinfo's model name
+  int cpu_cores = 0;
+  std::optional<std::string> commit;  // git rev-parse HEAD of the source tree (+ "-dirty")
+  std::string command;
+  std::string version;
+  std::string time_utc;  // ISO 8601
+};
+
+// Looks the machine up (runs nvidia-smi and git when they exist).
+SystemInfo collect_system_info(const std::string& command, const std::string& version);
+
+// The default memory bandwidth for a device, GB/s (docs/BENCH.md): 4190 for an H200, else none.
+std::optional<double> default_bandwidth_gbps(const std::string& device,
+                                             const std::optional<std::string>& gpu_name);
+
+struct ReportContext {
+  std::string mode;   // offline | online
+  std::string model;  // path (offline) or served name (online)
+  std::string url;
+  std::string device;            // offline: the device the engine ran on
+  std::string bandwidth_source;  // "config", "default for <gpu>" or "none"
+};
+
+nlohmann::json scenario_json(const ScenarioResult& r);
+nlohmann::json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sys,
+                          const ReportContext& ctx);
+void print_table(std::FILE* out, const BenchRun& run);
+
+}  // namespace ds

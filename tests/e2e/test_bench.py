@@ -1,0 +1,176 @@
+"""`deepserve bench` on the embedded model: offline (in-process) and online (against a real
+`deepserve serve`), with small numbers. Schema: docs/BENCH.md."""
+import importlib.util
+import json
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+import requests
+
+KEY = "bench-key"
+SUMMARY = ("mean", "p50", "p90", "p99", "max")
+SCENARIO_FIELDS = (
+    "name", "concurrency", "input_len", "output_len", "num_prompts", "completed", "failed",
+    "output_tokens_per_s", "total_tokens_per_s", "requests_per_s", "ttft_ms", "tpot_ms",
+    "itl_ms", "e2e_ms", "step_time_ms", "peak_gpu_memory_gb", "peak_rss_gb", "kv_usage_peak",
+    "kv_fragmentation", "prefix_cache_hit_rate", "roofline_fraction",
+    "usd_per_million_output_tokens", "output_tokens", "client_output_tokens",
+    "usage_output_tokens", "samples",
+)
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def write_config(tmp_path, name, text):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def check_schema(doc, mode):
+    assert doc["mode"] == mode
+    for k in ("gpu", "driver", "cpu", "commit", "command"):
+        assert k in doc["system"], k
+    assert doc["system"]["cpu"]
+    assert "bench" in doc["system"]["command"]
+    for s in doc["scenarios"]:
+        for k in SCENARIO_FIELDS:
+            assert k in s, k
+        for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            for q in SUMMARY:
+                assert isinstance(s[k][q], float), (k, q, s[k])
+            assert s[k]["p50"] <= s[k]["p99"] <= s[k]["max"] + 1e-9
+        assert isinstance(s["step_time_ms"]["mean"], float)
+        assert isinstance(s["step_time_ms"]["std"], float)
+        assert s["failed"] == 0, s["errors"]
+        assert s["completed"] == s["num_prompts"]
+        assert len(s["samples"]["e2e_ms"]) == s["num_prompts"]
+        assert s["output_tokens_per_s"] > 0
+        assert s["total_tokens_per_s"] > s["output_tokens_per_s"]
+
+
+def test_offline_embedded_model(run, tmp_path):
+    cfg = write_config(tmp_path, "tiny", """
+threads: 2
+concurrency: [1, 2]
+input_len: 16
+output_len: 8
+warmup: 1
+bandwidth_gbps: 19.4
+engine:
+  kv_cache_tokens: 512
+""")
+    out = tmp_path / "r.json"
+    args = ["bench", "--config", cfg, "--output", out, "--gpu-hour-price", "2.5"]
+    if HAVE_MPL:
+        args += ["--plots", tmp_path / "plots"]
+    p = run(*args, timeout=120)
+    assert "c2_in16_out8" in p.stdout  # the table
+    doc = json.loads(out.read_text())
+    check_schema(doc, "offline")
+    assert [s["concurrency"] for s in doc["scenarios"]] == [1, 2]
+    for s in doc["scenarios"]:
+        n = s["num_prompts"]
+        # EOS ignored: every request runs to its length; the engine's usage agrees with the
+        # token events the client counted.
+        assert s["finish_reasons"] == {"length": n}
+        assert s["client_output_tokens"] == s["usage_output_tokens"] == s["output_tokens"] == 8 * n
+        assert s["prompt_tokens"] == 16 * n
+        assert s["peak_rss_gb"] > 0.05  # the model's weights alone are ~0.1 GB
+        assert s["peak_gpu_memory_gb"] is None
+        assert 0 <= s["kv_fragmentation"] < 1
+        assert s["prefix_cache_hit_rate"] == 0  # random prompts share no prefix
+        assert s["step_time_ms"]["source"].startswith("engine_token_timestamps")
+        assert s["roofline_fraction"] == pytest.approx(s["roofline"]["achieved_gbps"] / 19.4)
+        assert s["roofline_fraction"] > 0
+        # A decode step reads at least the quantized weights (~0.1 GB for SmolLM2-135M Q4_1).
+        assert 0.05 < s["roofline"]["bytes_per_step_gb"] < 0.3
+        assert s["usd_per_million_output_tokens"] == pytest.approx(
+            2.5 / 3600 / s["output_tokens_per_s"] * 1e6, rel=1e-9)
+        # Each request's decode spans (tokens - 1) steps.
+        assert s["tpot_ms"]["mean"] * 7 <= s["e2e_ms"]["max"]
+    if HAVE_MPL:
+        for name in ("throughput_vs_concurrency.png", "cdf_ttft.png", "cdf_tpot.png", "cdf_e2e.png"):
+            png = tmp_path / "plots" / name
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(deepserve, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("bench-server") / "server.log"
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(deepserve), "serve", "--threads", "2", "--port", str(port),
+                                 "--api-key", KEY], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited:\n{log_path.read_text()}")
+        try:
+            if requests.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError("server did not start:\n" + log_path.read_text())
+        time.sleep(0.2)
+    yield base
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=40) == 0, log_path.read_text()
+
+
+def generation_tokens(base):
+    r = requests.get(base + "/api/v1/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["generation_tokens_total"]
+
+
+def test_online_against_server(run, server, tmp_path):
+    cfg = write_config(tmp_path, "online", f"""
+concurrency: [1, 2]
+input_len: 16
+output_len: 8
+warmup: 1
+api_key: {KEY}
+count_tokens: logprobs
+""")
+    out = tmp_path / "online.json"
+    before = generation_tokens(server)
+    run("bench", "--config", cfg, "--url", server + "/v1", "--output", out, timeout=120)
+    after = generation_tokens(server)
+    doc = json.loads(out.read_text())
+    check_schema(doc, "online")
+    assert doc["model"] == "SmolLM2-135M-Instruct.Q4_1"
+    measured = 0
+    for s in doc["scenarios"]:
+        n = s["num_prompts"]
+        # The client's count of streamed tokens equals the server's usage fields.
+        assert s["client_output_tokens"] == s["usage_output_tokens"] == s["output_tokens"]
+        assert s["prompt_tokens"] == 16 * n
+        assert s["peak_rss_gb"] is None  # another process
+        assert s["step_time_ms"]["source"] == "itl"
+        assert s["kv_usage_peak"] is not None  # from GET /api/v1/metrics
+        measured += s["output_tokens"]
+    # And with the server's own counter (the warm-up request generated up to 8 more).
+    assert measured <= after - before <= measured + 8
+
+
+def test_bad_config_is_reported(run, tmp_path):
+    cfg = write_config(tmp_path, "bad", "input_len: 16\noutput_len: 8\nconcurency: [1]\n")
+    p = run("bench", "--config", cfg, check=False)
+    assert p.returncode == 1
+    assert "bad.yaml:3: unknown key 'concurency'" in p.stderr
+    cfg = write_config(tmp_path, "bad2", "input_len: sixteen\noutput_len: 8\n")
+    p = run("bench", "--config", cfg, check=False)
+    assert p.returncode == 1
+    assert "bad2.yaml:1: 'input_len' must be an integer" in p.stderr

@@ -1,0 +1,531 @@
+// CUDA paged attention and MLA against float64 references (and the CPU backend where it has
+// the op), over awkward shapes: query lengths 1 / 7 / 97 after cached prefixes, contexts up to
+// 5000 (split-K), heads not a power of two, GQA groups of 1, 3 and 4, head_dim 64 / 80 / 128 /
+// 256, block sizes 1 and 16 with shuffled block tables, F32 / F16 / BF16 caches, 64 and 256
+// decodes in one launch, strided views, and a CUDA graph replayed with new metadata. Both
+// kernel families (F32 SIMT and tensor cores) are pinned in turn. The launchers are called
+// directly with a Context of the test's own, so these tests do not depend on the backend's
+// wiring; one test per op also goes through the Backend when it supports the op.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "attention_reference.h"
+#include "backend/cuda/attention.cuh"
+#include "backend/cuda/context.cuh"
+
+namespace ds {
+namespace {
+
+using cuda::AttentionPath;
+
+void cuda_ok(cudaError_t e, const char* what) {
+  ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e);
+}
+
+// A stream and scratch buffers of the test's own, growing on demand like the backend's.
+class LaunchContext {
+ public:
+  LaunchContext() {
+    cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    ctx_.stream = stream_;
+    ctx_.sm_count = sms;
+    ctx_.scratch = [this](int slot, size_t bytes) -> void* {
+      Scratch& s = scratch_[slot];
+      if (s.bytes < bytes) {
+        if (s.ptr) cudaFree(s.ptr);
+        s.ptr = nullptr;
+        s.bytes = 0;
+        if (cudaMalloc(&s.ptr, bytes) != cudaSuccess) return nullptr;
+        s.bytes = bytes;
+      }
+      return s.ptr;
+    };
+  }
+  ~LaunchContext() {
+    for (auto& [slot, s] : scratch_) cudaFree(s.ptr);
+    cudaStreamDestroy(stream_);
+  }
+  const cuda::Context& get() const { return ctx_; }
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  struct Scratch {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  cudaStream_t stream_ = nullptr;
+  cuda::Context ctx_;
+  std::map<int, Scratch> scratch_;
+};
+
+LaunchContext& launch_context() {
+  static LaunchContext c;
+  return c;
+}
+
+const char* path_name(AttentionPath p) {
+  return p == AttentionPath::Simt ? "simt" : p == AttentionPath::TensorCore ? "mma" : "auto";
+}
+
+struct Case {
+  std::vector<test::StepSeq> seqs;
+  int heads = 16, kv_heads = 16, hd = 128;  // MLA: hd = R, kv_heads unused
+  int rope = 0;                             // MLA rope dims P; 0 = GQA
+  int block_size = 16;
+  DType dtype = DType::BF16;
+  bool causal = true;
+  bool strided = false;  // q inside a wider qkv buffer, out rows padded
+  AttentionPath path = AttentionPath::Auto;
+};
+
+std::string describe(const Case& c) {
+  std::string s = std::string(c.rope ? "mla" : "gqa") + " heads " + std::to_string(c.heads) +
+                  (c.rope ? " R " + std::to_string(c.hd) + " P " + std::to_string(c.rope)
+                          : "/" + std::to_string(c.kv_heads) + " hd " + std::to_string(c.hd)) +
+                  " bs " + std::to_string(c.block_size) + " " + std::string(dtype_name(c.dtype)) +
+                  " " + path_name(c.path) + (c.causal ? "" : " non-causal") +
+                  (c.strided ? " strided" : "") + ", " + std::to_string(c.seqs.size()) + " seqs";
+  if (c.seqs.size() <= 8)
+    for (const auto& q : c.seqs)
+      s += " " + std::to_string(q.query_len) + "/" + std::to_string(q.context_len);
+  return s;
+}
+
+int blocks_needed(const Case& c) {
+  int blocks = 0;
+  for (const auto& q : c.seqs) blocks += (q.context_len + c.block_size - 1) / c.block_size;
+  return blocks + 5;  // a few never referenced
+}
+
+// Everything one case needs on the GPU (and the host copies for the references).
+struct Inputs {
+  test::HostStep h;
+  test::BackendStep step;
+  test::BackendKv kv;
+  std::vector<float> q, q_rope;
+  test::BackendTensor q_buf, q_rope_buf, out_buf;
+  TensorView q_view, q_rope_view, out_view;
+  float scale = 1.0f;
+};
+
+Inputs make_inputs(const Case& c, uint32_t seed) {
+  Backend& gpu = test::cuda_backend();
+  Inputs in;
+  in.h = test::make_step(c.seqs, c.block_size, blocks_needed(c), seed);
+  in.step = test::upload_step(gpu, in.h);
+  const bool mla = c.rope > 0;
+  test::KvSpec spec;
+  spec.dtype = c.dtype;
+  spec.num_blocks = blocks_needed(c);
+  spec.block_size = c.block_size;
+  spec.kv_heads = mla ? 1 : c.kv_heads;
+  spec.head_dim = c.hd + c.rope;
+  spec.latent = mla;
+  in.kv = test::random_paged_kv(gpu, spec, seed + 1);
+  const int64_t T = in.h.num_tokens, H = c.heads;
+  // Peaked enough that masking or dropping one key shows, flat enough that many keys count.
+  in.scale = 2.0f / std::sqrt(float(c.hd + c.rope));
+  in.q = test::random_floats(size_t(T * H * c.hd), seed + 2);
+  in.q_rope = test::random_floats(size_t(T * H * c.rope), seed + 3);
+  const std::vector<float> nan_out(size_t(T * H * (c.hd + 16)),
+                                   std::numeric_limits<float>::quiet_NaN());
+  if (c.strided) {
+    // q = heads [kv, kv + H) of a [T, H + 2 kv, hd] buffer; out rows padded by 16 floats.
+    const int64_t wide = H + 2 * c.kv_heads;
+    std::vector<float> qkv(size_t(T * wide * c.hd), 7.0f);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        for (int d = 0; d < c.hd; ++d)
+          qkv[size_t((t * wide + c.kv_heads + h) * c.hd + d)] =
+              in.q[size_t((t * H + h) * c.hd + d)];
+    in.q_buf = test::upload_floats(gpu, DType::F32, {T, wide, c.hd}, qkv);
+    in.q_view = test::strided_view(in.q_buf.view, {T, H, c.hd}, {wide * c.hd * 4, c.hd * 4, 4},
+                                   c.kv_heads * c.hd * 4);
+    in.out_buf = test::upload_floats(gpu, DType::F32, {T, H, c.hd + 16}, nan_out);
+    in.out_view = test::strided_view(in.out_buf.view, {T, H, c.hd},
+                                     {H * (c.hd + 16) * 4, (c.hd + 16) * 4, 4});
+  } else {
+    in.q_buf = test::upload_floats(gpu, DType::F32, {T, H, c.hd}, in.q);
+    in.q_view = in.q_buf.view;
+    in.out_buf = test::upload_floats(gpu, DType::F32, {T, H, c.hd},
+                                     std::span<const float>(nan_out.data(), size_t(T * H * c.hd)));
+    in.out_view = in.out_buf.view;
+  }
+  if (mla) {
+    in.q_rope_buf = test::upload_floats(gpu, DType::F32, {T, H, c.rope}, in.q_rope);
+    in.q_rope_view = in.q_rope_buf.view;
+  }
+  gpu.synchronize();  // uploads ran on the backend's stream; the kernels run on ours
+  return in;
+}
+
+AttentionParams gqa_params(const Case& c, const Inputs& in) {
+  AttentionParams p;
+  p.q = in.q_view;
+  p.out = in.out_view;
+  p.kv = in.kv.kv;
+  p.scale = in.scale;
+  p.causal = c.causal;
+  return p;
+}
+
+MlaAttentionParams mla_params(const Case& c, const Inputs& in) {
+  MlaAttentionParams p;
+  p.q_latent = in.q_view;
+  p.q_rope = in.q_rope_view;
+  p.out = in.out_view;
+  p.cache = in.kv.kv;
+  p.kv_lora_rank = c.hd;
+  p.scale = in.scale;
+  p.causal = c.causal;
+  return p;
+}
+
+void launch(const Case& c, const Inputs& in) {
+  const cuda::Context& ctx = launch_context().get();
+  if (c.rope > 0)
+    cuda::mla_attention_on(ctx, mla_params(c, in), in.step.meta, c.path);
+  else
+    cuda::paged_attention_on(ctx, gqa_params(c, in), in.step.meta, c.path);
+  cuda_ok(cudaGetLastError(), "launch");
+  cuda_ok(cudaStreamSynchronize(launch_context().stream()), "attention kernels");
+}
+
+std::vector<double> reference(const Case& c, const Inputs& in) {
+  if (c.rope > 0)
+    return test::reference_mla(in.h, in.q, in.q_rope, in.kv.k_host, c.heads, c.hd, c.rope,
+                               c.block_size, in.scale, c.causal);
+  return test::reference_attention(in.h, in.q, in.kv.k_host, in.kv.v_host, c.heads, c.kv_heads,
+                                   c.hd, c.block_size, in.scale, c.causal);
+}
+
+// The output rows the view addresses (and, for padded rows, that the padding kept its NaNs).
+std::vector<float> read_out(const Case& c, const Inputs& in) {
+  Backend& gpu = test::cuda_backend();
+  const std::vector<uint8_t> bytes = test::download_bytes(gpu, in.out_buf);
+  if (c.strided) {
+    const std::vector<float> all = test::decode(DType::F32, bytes.data(), in.out_buf.numel());
+    const int row = c.hd + 16;
+    for (size_t r = 0; r < all.size() / size_t(row); ++r)
+      for (int d = c.hd; d < row; ++d)
+        EXPECT_TRUE(std::isnan(all[r * size_t(row) + size_t(d)])) << "padding written, row " << r;
+  }
+  return test::gather_view(bytes, in.out_buf.view.data, in.out_view);
+}
+
+// Runs the case on the GPU and checks it against float64 (and the CPU backend for GQA).
+void check_case(const Case& c, uint32_t seed) {
+  SCOPED_TRACE(describe(c));
+  const Inputs in = make_inputs(c, seed);
+  launch(c, in);
+  const std::vector<float> got = read_out(c, in);
+  const std::vector<int64_t> shape = {in.h.num_tokens, c.heads, c.hd};
+  EXPECT_TRUE(
+      test::all_close(got, reference(c, in), test::attention_tolerance(), "vs float64", shape));
+  if (c.rope == 0 && !c.strided) {
+    // The CPU backend on the same cache contents (same seed) and the same queries.
+    Backend& cpu = test::cpu_backend();
+    const test::BackendStep cstep = test::upload_step(cpu, in.h);
+    test::KvSpec spec;
+    spec.dtype = c.dtype;
+    spec.num_blocks = blocks_needed(c);
+    spec.block_size = c.block_size;
+    spec.kv_heads = c.kv_heads;
+    spec.head_dim = c.hd;
+    const test::BackendKv ckv = test::random_paged_kv(cpu, spec, seed + 1);
+    test::BackendTensor cq = test::upload_floats(cpu, DType::F32, shape, in.q);
+    test::BackendTensor cout = test::zeros(cpu, DType::F32, shape);
+    AttentionParams p;
+    p.q = cq.view;
+    p.out = cout.view;
+    p.kv = ckv.kv;
+    p.scale = in.scale;
+    p.causal = c.causal;
+    cpu.attention(p, cstep.meta);
+    const std::vector<float> want = test::download_floats(cpu, cout);
+    const test::Tolerance tol = test::attention_tolerance();
+    EXPECT_TRUE(test::all_close(got, want, {2 * tol.abs, 2 * tol.rel}, "vs cpu backend", shape));
+  }
+}
+
+// Query lengths 1, 7 and 97, each as a whole prompt and after a cached prefix; contexts to 3000.
+std::vector<test::StepSeq> mixed_gqa() {
+  return {{1, 1}, {1, 2999}, {7, 7}, {7, 1500}, {97, 97}, {97, 2100}, {33, 520}};
+}
+
+std::vector<test::StepSeq> mixed_mla() {
+  return {{1, 1}, {1, 1200}, {7, 700}, {97, 97}, {20, 1000}};
+}
+
+std::vector<test::StepSeq> decodes(int n, int max_context, uint32_t seed) {
+  std::vector<test::StepSeq> seqs;
+  for (int32_t len : test::random_ints(size_t(n), seed, 1, max_context)) seqs.push_back({1, len});
+  return seqs;
+}
+
+TEST(CudaAttention, GqaMixedShapes) {
+  DS_REQUIRE_GPU();
+  struct Shape {
+    int heads, kv_heads, hd, block_size;
+    DType dtype;
+  };
+  const Shape shapes[] = {
+      {3, 1, 64, 16, DType::BF16},   {16, 16, 128, 1, DType::F32}, {12, 4, 80, 16, DType::F16},
+      {12, 4, 128, 16, DType::BF16}, {9, 3, 64, 16, DType::BF16},  {8, 2, 256, 16, DType::BF16},
+      {4, 4, 64, 1, DType::F32},
+  };
+  uint32_t seed = 1000;
+  for (const Shape& s : shapes)
+    for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore}) {
+      Case c;
+      c.seqs = mixed_gqa();
+      c.heads = s.heads, c.kv_heads = s.kv_heads, c.hd = s.hd, c.block_size = s.block_size;
+      c.dtype = s.dtype;
+      c.path = path;
+      check_case(c, seed++);
+    }
+}
+
+TEST(CudaAttention, GqaManyDecodes) {
+  DS_REQUIRE_GPU();
+  for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore, AttentionPath::Auto}) {
+    Case c;
+    c.seqs = decodes(64, 2000, 7);
+    c.heads = 12, c.kv_heads = 4, c.hd = 128;
+    c.path = path;
+    check_case(c, 1100);
+  }
+}
+
+TEST(CudaAttention, GqaLongContextSplitK) {
+  DS_REQUIRE_GPU();
+  for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore}) {
+    Case c;
+    c.seqs = {{1, 5000}, {16, 5000}, {1, 4097}};
+    c.heads = 8, c.kv_heads = 1, c.hd = 128;
+    c.path = path;
+    check_case(c, 1200);
+  }
+}
+
+TEST(CudaAttention, GqaNonCausalAndStrided) {
+  DS_REQUIRE_GPU();
+  for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore}) {
+    Case c;
+    c.seqs = {{1, 300}, {7, 40}, {12, 12}};
+    c.heads = 6, c.kv_heads = 2, c.hd = 64;
+    c.path = path;
+    c.causal = false;
+    check_case(c, 1300);
+    c.causal = true;
+    c.strided = true;
+    check_case(c, 1301);
+  }
+}
+
+TEST(CudaAttention, MlaMixedShapes) {
+  DS_REQUIRE_GPU();
+  struct Shape {
+    int heads, R, P, block_size;
+    DType dtype;
+  };
+  const Shape shapes[] = {
+      {16, 512, 64, 16, DType::BF16},  {1, 32, 8, 1, DType::F32},  {16, 32, 8, 16, DType::F32},
+      {128, 512, 64, 16, DType::BF16}, {3, 64, 8, 16, DType::F16}, {16, 1024, 64, 16, DType::BF16},
+  };
+  uint32_t seed = 2000;
+  for (const Shape& s : shapes)
+    for (AttentionPath path : {AttentionPath::Simt, AttentionPath::Auto}) {
+      Case c;
+      c.seqs = s.heads == 128 ? std::vector<test::StepSeq>{{1, 1}, {1, 900}, {7, 300}, {20, 20}}
+                              : mixed_mla();
+      c.heads = s.heads, c.hd = s.R, c.rope = s.P, c.block_size = s.block_size;
+      c.dtype = s.dtype;
+      c.path = path;
+      check_case(c, seed++);
+    }
+}
+
+TEST(CudaAttention, MlaDecodeBatches) {
+  DS_REQUIRE_GPU();
+  // W1's shape (8 sequences, contexts ~1280) and W2's (256 sequences).
+  for (int n : {8, 256})
+    for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore}) {
+      Case c;
+      c.seqs = decodes(n, 1400, uint32_t(n));
+      c.heads = 16, c.hd = 512, c.rope = 64;
+      c.path = path;
+      check_case(c, 2100 + uint32_t(n));
+    }
+}
+
+TEST(CudaAttention, MlaLongContextSplitK) {
+  DS_REQUIRE_GPU();
+  for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore}) {
+    Case c;
+    c.seqs = {{1, 5000}, {8, 5000}};
+    c.heads = 16, c.hd = 512, c.rope = 64;
+    c.path = path;
+    check_case(c, 2200);
+  }
+}
+
+// A launch captured into a CUDA graph for one step, replayed after the metadata arrays were
+// rewritten in place for another step of the same sizes (the engine's decode graphs).
+TEST(CudaAttention, GraphReplayWithNewMetadata) {
+  DS_REQUIRE_GPU();
+  Backend& gpu = test::cuda_backend();
+  for (bool mla : {false, true}) {
+    Case c;
+    c.seqs = {{1, 700}, {1, 30}, {1, 1900}, {1, 5}};
+    if (mla)
+      c.heads = 16, c.hd = 512, c.rope = 64;
+    else
+      c.heads = 12, c.kv_heads = 4, c.hd = 128;
+    SCOPED_TRACE(describe(c));
+    Inputs in = make_inputs(c, 3000 + mla);
+    launch(c, in);  // warm-up: sizes the scratch and the kernels' shared-memory limits
+
+    cudaStream_t s = launch_context().stream();
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cuda_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin capture");
+    if (mla)
+      cuda::mla_attention(launch_context().get(), mla_params(c, in), in.step.meta);
+    else
+      cuda::paged_attention(launch_context().get(), gqa_params(c, in), in.step.meta);
+    cuda_ok(cudaStreamEndCapture(s, &graph), "end capture");
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+
+    // Another step with the same num_seqs, num_tokens and max_blocks_per_seq, fitting the
+    // same cache (fewer blocks in all), tables drawn from another shuffle.
+    Case c2 = c;
+    c2.seqs = {{1, 1890}, {1, 1}, {1, 64}, {1, 600}};
+    const test::HostStep h2 = test::make_step(c2.seqs, c.block_size, blocks_needed(c), 77);
+    ASSERT_EQ(h2.max_blocks_per_seq, in.h.max_blocks_per_seq);
+    for (auto [dst, src] : {std::pair{&in.step.context_lens, &h2.context_lens},
+                            std::pair{&in.step.block_tables, &h2.block_tables},
+                            std::pair{&in.step.query_start, &h2.query_start},
+                            std::pair{&in.step.positions, &h2.positions},
+                            std::pair{&in.step.slot_mapping, &h2.slot_mapping}})
+      gpu.upload(dst->view, src->data(), src->size() * 4);
+    gpu.synchronize();
+    in.h = h2;
+    cuda_ok(cudaGraphLaunch(exec, s), "graph launch");
+    cuda_ok(cudaStreamSynchronize(s), "graph replay");
+    const std::vector<float> got = read_out(c, in);
+    EXPECT_TRUE(test::all_close(got, reference(c, in), test::attention_tolerance(), "graph replay",
+                                {in.h.num_tokens, c.heads, c.hd}));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+}
+
+// The ops through the Backend interface, once the CUDA backend forwards them.
+TEST(CudaAttention, ThroughBackend) {
+  DS_REQUIRE_GPU();
+  Backend& gpu = test::cuda_backend();
+  if (!gpu.supports(Op::Attention, DType::BF16) && !gpu.supports(Op::MlaAttention, DType::BF16))
+    GTEST_SKIP() << "the CUDA backend does not forward attention yet";
+  for (bool mla : {false, true}) {
+    if (!gpu.supports(mla ? Op::MlaAttention : Op::Attention, DType::BF16)) continue;
+    Case c;
+    c.seqs = mla ? mixed_mla() : mixed_gqa();
+    if (mla)
+      c.heads = 16, c.hd = 512, c.rope = 64;
+    else
+      c.heads = 12, c.kv_heads = 4, c.hd = 128;
+    SCOPED_TRACE(describe(c));
+    const Inputs in = make_inputs(c, 4000 + mla);
+    if (mla)
+      gpu.mla_attention(mla_params(c, in), in.step.meta);
+    else
+      gpu.attention(gqa_params(c, in), in.step.meta);
+    gpu.synchronize();
+    EXPECT_TRUE(test::all_close(read_out(c, in), reference(c, in), test::attention_tolerance(),
+                                "backend", {in.h.num_tokens, c.heads, c.hd}));
+  }
+}
+
+// Kernel times for the workloads' shapes (not a check): run with
+// --gtest_also_run_disabled_tests --gtest_filter='*Timing*'. Decode rows report the cache
+// bytes read per second; prefill rows the attention FLOP rate (causal: half the square).
+TEST(CudaAttention, DISABLED_Timing) {
+  DS_REQUIRE_GPU();
+  struct Row {
+    const char* name;
+    Case c;
+  };
+  auto mla = [](std::vector<test::StepSeq> seqs) {
+    Case c;
+    c.seqs = std::move(seqs);
+    c.heads = 16, c.hd = 512, c.rope = 64;
+    return c;
+  };
+  auto gqa = [](std::vector<test::StepSeq> seqs) {
+    Case c;
+    c.seqs = std::move(seqs);
+    c.heads = 9, c.kv_heads = 3, c.hd = 64;
+    return c;
+  };
+  const std::vector<test::StepSeq> w1(8, {1, 1280}), w2(256, {1, 1280}), pre(8, {1024, 1024});
+  const std::vector<test::StepSeq> gdec(64, {1, 1024}), gpre(4, {512, 512});
+  const Row rows[] = {{"mla W1 decode 8 x 1280", mla(w1)},
+                      {"mla W2 decode 256 x 1280", mla(w2)},
+                      {"mla prefill 8 x 1024", mla(pre)},
+                      {"gqa 9/3x64 decode 64 x 1024", gqa(gdec)},
+                      {"gqa 9/3x64 prefill 4 x 512", gqa(gpre)}};
+  cudaStream_t s = launch_context().stream();
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::printf("%-30s %6s %10s %12s\n", "shape", "path", "us/call", "rate");
+  for (const Row& row : rows)
+    for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore}) {
+      Case c = row.c;
+      c.path = path;
+      const Inputs in = make_inputs(c, 5000);
+      for (int i = 0; i < 3; ++i) launch(c, in);
+      const int iters = 20;
+      cudaEventRecord(e0, s);
+      for (int i = 0; i < iters; ++i) {
+        if (c.rope > 0)
+          cuda::mla_attention_on(launch_context().get(), mla_params(c, in), in.step.meta, path);
+        else
+          cuda::paged_attention_on(launch_context().get(), gqa_params(c, in), in.step.meta, path);
+      }
+      cudaEventRecord(e1, s);
+      cuda_ok(cudaEventSynchronize(e1), "timing");
+      float ms = 0.0f;
+      cudaEventElapsedTime(&ms, e0, e1);
+      const double us = 1000.0 * ms / iters;
+      double keys = 0.0, pairs = 0.0;  // cached rows read; (query, key) pairs computed
+      for (const auto& q : c.seqs) {
+        keys += q.context_len;
+        for (int i = 0; i < q.query_len; ++i) pairs += q.context_len - q.query_len + i + 1;
+      }
+      const int es = int(dtype_info(c.dtype).type_size);
+      const double row_bytes =
+          c.rope > 0 ? double(c.hd + c.rope) * es : 2.0 * c.kv_heads * c.hd * es;
+      const bool decode = in.h.num_tokens == in.h.num_seqs;
+      const double flop = pairs * c.heads * 2.0 * (c.rope > 0 ? 2 * c.hd + c.rope : 2 * c.hd);
+      if (decode)
+        std::printf("%-30s %6s %10.1f %9.0f GB/s\n", row.name, path_name(path), us,
+                    keys * row_bytes / us * 1e-3);
+      else
+        std::printf("%-30s %6s %10.1f %7.1f TFLOP/s\n", row.name, path_name(path), us,
+                    flop / us * 1e-6);
+    }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+
+}  // namespace
+}  // namespace ds

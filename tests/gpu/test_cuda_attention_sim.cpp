@@ -1,0 +1,545 @@
+// The CUDA paged attention kernel bodies run on the host: each CTA's threads become
+// cooperative fibers (ucontext), __syncthreads / warp shuffles / ballots are barriers over
+// them, and mma.sync is emulated from the PTX ISA's m16n8k16 fragment layouts. A fiber runs
+// until its next barrier before the next one starts, so a missing barrier reads stale or
+// poisoned (NaN) shared memory, and threads that skip a barrier others wait at deadlock and
+// are reported. The launch logic (plan, split scratch, merge) is the launcher's own
+// (attention_setup.h). Needs no GPU: these tests check indexing, masking, splitting and the
+// fragment bookkeeping before any device time is spent.
+#include <ucontext.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention_reference.h"
+#include "backend/cuda/attention_mma.cuh"
+#include "backend/cuda/attention_setup.h"
+#include "backend/cuda/attention_simt.cuh"
+
+namespace {
+
+enum FiberState { kRunnable, kWaitBlock, kWaitWarp, kDone };
+
+struct Fiber {
+  ucontext_t ctx{};
+  FiberState state = kRunnable;
+  uint64_t gen = 0;
+};
+
+constexpr int kSlotWords = 12;  // per lane: up to a[4], b[2], c[4] of an mma
+constexpr size_t kStackBytes = 128 * 1024;
+
+// One simulated CTA.
+struct SimBlock {
+  int n = 0;
+  std::vector<Fiber> fibers;
+  ucontext_t sched{};
+  int cur = 0;
+  int block_arrived = 0;
+  uint64_t block_gen = 0;
+  std::vector<int> warp_arrived;
+  std::vector<uint64_t> warp_gen;
+  std::vector<std::array<uint32_t, 32 * kSlotWords>> slots;
+  ds::cuda::kern::Thread base;
+  std::function<void(const ds::cuda::kern::Thread&)> body;
+};
+
+SimBlock* g_block = nullptr;
+
+void yield_as(FiberState s) {
+  Fiber& f = g_block->fibers[size_t(g_block->cur)];
+  f.state = s;
+  swapcontext(&f.ctx, &g_block->sched);
+}
+
+void fiber_entry() {
+  SimBlock& b = *g_block;
+  ds::cuda::kern::Thread th = b.base;
+  th.tid = b.cur;
+  th.lane = b.cur & 31;
+  th.warp = b.cur >> 5;
+  b.body(th);
+  b.fibers[size_t(th.tid)].state = kDone;
+}
+
+void warp_barrier() {
+  SimBlock& b = *g_block;
+  const size_t w = size_t(b.cur >> 5);
+  if (++b.warp_arrived[w] == 32) {
+    b.warp_arrived[w] = 0;
+    ++b.warp_gen[w];
+    return;
+  }
+  b.fibers[size_t(b.cur)].gen = b.warp_gen[w];
+  yield_as(kWaitWarp);
+}
+
+// Every lane publishes `mine`; returns the words of all 32 lanes.
+template <int N>
+std::array<std::array<uint32_t, N>, 32> exchange(const std::array<uint32_t, N>& mine) {
+  SimBlock& b = *g_block;
+  auto& s = b.slots[size_t(b.cur >> 5)];
+  const int lane = b.cur & 31;
+  for (int k = 0; k < N; ++k) s[size_t(lane * kSlotWords + k)] = mine[size_t(k)];
+  warp_barrier();
+  std::array<std::array<uint32_t, N>, 32> all;
+  for (int l = 0; l < 32; ++l)
+    for (int k = 0; k < N; ++k) all[size_t(l)][size_t(k)] = s[size_t(l * kSlotWords + k)];
+  warp_barrier();
+  return all;
+}
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Context switches live in their own frames: locals of a caller of getcontext /
+// swapcontext (which return twice) could otherwise be clobbered.
+__attribute__((noinline)) void init_fiber(SimBlock& b, int i, std::vector<char>& stack) {
+  Fiber& f = b.fibers[size_t(i)];
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = stack.data();
+  f.ctx.uc_stack.ss_size = stack.size();
+  f.ctx.uc_link = &b.sched;
+  makecontext(&f.ctx, fiber_entry, 0);
+}
+
+__attribute__((noinline)) void resume(SimBlock& b, int i) {
+  b.cur = i;
+  swapcontext(&b.sched, &b.fibers[size_t(i)].ctx);
+}
+
+// Runs one CTA of n threads; returns an error message, empty when every thread finished.
+std::string run_block(int n, const ds::cuda::kern::Thread& base,
+                      std::function<void(const ds::cuda::kern::Thread&)> body) {
+  static std::vector<std::vector<char>> stacks;
+  if (stacks.size() < size_t(n)) stacks.resize(size_t(n), std::vector<char>(kStackBytes));
+  SimBlock b;
+  b.n = n;
+  b.fibers.resize(size_t(n));
+  b.warp_arrived.assign(size_t((n + 31) / 32), 0);
+  b.warp_gen.assign(b.warp_arrived.size(), 0);
+  b.slots.resize(b.warp_arrived.size());
+  b.base = base;
+  b.body = std::move(body);
+  g_block = &b;
+  for (int i = 0; i < n; ++i) init_fiber(b, i, stacks[size_t(i)]);
+  std::string error;
+  for (;;) {
+    bool progressed = false, all_done = true;
+    for (int i = 0; i < n; ++i) {
+      Fiber& f = b.fibers[size_t(i)];
+      if (f.state == kDone) continue;
+      all_done = false;
+      if (f.state == kWaitBlock && f.gen == b.block_gen) continue;
+      if (f.state == kWaitWarp && f.gen == b.warp_gen[size_t(i >> 5)]) continue;
+      f.state = kRunnable;
+      resume(b, i);
+      progressed = true;
+    }
+    if (all_done) break;
+    if (!progressed) {
+      error = "deadlock: some threads wait at a barrier the others never reach";
+      break;
+    }
+  }
+  g_block = nullptr;
+  return error;
+}
+
+}  // namespace
+
+// The device primitives of attention_port.cuh, for the fibers above.
+namespace ds::cuda::kern {
+
+void sync_block() {
+  SimBlock& b = *g_block;
+  if (++b.block_arrived == b.n) {
+    b.block_arrived = 0;
+    ++b.block_gen;
+    return;
+  }
+  b.fibers[size_t(b.cur)].gen = b.block_gen;
+  yield_as(kWaitBlock);
+}
+
+void sync_warp() {
+  warp_barrier();
+}
+
+void check_aligned(const void* p, int bytes) {
+  if (reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes) != 0) {
+    std::fprintf(stderr, "misaligned %d-byte access at %p\n", bytes, p);
+    std::abort();
+  }
+}
+
+float shfl_xor(float v, int mask) {
+  const auto all = exchange<1>({bits_of(v)});
+  return float_of(all[size_t((g_block->cur & 31) ^ mask)][0]);
+}
+
+int shfl_up_int(int v, int delta) {
+  const auto all = exchange<1>({uint32_t(v)});
+  const int lane = g_block->cur & 31;
+  return lane >= delta ? int(all[size_t(lane - delta)][0]) : v;
+}
+
+int shfl_int(int v, int src) {
+  const auto all = exchange<1>({uint32_t(v)});
+  return int(all[size_t(src)][0]);
+}
+
+unsigned ballot(bool p) {
+  const auto all = exchange<1>({p ? 1u : 0u});
+  unsigned m = 0;
+  for (int l = 0; l < 32; ++l) m |= all[size_t(l)][0] << l;
+  return m;
+}
+
+// m16n8k16 row.col BF16 -> F32 from the fragment layouts (g = lane / 4, t = lane % 4):
+// A regs {A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..]} (low half = lower column),
+// B regs {B[2t..][g], B[2t+8..][g]}, C {C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]}.
+void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const auto all = exchange<10>({a[0], a[1], a[2], a[3], b[0], b[1], bits_of(c[0]), bits_of(c[1]),
+                                 bits_of(c[2]), bits_of(c[3])});
+  float A[16][16], B[16][8], C[16][8];
+  auto lo = [](uint32_t r) { return bf16_to_f32(uint16_t(r & 0xffffu)); };
+  auto hi = [](uint32_t r) { return bf16_to_f32(uint16_t(r >> 16)); };
+  for (int l = 0; l < 32; ++l) {
+    const auto& w = all[size_t(l)];
+    const int g = l >> 2, t = l & 3;
+    A[g][2 * t] = lo(w[0]);
+    A[g][2 * t + 1] = hi(w[0]);
+    A[g + 8][2 * t] = lo(w[1]);
+    A[g + 8][2 * t + 1] = hi(w[1]);
+    A[g][2 * t + 8] = lo(w[2]);
+    A[g][2 * t + 9] = hi(w[2]);
+    A[g + 8][2 * t + 8] = lo(w[3]);
+    A[g + 8][2 * t + 9] = hi(w[3]);
+    B[2 * t][g] = lo(w[4]);
+    B[2 * t + 1][g] = hi(w[4]);
+    B[2 * t + 8][g] = lo(w[5]);
+    B[2 * t + 9][g] = hi(w[5]);
+    C[g][2 * t] = float_of(w[6]);
+    C[g][2 * t + 1] = float_of(w[7]);
+    C[g + 8][2 * t] = float_of(w[8]);
+    C[g + 8][2 * t + 1] = float_of(w[9]);
+  }
+  const int lane = g_block->cur & 31, g = lane >> 2, t = lane & 3;
+  const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  for (int e = 0; e < 4; ++e) {
+    double acc = C[rows[e]][cols[e]];
+    for (int k = 0; k < 16; ++k) acc += double(A[rows[e]][k]) * double(B[k][cols[e]]);
+    c[e] = float(acc);
+  }
+}
+
+}  // namespace ds::cuda::kern
+
+namespace ds {
+namespace {
+
+namespace kern = cuda::kern;
+
+// A grid of CTAs run one after another; shared memory poisoned with NaN bytes per CTA.
+template <typename Body>
+void sim_grid(unsigned gx, unsigned gy, unsigned gz, int threads, int smem_bytes, Body body) {
+  std::vector<uint8_t> smem(size_t(std::max(smem_bytes, 16)));
+  for (unsigned z = 0; z < gz; ++z)
+    for (unsigned y = 0; y < gy; ++y)
+      for (unsigned x = 0; x < gx; ++x) {
+        std::fill(smem.begin(), smem.end(), uint8_t(0xff));
+        kern::Thread base;
+        base.nthreads = threads;
+        base.bx = int(x);
+        base.by = int(y);
+        base.bz = int(z);
+        const std::string err =
+            run_block(threads, base, [&](const kern::Thread& th) { body(th, smem.data()); });
+        ASSERT_TRUE(err.empty()) << err << " (block " << x << ", " << y << ", " << z << ")";
+      }
+}
+
+// The launcher's run() (attention.cu) with simulated launches. Returns the plan it used.
+cuda::WorkPlan sim_attention(kern::AttnParams a, bool tensor_cores, int sm_count) {
+  const cuda::WorkPlan w = tensor_cores
+                               ? cuda::plan_for(a, kern::kMmaRows, kern::kMmaKeys, sm_count)
+                               : cuda::plan_for(a, kern::kSimtRows, kern::kSimtKeys, sm_count);
+  cuda::apply_plan(w, a);
+  std::vector<float> scratch(cuda::split_scratch_bytes(a) / 4 + 1,
+                             std::numeric_limits<float>::quiet_NaN());
+  cuda::bind_split_scratch(a, scratch.data());
+  const unsigned gz = unsigned(a.kv_heads * a.nhc * a.ndv);
+  if (tensor_cores) {
+    const bool lo = a.cache_type != kern::kCacheBF16, sep = a.v != nullptr;
+    const int bytes = kern::mma_layout(a.dim, a.dvc, lo, sep).bytes;
+    sim_grid(w.tiles, unsigned(a.splits), gz, kern::kMmaThreads, bytes,
+             [&](const kern::Thread& th, uint8_t* smem) {
+               if (lo && sep) kern::mma_attention<true, true>(a, th, smem);
+               if (lo && !sep) kern::mma_attention<true, false>(a, th, smem);
+               if (!lo && sep) kern::mma_attention<false, true>(a, th, smem);
+               if (!lo && !sep) kern::mma_attention<false, false>(a, th, smem);
+             });
+  } else {
+    const int bytes = kern::simt_layout(a.dim, a.dvc, a.v != nullptr).bytes;
+    sim_grid(w.tiles, unsigned(a.splits), gz, kern::kSimtThreads, bytes,
+             [&](const kern::Thread& th, uint8_t* smem) {
+               if (a.dvc <= 64)
+                 kern::simt_attention<2>(a, th, smem);
+               else if (a.dvc <= 128)
+                 kern::simt_attention<4>(a, th, smem);
+               else if (a.dvc <= 256)
+                 kern::simt_attention<8>(a, th, smem);
+               else
+                 kern::simt_attention<16>(a, th, smem);
+             });
+  }
+  if (a.splits > 1) {
+    const kern::MergeParams m = cuda::merge_params(a);
+    sim_grid(unsigned(a.num_tokens * a.heads), 1, 1, 128, 0,
+             [&](const kern::Thread& th, uint8_t*) { kern::merge_splits(m, th); });
+  }
+  return w;
+}
+
+struct SimCase {
+  std::vector<test::StepSeq> seqs;
+  int heads = 4, kv_heads = 2, hd = 20;  // MLA: kv_heads unused, hd = R
+  int rope = 0;                          // MLA rope dims P (0: a GQA case)
+  int block_size = 4;
+  DType dtype = DType::F32;
+  bool causal = true;
+  bool tensor_cores = false;
+  int sm_count = 1;  // larger forces more context splits
+  int min_splits = 1;
+  bool strided = false;  // q rows inside a wider buffer, out rows padded
+};
+
+std::string describe(const SimCase& c) {
+  std::string s = std::string(c.rope ? "mla" : "gqa") + " heads " + std::to_string(c.heads) +
+                  (c.rope ? " R " + std::to_string(c.hd) + " P " + std::to_string(c.rope)
+                          : "/" + std::to_string(c.kv_heads) + " hd " + std::to_string(c.hd)) +
+                  " bs " + std::to_string(c.block_size) + " " + std::string(dtype_name(c.dtype)) +
+                  (c.tensor_cores ? " mma" : " simt") + (c.causal ? "" : " non-causal") + " sms " +
+                  std::to_string(c.sm_count) + " seqs";
+  for (const auto& q : c.seqs)
+    s += " " + std::to_string(q.query_len) + "/" + std::to_string(q.context_len);
+  return s;
+}
+
+// Runs a case through the simulated kernels and compares with the float64 reference.
+void run_case(const SimCase& c, uint32_t seed) {
+  SCOPED_TRACE(describe(c));
+  Backend& host = test::cpu_backend();  // its buffers are plain host memory
+  int blocks = 0;
+  for (const auto& q : c.seqs) blocks += (q.context_len + c.block_size - 1) / c.block_size;
+  const test::HostStep h = test::make_step(c.seqs, c.block_size, blocks + 3, seed);
+  const test::BackendStep step = test::upload_step(host, h);
+  const bool mla = c.rope > 0;
+  const int T = h.num_tokens, H = c.heads;
+  const float scale = 1.5f / std::sqrt(float(c.hd + c.rope));
+
+  test::KvSpec spec;
+  spec.dtype = c.dtype;
+  spec.num_blocks = blocks + 3;
+  spec.block_size = c.block_size;
+  spec.kv_heads = mla ? 1 : c.kv_heads;
+  spec.head_dim = c.hd + c.rope;
+  spec.latent = mla;
+  const test::BackendKv kv = test::random_paged_kv(host, spec, seed + 1);
+
+  const std::vector<float> q = test::random_floats(size_t(T * H * c.hd), seed + 2);
+  const std::vector<float> qr = test::random_floats(size_t(T * H * c.rope), seed + 3);
+  // Strided: q is heads [1, 1 + H) of a [T, H + 2, hd] buffer; out rows have 8 floats of pad.
+  const int pad = c.strided ? 8 : 0, wide = c.strided ? H + 2 : H;
+  std::vector<float> qbuf(size_t(T * wide * c.hd), 5.0f);
+  for (int t = 0; t < T; ++t)
+    for (int hh = 0; hh < H; ++hh)
+      for (int d = 0; d < c.hd; ++d)
+        qbuf[size_t((t * wide + hh + (c.strided ? 1 : 0)) * c.hd + d)] =
+            q[size_t((t * H + hh) * c.hd + d)];
+  std::vector<float> outbuf(size_t(T * H * (c.hd + pad)), std::numeric_limits<float>::quiet_NaN());
+  const TensorView qv = test::strided_view(
+      test::make_view(qbuf.data(), DType::F32, {T, wide, c.hd}), {T, H, c.hd},
+      {int64_t(wide) * c.hd * 4, int64_t(c.hd) * 4, 4}, c.strided ? c.hd * 4 : 0);
+  const TensorView ov =
+      test::strided_view(test::make_view(outbuf.data(), DType::F32, {T, H, c.hd + pad}),
+                         {T, H, c.hd}, {int64_t(H) * (c.hd + pad) * 4, int64_t(c.hd + pad) * 4, 4});
+
+  kern::AttnParams a;
+  std::vector<double> want;
+  if (mla) {
+    MlaAttentionParams p;
+    p.q_latent = qv;
+    p.q_rope = test::make_view(const_cast<float*>(qr.data()), DType::F32, {T, H, c.rope});
+    p.out = ov;
+    p.cache = kv.kv;
+    p.kv_lora_rank = c.hd;
+    p.scale = scale;
+    p.causal = c.causal;
+    a = cuda::mla_params(p, step.meta);
+    want = test::reference_mla(h, q, qr, kv.k_host, H, c.hd, c.rope, c.block_size, scale, c.causal);
+  } else {
+    AttentionParams p;
+    p.q = qv;
+    p.out = ov;
+    p.kv = kv.kv;
+    p.scale = scale;
+    p.causal = c.causal;
+    a = cuda::gqa_params(p, step.meta);
+    want = test::reference_attention(h, q, kv.k_host, kv.v_host, H, c.kv_heads, c.hd, c.block_size,
+                                     scale, c.causal);
+  }
+  const cuda::WorkPlan w = sim_attention(a, c.tensor_cores, c.sm_count);
+  EXPECT_GE(w.splits, c.min_splits);
+  std::vector<float> out;
+  for (size_t r = 0; r < size_t(T * H); ++r) {
+    for (int d = 0; d < c.hd; ++d) out.push_back(outbuf[r * size_t(c.hd + pad) + size_t(d)]);
+    for (int d = c.hd; d < c.hd + pad; ++d)
+      EXPECT_TRUE(std::isnan(outbuf[r * size_t(c.hd + pad) + size_t(d)])) << "pad written";
+  }
+  EXPECT_TRUE(test::all_close(out, want, test::attention_tolerance(), "attention", {T, H, c.hd}));
+}
+
+std::vector<test::StepSeq> mixed_seqs() {
+  // A decode, a prefill chunk after a cached prefix, a whole prompt, one spanning 3 key tiles.
+  return {{1, 9}, {5, 12}, {3, 3}, {2, 70}};
+}
+
+TEST(CudaAttentionSim, GqaSimt) {
+  uint32_t seed = 100;
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (int bs : {1, 4}) {
+      SimCase c;
+      c.seqs = mixed_seqs();
+      c.dtype = dt;
+      c.block_size = bs;
+      run_case(c, seed++);
+    }
+}
+
+TEST(CudaAttentionSim, GqaSimtShapesAndSplits) {
+  SimCase c;
+  c.seqs = mixed_seqs();
+  c.heads = 3, c.kv_heads = 1, c.hd = 64;
+  run_case(c, 200);
+  c.heads = 6, c.kv_heads = 2, c.hd = 36, c.sm_count = 40, c.min_splits = 2;
+  run_case(c, 201);
+  c.seqs = {{1, 40}, {1, 1}, {1, 75}};  // decode: one token per tile, binary-search mapping
+  c.heads = 2, c.kv_heads = 1, c.hd = 8;
+  run_case(c, 202);
+  c.causal = false;
+  run_case(c, 203);
+}
+
+TEST(CudaAttentionSim, GqaTensorCores) {
+  uint32_t seed = 300;
+  for (DType dt : {DType::BF16, DType::F32, DType::F16}) {
+    SimCase c;
+    c.seqs = mixed_seqs();
+    c.tensor_cores = true;
+    c.dtype = dt;
+    run_case(c, seed++);
+  }
+  SimCase c;
+  c.seqs = mixed_seqs();
+  c.tensor_cores = true;
+  c.dtype = DType::BF16;
+  c.heads = 3, c.kv_heads = 1, c.hd = 40, c.sm_count = 30, c.min_splits = 2;
+  run_case(c, 310);
+  c.seqs = {{1, 40}, {1, 33}};
+  c.heads = 20, c.kv_heads = 1, c.hd = 16, c.sm_count = 1, c.min_splits = 1;  // 2 head chunks
+  run_case(c, 311);
+}
+
+TEST(CudaAttentionSim, MlaSimt) {
+  SimCase c;
+  c.seqs = mixed_seqs();
+  c.heads = 3, c.hd = 32, c.rope = 8;
+  run_case(c, 400);
+  c.dtype = DType::BF16, c.block_size = 1, c.sm_count = 20, c.min_splits = 2;
+  run_case(c, 401);
+}
+
+TEST(CudaAttentionSim, MlaTensorCores) {
+  SimCase c;
+  c.seqs = mixed_seqs();
+  c.heads = 3, c.hd = 32, c.rope = 8, c.tensor_cores = true, c.dtype = DType::BF16;
+  run_case(c, 500);
+  c.dtype = DType::F32;
+  run_case(c, 501);
+  c.seqs = {{1, 70}, {1, 5}};
+  c.heads = 16, c.dtype = DType::BF16, c.sm_count = 8, c.min_splits = 2;
+  run_case(c, 502);
+  c.seqs = {{2, 36}};
+  c.heads = 1, c.hd = 72, c.rope = 16, c.sm_count = 1, c.min_splits = 1;
+  run_case(c, 503);
+}
+
+TEST(CudaAttentionSim, StridedViews) {
+  for (bool tc : {false, true}) {
+    SimCase c;
+    c.seqs = mixed_seqs();
+    c.strided = true;
+    c.tensor_cores = tc;
+    run_case(c, 650);
+    c.heads = 4, c.hd = 32, c.rope = 8, c.sm_count = 10;
+    run_case(c, 651);
+  }
+}
+
+TEST(CudaAttentionSim, ManySequencesTileScan) {
+  // More than 32 sequences (the tile scan loops), some with no query this step.
+  std::vector<test::StepSeq> seqs;
+  const std::vector<int32_t> lens = test::random_ints(40, 600, 0, 3);
+  for (size_t i = 0; i < lens.size(); ++i) seqs.push_back({lens[i], lens[i] + int(i % 7) * 5});
+  seqs.push_back({2, 2});
+  for (bool tc : {false, true}) {
+    SimCase c;
+    c.seqs = seqs;
+    c.tensor_cores = tc;
+    c.heads = 4, c.kv_heads = 2, c.hd = 8;
+    run_case(c, 601);
+  }
+}
+
+// The production shapes: DeepSeek-V2 MLA (R 512, P 64, 16 heads), an R of 1024 (two value
+// chunks per token), Llama-style GQA with head_dim 80 / 128 / 256.
+TEST(CudaAttentionSim, RealShapes) {
+  uint32_t seed = 700;
+  for (bool tc : {false, true}) {
+    SimCase c;
+    c.tensor_cores = tc;
+    c.seqs = {{1, 70}, {3, 40}};
+    c.heads = 16, c.hd = 512, c.rope = 64, c.dtype = DType::BF16, c.block_size = 16;
+    run_case(c, seed++);
+    c.seqs = {{1, 35}};
+    c.heads = 2, c.hd = 1024, c.rope = 64, c.sm_count = 4;
+    run_case(c, seed++);
+    c.rope = 0, c.sm_count = 1;
+    c.seqs = {{1, 70}, {3, 40}};
+    c.heads = 12, c.kv_heads = 4, c.hd = 128;
+    run_case(c, seed++);
+    c.heads = 4, c.kv_heads = 2, c.hd = 256, c.dtype = DType::F32;
+    run_case(c, seed++);
+    c.heads = 3, c.kv_heads = 3, c.hd = 80, c.dtype = DType::F16;
+    run_case(c, seed++);
+  }
+}
+
+}  // namespace
+}  // namespace ds

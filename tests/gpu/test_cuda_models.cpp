@@ -1,0 +1,250 @@
+// The Hugging Face fixtures of tests/fixtures/hf (tiny DeepSeek-V2 and Llama checkpoints with
+// transformers 5.17's float32 logits and greedy continuations, tools/make_hf_fixtures.py) run
+// on the CUDA backend: BF16 activations into the GEMMs and a BF16 KV cache, so logits agree
+// within a BF16 tolerance, and greedy tokens agree wherever the reference's top-2 margin is
+// wider than twice that tolerance. Batched decoding (through the engine, CUDA graphs
+// included) must pick the same tokens as one request at a time.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "engine/engine.h"
+#include "model/loader.h"
+
+namespace ds {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Relative to the largest |logit| of the prompt: BF16 keeps 8 significant bits (2^-9
+// relative rounding per operand), and a logit is the sum of a few hundred such products
+// over a handful of layers; 2% of the logit range is several times the error this predicts
+// for these depths and widths while still far below the fixtures' typical top-2 margins.
+constexpr double kRelTol = 0.02;
+
+fs::path hf_root() {
+  return fs::path(DS_FIXTURES_DIR) / "hf";
+}
+
+std::vector<std::string> fixture_names() {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(hf_root(), ec))
+    if (fs::exists(e.path() / "reference.json")) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+struct Prompt {
+  std::string name;
+  std::vector<int32_t> ids, generated;
+  std::vector<double> margins;
+  std::vector<float> logits;  // [ids.size(), vocab]
+};
+
+std::vector<Prompt> read_prompts(const std::string& name, int& vocab) {
+  std::ifstream in(hf_root() / name / "reference.json");
+  const auto j = nlohmann::json::parse(in);
+  vocab = j.at("vocab");
+  std::vector<Prompt> out;
+  for (const auto& p : j.at("prompts")) {
+    Prompt q;
+    q.name = p.at("name");
+    q.ids = p.at("ids").get<std::vector<int32_t>>();
+    q.generated = p.at("generated_ids").get<std::vector<int32_t>>();
+    q.margins = p.at("generated_top2_margin").get<std::vector<double>>();
+    for (const auto& row : p.at("logits"))
+      for (const auto& v : row) q.logits.push_back(v.get<float>());
+    out.push_back(std::move(q));
+  }
+  return out;
+}
+
+struct OnGpu {
+  std::unique_ptr<Backend> backend;
+  LoadedModel m;
+};
+
+OnGpu load_on_gpu(const std::string& name) {
+  OnGpu g;
+  BackendOptions bo;
+  bo.gpu_memory_utilization = 0.05;
+  g.backend = make_cuda_backend(bo, 0);
+  g.m = load_model(hf_root() / name, *g.backend, LoadOptions{});
+  return g;
+}
+
+// Prefill logits of one prompt through the model on the GPU, metadata uploaded by hand.
+std::vector<float> prefill(OnGpu& g, const std::vector<int32_t>& ids) {
+  Backend& be = *g.backend;
+  const int n = int(ids.size()), vocab = g.m.config.vocab, blocks = (n + 15) / 16;
+  KvCacheConfig kvc;
+  kvc.num_blocks = blocks;
+  kvc.dtype = DType::BF16;
+  KvCache cache(be, g.m.config, kvc);
+  // tokens[n] positions[n] query_start[2] context_lens[1] block_table[blocks] rows[n]
+  std::vector<int32_t> host;
+  host.insert(host.end(), ids.begin(), ids.end());
+  for (int i = 0; i < n; ++i) host.push_back(i);
+  host.push_back(0);
+  host.push_back(n);
+  host.push_back(n);
+  for (int b = 0; b < blocks; ++b) host.push_back(b);
+  auto meta = be.alloc(host.size() * 4);
+  be.upload(meta->view(DType::I32, {int64_t(host.size())}), host.data(), host.size() * 4);
+  const int32_t* d = static_cast<const int32_t*>(meta->data());
+  std::vector<int32_t> rows(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) rows[size_t(i)] = i;
+  ForwardInput in;
+  in.tokens = ids;
+  in.device_tokens = d;
+  in.meta.num_seqs = 1;
+  in.meta.num_tokens = n;
+  in.meta.positions = d + n;
+  in.meta.slot_mapping = d + n;  // slot = position
+  in.meta.query_start = d + 2 * n;
+  in.meta.context_lens = d + 2 * n + 2;
+  in.meta.block_tables = d + 2 * n + 3;
+  in.meta.max_blocks_per_seq = blocks;
+  in.meta.max_query_len = n;
+  in.meta.max_context_len = n;
+  in.logit_rows = rows;
+  auto buf = be.alloc(size_t(n) * size_t(vocab) * 4);
+  TensorView logits = buf->view(DType::F32, {n, vocab});
+  g.m.model->forward(in, cache, logits);
+  std::vector<float> out(size_t(n) * size_t(vocab));
+  be.download(out.data(), logits, out.size() * 4);
+  return out;
+}
+
+std::vector<std::vector<int32_t>> generate(OnGpu& g, const std::vector<std::vector<int32_t>>& ps,
+                                           int max_tokens, bool concurrent) {
+  EngineConfig cfg;
+  cfg.prefix_cache = false;
+  cfg.kv_dtype = DType::BF16;
+  cfg.kv_cache_tokens = 2048;
+  Engine engine(*g.m.model, *g.backend, g.m.tokenizer.get(), cfg);
+  auto request = [&](const std::vector<int32_t>& p) {
+    EngineRequest r;
+    r.prompt = p;
+    r.max_tokens = max_tokens;
+    r.sampling.temperature = 0;
+    r.ignore_eos = true;
+    return r;
+  };
+  auto collect = [](RequestHandle& h) {
+    std::vector<int32_t> toks;
+    while (auto ev = h.next()) {
+      if (ev->token >= 0) toks.push_back(ev->token);
+      if (ev->final) EXPECT_TRUE(ev->error.empty()) << ev->error;
+    }
+    return toks;
+  };
+  std::vector<std::vector<int32_t>> out(ps.size());
+  if (concurrent) {
+    std::vector<std::shared_ptr<RequestHandle>> hs;
+    for (const auto& p : ps) hs.push_back(engine.submit(request(p)));
+    for (size_t i = 0; i < hs.size(); ++i) out[i] = collect(*hs[i]);
+  } else {
+    for (size_t i = 0; i < ps.size(); ++i) out[i] = collect(*engine.submit(request(ps[i])));
+  }
+  std::printf("  engine: %d decode graphs captured\n", engine.graphs_captured());
+  return out;
+}
+
+// The tolerance of a prompt's logits: kRelTol of the reference's largest magnitude.
+double tolerance(const Prompt& p) {
+  double m = 0;
+  for (float v : p.logits) m = std::max(m, double(std::fabs(v)));
+  return kRelTol * std::max(1.0, m);
+}
+
+// Steps whose reference margin exceeds twice the tolerance cannot flip: compare up to the
+// first step that could.
+int robust_prefix(const Prompt& p, double tol) {
+  int n = 0;
+  while (n < int(p.generated.size()) && p.margins[size_t(n)] > 2 * tol) ++n;
+  return n;
+}
+
+class CudaModels : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device here";
+    prompts_ = read_prompts(GetParam(), vocab_);
+  }
+  std::vector<Prompt> prompts_;
+  int vocab_ = 0;
+};
+
+TEST_P(CudaModels, PrefillLogitsWithinBf16Tolerance) {
+  OnGpu g = load_on_gpu(GetParam());
+  ASSERT_EQ(g.m.config.vocab, vocab_);
+  for (const auto& p : prompts_) {
+    const auto got = prefill(g, p.ids);
+    ASSERT_EQ(got.size(), p.logits.size());
+    double worst = 0;
+    size_t at = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double d = std::fabs(double(got[i]) - double(p.logits[i]));
+      if (!(d <= worst)) {
+        worst = std::isnan(d) ? INFINITY : d;
+        at = i;
+      }
+    }
+    const double tol = tolerance(p);
+    std::printf("  %s %s (%zu tokens): max |logit diff| %.4g (tolerance %.4g) at position %zu\n",
+                GetParam().c_str(), p.name.c_str(), p.ids.size(), worst, tol, at / size_t(vocab_));
+    EXPECT_LE(worst, tol) << p.name << " position " << at / size_t(vocab_);
+  }
+}
+
+TEST_P(CudaModels, GreedyMatchesTransformersWhereMarginAllows) {
+  OnGpu g = load_on_gpu(GetParam());
+  for (const auto& p : prompts_) {
+    const int n = int(p.generated.size());
+    const auto got = generate(g, {p.ids}, n, false)[0];
+    ASSERT_EQ(int(got.size()), n);
+    const int robust = robust_prefix(p, tolerance(p));
+    int same = 0;
+    while (same < n && got[size_t(same)] == p.generated[size_t(same)]) ++same;
+    std::printf("  %s %s: %d/%d greedy tokens identical (margin-robust prefix %d)\n",
+                GetParam().c_str(), p.name.c_str(), same, n, robust);
+    EXPECT_GE(same, robust) << p.name;
+  }
+}
+
+TEST_P(CudaModels, BatchedMatchesAlone) {
+  OnGpu g = load_on_gpu(GetParam());
+  std::vector<std::vector<int32_t>> ps;
+  for (int rep = 0; rep < 3; ++rep)
+    for (const auto& p : prompts_) ps.push_back(p.ids);
+  const auto alone = generate(g, ps, 32, false);
+  const auto batched = generate(g, ps, 32, true);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const Prompt& p = prompts_[i % prompts_.size()];
+    // Different batch sizes may pick different GEMM kernels: tokens must agree up to the
+    // first step where the reference itself is within the tolerance of a tie.
+    const int robust = robust_prefix(p, tolerance(p));
+    int same = 0;
+    while (same < int(alone[i].size()) && same < int(batched[i].size()) &&
+           alone[i][size_t(same)] == batched[i][size_t(same)])
+      ++same;
+    EXPECT_GE(same, std::min(robust, 32)) << "request " << i << " (" << p.name << ")";
+  }
+}
+
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaModels);
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModels, ::testing::ValuesIn(fixture_names()),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace ds

@@ -1,0 +1,705 @@
+// CUDA MoE routing and routed experts against the CPU backend on the same random inputs:
+// routing exactly (ids as sets, weights ~1e-6, counts), the experts within F32 tolerance on
+// the decode path and BF16 tolerance on the prefill path, batch invariance and determinism
+// of the decode path, graph capture, and the expert-table cache. MoeBench.* (disabled by
+// default) times moe_ffn on DeepSeek-V2-Lite shapes:
+//   deepserve_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='MoeBench.*'
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/cuda/moe.cuh"
+#include "gpu_test_util.h"
+
+namespace ds {
+namespace {
+
+using test::BackendTensor;
+
+#define CUDA_OK(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr
+
+// The ds::cuda launchers called directly (to force a moe_ffn path) on a private stream with
+// private scratch. Inputs come from the shared backend: synchronize it before run().
+class DirectCuda {
+ public:
+  DirectCuda() {
+    EXPECT_EQ(cudaSuccess, cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    ctx_.stream = stream_;
+    cudaDeviceProp prop{};
+    EXPECT_EQ(cudaSuccess, cudaGetDeviceProperties(&prop, 0));
+    ctx_.sm_count = prop.multiProcessorCount;
+    ctx_.scratch = [this](int slot, size_t bytes) { return scratch(slot, bytes); };
+  }
+  ~DirectCuda() {
+    cudaStreamSynchronize(stream_);
+    for (auto& [p, n] : bufs_) cudaFree(p);
+    cudaStreamDestroy(stream_);
+  }
+  DirectCuda(const DirectCuda&) = delete;
+  DirectCuda& operator=(const DirectCuda&) = delete;
+
+  const cuda::Context& ctx() const { return ctx_; }
+  cudaStream_t stream() const { return stream_; }
+  void sync() const { EXPECT_EQ(cudaSuccess, cudaStreamSynchronize(stream_)); }
+  void ffn(const MoeFfnParams& p, cuda::MoeFfnPath path) {
+    cuda::moe_ffn(ctx_, p, path);
+    sync();
+  }
+
+ private:
+  void* scratch(int slot, size_t bytes) {
+    if (size_t(slot) >= bufs_.size()) bufs_.resize(size_t(slot) + 1, {nullptr, 0});
+    auto& [p, n] = bufs_[size_t(slot)];
+    if (bytes > n) {
+      if (cudaStreamSynchronize(stream_) != cudaSuccess) throw Error("scratch sync");
+      cudaFree(p);
+      p = nullptr;
+      if (cudaMalloc(&p, bytes) != cudaSuccess) throw Error("scratch alloc");
+      n = bytes;
+    }
+    return p;
+  }
+
+  cudaStream_t stream_ = nullptr;
+  cuda::Context ctx_;
+  std::vector<std::pair<void*, size_t>> bufs_;
+};
+
+// splitmix64: fast enough to fill a billion weights.
+struct Rng {
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  float uniform(float lo, float hi) {  // [lo, hi)
+    return lo + (hi - lo) * float(next() >> 40) * (1.0f / 16777216.0f);
+  }
+  int below(int n) { return int(next() % uint64_t(n)); }
+};
+
+// ---- routing ---------------------------------------------------------------------------------
+
+struct RouteCase {
+  const char* name;
+  int E, k;
+  MoeTopk method;
+  int n_group, topk_group;
+  bool norm;
+  float scale;
+};
+
+// Random logits, with rows 0..4 built to tie: all equal; the k-th and (k+1)-th best equal;
+// three experts sharing the maximum; the topk_group-th and next group maxima equal; huge
+// logits whose small scores underflow to exactly 0.
+std::vector<float> route_logits(const RouteCase& c, int T, uint64_t seed) {
+  Rng rng{seed};
+  const int E = c.E;
+  std::vector<float> v(size_t(T) * size_t(E));
+  for (float& x : v) x = rng.uniform(-4.0f, 4.0f);
+  auto row = [&](int t) { return v.data() + size_t(t) * size_t(E); };
+  auto order = [&](const float* r) {
+    std::vector<int> o(static_cast<size_t>(E));
+    for (int e = 0; e < E; ++e) o[size_t(e)] = e;
+    std::stable_sort(o.begin(), o.end(), [&](int a, int b) { return r[a] > r[b]; });
+    return o;
+  };
+  if (T > 0) std::fill_n(row(0), E, 0.25f);
+  if (T > 1 && c.k < E) {
+    const auto o = order(row(1));
+    row(1)[o[size_t(c.k)]] = row(1)[o[size_t(c.k - 1)]];
+  }
+  if (T > 2 && E >= 3) {
+    float* r = row(2);
+    const float top = *std::max_element(r, r + E) + 1.0f;
+    r[E - 1] = r[E / 2] = r[1] = top;
+  }
+  if (T > 3 && c.method == MoeTopk::GroupLimitedGreedy && c.topk_group < c.n_group) {
+    float* r = row(3);
+    const int per = E / c.n_group;
+    std::vector<std::pair<float, int>> gmax;  // (max logit, group)
+    for (int g = 0; g < c.n_group; ++g)
+      gmax.emplace_back(*std::max_element(r + g * per, r + (g + 1) * per), g);
+    std::stable_sort(gmax.begin(), gmax.end(), [](auto& a, auto& b) { return a.first > b.first; });
+    const int g_in = gmax[size_t(c.topk_group - 1)].second;
+    const int g_out = gmax[size_t(c.topk_group)].second;
+    float* out_max = std::max_element(r + g_out * per, r + (g_out + 1) * per);
+    *out_max = *std::max_element(r + g_in * per, r + (g_in + 1) * per);
+  }
+  if (T > 4)
+    for (int e = 0; e < E; ++e) row(4)[e] *= 20.0f;
+  return v;
+}
+
+// (id, weight) of each token, sorted by id.
+std::vector<std::vector<std::pair<int, float>>> by_token(const std::vector<float>& ids,
+                                                         const std::vector<float>& w, int T,
+                                                         int k) {
+  std::vector<std::vector<std::pair<int, float>>> r(static_cast<size_t>(T));
+  for (int t = 0; t < T; ++t) {
+    for (int j = 0; j < k; ++j)
+      r[size_t(t)].emplace_back(int(ids[size_t(t * k + j)]), w[size_t(t * k + j)]);
+    std::sort(r[size_t(t)].begin(), r[size_t(t)].end());
+  }
+  return r;
+}
+
+TEST(CudaMoeRoute, MatchesCpuIncludingTiesAndCounts) {
+  DS_REQUIRE_GPU();
+  Backend &g = test::cuda_backend(), &c = test::cpu_backend();
+  const RouteCase cases[] = {
+      {"v2-lite greedy", 64, 6, MoeTopk::Greedy, 1, 1, false, 1.0f},
+      {"greedy norm", 64, 6, MoeTopk::Greedy, 1, 1, true, 1.0f},
+      {"v2.5 group-limited", 160, 6, MoeTopk::GroupLimitedGreedy, 8, 3, false, 16.0f},
+      {"256 experts group norm", 256, 8, MoeTopk::GroupLimitedGreedy, 8, 4, true, 2.5f},
+      {"kept groups smaller than k", 64, 6, MoeTopk::GroupLimitedGreedy, 16, 1, false, 1.0f},
+      {"top-1 ignores norm", 8, 1, MoeTopk::Greedy, 1, 1, true, 2.5f},
+      {"40 experts", 40, 3, MoeTopk::Greedy, 1, 1, false, 0.5f},
+      {"k equals E", 6, 6, MoeTopk::GroupLimitedGreedy, 3, 2, true, 1.0f},
+  };
+  uint64_t seed = 1000;
+  for (const RouteCase& rc : cases) {
+    for (int T : {1, 5, 37, 300}) {
+      SCOPED_TRACE(std::string(rc.name) + " T " + std::to_string(T));
+      const std::vector<float> logits = route_logits(rc, T, ++seed);
+      MoeRouteParams p;
+      p.top_k = rc.k;
+      p.method = rc.method;
+      p.n_group = rc.n_group;
+      p.topk_group = rc.topk_group;
+      p.norm_topk_prob = rc.norm;
+      p.routed_scaling_factor = rc.scale;
+      const test::Twin l = test::twin_floats(DType::F32, {T, rc.E}, logits);
+      const test::Twin ids =
+          test::twin_floats(DType::I32, {T, rc.k}, std::vector<float>(size_t(T * rc.k), 0.0f));
+      const test::Twin w =
+          test::twin_floats(DType::F32, {T, rc.k}, std::vector<float>(size_t(T * rc.k), 0.0f));
+      std::vector<int64_t> cpu_counts(size_t(rc.E), 0);
+      p.expert_counts = cpu_counts.data();
+      c.moe_route(l.cpu.view, p, test::view_of(ids.cpu, {T, rc.k}, {rc.k, 1}), w.cpu.view);
+      BackendTensor counts = test::zeros(g, DType::I64, {rc.E});
+      p.expert_counts = counts.ptr<int64_t>();
+      const TensorView ids_gpu = test::view_of(ids.gpu, {T, rc.k}, {rc.k, 1});
+      g.moe_route(l.gpu.view, p, ids_gpu, w.gpu.view);
+      g.moe_route(l.gpu.view, p, ids_gpu, w.gpu.view);  // counts accumulate
+
+      const auto want =
+          by_token(test::download_floats(c, ids.cpu), test::download_floats(c, w.cpu), T, rc.k);
+      const auto got =
+          by_token(test::download_floats(g, ids.gpu), test::download_floats(g, w.gpu), T, rc.k);
+      const double tol = 1e-6 * std::max(1.0f, rc.scale);
+      int bad = 0;
+      for (int t = 0; t < T && bad < 5; ++t) {
+        bool ok = true;
+        for (int j = 0; j < rc.k; ++j) {
+          const auto& a = got[size_t(t)][size_t(j)];
+          const auto& b = want[size_t(t)][size_t(j)];
+          ok = ok && a.first == b.first && std::abs(double(a.second) - b.second) <= tol;
+        }
+        if (!ok) {
+          ++bad;
+          std::string s = "token " + std::to_string(t) + ": got";
+          for (const auto& [id, wt] : got[size_t(t)])
+            s += " " + std::to_string(id) + ":" + std::to_string(wt);
+          s += "; want";
+          for (const auto& [id, wt] : want[size_t(t)])
+            s += " " + std::to_string(id) + ":" + std::to_string(wt);
+          ADD_FAILURE() << s;
+        }
+      }
+      const std::vector<uint8_t> cb = test::download_bytes(g, counts);
+      std::vector<int64_t> got_counts(size_t(rc.E));
+      std::memcpy(got_counts.data(), cb.data(), cb.size());
+      for (int e = 0; e < rc.E; ++e)
+        EXPECT_EQ(got_counts[size_t(e)], 2 * cpu_counts[size_t(e)]) << "expert " << e;
+    }
+  }
+}
+
+TEST(CudaMoeRoute, AllEqualLogitsPickTheLowestExperts) {
+  DS_REQUIRE_GPU();
+  Backend& g = test::cuda_backend();
+  // Independent of the CPU: equal scores go to the lower index, groups likewise.
+  const int E = 64, k = 6, T = 3;
+  BackendTensor l = test::upload_floats(g, DType::F32, {T, E}, std::vector<float>(T * E, 1.5f));
+  BackendTensor ids = test::zeros(g, DType::I32, {T, k});
+  BackendTensor w = test::zeros(g, DType::F32, {T, k});
+  MoeRouteParams p;
+  p.top_k = k;
+  p.method = MoeTopk::GroupLimitedGreedy;
+  p.n_group = 8;
+  p.topk_group = 1;  // one group of 8: experts 0..5
+  p.routed_scaling_factor = 3.0f;
+  g.moe_route(l.view, p, ids.view, w.view);
+  const std::vector<float> got_ids = test::download_floats(g, ids);
+  const std::vector<float> got_w = test::download_floats(g, w);
+  for (int t = 0; t < T; ++t) {
+    std::set<int> s;
+    for (int j = 0; j < k; ++j) {
+      s.insert(int(got_ids[size_t(t * k + j)]));
+      EXPECT_NEAR(got_w[size_t(t * k + j)], 3.0 / E, 1e-7);
+    }
+    EXPECT_EQ(s, (std::set<int>{0, 1, 2, 3, 4, 5}));
+  }
+}
+
+// ---- experts ---------------------------------------------------------------------------------
+
+// E experts' weights, uniform in +-2/sqrt(K), on the host (for the CPU) and the GPU.
+struct Experts {
+  int E = 0, H = 0, F = 0;
+  DType dtype = DType::BF16;
+  std::vector<uint8_t> gate, up, down;  // [E, F, H], [E, F, H], [E, H, F]
+  BackendTensor gate_d, up_d, down_d;
+  std::vector<ExpertWeights> cpu, gpu;
+};
+
+std::vector<uint8_t> random_weights(size_t n, int K, DType t, Rng& rng) {
+  const size_t es = test::element_bytes(t);
+  std::vector<uint8_t> out(n * es);
+  const float a = 2.0f / std::sqrt(float(K));
+  for (size_t i = 0; i < n; ++i) {
+    const float v = rng.uniform(-a, a);
+    if (t == DType::F32) {
+      std::memcpy(&out[i * 4], &v, 4);
+    } else {
+      const uint16_t h = t == DType::BF16 ? f32_to_bf16(v) : f32_to_fp16(v);
+      std::memcpy(&out[i * 2], &h, 2);
+    }
+  }
+  return out;
+}
+
+std::unique_ptr<Experts> make_experts(int E, int H, int F, DType t, uint64_t seed) {
+  Backend& g = test::cuda_backend();
+  auto x = std::make_unique<Experts>();
+  x->E = E;
+  x->H = H;
+  x->F = F;
+  x->dtype = t;
+  Rng rng{seed};
+  const size_t n = size_t(E) * size_t(F) * size_t(H);
+  x->gate = random_weights(n, H, t, rng);
+  x->up = random_weights(n, H, t, rng);
+  x->down = random_weights(n, F, t, rng);
+  x->gate_d = test::upload_bytes(g, t, {E, F, H}, x->gate.data(), x->gate.size());
+  x->up_d = test::upload_bytes(g, t, {E, F, H}, x->up.data(), x->up.size());
+  x->down_d = test::upload_bytes(g, t, {E, H, F}, x->down.data(), x->down.size());
+  g.synchronize();
+  const size_t mat = size_t(F) * size_t(H) * test::element_bytes(t);
+  for (int e = 0; e < E; ++e) {
+    const size_t off = size_t(e) * mat;
+    x->cpu.push_back({TensorView::contiguous(x->gate.data() + off, t, {F, H}),
+                      TensorView::contiguous(x->up.data() + off, t, {F, H}),
+                      TensorView::contiguous(x->down.data() + off, t, {H, F})});
+    x->gpu.push_back(
+        {TensorView::contiguous(x->gate_d.ptr<uint8_t>() + off, t, {F, H}, g.device()),
+         TensorView::contiguous(x->up_d.ptr<uint8_t>() + off, t, {F, H}, g.device()),
+         TensorView::contiguous(x->down_d.ptr<uint8_t>() + off, t, {H, F}, g.device())});
+  }
+  return x;
+}
+
+// Routing of T tokens: k distinct experts each (from all E, or from the first k + 2 when
+// skewed, so a few experts get most tokens), weights in [0.05, 1).
+struct Routing {
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+};
+
+Routing random_routing(int T, int E, int k, bool skewed, uint64_t seed) {
+  Rng rng{seed};
+  Routing r;
+  const int pool = skewed ? std::min(E, k + 2) : E;
+  std::vector<int> perm(static_cast<size_t>(pool));
+  for (int t = 0; t < T; ++t) {
+    for (int e = 0; e < pool; ++e) perm[size_t(e)] = e;
+    for (int j = 0; j < k; ++j) {
+      std::swap(perm[size_t(j)], perm[size_t(j + rng.below(pool - j))]);
+      r.ids.push_back(perm[size_t(j)]);
+      r.w.push_back(rng.uniform(0.05f, 1.0f));
+    }
+  }
+  return r;
+}
+
+// One moe_ffn problem on both backends; x and out may have padded rows.
+struct FfnCase {
+  int T = 0, k = 0, H = 0;
+  int64_t x_ld = 0, out_ld = 0;
+  test::Twin x, ids, w, out;
+  MoeFfnParams cpu, gpu;
+};
+
+std::unique_ptr<FfnCase> make_case(const Experts& ex, int T, int k, bool skewed, uint64_t seed,
+                                   int pad = 0) {
+  auto c = std::make_unique<FfnCase>();
+  c->T = T;
+  c->k = k;
+  c->H = ex.H;
+  c->x_ld = ex.H + pad;
+  c->out_ld = ex.H + 2 * pad;
+  const Routing r = random_routing(T, ex.E, k, skewed, seed);
+  Rng rng{seed * 7 + 1};
+  std::vector<float> x(size_t(T) * size_t(c->x_ld));
+  for (float& v : x) v = rng.uniform(-1.0f, 1.0f);
+  c->x = test::twin_floats(DType::F32, {T, c->x_ld}, x);
+  c->ids = test::twin_ints(r.ids);
+  c->w = test::twin_floats(DType::F32, {T, k}, r.w);
+  c->out = test::twin_floats(DType::F32, {T, c->out_ld},
+                             std::vector<float>(size_t(T) * size_t(c->out_ld), 7.25f));
+  auto fill = [&](MoeFfnParams& p, const BackendTensor& x_t, const BackendTensor& ids_t,
+                  const BackendTensor& w_t, const BackendTensor& out_t,
+                  const std::vector<ExpertWeights>& experts) {
+    p.x = test::view_of(x_t, {T, ex.H}, {c->x_ld, 1});
+    p.ids = test::view_of(ids_t, {T, k}, {k, 1});
+    p.weights = w_t.view;
+    p.experts = experts;
+    p.out = test::view_of(out_t, {T, ex.H}, {c->out_ld, 1});
+  };
+  fill(c->cpu, c->x.cpu, c->ids.cpu, c->w.cpu, c->out.cpu, ex.cpu);
+  fill(c->gpu, c->x.gpu, c->ids.gpu, c->w.gpu, c->out.gpu, ex.gpu);
+  return c;
+}
+
+// [T, H] rows of a [T, ld] buffer.
+std::vector<float> rows_of(const std::vector<float>& buf, int T, int H, int64_t ld) {
+  std::vector<float> r(size_t(T) * size_t(H));
+  for (int t = 0; t < T; ++t) std::copy_n(buf.begin() + t * ld, H, r.begin() + int64_t(t) * H);
+  return r;
+}
+
+// Per token: ||got - want|| <= row_tol * ||want|| and every |got - want| <= elem_tol * the
+// row's RMS. Reports the worst token.
+::testing::AssertionResult rows_close(const std::vector<float>& got, const std::vector<float>& want,
+                                      int T, int H, double row_tol, double elem_tol) {
+  int bad = 0, worst = -1;
+  double worst_ratio = 0, worst_rel = 0, worst_el = 0;
+  for (int t = 0; t < T; ++t) {
+    double nw = 0, ne = 0, me = 0;
+    for (int i = 0; i < H; ++i) {
+      const double a = got[size_t(t) * H + i], b = want[size_t(t) * H + i];
+      nw += b * b;
+      ne += (a - b) * (a - b);
+      me = std::max(me, std::isfinite(a) ? std::abs(a - b) : INFINITY);
+    }
+    const double rms = std::sqrt(nw / H) + 1e-30;
+    const double rel = std::sqrt(ne / (nw + 1e-60)), el = me / rms;
+    const double ratio = std::max(rel / row_tol, el / elem_tol);
+    if (ratio > 1) ++bad;
+    if (ratio > worst_ratio || !std::isfinite(ratio)) {
+      worst_ratio = ratio;
+      worst = t;
+      worst_rel = rel;
+      worst_el = el;
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << bad << " of " << T << " tokens out of tolerance; worst token " << worst
+         << ": relative L2 error " << worst_rel << " (tol " << row_tol << "), max |err| / RMS "
+         << worst_el << " (tol " << elem_tol << ")";
+}
+
+// F32 activations (decode path): only summation order differs from the CPU.
+constexpr double kDecodeRowTol = 1e-4, kDecodeElemTol = 1e-3;
+// BF16-rounded activations (prefill path): ~0.3% expected.
+constexpr double kPrefillRowTol = 1.5e-2, kPrefillElemTol = 6e-2;
+
+const char* path_name(cuda::MoeFfnPath p) {
+  return p == cuda::MoeFfnPath::Auto     ? "auto"
+         : p == cuda::MoeFfnPath::Decode ? "decode"
+                                         : "prefill";
+}
+
+bool auto_is_prefill(const FfnCase& c, DType t) {
+  return t == DType::BF16 && int64_t(c.T) * c.k >= cuda::kMoePrefillMinAssignments;
+}
+
+// The CPU result, then each path on the GPU against it; the sentinel padding of out must
+// survive.
+void check_all_paths(const Experts& ex, FfnCase& c, bool with_prefill) {
+  Backend &g = test::cuda_backend(), &cpu = test::cpu_backend();
+  cpu.moe_ffn(c.cpu);
+  const std::vector<float> want_buf = test::download_floats(cpu, c.out.cpu);
+  const std::vector<float> want = rows_of(want_buf, c.T, c.H, c.out_ld);
+  DirectCuda d;
+  std::vector<cuda::MoeFfnPath> paths = {cuda::MoeFfnPath::Auto, cuda::MoeFfnPath::Decode};
+  if (with_prefill) paths.push_back(cuda::MoeFfnPath::Prefill);
+  for (cuda::MoeFfnPath path : paths) {
+    SCOPED_TRACE(path_name(path));
+    const std::vector<float> sentinel(c.out.gpu.numel(), 7.25f);
+    g.upload(c.out.gpu.view, sentinel.data(), c.out.gpu.view.nbytes());
+    g.synchronize();
+    if (path == cuda::MoeFfnPath::Auto) {
+      g.moe_ffn(c.gpu);  // through the backend
+    } else {
+      d.ffn(c.gpu, path);
+    }
+    const std::vector<float> got_buf = test::download_floats(g, c.out.gpu);
+    const bool prefill = path == cuda::MoeFfnPath::Prefill ||
+                         (path == cuda::MoeFfnPath::Auto && auto_is_prefill(c, ex.dtype));
+    EXPECT_TRUE(rows_close(rows_of(got_buf, c.T, c.H, c.out_ld), want, c.T, c.H,
+                           prefill ? kPrefillRowTol : kDecodeRowTol,
+                           prefill ? kPrefillElemTol : kDecodeElemTol));
+    for (int t = 0; t < c.T; ++t)
+      for (int64_t i = c.H; i < c.out_ld; ++i)
+        ASSERT_EQ(got_buf[size_t(t * c.out_ld + i)], 7.25f) << "padding written, token " << t;
+  }
+}
+
+TEST(CudaMoeFfn, EightExpertsSmallShapesAllPaths) {
+  DS_REQUIRE_GPU();
+  const auto ex = make_experts(8, 64, 48, DType::BF16, 11);
+  uint64_t seed = 20;
+  for (int T : {1, 3, 8, 64, 300, 2000}) {
+    for (bool skewed : {false, true}) {
+      SCOPED_TRACE("T " + std::to_string(T) + (skewed ? " skewed" : " uniform"));
+      auto c = make_case(*ex, T, 2, skewed, ++seed, T == 64 ? 8 : 0);
+      check_all_paths(*ex, *c, true);
+    }
+  }
+}
+
+TEST(CudaMoeFfn, SixtyFourExpertsSmallShapesAllPaths) {
+  DS_REQUIRE_GPU();
+  const auto ex = make_experts(64, 64, 48, DType::BF16, 12);
+  uint64_t seed = 40;
+  for (int T : {1, 3, 8, 64, 300, 2000}) {
+    for (bool skewed : {false, true}) {
+      SCOPED_TRACE("T " + std::to_string(T) + (skewed ? " skewed" : " uniform"));
+      auto c = make_case(*ex, T, 6, skewed, ++seed, T == 8 ? 4 : 0);
+      check_all_paths(*ex, *c, true);
+    }
+  }
+}
+
+TEST(CudaMoeFfn, DeepSeekV2LiteShapesAllPaths) {
+  DS_REQUIRE_GPU();
+  const auto ex = make_experts(64, 2048, 1408, DType::BF16, 13);
+  uint64_t seed = 60;
+  for (int T : {1, 3, 8, 64, 300}) {
+    SCOPED_TRACE("T " + std::to_string(T));
+    auto c = make_case(*ex, T, 6, false, ++seed);
+    check_all_paths(*ex, *c, true);
+  }
+  SCOPED_TRACE("T 64 skewed");
+  auto c = make_case(*ex, 64, 6, true, ++seed);
+  check_all_paths(*ex, *c, true);
+}
+
+TEST(CudaMoeFfn, HalfAndFloatWeightsUseTheDecodeKernels) {
+  DS_REQUIRE_GPU();
+  uint64_t seed = 80;
+  for (DType t : {DType::F16, DType::F32}) {
+    const auto ex = make_experts(8, 64, 48, t, ++seed);
+    for (int T : {1, 64, 600}) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + " T " + std::to_string(T));
+      auto c = make_case(*ex, T, 2, T == 64, ++seed);
+      check_all_paths(*ex, *c, false);
+      DirectCuda d;
+      EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Prefill), UnsupportedError);
+    }
+  }
+}
+
+// Decode path: a token's output alone equals its output inside a batch bit for bit (also with
+// the batch reversed and with a few experts taking most tokens), and reruns are identical.
+TEST(CudaMoeFfn, DecodePathIsBatchInvariantAndDeterministic) {
+  DS_REQUIRE_GPU();
+  Backend& g = test::cuda_backend();
+  const auto ex = make_experts(16, 2048, 1408, DType::BF16, 14);
+  const int T = 64, k = 4, H = ex->H;
+  for (bool skewed : {false, true}) {
+    SCOPED_TRACE(skewed ? "skewed" : "uniform");
+    auto c = make_case(*ex, T, k, skewed, skewed ? 91 : 90);
+    DirectCuda d;
+    g.synchronize();
+    d.ffn(c->gpu, cuda::MoeFfnPath::Decode);
+    const std::vector<float> batch = test::download_floats(g, c->out.gpu);
+    d.ffn(c->gpu, cuda::MoeFfnPath::Decode);
+    EXPECT_EQ(test::download_floats(g, c->out.gpu), batch) << "rerun differs";
+
+    // Reversed batch: token t sits at T - 1 - t.
+    std::vector<float> xs = test::download_floats(g, c->x.gpu),
+                       ws = test::download_floats(g, c->w.gpu);
+    std::vector<float> ids_f = test::download_floats(g, c->ids.gpu);
+    std::vector<float> rx(xs.size()), rw(ws.size());
+    std::vector<int32_t> rids(ids_f.size());
+    for (int t = 0; t < T; ++t) {
+      std::copy_n(xs.begin() + t * H, H, rx.begin() + (T - 1 - t) * H);
+      for (int j = 0; j < k; ++j) {
+        rw[size_t((T - 1 - t) * k + j)] = ws[size_t(t * k + j)];
+        rids[size_t((T - 1 - t) * k + j)] = int32_t(ids_f[size_t(t * k + j)]);
+      }
+    }
+    BackendTensor rx_d = test::upload_floats(g, DType::F32, {T, H}, rx);
+    BackendTensor rw_d = test::upload_floats(g, DType::F32, {T, k}, rw);
+    BackendTensor rid_d = test::upload_bytes(g, DType::I32, {T, k}, rids.data(), rids.size() * 4);
+    BackendTensor rout = test::zeros(g, DType::F32, {T, H});
+    MoeFfnParams rp = c->gpu;
+    rp.x = rx_d.view;
+    rp.weights = rw_d.view;
+    rp.ids = rid_d.view;
+    rp.out = rout.view;
+    g.synchronize();
+    d.ffn(rp, cuda::MoeFfnPath::Decode);
+    const std::vector<float> rev = test::download_floats(g, rout);
+
+    BackendTensor one = test::zeros(g, DType::F32, {1, H});
+    int mismatched = 0;
+    for (int t = 0; t < T; ++t) {
+      MoeFfnParams p = c->gpu;
+      p.x = c->gpu.x.slice_rows(t, t + 1);
+      p.ids = c->gpu.ids.slice_rows(t, t + 1);
+      p.weights = c->gpu.weights.slice_rows(t, t + 1);
+      p.out = one.view;
+      g.synchronize();
+      d.ffn(p, cuda::MoeFfnPath::Decode);
+      const std::vector<float> alone = test::download_floats(g, one);
+      const bool same_alone =
+          std::memcmp(alone.data(), batch.data() + size_t(t) * H, size_t(H) * 4) == 0;
+      const bool same_rev = std::memcmp(rev.data() + size_t(T - 1 - t) * H,
+                                        batch.data() + size_t(t) * H, size_t(H) * 4) == 0;
+      if (!same_alone || !same_rev) ++mismatched;
+      EXPECT_TRUE(same_alone) << "token " << t << " alone differs from the batch";
+      EXPECT_TRUE(same_rev) << "token " << t << " differs in the reversed batch";
+      if (mismatched > 3) break;
+    }
+  }
+}
+
+// Captured once, replayed with new routing and activations in the same buffers: the replay
+// equals an eager run bit for bit. T * k = 1200 is past the prefill threshold, so this also
+// checks that capture keeps moe_ffn on the (sync-free) decode path.
+TEST(CudaMoeFfn, GraphReplayFollowsNewRouting) {
+  DS_REQUIRE_GPU();
+  Backend& g = test::cuda_backend();
+  const auto ex = make_experts(64, 256, 128, DType::BF16, 15);
+  for (int T : {1, 8, 200}) {
+    SCOPED_TRACE("T " + std::to_string(T));
+    auto c = make_case(*ex, T, 6, false, 100 + uint64_t(T));
+    auto c2 = make_case(*ex, T, 6, false, 200 + uint64_t(T));
+    DirectCuda d;
+    g.synchronize();
+    d.ffn(c->gpu, cuda::MoeFfnPath::Decode);  // warms scratch and the expert table
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
+    cuda::moe_ffn(d.ctx(), c->gpu);  // Auto
+    CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+    // Eager reference for the second problem, computed in c2's own buffers.
+    g.synchronize();
+    d.ffn(c2->gpu, cuda::MoeFfnPath::Decode);
+    const std::vector<float> want = test::download_floats(g, c2->out.gpu);
+
+    // Copy c2's inputs into c's buffers and replay.
+    for (auto [dst, src] : {std::pair{&c->x.gpu, &c2->x.gpu}, std::pair{&c->ids.gpu, &c2->ids.gpu},
+                            std::pair{&c->w.gpu, &c2->w.gpu}})
+      CUDA_OK(cudaMemcpyAsync(dst->view.data, src->view.data, src->view.nbytes(),
+                              cudaMemcpyDeviceToDevice, d.stream()));
+    CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+    d.sync();
+    EXPECT_EQ(test::download_floats(g, c->out.gpu), want);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+}
+
+// The cached device table follows the span: pointing the experts at other weights (same span
+// address) changes the result, exactly as the CPU sees it.
+TEST(CudaMoeFfn, ExpertTableFollowsChangedPointers) {
+  DS_REQUIRE_GPU();
+  const auto ex = make_experts(8, 64, 48, DType::BF16, 16);
+  auto c = make_case(*ex, 8, 2, false, 300);
+  check_all_paths(*ex, *c, false);
+  for (int e = 0; e < 8; e += 2) {  // every expert changes, so every token sees it
+    std::swap(ex->gpu[size_t(e)], ex->gpu[size_t(e + 1)]);
+    std::swap(ex->cpu[size_t(e)], ex->cpu[size_t(e + 1)]);
+  }
+  check_all_paths(*ex, *c, false);
+}
+
+// ---- benchmark ---------------------------------------------------------------------------
+
+// DeepSeek-V2-Lite's routed experts (64 x [1408, 2048] BF16, top-6) over 16 routings per T,
+// cycled so consecutive calls touch different experts. GB/s counts the weights of the
+// distinct experts each call touches.
+TEST(MoeBench, DISABLED_DeepSeekV2Lite) {
+  DS_REQUIRE_GPU();
+  Backend& g = test::cuda_backend();
+  const int E = 64, H = 2048, F = 1408, k = 6, kSets = 16;
+  const auto ex = make_experts(E, H, F, DType::BF16, 17);
+  const double expert_bytes = 3.0 * H * F * 2;
+  DirectCuda d;
+  cudaEvent_t t0, t1;
+  CUDA_OK(cudaEventCreate(&t0));
+  CUDA_OK(cudaEventCreate(&t1));
+  std::printf("%6s %-14s %10s %9s %9s\n", "T", "path", "us/call", "experts", "GB/s");
+  for (int T : {1, 8, 64, 128, 256}) {
+    std::vector<std::unique_ptr<FfnCase>> sets;
+    double touched = 0;
+    for (int s = 0; s < kSets; ++s) {
+      sets.push_back(make_case(*ex, T, k, false, 1000 + uint64_t(T * kSets + s)));
+      const std::set<int32_t> distinct(sets.back()->ids.cpu.ptr<int32_t>(),
+                                       sets.back()->ids.cpu.ptr<int32_t>() + T * k);
+      touched += double(distinct.size()) / kSets;
+    }
+    g.synchronize();
+    auto report = [&](const char* name, double us) {
+      std::printf("%6d %-14s %10.2f %9.1f %9.1f\n", T, name, us, touched,
+                  touched * expert_bytes / (us * 1e-6) / 1e9);
+    };
+    // Decode kernels replayed from a graph of all sets (launch overhead excluded).
+    for (auto& s : sets) d.ffn(s->gpu, cuda::MoeFfnPath::Decode);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
+    for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, cuda::MoeFfnPath::Decode);
+    CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+    const int reps = 20;
+    CUDA_OK(cudaEventRecord(t0, d.stream()));
+    for (int r = 0; r < reps; ++r) CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+    CUDA_OK(cudaEventRecord(t1, d.stream()));
+    d.sync();
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
+    report("decode-graph", 1000.0 * ms / (reps * kSets));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+
+    // Eager launches (decode), then the prefill path (syncs once per call).
+    for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Prefill}) {
+      const int eager_reps = 5;
+      for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, path);
+      d.sync();
+      CUDA_OK(cudaEventRecord(t0, d.stream()));
+      for (int r = 0; r < eager_reps; ++r)
+        for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, path);
+      CUDA_OK(cudaEventRecord(t1, d.stream()));
+      d.sync();
+      CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
+      report(path == cuda::MoeFfnPath::Decode ? "decode-eager" : "prefill",
+             1000.0 * ms / (eager_reps * kSets));
+    }
+  }
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+}
+
+}  // namespace
+}  // namespace ds
