@@ -89,14 +89,37 @@ if has_stage lite; then
   fi
 fi
 
+if has_stage smoke; then
+  # W3's shape through `generate` (1 request, 1024 random prompt ids, 128 greedy tokens) on
+  # the GPU, and a few tokens of the same checkpoint on the CPU (16 threads).
+  python3 -c "import random; random.seed(7); print(' '.join(str(random.randrange(100000)) for _ in range(1024)))" >/tmp/w3_ids.txt
+  log "generate on cuda (W3 shape)"
+  "$BUILD/deepserve" generate -m "$LITE_DIR" --device cuda --prompt-ids-file /tmp/w3_ids.txt \
+    -n 128 --temperature 0 --ignore-eos --json --stats >"$OUT/smoke-cuda.json" 2>"$OUT/smoke-cuda.log"
+  log "cuda rc=$?"; tail -3 "$OUT/smoke-cuda.log"; head -c 400 "$OUT/smoke-cuda.json"; echo
+  log "generate on cpu (16 threads, 8 prompt ids, 4 tokens)"
+  head -c 40 /tmp/w3_ids.txt | cut -d' ' -f1-8 >/tmp/cpu_ids.txt
+  "$BUILD/deepserve" generate -m "$LITE_DIR" --device cpu -t 16 --prompt-ids-file /tmp/cpu_ids.txt \
+    -n 4 --temperature 0 --json >"$OUT/smoke-cpu.json" 2>"$OUT/smoke-cpu.log"
+  log "cpu rc=$?"; tail -5 "$OUT/smoke-cpu.log"
+fi
+
 if has_stage bench; then
-  for w in w3 w1 w2; do
+  for w in ${BENCH_WORKLOADS:-w3 w1 w2}; do
     log "bench $w"
-    DEEPSERVE_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
-      --model "$LITE_DIR" --output "$OUT/bench-$w.json" >"$OUT/bench-$w.log" 2>&1
+    DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
+      --output "$OUT/bench-$w.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
+      >"$OUT/bench-$w.log" 2>&1
     log "bench $w rc=$?"
-    tail -15 "$OUT/bench-$w.log"
+    tail -6 "$OUT/bench-$w.log"
   done
+fi
+
+if has_stage moebench; then
+  log "MoE kernel micro-benchmark"
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='MoeBench.*' \
+    >"$OUT/moe-bench.log" 2>&1
+  grep -vE "^\[|^$" "$OUT/moe-bench.log" | tail -20
 fi
 
 if has_stage hfbase; then

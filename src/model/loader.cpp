@@ -95,6 +95,9 @@ LoadedModel load_model(const std::filesystem::path& path, Backend& backend,
   std::snprintf(speed, sizeof speed, "%.2f GB/s", double(m.bytes) / m.load_seconds / 1e9);
   log_info("loaded " + m.path + " (" + m.config.summary() + ") in " +
            std::to_string(m.load_seconds) + " s, " + speed + " on " + backend.name());
+  if (opts.progress)  // the one line a user sees even without a terminal or -v
+    std::fprintf(stderr, "loaded %.2f GB in %.2f s (%s) on %s\n", double(m.bytes) / 1e9,
+                 m.load_seconds, speed, backend.name().c_str());
   return m;
 }
 

@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_reference.h"
@@ -158,7 +159,17 @@ Inputs make_inputs(const Case& c, uint32_t seed) {
                                      std::span<const float>(nan_out.data(), size_t(T * H * c.hd)));
     in.out_view = in.out_buf.view;
   }
-  if (mla) {
+  if (mla && c.strided) {
+    // q_rope = dims [16, 16 + P) of each head of a [T, H, 16 + P] buffer (the model's q_pe).
+    const int64_t qk = 16 + c.rope;
+    std::vector<float> q(size_t(T * H * qk), 7.0f);
+    for (int64_t r = 0; r < T * H; ++r)
+      for (int d = 0; d < c.rope; ++d)
+        q[size_t(r * qk + 16 + d)] = in.q_rope[size_t(r * c.rope + d)];
+    in.q_rope_buf = test::upload_floats(gpu, DType::F32, {T, H, qk}, q);
+    in.q_rope_view =
+        test::strided_view(in.q_rope_buf.view, {T, H, c.rope}, {H * qk * 4, qk * 4, 4}, 16 * 4);
+  } else if (mla) {
     in.q_rope_buf = test::upload_floats(gpu, DType::F32, {T, H, c.rope}, in.q_rope);
     in.q_rope_view = in.q_rope_buf.view;
   }
@@ -351,6 +362,31 @@ TEST(CudaAttention, MlaMixedShapes) {
       c.path = path;
       check_case(c, seed++);
     }
+}
+
+// One whole prompt of 1..64 tokens, as the tiny DeepSeek-V2 fixture's prefill runs it: 3 heads
+// (5 tokens per 16-row tile, so tiles start mid-block), R 32, P 8, q_rope a strided view; and
+// GQA prompts with 3 / 1 and 6 / 2 heads.
+TEST(CudaAttention, WholePromptSweep) {
+  DS_REQUIRE_GPU();
+  for (AttentionPath path : {AttentionPath::Simt, AttentionPath::Auto})
+    for (DType dt : {DType::BF16, DType::F32})
+      for (int T = 1; T <= 64; ++T) {
+        Case c;
+        c.seqs = {{T, T}};
+        c.heads = 3, c.kv_heads = 3, c.hd = 32, c.rope = 8, c.strided = true;
+        c.dtype = dt, c.path = path;
+        check_case(c, 2500 + uint32_t(T));
+      }
+  for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore})
+    for (int hd : {16, 24})
+      for (auto [heads, kv] : {std::pair{3, 1}, std::pair{6, 2}})
+        for (int T = 1; T <= 64; ++T) {
+          Case c;
+          c.seqs = {{T, T}};
+          c.heads = heads, c.kv_heads = kv, c.hd = hd, c.path = path;
+          check_case(c, 2600 + uint32_t(T));
+        }
 }
 
 TEST(CudaAttention, MlaDecodeBatches) {

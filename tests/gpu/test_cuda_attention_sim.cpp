@@ -15,6 +15,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_reference.h"
@@ -326,7 +327,7 @@ struct SimCase {
   bool tensor_cores = false;
   int sm_count = 1;  // larger forces more context splits
   int min_splits = 1;
-  bool strided = false;  // q rows inside a wider buffer, out rows padded
+  bool strided = false;  // q rows inside a wider buffer, out rows padded; MLA q_rope too
 };
 
 std::string describe(const SimCase& c) {
@@ -380,12 +381,20 @@ void run_case(const SimCase& c, uint32_t seed) {
       test::strided_view(test::make_view(outbuf.data(), DType::F32, {T, H, c.hd + pad}),
                          {T, H, c.hd}, {int64_t(H) * (c.hd + pad) * 4, int64_t(c.hd + pad) * 4, 4});
 
+  // Strided MLA: q_rope is dims [16, 16 + P) of each head of a [T, H, 16 + P] buffer, as the
+  // model's q_pe view into q = [q_nope | q_pe] per head.
+  const int nope = c.strided ? 16 : 0, qk = nope + c.rope;
+  std::vector<float> qrbuf(size_t(T * H * qk), 5.0f);
+  for (int r = 0; r < T * H; ++r)
+    for (int d = 0; d < c.rope; ++d) qrbuf[size_t(r * qk + nope + d)] = qr[size_t(r * c.rope + d)];
   kern::AttnParams a;
   std::vector<double> want;
   if (mla) {
     MlaAttentionParams p;
     p.q_latent = qv;
-    p.q_rope = test::make_view(const_cast<float*>(qr.data()), DType::F32, {T, H, c.rope});
+    p.q_rope =
+        test::strided_view(test::make_view(qrbuf.data(), DType::F32, {T, H, qk}), {T, H, c.rope},
+                           {int64_t(H) * qk * 4, int64_t(qk) * 4, 4}, int64_t(nope) * 4);
     p.out = ov;
     p.cache = kv.kv;
     p.kv_lora_rank = c.hd;
@@ -515,6 +524,32 @@ TEST(CudaAttentionSim, ManySequencesTileScan) {
     c.heads = 4, c.kv_heads = 2, c.hd = 8;
     run_case(c, 601);
   }
+}
+
+// One whole prompt of 1..64 tokens at once, as a model's prefill runs it, with heads that do
+// not divide a CTA's 16 rows (3 heads: 5 tokens per tile), so tiles start mid-block and the
+// last tile is partial. The MLA case is the tiny DeepSeek-V2 fixture's (R 32, P 8, q_rope a
+// strided view, block size 16).
+TEST(CudaAttentionSim, WholePromptSweep) {
+  for (bool tc : {true, false})
+    for (DType dt : {DType::BF16, DType::F32})
+      for (int T = 1; T <= 64; T += tc ? 1 : 3) {
+        SimCase c;
+        c.seqs = {{T, T}};
+        c.heads = 3, c.hd = 32, c.rope = 8, c.block_size = 16, c.strided = true;
+        c.tensor_cores = tc, c.dtype = dt, c.sm_count = 132;
+        run_case(c, 800 + uint32_t(T));
+      }
+  for (bool tc : {true, false})
+    for (int hd : {16, 24})
+      for (auto [heads, kv] : {std::pair{3, 1}, std::pair{6, 2}})
+        for (int T : {1, 2, 5, 8, 15, 16, 17, 20, 21, 23, 31, 32, 33, 40, 47, 48, 49, 64}) {
+          SimCase c;
+          c.seqs = {{T, T}};
+          c.heads = heads, c.kv_heads = kv, c.hd = hd, c.block_size = 16;
+          c.tensor_cores = tc, c.dtype = DType::BF16, c.sm_count = 132;
+          run_case(c, 900 + uint32_t(T));
+        }
 }
 
 // The production shapes: DeepSeek-V2 MLA (R 512, P 64, 16 heads), an R of 1024 (two value

@@ -1,0 +1,89 @@
+// MoeBench.* (disabled by default): moe_ffn on DeepSeek-V2-Lite shapes, timed with CUDA
+// events; prints achieved GB/s of the expert weights each call touches.
+//   deepserve_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='MoeBench.*'
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "moe_test_util.h"
+
+namespace ds {
+namespace {
+
+using moe_test::DirectCuda;
+using moe_test::FfnCase;
+using moe_test::make_case;
+using moe_test::make_experts;
+
+// DeepSeek-V2-Lite's routed experts (64 x [1408, 2048] BF16, top-6) over 16 routings per T,
+// cycled so consecutive calls touch different experts. GB/s counts the weights of the
+// distinct experts each call touches.
+TEST(MoeBench, DISABLED_DeepSeekV2Lite) {
+  DS_REQUIRE_GPU();
+  Backend& g = test::cuda_backend();
+  const int E = 64, H = 2048, F = 1408, k = 6, kSets = 16;
+  const auto ex = make_experts(E, H, F, DType::BF16, 17);
+  const double expert_bytes = 3.0 * H * F * 2;
+  DirectCuda d;
+  cudaEvent_t t0, t1;
+  MOE_CUDA_OK(cudaEventCreate(&t0));
+  MOE_CUDA_OK(cudaEventCreate(&t1));
+  std::printf("%6s %-14s %10s %9s %9s\n", "T", "path", "us/call", "experts", "GB/s");
+  for (int T : {1, 8, 64, 128, 256}) {
+    std::vector<std::unique_ptr<FfnCase>> sets;
+    double touched = 0;
+    for (int s = 0; s < kSets; ++s) {
+      sets.push_back(make_case(*ex, T, k, false, 1000 + uint64_t(T * kSets + s)));
+      const std::set<int32_t> distinct(sets.back()->ids.cpu.ptr<int32_t>(),
+                                       sets.back()->ids.cpu.ptr<int32_t>() + T * k);
+      touched += double(distinct.size()) / kSets;
+    }
+    g.synchronize();
+    auto report = [&](const char* name, double us) {
+      std::printf("%6d %-14s %10.2f %9.1f %9.1f\n", T, name, us, touched,
+                  touched * expert_bytes / (us * 1e-6) / 1e9);
+    };
+    // Decode kernels replayed from a graph of all sets (launch overhead excluded).
+    for (auto& s : sets) d.ffn(s->gpu, cuda::MoeFfnPath::Decode);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
+    for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, cuda::MoeFfnPath::Decode);
+    MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
+    MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+    const int reps = 20;
+    MOE_CUDA_OK(cudaEventRecord(t0, d.stream()));
+    for (int r = 0; r < reps; ++r) MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+    MOE_CUDA_OK(cudaEventRecord(t1, d.stream()));
+    d.sync();
+    float ms = 0;
+    MOE_CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
+    report("decode-graph", 1000.0 * ms / (reps * kSets));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+
+    // Eager launches (decode), then the prefill path (syncs once per call).
+    for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Prefill}) {
+      const int eager_reps = 5;
+      for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, path);
+      d.sync();
+      MOE_CUDA_OK(cudaEventRecord(t0, d.stream()));
+      for (int r = 0; r < eager_reps; ++r)
+        for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, path);
+      MOE_CUDA_OK(cudaEventRecord(t1, d.stream()));
+      d.sync();
+      MOE_CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
+      report(path == cuda::MoeFfnPath::Decode ? "decode-eager" : "prefill",
+             1000.0 * ms / (eager_reps * kSets));
+    }
+  }
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+}
+
+}  // namespace
+}  // namespace ds
