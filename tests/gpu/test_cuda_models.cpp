@@ -29,6 +29,11 @@ namespace fs = std::filesystem;
 // over a handful of layers; 2% of the logit range is several times the error this predicts
 // for these depths and widths while still far below the fixtures' typical top-2 margins.
 constexpr double kRelTol = 0.02;
+// A prompt whose reference router has two experts this close somewhere (router-logit gap,
+// recorded by the fixture script) may legitimately pick the other one under BF16: that
+// changes the logits of that position by far more than rounding (checked in transformers by
+// swapping the two experts: 0.60 and 0.10 on the two such prompts of deepseek_v2_qlora_bf16).
+constexpr double kRouteNearTie = 0.01;
 
 fs::path hf_root() {
   return fs::path(DS_FIXTURES_DIR) / "hf";
@@ -48,6 +53,7 @@ struct Prompt {
   std::vector<int32_t> ids, generated;
   std::vector<double> margins;
   std::vector<float> logits;  // [ids.size(), vocab]
+  double route_gap = 1e9;     // smallest router-logit gap of the prefill (MoE models)
 };
 
 std::vector<Prompt> read_prompts(const std::string& name, int& vocab) {
@@ -61,6 +67,8 @@ std::vector<Prompt> read_prompts(const std::string& name, int& vocab) {
     q.ids = p.at("ids").get<std::vector<int32_t>>();
     q.generated = p.at("generated_ids").get<std::vector<int32_t>>();
     q.margins = p.at("generated_top2_margin").get<std::vector<double>>();
+    if (p.contains("prefill_route_gap") && p.at("prefill_route_gap").is_number())
+      q.route_gap = p.at("prefill_route_gap").get<double>();
     for (const auto& row : p.at("logits"))
       for (const auto& v : row) q.logits.push_back(v.get<float>());
     out.push_back(std::move(q));
@@ -191,19 +199,27 @@ TEST_P(CudaModels, PrefillLogitsWithinBf16Tolerance) {
   for (const auto& p : prompts_) {
     const auto got = prefill(g, p.ids);
     ASSERT_EQ(got.size(), p.logits.size());
+    const double tol = tolerance(p);
     double worst = 0;
     size_t at = 0;
+    std::vector<size_t> over;  // positions with any logit beyond the tolerance
     for (size_t i = 0; i < got.size(); ++i) {
       const double d = std::fabs(double(got[i]) - double(p.logits[i]));
       if (!(d <= worst)) {
         worst = std::isnan(d) ? INFINITY : d;
         at = i;
       }
+      const size_t pos = i / size_t(vocab_);
+      if (!(d <= tol) && (over.empty() || over.back() != pos)) over.push_back(pos);
     }
-    const double tol = tolerance(p);
-    std::printf("  %s %s (%zu tokens): max |logit diff| %.4g (tolerance %.4g) at position %zu\n",
-                GetParam().c_str(), p.name.c_str(), p.ids.size(), worst, tol, at / size_t(vocab_));
-    EXPECT_LE(worst, tol) << p.name << " position " << at / size_t(vocab_);
+    std::printf(
+        "  %s %s (%zu tokens): max |logit diff| %.4g (tolerance %.4g) at position %zu, "
+        "%zu position(s) beyond, router gap %.3g\n",
+        GetParam().c_str(), p.name.c_str(), p.ids.size(), worst, tol, at / size_t(vocab_),
+        over.size(), p.route_gap);
+    const size_t allowed = p.route_gap < kRouteNearTie ? 1 : 0;
+    EXPECT_LE(over.size(), allowed)
+        << p.name << ": first position beyond " << tol << ": " << (over.empty() ? 0 : over.front());
   }
 }
 
