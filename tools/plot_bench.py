@@ -19,6 +19,7 @@ try:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 except ImportError:
     print("plot_bench.py: matplotlib is not installed in " + sys.executable, file=sys.stderr)
     sys.exit(3)
@@ -48,6 +49,10 @@ def plot_throughput(doc, path):
         ax.plot(xs, [s["total_tokens_per_s"] for s in items], marker="s", linestyle="--",
                 color=line.get_color(), alpha=0.6, label=series_label(key) + ": total")
     ax.set_xscale("log", base=2)
+    ticks = sorted({s["concurrency"] for s in doc["scenarios"]})
+    ax.set_xticks(ticks)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("tokens per second")
     ax.set_ylim(bottom=0)

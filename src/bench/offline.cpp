@@ -79,7 +79,10 @@ BenchResult OfflineTarget::run(const BenchRequest& req) {
 TargetSnapshot OfflineTarget::snapshot() {
   const EngineStats st = engine_.stats();
   TargetSnapshot s;
-  if (cfg_.device != "cpu") s.gpu_memory_bytes = gpu_memory_used_bytes();
+  if (cfg_.device_memory_used)
+    s.gpu_memory_bytes = cfg_.device_memory_used();
+  else if (cfg_.device != "cpu")
+    s.gpu_memory_bytes = gpu_memory_used_bytes();
   s.rss_peak_bytes = peak_rss_bytes();
   s.kv_usage = st.kv.usage;
   s.kv_fragmentation = st.kv.fragmentation;

@@ -2,6 +2,7 @@
 // own timestamps, so step times are exact.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "bench/target.h"
@@ -12,6 +13,8 @@ namespace ds {
 struct OfflineTargetConfig {
   std::string device = "cpu";   // "cuda": device memory is sampled (CUDA builds)
   DType kv_dtype = DType::F32;  // what the roofline counts per cached token
+  // Bytes the backend's memory pool holds in live buffers; unset: the whole device's use.
+  std::function<double()> device_memory_used;
 };
 
 class OfflineTarget : public BenchTarget {

@@ -169,6 +169,7 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
           {"config",
            {{"device", ctx.device.empty() ? Json(spec.device) : Json(ctx.device)},
             {"kv_dtype", spec.kv_dtype.empty() ? Json() : Json(spec.kv_dtype)},
+            {"gpu_memory_utilization", spec.gpu_memory_utilization},
             {"threads", spec.threads},
             {"precision", spec.precision},
             {"engine", engine},

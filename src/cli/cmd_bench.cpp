@@ -11,6 +11,9 @@
 #include "bench/report.h"
 #include "cli/commands.h"
 #include "core/error.h"
+#ifdef DEEPSERVE_HAVE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace ds {
 namespace {
@@ -79,7 +82,13 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   resolve_bandwidth(spec, device, sys, ro, ctx);
   PromptMaker prompts({s.loaded.tokenizer.get(), s.loaded.config.vocab, spec.prompt == "text",
                        /*send_text=*/false});
-  OfflineTarget target(*s.engine, *s.loaded.model, {device, kv_dtype_of(spec.kv_dtype, device)});
+  OfflineTargetConfig tc{device, kv_dtype_of(spec.kv_dtype, device), {}};
+#ifdef DEEPSERVE_HAVE_CUDA
+  // The pool reserves most of the GPU up front: what its live buffers hold is the real use.
+  if (device == "cuda")
+    tc.device_memory_used = [&b = *s.backend] { return double(cuda_pool_info(b).used_bytes); };
+#endif
+  OfflineTarget target(*s.engine, *s.loaded.model, tc);
   return run_bench(spec, target, prompts, ro);
 }
 

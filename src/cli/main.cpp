@@ -130,8 +130,8 @@ int main(int argc, char** argv) {
   b->add_option("--url", bench.url,
                 "online mode: an OpenAI-compatible server (http://host:port); default: offline");
   b->add_option_function<double>(
-      "--gpu-hour-price", [&bench](double v) { bench.gpu_hour_price = v; },
-      "USD per GPU-hour: adds the cost per million output tokens")
+       "--gpu-hour-price", [&bench](double v) { bench.gpu_hour_price = v; },
+       "USD per GPU-hour: adds the cost per million output tokens")
       ->check(CLI::NonNegativeNumber);
   b->add_option("--plots", bench.plots, "draw PNG plots into this folder (needs matplotlib)");
   b->add_flag("-v,--verbose", bench.verbose, "log what is loaded and which kernels run");

@@ -15,9 +15,9 @@ namespace {
 
 // Share of the pool left after loading the weights that the automatic KV cache takes; the
 // rest is for activations, logits and kernel scratch, allocated on the first steps.
-constexpr double kKvShareOfFreePool = 0.9;
+[[maybe_unused]] constexpr double kKvShareOfFreePool = 0.9;
 
-std::string gib(double bytes) {
+[[maybe_unused]] std::string gib(double bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / double(int64_t(1) << 30));
   return buf;
