@@ -130,3 +130,10 @@ if has_stage hfbase; then
   tail -10 "$OUT/hf-baseline.log"
 fi
 log "done"
+# The device tool brings back only a handful of files: pack the logs into one archive and
+# keep the JSON results beside it.
+if [ -z "${KEEP_LOOSE:-}" ]; then
+  (cd "$OUT" && tar -czf gpu-run-logs.tgz $(ls | grep -v '\.tgz$') &&
+    find . -maxdepth 1 -type f ! -name '*.tgz' ! -name 'bench-*.json' ! -name 'hf-baseline.json' \
+      -delete)
+fi
