@@ -136,16 +136,8 @@ class Llama final : public Model {
       be_.add(x, xn);
       dump(l, "out", x);
     }
-    // Only the rows that need logits go through the final norm and the vocabulary projection.
-    TensorView h = last_->view(DType::F32, {L, cfg_.hidden});
-    for (int64_t r = 0; r < L; ++r) {
-      const int32_t row = in.logit_rows[size_t(r)];
-      DS_CHECK(row >= 0 && row < T, "logit row out of range");
-      be_.copy(x.slice_rows(row, row + 1), h.slice_rows(r, r + 1));
-    }
-    be_.rms_norm(h, output_norm_, cfg_.rms_eps, h);
-    dump("output_norm", h);
-    be_.matmul(h, output_, logits);
+    output_logits(be_, x, in.logit_rows, last_->view(DType::F32, {L, cfg_.hidden}), output_norm_,
+                  cfg_.rms_eps, output_, logits);
   }
 
  private:

@@ -2,7 +2,22 @@
 
 #include <cmath>
 
+#include "core/error.h"
+
 namespace ds {
+
+void Model::output_logits(Backend& be, const TensorView& x, std::span<const int32_t> rows,
+                          TensorView h, const TensorView& norm, float eps, const TensorView& w_out,
+                          TensorView logits) const {
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const int32_t row = rows[r];
+    DS_CHECK(row >= 0 && row < x.shape[0], "logit row out of range");
+    be.copy(x.slice_rows(row, row + 1), h.slice_rows(int64_t(r), int64_t(r) + 1));
+  }
+  be.rms_norm(h, norm, eps, h);
+  dump("output_norm", h);
+  be.matmul(h, w_out, logits);
+}
 
 double WeightBytes::decode_step(int batch) const {
   if (moe_layers == 0 || experts == 0) return double(dense);

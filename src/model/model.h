@@ -87,6 +87,11 @@ class Model {
   void dump(const char* name, const TensorView& t) const {
     if (debug_) debug_(name, t);
   }
+  // The last step of every forward: only the rows that need logits are gathered (x rows ->
+  // h), normalized and projected to the vocabulary.
+  void output_logits(Backend& be, const TensorView& x, std::span<const int32_t> rows, TensorView h,
+                     const TensorView& norm, float eps, const TensorView& w_out,
+                     TensorView logits) const;
   void dump(int layer, const char* name, const TensorView& t) const {
     if (debug_) debug_("blk." + std::to_string(layer) + "." + name, t);
   }

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "../hf_fixtures.h"
 #include "backend/cuda/cuda_backend.h"
 #include "engine/engine.h"
 #include "model/loader.h"
@@ -35,18 +36,8 @@ constexpr double kRelTol = 0.02;
 // swapping the two experts: 0.60 and 0.10 on the two such prompts of deepseek_v2_qlora_bf16).
 constexpr double kRouteNearTie = 0.01;
 
-fs::path hf_root() {
-  return fs::path(DS_FIXTURES_DIR) / "hf";
-}
-
-std::vector<std::string> fixture_names() {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(hf_root(), ec))
-    if (fs::exists(e.path() / "reference.json")) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
+using test::hf_root;
+const auto fixture_names = test::hf_fixture_names;
 
 struct Prompt {
   std::string name;

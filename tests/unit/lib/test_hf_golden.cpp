@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "../../hf_fixtures.h"
 #include "engine/engine.h"
 #include "model/loader.h"
 
@@ -28,18 +29,8 @@ constexpr double kExpandedTol = 1e-4;  // absorbed vs expanded MLA, max abs
 constexpr double kFragile = 1e-3;      // a greedy step whose top-2 margin is this small may flip
 constexpr int kBlocks = 16;            // 256 cache slots: prompt (<= 40) + 32 generated
 
-fs::path hf_root() {
-  return fs::path(DS_FIXTURES_DIR) / "hf";
-}
-
-std::vector<std::string> fixture_names() {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(hf_root(), ec))
-    if (fs::exists(e.path() / "reference.json")) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
+using test::hf_root;
+const auto fixture_names = test::hf_fixture_names;
 
 struct Prompt {
   std::string name, text;
