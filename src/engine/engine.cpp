@@ -217,6 +217,12 @@ void Engine::loop() {
       log_error(std::string("engine step failed: ") + e.what());
       finish_all(FinishReason::Rejected, e.what());
     }
+    if (expert_load_stale_ && !sched_.has_unfinished()) {
+      std::vector<ExpertLoad> load = model_.expert_load();
+      expert_load_stale_ = false;
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.expert_load = std::move(load);
+    }
   }
   finish_all(FinishReason::Cancelled);
 }
@@ -367,7 +373,15 @@ void Engine::step() {
   sched_.on_step_done(sampled);
 
   // Statistics first, so a caller woken by a final event below already sees this step.
-  std::vector<ExpertLoad> expert_load = model_.expert_load();
+  // Expert counters live on the device: read them back a few times a second, not every step
+  // (and once more when the engine goes idle, in loop()).
+  std::optional<std::vector<ExpertLoad>> expert_load;
+  expert_load_stale_ = true;
+  if (const double t = now_s(); t - expert_load_read_s_ >= kExpertLoadPeriodS) {
+    expert_load = model_.expert_load();
+    expert_load_read_s_ = t;
+    expert_load_stale_ = false;
+  }
   const BlockManagerStats kv = sched_.block_manager().stats();
   const SchedulerStats ss = sched_.stats();
   {
@@ -381,7 +395,7 @@ void Engine::step() {
     stats_.peak_kv_usage = std::max(stats_.peak_kv_usage, kv.usage);
     stats_.running = sched_.num_running();
     stats_.waiting = sched_.num_waiting();
-    stats_.expert_load = std::move(expert_load);
+    if (expert_load) stats_.expert_load = std::move(*expert_load);
     stats_.kv = kv;
   }
 

@@ -112,7 +112,7 @@ struct EngineStats {
   double peak_kv_usage = 0;
   int running = 0;  // sequences the scheduler holds as running after the last step
   int waiting = 0;  // admitted but not yet running (incl. preempted)
-  std::vector<ExpertLoad> expert_load;  // MoE models: tokens per expert per layer
+  std::vector<ExpertLoad> expert_load;  // MoE models: tokens per expert per layer (<= 0.25 s old)
   BlockManagerStats kv;
 };
 
@@ -160,6 +160,9 @@ class Engine {
   std::unique_ptr<Buffer> meta_buf_;    // step metadata in backend memory (non-CPU backends)
   std::vector<int32_t> staging_;        // host side of meta_buf_'s upload
   std::vector<float> logits_;
+  static constexpr double kExpertLoadPeriodS = 0.25;
+  double expert_load_read_s_ = -1e9;  // when the model's expert counters were last read
+  bool expert_load_stale_ = false;    // steps ran since then
 
   mutable std::mutex mu_;  // guards the inbox, cancels, stats_ and stop_
   std::condition_variable cv_;

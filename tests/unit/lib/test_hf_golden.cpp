@@ -7,12 +7,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../../hf_fixtures.h"
@@ -282,6 +284,44 @@ TEST_P(HfGolden, BatchedEqualsAlone) {
   EngineConfig cached;
   cached.prefix_cache = true;
   EXPECT_EQ(generate(l, cached, prompts, 32, true), alone) << "prefix cache";
+}
+
+// Every token the model processes is routed to top_k experts in every MoE layer; the engine's
+// statistics must account for all of them once it is idle.
+TEST_P(HfGolden, ExpertLoadCountsEveryRoutedToken) {
+  if (!ref_.mla) GTEST_SKIP() << "not a MoE model";
+  Loaded l = load(GetParam());
+  const ModelConfig& c = l.m.config;
+  EngineConfig cfg;
+  cfg.prefix_cache = false;
+  Engine engine(*l.m.model, *l.backend, l.m.tokenizer.get(), cfg);
+  int requests = 0;
+  for (const auto& p : ref_.prompts) {
+    EngineRequest r;
+    r.prompt = p.ids;
+    r.max_tokens = 5;
+    r.sampling.temperature = 0;
+    r.ignore_eos = true;
+    engine.submit(r)->wait();
+    ++requests;
+  }
+  int moe_layers = 0;
+  for (int layer = 0; layer < c.layers; ++layer) moe_layers += c.is_moe_layer(layer) ? 1 : 0;
+  // The idle refresh runs right after the last step: poll briefly for it.
+  EngineStats st;
+  int64_t routed = 0;
+  for (int tries = 0; tries < 200; ++tries) {
+    st = engine.stats();
+    routed = 0;
+    for (const auto& el : st.expert_load)
+      for (int64_t n : el.tokens) routed += n;
+    const int64_t processed = st.prompt_tokens_computed + st.tokens_generated - requests;
+    if (routed == processed * c.moe_top_k * moe_layers) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(int(st.expert_load.size()), moe_layers);
+  const int64_t processed = st.prompt_tokens_computed + st.tokens_generated - requests;
+  EXPECT_EQ(routed, processed * c.moe_top_k * moe_layers);
 }
 
 // The expanded form is the straightforward per-head attention; the absorbed one (the
