@@ -76,6 +76,25 @@ inline void check_inner_dense(const TensorView& v, const char* what) {
            std::string(what) + ": innermost dimension must be contiguous");
 }
 
+// Calls fn(T{}) with T the CUDA element type of a float dtype (F32, F16, BF16); other
+// dtypes are an UnsupportedError naming `what`. One place for the per-dtype launch switch.
+template <typename Fn>
+void dispatch_float(DType t, const std::string& what, Fn&& fn) {
+  switch (t) {
+    case DType::F32:
+      fn(float{});
+      break;
+    case DType::F16:
+      fn(__half{});
+      break;
+    case DType::BF16:
+      fn(__nv_bfloat16{});
+      break;
+    default:
+      throw UnsupportedError("cuda " + what + ": dtype " + std::string(dtype_name(t)));
+  }
+}
+
 inline unsigned ceil_div(int64_t a, int64_t b) {
   return unsigned((a + b - 1) / b);
 }

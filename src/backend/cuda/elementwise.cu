@@ -129,22 +129,11 @@ void launch_convert_rows(const TensorView& src, DType dtype, void* dst, int64_t 
   if (rows == 0 || k == 0) return;
   const dim3 grid = row_grid(rows, k);
   const RowIndex ri = row_index(src);
-  switch (dtype) {
-    case DType::F32:
-      convert_kernel<float>
-          <<<grid, kThreads, 0, stream>>>(src.data, ri, static_cast<float*>(dst), ld, rows, k);
-      break;
-    case DType::F16:
-      convert_kernel<__half>
-          <<<grid, kThreads, 0, stream>>>(src.data, ri, static_cast<__half*>(dst), ld, rows, k);
-      break;
-    case DType::BF16:
-      convert_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-          src.data, ri, static_cast<__nv_bfloat16*>(dst), ld, rows, k);
-      break;
-    default:
-      throw UnsupportedError("convert to " + std::string(dtype_name(dtype)));
-  }
+  dispatch_float(dtype, "convert to", [&](auto t) {
+    using T = decltype(t);
+    convert_kernel<T>
+        <<<grid, kThreads, 0, stream>>>(src.data, ri, static_cast<T*>(dst), ld, rows, k);
+  });
   check_launch("convert");
 }
 

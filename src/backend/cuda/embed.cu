@@ -47,19 +47,8 @@ void launch_embed(const EmbedArgs& a, cudaStream_t stream) {
   check_inner_dense(a.table, "embed");
   check_inner_dense(a.out, "embed");
   if (a.n <= 0 || a.table.cols() == 0) return;
-  switch (a.table.dtype) {
-    case DType::F32:
-      launch_typed<float>(a, stream);
-      break;
-    case DType::F16:
-      launch_typed<__half>(a, stream);
-      break;
-    case DType::BF16:
-      launch_typed<__nv_bfloat16>(a, stream);
-      break;
-    default:
-      throw UnsupportedError("cuda embed: table dtype " + std::string(dtype_name(a.table.dtype)));
-  }
+  dispatch_float(a.table.dtype, "embed table",
+                 [&](auto t) { launch_typed<decltype(t)>(a, stream); });
   check_cuda(cudaGetLastError(), "embed");
 }
 

@@ -67,19 +67,8 @@ void launch_store_kv(const StoreKvArgs& a, cudaStream_t stream) {
   if (a.kv.v) check_src(a.v, a.kv, a.num_tokens, "v");
   DS_CHECK(int64_t(a.kv.num_blocks) * a.kv.block_size < (int64_t(1) << 31),
            "store_kv: cache too large for 32-bit slots");
-  switch (a.kv.dtype) {
-    case DType::F32:
-      launch_typed<float>(a, stream);
-      break;
-    case DType::F16:
-      launch_typed<__half>(a, stream);
-      break;
-    case DType::BF16:
-      launch_typed<__nv_bfloat16>(a, stream);
-      break;
-    default:
-      throw UnsupportedError("cuda store_kv: cache dtype " + std::string(dtype_name(a.kv.dtype)));
-  }
+  dispatch_float(a.kv.dtype, "store_kv cache",
+                 [&](auto t) { launch_typed<decltype(t)>(a, stream); });
   check_cuda(cudaGetLastError(), "store_kv");
 }
 
