@@ -4,8 +4,13 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include <gtest/gtest.h>
+
+#include "engine/engine.h"
 
 namespace ds::test {
 
@@ -22,6 +27,41 @@ inline std::vector<std::string> hf_fixture_names() {
       names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   return names;
+}
+
+// Greedy continuations (EOS ignored) of `prompts` on `engine`: submitted all at once
+// (concurrent) or one after another.
+inline std::vector<std::vector<int32_t>> greedy_generate(
+    Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
+    bool concurrent) {
+  auto request = [&](const std::vector<int32_t>& p) {
+    EngineRequest r;
+    r.prompt = p;
+    r.max_tokens = max_tokens;
+    r.sampling.temperature = 0;
+    r.ignore_eos = true;
+    return r;
+  };
+  auto collect = [](RequestHandle& h) {
+    std::vector<int32_t> toks;
+    while (auto ev = h.next()) {
+      if (ev->token >= 0) toks.push_back(ev->token);
+      if (ev->final) {
+        EXPECT_TRUE(ev->error.empty()) << ev->error;
+      }
+    }
+    return toks;
+  };
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  if (concurrent) {
+    std::vector<std::shared_ptr<RequestHandle>> hs;
+    for (const auto& p : prompts) hs.push_back(engine.submit(request(p)));
+    for (size_t i = 0; i < hs.size(); ++i) out[i] = collect(*hs[i]);
+  } else {
+    for (size_t i = 0; i < prompts.size(); ++i)
+      out[i] = collect(*engine.submit(request(prompts[i])));
+  }
+  return out;
 }
 
 }  // namespace ds::test

@@ -131,30 +131,7 @@ std::vector<std::vector<int32_t>> generate(OnGpu& g, const std::vector<std::vect
   cfg.kv_dtype = DType::BF16;
   cfg.kv_cache_tokens = 2048;
   Engine engine(*g.m.model, *g.backend, g.m.tokenizer.get(), cfg);
-  auto request = [&](const std::vector<int32_t>& p) {
-    EngineRequest r;
-    r.prompt = p;
-    r.max_tokens = max_tokens;
-    r.sampling.temperature = 0;
-    r.ignore_eos = true;
-    return r;
-  };
-  auto collect = [](RequestHandle& h) {
-    std::vector<int32_t> toks;
-    while (auto ev = h.next()) {
-      if (ev->token >= 0) toks.push_back(ev->token);
-      if (ev->final) EXPECT_TRUE(ev->error.empty()) << ev->error;
-    }
-    return toks;
-  };
-  std::vector<std::vector<int32_t>> out(ps.size());
-  if (concurrent) {
-    std::vector<std::shared_ptr<RequestHandle>> hs;
-    for (const auto& p : ps) hs.push_back(engine.submit(request(p)));
-    for (size_t i = 0; i < hs.size(); ++i) out[i] = collect(*hs[i]);
-  } else {
-    for (size_t i = 0; i < ps.size(); ++i) out[i] = collect(*engine.submit(request(ps[i])));
-  }
+  auto out = test::greedy_generate(engine, ps, max_tokens, concurrent);
   std::printf("  engine: %d decode graphs captured\n", engine.graphs_captured());
   return out;
 }

@@ -169,34 +169,7 @@ std::vector<std::vector<int32_t>> generate(Loaded& l, const EngineConfig& cfg,
                                            const std::vector<std::vector<int32_t>>& prompts,
                                            int max_tokens, bool concurrent) {
   Engine engine(*l.m.model, *l.backend, l.m.tokenizer.get(), cfg);
-  auto request = [&](const std::vector<int32_t>& p) {
-    EngineRequest r;
-    r.prompt = p;
-    r.max_tokens = max_tokens;
-    r.sampling.temperature = 0;
-    r.ignore_eos = true;
-    return r;
-  };
-  auto collect = [](RequestHandle& h) {
-    std::vector<int32_t> toks;
-    while (auto ev = h.next()) {
-      if (ev->token >= 0) toks.push_back(ev->token);
-      if (ev->final) {
-        EXPECT_TRUE(ev->error.empty()) << ev->error;
-      }
-    }
-    return toks;
-  };
-  std::vector<std::vector<int32_t>> out(prompts.size());
-  if (concurrent) {
-    std::vector<std::shared_ptr<RequestHandle>> hs;
-    for (const auto& p : prompts) hs.push_back(engine.submit(request(p)));
-    for (size_t i = 0; i < hs.size(); ++i) out[i] = collect(*hs[i]);
-  } else {
-    for (size_t i = 0; i < prompts.size(); ++i)
-      out[i] = collect(*engine.submit(request(prompts[i])));
-  }
-  return out;
+  return test::greedy_generate(engine, prompts, max_tokens, concurrent);
 }
 
 class HfGolden : public ::testing::TestWithParam<std::string> {
