@@ -161,6 +161,18 @@ __device__ __forceinline__ void prefetch_l2(const uint8_t* const (&rows)[kRows],
   }
 }
 
+// The touched expert a CTA row (blockIdx.y) works on and its run of sorted tokens; e = -1 for
+// rows past the experts this step touched (those CTAs exit).
+struct ActiveExpert {
+  int e, begin, count;
+};
+__device__ __forceinline__ ActiveExpert active_expert(const DecodeFfnArgs& a, int slot) {
+  if (slot >= *a.lists.n_active) return {-1, 0, 0};
+  const int e = a.lists.active[slot];
+  const int begin = a.lists.offsets[e];
+  return {e, begin, a.lists.offsets[e + 1] - begin};
+}
+
 __device__ __forceinline__ float silu(float g) {
   return g / (1.0f + expf(-g));
 }
@@ -171,12 +183,10 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
   constexpr int V = Vec<K>::kElems;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
-  const int slot = blockIdx.y;
-  if (slot >= *a.lists.n_active) return;
-  const int e = a.lists.active[slot];
-  const int begin = a.lists.offsets[e];
-  const int count = a.lists.offsets[e + 1] - begin;
-  const ExpertPtrs ex = a.experts[e];
+  const ActiveExpert act = active_expert(a, blockIdx.y);
+  if (act.e < 0) return;
+  const int begin = act.begin, count = act.count;
+  const ExpertPtrs ex = a.experts[act.e];
   const int esize = K == WeightKind::F32 ? 4 : 2;
   const int64_t gate_ld = ex.gate_ld * esize;
   const int64_t up_ld = ex.up_ld * esize;
@@ -231,12 +241,10 @@ __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int uni
   constexpr int V = Vec<K>::kElems;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
-  const int slot = blockIdx.y;
-  if (slot >= *a.lists.n_active) return;
-  const int e = a.lists.active[slot];
-  const int begin = a.lists.offsets[e];
-  const int count = a.lists.offsets[e + 1] - begin;
-  const ExpertPtrs ex = a.experts[e];
+  const ActiveExpert act = active_expert(a, blockIdx.y);
+  if (act.e < 0) return;
+  const int begin = act.begin, count = act.count;
+  const ExpertPtrs ex = a.experts[act.e];
   const int esize = K == WeightKind::F32 ? 4 : 2;
   const int64_t down_ld = ex.down_ld * esize;
   const uint8_t* down = static_cast<const uint8_t*>(ex.down);
