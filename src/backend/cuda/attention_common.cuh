@@ -266,6 +266,15 @@ DS_KDEV void load4(const uint8_t* row, int d, int n, int type, bool vec, float (
   }
 }
 
+// load4 of the cache row in slot `slot` after `base` (zeros for a key past the tile: slot < 0).
+DS_KDEV void load_slot4(const uint8_t* base, int slot, int64_t slot_bytes, int d, int n, int type,
+                        bool vec, float (&x)[4]) {
+  if (slot >= 0)
+    load4(base + int64_t(slot) * slot_bytes, d, n, type, vec, x);
+  else
+    x[0] = x[1] = x[2] = x[3] = 0.0f;
+}
+
 DS_KDEV int64_t part_row(const AttnParams& p, int split, int token, int head) {
   return (int64_t(split) * p.num_tokens + token) * p.heads + head;
 }

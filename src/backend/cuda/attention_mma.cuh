@@ -152,11 +152,7 @@ DS_KDEV void mma_attention(const AttnParams& p, const Thread& th, uint8_t* smem)
         kMmaKeys * ku, th,
         [&](int u, float(&x)[4]) {
           const int j = u / ku, c = u % ku;
-          if (slots[j] >= 0)
-            load4(kbase + int64_t(slots[j]) * p.slot_bytes, 4 * c, p.dim, p.cache_type, p.vec_ok,
-                  x);
-          else
-            x[0] = x[1] = x[2] = x[3] = 0.0f;
+          load_slot4(kbase, slots[j], p.slot_bytes, 4 * c, p.dim, p.cache_type, p.vec_ok, x);
         },
         [&](int u, const float(&x)[4]) {
           const int i = (u / ku) * L.ks + 4 * (u % ku);
@@ -168,11 +164,8 @@ DS_KDEV void mma_attention(const AttnParams& p, const Thread& th, uint8_t* smem)
           kMmaKeys * vu, th,
           [&](int u, float(&x)[4]) {
             const int j = u / vu, c = u % vu;
-            if (slots[j] >= 0)
-              load4(vbase + int64_t(slots[j]) * p.slot_bytes + int64_t(t.dv0) * es, 4 * c, t.nv,
-                    p.cache_type, p.vec_ok, x);
-            else
-              x[0] = x[1] = x[2] = x[3] = 0.0f;
+            load_slot4(vbase + int64_t(t.dv0) * es, slots[j], p.slot_bytes, 4 * c, t.nv,
+                       p.cache_type, p.vec_ok, x);
           },
           [&](int u, const float(&x)[4]) {
             const int i = (u / vu) * L.vs + 4 * (u % vu);

@@ -92,11 +92,7 @@ DS_KDEV void simt_attention(const AttnParams& p, const Thread& th, uint8_t* smem
         kSimtKeys * kunits, th,
         [&](int u, float(&x)[4]) {
           const int j = u / kunits, c = u % kunits;
-          if (slots[j] >= 0)
-            load4(kbase + int64_t(slots[j]) * p.slot_bytes, 4 * c, p.dim, p.cache_type, p.vec_ok,
-                  x);
-          else
-            x[0] = x[1] = x[2] = x[3] = 0.0f;
+          load_slot4(kbase, slots[j], p.slot_bytes, 4 * c, p.dim, p.cache_type, p.vec_ok, x);
         },
         [&](int u, const float(&x)[4]) {
           float* dst = k_s + (u / kunits) * L.kstride + 4 * (u % kunits);
@@ -107,11 +103,8 @@ DS_KDEV void simt_attention(const AttnParams& p, const Thread& th, uint8_t* smem
           kSimtKeys * vunits, th,
           [&](int u, float(&x)[4]) {
             const int j = u / vunits, c = u % vunits;
-            if (slots[j] >= 0)
-              load4(vbase + int64_t(slots[j]) * p.slot_bytes + int64_t(t.dv0) * es, 4 * c, t.nv,
-                    p.cache_type, p.vec_ok, x);
-            else
-              x[0] = x[1] = x[2] = x[3] = 0.0f;
+            load_slot4(vbase + int64_t(t.dv0) * es, slots[j], p.slot_bytes, 4 * c, t.nv,
+                       p.cache_type, p.vec_ok, x);
           },
           [&](int u, const float(&x)[4]) {
             float* dst = v_s + (u / vunits) * L.vstride + 4 * (u % vunits);
