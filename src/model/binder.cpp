@@ -1,5 +1,6 @@
 #include "model/binder.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
@@ -26,6 +27,11 @@ TensorView heads_first(const TensorView& t) {
   v.shape = {t.shape[1], t.shape[0], t.shape[2], 0};
   v.stride = {t.stride[1], t.stride[0], t.stride[2], 0};
   return v;
+}
+
+void ensure_scratch(Backend& be, std::unique_ptr<Buffer>& buf, int64_t elems) {
+  const size_t bytes = size_t(std::max<int64_t>(elems, 1)) * 4;
+  if (!buf || buf->size() < bytes) buf = be.alloc(bytes);
 }
 
 void check_shape(const TensorView& t, int64_t rows, int64_t cols, const std::string& name) {

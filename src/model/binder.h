@@ -60,6 +60,10 @@ class WeightBinder {
   uint64_t bytes_ = 0;
 };
 
+// Makes `buf` hold at least `elems` 4-byte elements (F32 / I32 scratch), reallocating only
+// to grow, so a forward's scratch settles at its largest step.
+void ensure_scratch(Backend& be, std::unique_ptr<Buffer>& buf, int64_t elems);
+
 void check_shape(const TensorView& t, int64_t rows, int64_t cols, const std::string& name);
 // Element i of a 1-D (or flattened contiguous) F32/F16/BF16 host tensor as float.
 float host_element(const TensorView& t, int64_t i);

@@ -45,10 +45,6 @@ struct DsLayer {
 // in transformers, so they keep RMSNorm's default.
 constexpr float kLatentNormEps = 1e-6f;
 
-int64_t round_up_rows(int64_t n) {
-  return std::max<int64_t>(n, 1);
-}
-
 class DeepseekV2 final : public Model {
  public:
   DeepseekV2(const ModelConfig& cfg, const WeightSource& w, Backend& be,
@@ -335,9 +331,7 @@ class DeepseekV2 final : public Model {
     for (int s = 0; s < hm.num_seqs; ++s) {
       const int q0 = hm.query_start[s], nq = hm.query_start[s + 1] - q0;
       const int64_t C = hm.context_lens[s];
-      auto grow = [&](std::unique_ptr<Buffer>& buf, int64_t floats) {
-        if (!buf || buf->size() < size_t(floats) * 4) buf = be_.alloc(size_t(floats) * 4);
-      };
+      auto grow = [&](std::unique_ptr<Buffer>& buf, int64_t n) { ensure_scratch(be_, buf, n); };
       grow(x_lat_, C * (R + P));
       grow(x_kv_, C * H * (nope + v));
       grow(x_k_, C * H * qk);
@@ -447,9 +441,7 @@ class DeepseekV2 final : public Model {
     const int64_t qk = cfg_.qk_nope_dim + P, v = cfg_.v_head_dim;
     const int64_t ffn = std::max<int64_t>(cfg_.intermediate,
                                           int64_t(cfg_.moe_shared_experts) * cfg_.moe_intermediate);
-    auto grow = [&](std::unique_ptr<Buffer>& b, int64_t elems) {
-      if (!b || b->size() < size_t(elems) * 4) b = be_.alloc(size_t(round_up_rows(elems)) * 4);
-    };
+    auto grow = [&](std::unique_ptr<Buffer>& b, int64_t n) { ensure_scratch(be_, b, n); };
     grow(x_, T * cfg_.hidden);
     grow(xn_, T * cfg_.hidden);
     grow(tmp_, T * cfg_.hidden);

@@ -143,9 +143,7 @@ class Llama final : public Model {
  private:
   void reserve(int64_t T, int64_t L) {
     const int64_t hd = cfg_.head_dim, q_dim = cfg_.heads * hd, kv_dim = cfg_.kv_heads * hd;
-    auto grow = [&](std::unique_ptr<Buffer>& b, int64_t floats) {
-      if (!b || b->size() < size_t(floats) * 4) b = be_.alloc(size_t(floats) * 4);
-    };
+    auto grow = [&](std::unique_ptr<Buffer>& b, int64_t n) { ensure_scratch(be_, b, n); };
     grow(x_, T * cfg_.hidden);
     grow(xn_, T * cfg_.hidden);
     grow(qkv_, T * (q_dim + 2 * kv_dim));
