@@ -31,7 +31,7 @@ struct EngineConfig {
   int max_num_batched_tokens = 2048;
   DType kv_dtype = DType::F32;
   // Decode steps of up to this many sequences replay device graphs (CUDA); 0 disables.
-  int graph_max_batch = 64;
+  int graph_max_batch = 256;
   // Contexts up to this many tokens use graphs (every captured launch is sized for it, so a
   // larger value costs empty work in each replay); longer ones run eagerly.
   int64_t graph_max_context = 4096;

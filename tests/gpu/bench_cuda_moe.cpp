@@ -32,7 +32,7 @@ TEST(MoeBench, DISABLED_DeepSeekV2Lite) {
   MOE_CUDA_OK(cudaEventCreate(&t0));
   MOE_CUDA_OK(cudaEventCreate(&t1));
   std::printf("%6s %-14s %10s %9s %9s\n", "T", "path", "us/call", "experts", "GB/s");
-  for (int T : {1, 8, 64, 128, 256}) {
+  for (int T : {1, 8, 16, 32, 64, 128, 256, 1024, 8192}) {
     std::vector<std::unique_ptr<FfnCase>> sets;
     double touched = 0;
     for (int s = 0; s < kSets; ++s) {
@@ -46,29 +46,36 @@ TEST(MoeBench, DISABLED_DeepSeekV2Lite) {
       std::printf("%6d %-14s %10.2f %9.1f %9.1f\n", T, name, us, touched,
                   touched * expert_bytes / (us * 1e-6) / 1e9);
     };
-    // Decode kernels replayed from a graph of all sets (launch overhead excluded).
-    for (auto& s : sets) d.ffn(s->gpu, cuda::MoeFfnPath::Decode);
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
-    for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, cuda::MoeFfnPath::Decode);
-    MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
-    MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
-    const int reps = 20;
-    MOE_CUDA_OK(cudaEventRecord(t0, d.stream()));
-    for (int r = 0; r < reps; ++r) MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
-    MOE_CUDA_OK(cudaEventRecord(t1, d.stream()));
-    d.sync();
-    float ms = 0;
-    MOE_CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
-    report("decode-graph", 1000.0 * ms / (reps * kSets));
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+    const bool big = T > 1024;  // the decode kernels are far off the pace there
+    // Graph-capturable paths replayed from a graph of all sets (launch overhead excluded).
+    for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped}) {
+      if (big && path == cuda::MoeFfnPath::Decode) continue;
+      for (auto& s : sets) d.ffn(s->gpu, path);
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
+      for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, path);
+      MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
+      MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+      const int reps = big ? 3 : 20;
+      MOE_CUDA_OK(cudaEventRecord(t0, d.stream()));
+      for (int r = 0; r < reps; ++r) MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+      MOE_CUDA_OK(cudaEventRecord(t1, d.stream()));
+      d.sync();
+      float ms = 0;
+      MOE_CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
+      report(path == cuda::MoeFfnPath::Decode ? "decode-graph" : "grouped-graph",
+             1000.0 * ms / (reps * kSets));
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
 
-    // Eager launches (decode), then the prefill path (syncs once per call).
-    for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Prefill}) {
-      const int eager_reps = 5;
+    // Eager launches, then the prefill path (syncs once per call).
+    for (cuda::MoeFfnPath path :
+         {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped, cuda::MoeFfnPath::Prefill}) {
+      if (big && path == cuda::MoeFfnPath::Decode) continue;
+      const int eager_reps = big ? 2 : 5;
       for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, path);
       d.sync();
       MOE_CUDA_OK(cudaEventRecord(t0, d.stream()));
@@ -76,8 +83,11 @@ TEST(MoeBench, DISABLED_DeepSeekV2Lite) {
         for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, path);
       MOE_CUDA_OK(cudaEventRecord(t1, d.stream()));
       d.sync();
+      float ms = 0;
       MOE_CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
-      report(path == cuda::MoeFfnPath::Decode ? "decode-eager" : "prefill",
+      report(path == cuda::MoeFfnPath::Decode    ? "decode-eager"
+             : path == cuda::MoeFfnPath::Grouped ? "grouped-eager"
+                                                 : "prefill",
              1000.0 * ms / (eager_reps * kSets));
     }
   }

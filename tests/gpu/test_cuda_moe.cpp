@@ -237,25 +237,30 @@ constexpr double kDecodeRowTol = 1e-4, kDecodeElemTol = 1e-3;
 constexpr double kPrefillRowTol = 1.5e-2, kPrefillElemTol = 6e-2;
 
 const char* path_name(cuda::MoeFfnPath p) {
-  return p == cuda::MoeFfnPath::Auto     ? "auto"
-         : p == cuda::MoeFfnPath::Decode ? "decode"
-                                         : "prefill";
+  return p == cuda::MoeFfnPath::Auto      ? "auto"
+         : p == cuda::MoeFfnPath::Decode  ? "decode"
+         : p == cuda::MoeFfnPath::Grouped ? "grouped"
+                                          : "prefill";
 }
 
-bool auto_is_prefill(const FfnCase& c, DType t) {
-  return t == DType::BF16 && int64_t(c.T) * c.k >= cuda::kMoePrefillMinAssignments;
+// Whether Auto takes a path that rounds activations to BF16 (grouped or prefill).
+bool auto_rounds_to_bf16(const FfnCase& c, DType t) {
+  return t == DType::BF16 && int64_t(c.T) * c.k >= cuda::kMoeGroupedMinAssignments;
 }
 
 // The CPU result, then each path on the GPU against it; the sentinel padding of out must
 // survive.
-void check_all_paths(const Experts& ex, FfnCase& c, bool with_prefill) {
+void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
   Backend &g = test::cuda_backend(), &cpu = test::cpu_backend();
   cpu.moe_ffn(c.cpu);
   const std::vector<float> want_buf = test::download_floats(cpu, c.out.cpu);
   const std::vector<float> want = rows_of(want_buf, c.T, c.H, c.out_ld);
   DirectCuda d;
   std::vector<cuda::MoeFfnPath> paths = {cuda::MoeFfnPath::Auto, cuda::MoeFfnPath::Decode};
-  if (with_prefill) paths.push_back(cuda::MoeFfnPath::Prefill);
+  if (with_bf16_paths) {
+    paths.push_back(cuda::MoeFfnPath::Prefill);
+    paths.push_back(cuda::MoeFfnPath::Grouped);
+  }
   for (cuda::MoeFfnPath path : paths) {
     SCOPED_TRACE(path_name(path));
     const std::vector<float> sentinel(c.out.gpu.numel(), 7.25f);
@@ -267,8 +272,8 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_prefill) {
       d.ffn(c.gpu, path);
     }
     const std::vector<float> got_buf = test::download_floats(g, c.out.gpu);
-    const bool prefill = path == cuda::MoeFfnPath::Prefill ||
-                         (path == cuda::MoeFfnPath::Auto && auto_is_prefill(c, ex.dtype));
+    const bool prefill = path == cuda::MoeFfnPath::Prefill || path == cuda::MoeFfnPath::Grouped ||
+                         (path == cuda::MoeFfnPath::Auto && auto_rounds_to_bf16(c, ex.dtype));
     EXPECT_TRUE(rows_close(rows_of(got_buf, c.T, c.H, c.out_ld), want, c.T, c.H,
                            prefill ? kPrefillRowTol : kDecodeRowTol,
                            prefill ? kPrefillElemTol : kDecodeElemTol));
@@ -329,25 +334,29 @@ TEST(CudaMoeFfn, HalfAndFloatWeightsUseTheDecodeKernels) {
       check_all_paths(*ex, *c, false);
       DirectCuda d;
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Prefill), UnsupportedError);
+      EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Grouped), UnsupportedError);
     }
   }
 }
 
-// Decode path: a token's output alone equals its output inside a batch bit for bit (also with
-// the batch reversed and with a few experts taking most tokens), and reruns are identical.
-TEST(CudaMoeFfn, DecodePathIsBatchInvariantAndDeterministic) {
+// Decode and grouped paths: a token's output alone equals its output inside a batch bit for bit
+// (also with the batch reversed and with a few experts taking most tokens), and reruns are
+// identical.
+TEST(CudaMoeFfn, DecodeAndGroupedPathsAreBatchInvariantAndDeterministic) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
   const auto ex = make_experts(16, 2048, 1408, DType::BF16, 14);
   const int T = 64, k = 4, H = ex->H;
-  for (bool skewed : {false, true}) {
-    SCOPED_TRACE(skewed ? "skewed" : "uniform");
+  for (auto [path, skewed] :
+       {std::pair{cuda::MoeFfnPath::Decode, false}, std::pair{cuda::MoeFfnPath::Decode, true},
+        std::pair{cuda::MoeFfnPath::Grouped, false}, std::pair{cuda::MoeFfnPath::Grouped, true}}) {
+    SCOPED_TRACE(std::string(path_name(path)) + (skewed ? " skewed" : " uniform"));
     auto c = make_case(*ex, T, k, skewed, skewed ? 91 : 90);
     DirectCuda d;
     g.synchronize();
-    d.ffn(c->gpu, cuda::MoeFfnPath::Decode);
+    d.ffn(c->gpu, path);
     const std::vector<float> batch = test::download_floats(g, c->out.gpu);
-    d.ffn(c->gpu, cuda::MoeFfnPath::Decode);
+    d.ffn(c->gpu, path);
     EXPECT_EQ(test::download_floats(g, c->out.gpu), batch) << "rerun differs";
 
     // Reversed batch: token t sits at T - 1 - t.
@@ -373,7 +382,7 @@ TEST(CudaMoeFfn, DecodePathIsBatchInvariantAndDeterministic) {
     rp.ids = rid_d.view;
     rp.out = rout.view;
     g.synchronize();
-    d.ffn(rp, cuda::MoeFfnPath::Decode);
+    d.ffn(rp, path);
     const std::vector<float> rev = test::download_floats(g, rout);
 
     BackendTensor one = test::zeros(g, DType::F32, {1, H});
@@ -385,7 +394,7 @@ TEST(CudaMoeFfn, DecodePathIsBatchInvariantAndDeterministic) {
       p.weights = c->gpu.weights.slice_rows(t, t + 1);
       p.out = one.view;
       g.synchronize();
-      d.ffn(p, cuda::MoeFfnPath::Decode);
+      d.ffn(p, path);
       const std::vector<float> alone = test::download_floats(g, one);
       const bool same_alone =
           std::memcmp(alone.data(), batch.data() + size_t(t) * H, size_t(H) * 4) == 0;
@@ -400,8 +409,8 @@ TEST(CudaMoeFfn, DecodePathIsBatchInvariantAndDeterministic) {
 }
 
 // Captured once, replayed with new routing and activations in the same buffers: the replay
-// equals an eager run bit for bit. T * k = 1200 is past the prefill threshold, so this also
-// checks that capture keeps moe_ffn on the (sync-free) decode path.
+// equals an eager run of the path Auto takes bit for bit. T * k = 1200 is where Auto would
+// take the (host-syncing) prefill path outside capture, if its threshold were that low.
 TEST(CudaMoeFfn, GraphReplayFollowsNewRouting) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
@@ -421,8 +430,11 @@ TEST(CudaMoeFfn, GraphReplayFollowsNewRouting) {
     MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
     // Eager reference for the second problem, computed in c2's own buffers.
+    const cuda::MoeFfnPath ref = int64_t(T) * 6 >= cuda::kMoeGroupedMinAssignments
+                                     ? cuda::MoeFfnPath::Grouped
+                                     : cuda::MoeFfnPath::Decode;
     g.synchronize();
-    d.ffn(c2->gpu, cuda::MoeFfnPath::Decode);
+    d.ffn(c2->gpu, ref);
     const std::vector<float> want = test::download_floats(g, c2->out.gpu);
 
     // Copy c2's inputs into c's buffers and replay.

@@ -80,6 +80,16 @@ __global__ void __launch_bounds__(kListThreads)
     l.offsets[E] = total;
     *l.n_active = n_active;
   }
+  if (l.tile_expert) {
+    const int tiles = (c + kTileM - 1) / kTileM;
+    int n_tiles = 0;
+    const int first = block_exclusive_scan(tiles, sums, &n_tiles);
+    for (int j = 0; j < tiles; ++j) {
+      l.tile_expert[first + j] = tid;
+      l.tile_begin[first + j] = off + j * kTileM;
+    }
+    if (tid == 0) *l.n_tiles = n_tiles;
+  }
   __syncthreads();
 
   for (int64_t base = 0; base < n; base += kListThreads) {
@@ -278,22 +288,31 @@ class Carver {
 struct Scratch {
   moe::TokenLists lists;
   float* h = nullptr;   // decode
-  float* y = nullptr;   // decode
-  void* act = nullptr;  // prefill
+  float* y = nullptr;   // decode, grouped
+  void* act = nullptr;  // prefill; grouped: gathered x
   float* gu = nullptr;  // prefill
+  void* h16 = nullptr;  // grouped
 };
 
 // Lays out the scratch (twice: once with a null base to size it).
-size_t layout(uint8_t* base, int64_t n, int E, int H, int F, bool prefill, Scratch& s) {
+size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, Scratch& s) {
   Carver c(base);
   s.lists.offsets = c.take<int>(E + 1);
   s.lists.active = c.take<int>(E);
   s.lists.n_active = c.take<int>(1);
   s.lists.sorted_token = c.take<int>(n);
   s.lists.pos = c.take<int>(n);
-  if (prefill) {
+  if (path == MoeFfnPath::Prefill) {
     s.act = c.take<uint16_t>(n * std::max(H, F));
     s.gu = c.take<float>(n * std::max(2 * F, H));
+  } else if (path == MoeFfnPath::Grouped) {
+    const int64_t tiles = moe::max_tiles(n, E);
+    s.lists.tile_expert = c.take<int>(tiles);
+    s.lists.tile_begin = c.take<int>(tiles);
+    s.lists.n_tiles = c.take<int>(1);
+    s.act = c.take<uint16_t>(n * H);
+    s.h16 = c.take<uint16_t>(n * F);
+    s.y = c.take<float>(n * H);
   } else {
     s.h = c.take<float>(n * F);
     s.y = c.take<float>(n * H);
@@ -340,6 +359,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
       throw Error("cuda moe_ffn: first call on a device must happen before graph capture");
     }
     moe::prepare_decode_kernels();
+    moe::prepare_grouped_kernels();
   }
   const ExpertTable& table = expert_table(dev, p.experts, ctx.stream);
   const int H = table.hidden;
@@ -348,29 +368,49 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
                                 " columns, experts take " + std::to_string(H));
   const int64_t n = T * k;
 
-  bool prefill = false;
-  if (path == MoeFfnPath::Prefill) {
-    if (table.dtype != DType::BF16)
-      throw UnsupportedError("cuda moe_ffn: the prefill path needs BF16 experts");
-    DS_CHECK(!capturing(ctx.stream), "moe_ffn: the prefill path cannot be graph-captured");
-    prefill = true;
+  const bool bf16 = table.dtype == DType::BF16;
+  if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped) {
+    if (!bf16)
+      throw UnsupportedError(std::string("cuda moe_ffn: the ") +
+                             (path == MoeFfnPath::Prefill ? "prefill" : "grouped") +
+                             " path needs BF16 experts");
+    DS_CHECK(path == MoeFfnPath::Grouped || !capturing(ctx.stream),
+             "moe_ffn: the prefill path cannot be graph-captured");
   } else if (path == MoeFfnPath::Auto) {
-    prefill =
-        table.dtype == DType::BF16 && n >= kMoePrefillMinAssignments && !capturing(ctx.stream);
+    path = !bf16 || n < kMoeGroupedMinAssignments                     ? MoeFfnPath::Decode
+           : n >= kMoePrefillMinAssignments && !capturing(ctx.stream) ? MoeFfnPath::Prefill
+                                                                      : MoeFfnPath::Grouped;
   }
+  const bool prefill = path == MoeFfnPath::Prefill;
   if (prefill && !dev.cublas) {
     if (cublasCreate(&dev.cublas) != CUBLAS_STATUS_SUCCESS)
       throw Error("cuda moe_ffn: cublasCreate failed");
   }
 
   Scratch s;
-  const size_t bytes = layout(nullptr, n, int(E), H, F, prefill, s);
+  const size_t bytes = layout(nullptr, n, int(E), H, F, path, s);
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));
-  layout(base, n, int(E), H, F, prefill, s);
+  layout(base, n, int(E), H, F, path, s);
 
   moe::launch_token_lists(p.ids.ptr<int32_t>(), n, k, int(E), s.lists, ctx.stream);
   const float* y = nullptr;
-  if (prefill) {
+  if (path == MoeFfnPath::Grouped) {
+    moe::GroupedFfnArgs a;
+    a.experts = table.device;
+    a.x = p.x.ptr<float>();
+    a.x_stride = p.x.row_stride() / 4;
+    a.num_tokens = T;
+    a.num_experts = int(E);
+    a.top_k = k;
+    a.hidden = H;
+    a.inter = F;
+    a.lists = s.lists;
+    a.xa = s.act;
+    a.h = s.h16;
+    a.y = s.y;
+    moe::launch_grouped_ffn(a, ctx.stream);
+    y = s.y;
+  } else if (prefill) {
     moe::PrefillFfnArgs a;
     a.experts = table.host.data();
     a.cublas = dev.cublas;

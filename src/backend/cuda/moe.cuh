@@ -31,11 +31,13 @@ void moe_route(const Context& ctx, const TensorView& logits, const MoeRouteParam
 // outside graph capture.
 void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 
-// Which moe_ffn implementation runs. Auto: Prefill for BF16 experts with at least
-// kMoePrefillMinAssignments (token, expert) pairs while the stream is not being captured,
-// Decode otherwise. Tests and benchmarks force one.
-enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill };
-constexpr int64_t kMoePrefillMinAssignments = 1024;
+// Which moe_ffn implementation runs. Auto, for BF16 experts: Decode below
+// kMoeGroupedMinAssignments (token, expert) pairs, Prefill from kMoePrefillMinAssignments
+// while the stream is not being captured, Grouped in between (and above, when capturing);
+// F16 / F32 experts always take Decode. Tests and benchmarks force one.
+enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped };
+constexpr int64_t kMoeGroupedMinAssignments = 96;
+constexpr int64_t kMoePrefillMinAssignments = 1 << 30;
 void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
 
 // ---- internals shared by moe*.cu --------------------------------------------------------
@@ -61,7 +63,15 @@ struct TokenLists {
   int* n_active = nullptr;      // [1] how many entries of `active` are valid
   int* sorted_token = nullptr;  // [N] token of each sorted position
   int* pos = nullptr;           // [N] sorted position of assignment i (-1: expert id out of range)
+  // Optional (grouped path): each expert's run cut into kTileM-row tiles, experts ascending.
+  int* tile_expert = nullptr;  // [max_tiles] expert of tile s
+  int* tile_begin = nullptr;   // [max_tiles] first sorted position of tile s
+  int* n_tiles = nullptr;      // [1] valid tiles
 };
+
+// Rows per grouped-path tile, and how many tiles N assignments over E experts can need.
+constexpr int kTileM = 64;
+int64_t max_tiles(int64_t assignments, int num_experts);
 
 // Builds the lists from ids [N] (N = T * top_k) in one CTA; deterministic (no order races).
 void launch_token_lists(const int32_t* ids, int64_t n, int top_k, int num_experts,
@@ -111,6 +121,29 @@ struct PrefillFfnArgs {
   void* act = nullptr;  // max([N, hidden], [N, F]) BF16: gathered x, then silu(g) * u
   float* gu = nullptr;  // max([N, 2F], [N, hidden]) F32: gate | up, then y
 };
+
+struct GroupedFfnArgs {
+  const ExpertPtrs* experts = nullptr;  // device [E]; BF16 weights
+  const float* x = nullptr;             // [T, hidden]
+  int64_t x_stride = 0;
+  int64_t num_tokens = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  int hidden = 0;
+  int inter = 0;
+  TokenLists lists;    // with the tile table
+  void* xa = nullptr;  // [N, hidden] BF16: gathered x
+  void* h = nullptr;   // [N, F] BF16: silu(gate x) * up x
+  float* y = nullptr;  // [N, hidden] F32: down h
+};
+
+// Gather, then the gate/up and down tensor-core kernels; no host sync.
+void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream);
+void prepare_grouped_kernels();
+
+// act[p, :] = bf16(x[sorted_token[p], :]) for p < *assigned (grid n rows).
+void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_token,
+                        const int* assigned, int64_t n, int hidden, void* act, cudaStream_t stream);
 
 // Gathers, runs the GEMMs of every touched expert and leaves y [N, hidden] F32 in a.gu.
 // Synchronizes the stream once to read the per-expert counts.

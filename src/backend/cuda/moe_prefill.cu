@@ -61,6 +61,15 @@ void gemm_bf16(cublasHandle_t h, int m, int n, int k, const void* A, int64_t lda
 
 }  // namespace
 
+void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_token,
+                        const int* assigned, int64_t n, int hidden, void* act,
+                        cudaStream_t stream) {
+  if (n == 0) return;
+  gather_bf16_kernel<<<unsigned(n), kThreads, 0, stream>>>(
+      x, x_stride, sorted_token, assigned, hidden, static_cast<__nv_bfloat16*>(act));
+  check(cudaGetLastError(), "gather");
+}
+
 void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   const int64_t n = a.num_tokens * a.top_k;
   const int E = a.num_experts;
@@ -69,11 +78,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   auto* act = static_cast<__nv_bfloat16*>(a.act);
 
   // Gather first (positions past the last valid one exit), then read the counts.
-  if (n > 0) {
-    gather_bf16_kernel<<<unsigned(n), kThreads, 0, stream>>>(a.x, a.x_stride, a.lists.sorted_token,
-                                                             a.lists.offsets + E, H, act);
-    check(cudaGetLastError(), "gather");
-  }
+  launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + E, n, H, act, stream);
   std::vector<int> offsets(size_t(E) + 1);
   check(cudaMemcpyAsync(offsets.data(), a.lists.offsets, offsets.size() * sizeof(int),
                         cudaMemcpyDeviceToHost, stream),

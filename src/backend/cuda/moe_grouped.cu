@@ -1,0 +1,277 @@
+// Grouped-path experts: tensor-core GEMMs over per-expert tiles of tokens, with no host sync
+// (graph capturable). The token lists give every touched expert a run of sorted positions;
+// the tile table cuts each run into kTileM-row tiles, and a CTA owns (tile, block of output
+// columns). Activations are gathered into BF16 rows first (as the prefill path does), the
+// weights stream through a cp.async pipeline, fragments come from ldmatrix and the products
+// from mma.sync m16n8k16 with F32 accumulators.
+//   gate_up: h[p, f] = bf16(silu(x_p . gate_f) * (x_p . up_f))   (CTA: 64 rows x 64 f)
+//   down:    y[p, r] = h_p . down_r                              (CTA: 64 rows x 128 r)
+// Each row's result depends only on its own activations and a fixed k order.
+#include <cuda_bf16.h>
+
+#include <string>
+
+#include "backend/cuda/moe.cuh"
+#include "core/error.h"
+
+namespace ds::cuda::moe {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps, 2 x 2 over the CTA tile
+constexpr int kBK = 64;        // k per pipeline stage: 128 bytes of BF16 per row
+constexpr int kStages = 4;
+constexpr int kChunks = kBK / 8;  // 16-byte chunks per staged row
+static_assert(kTileM == 64, "the warp layout assumes 64-row tiles");
+
+// Byte offset of 16-byte chunk c of staged row r: chunks are XOR-swizzled by the row so
+// that ldmatrix's eight row reads of one phase hit eight different bank groups.
+__device__ __forceinline__ uint32_t tile_offset(int r, int c) {
+  return uint32_t(r * kBK * 2 + ((c ^ (r & 7)) << 4));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, zero-filled when !valid (rows past a run, k past K).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Stages `rows` rows of [*, K] BF16 (row stride ld elements) starting at src into one
+// swizzled [rows][kBK] stage; rows >= valid_rows and k >= K are zero-filled.
+template <int Rows>
+__device__ __forceinline__ void stage_rows(uint32_t dst, const __nv_bfloat16* src, int64_t ld,
+                                           int valid_rows, int k0, int K) {
+  for (int i = threadIdx.x; i < Rows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const int k = k0 + c * 8;
+    const bool ok = r < valid_rows && k < K;
+    const __nv_bfloat16* p = ok ? src + int64_t(r) * ld + k : src;
+    cp_async16(dst + tile_offset(r, c), p, ok);
+  }
+}
+
+// ldmatrix row addresses of this lane for a 16 x 16 A block at (row0, kk) and for two n8 x k16
+// B blocks at (n0, kk): matrices ordered as the mma fragments want them.
+__device__ __forceinline__ uint32_t a_frag_addr(uint32_t base, int row0, int kk) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7;
+  return base + tile_offset(row0 + (m & 1) * 8 + i, kk / 8 + (m >> 1));
+}
+__device__ __forceinline__ uint32_t b_frag_addr(uint32_t base, int n0, int kk) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7;
+  return base + tile_offset(n0 + (m >> 1) * 8 + i, kk / 8 + (m & 1));
+}
+
+struct Tile {
+  int e, begin, rows;  // expert, first sorted position, valid rows (<= kTileM); e < 0: none
+};
+__device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
+  if (slot >= *l.n_tiles) return {-1, 0, 0};
+  const int e = l.tile_expert[slot];
+  const int begin = l.tile_begin[slot];
+  return {e, begin, min(kTileM, l.offsets[e + 1] - begin)};
+}
+
+// Grid (ceil(F / 64), max tiles). Warp (wm, wn) owns rows wm*32.. and f columns wn*32.. of
+// both gate and up.
+__global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
+  constexpr int BN = 64;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const Tile t = tile_of(a.lists, blockIdx.y);
+  if (t.e < 0) return;
+  const ExpertPtrs ex = a.experts[t.e];
+  const int H = a.hidden, F = a.inter;
+  const int f0 = blockIdx.x * BN;
+  const int valid_f = min(BN, F - f0);
+  const auto* xa = static_cast<const __nv_bfloat16*>(a.xa) + int64_t(t.begin) * H;
+  const auto* gate = static_cast<const __nv_bfloat16*>(ex.gate) + int64_t(f0) * ex.gate_ld;
+  const auto* up = static_cast<const __nv_bfloat16*>(ex.up) + int64_t(f0) * ex.up_ld;
+  constexpr uint32_t kA = kTileM * kBK * 2, kB = BN * kBK * 2, kStage = kA + 2 * kB;
+  const uint32_t s0 = smem_addr(smem);
+  auto load = [&](int stage, int kt) {
+    const uint32_t s = s0 + stage * kStage;
+    const int k0 = kt * kBK;
+    stage_rows<kTileM>(s, xa, H, t.rows, k0, H);
+    stage_rows<BN>(s + kA, gate, ex.gate_ld, valid_f, k0, H);
+    stage_rows<BN>(s + kA + kB, up, ex.up_ld, valid_f, k0, H);
+  };
+  const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
+  float g[2][4][4] = {}, u[2][4][4] = {};
+  const int KT = (H + kBK - 1) / kBK;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    cp_async_commit();
+    const uint32_t s = s0 + (kt % kStages) * kStage;
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      uint32_t af[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) ldmatrix_x4(af[i], a_frag_addr(s, wm * 32 + i * 16, kk));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {  // pairs of n8 tiles
+        uint32_t bg[4], bu[4];
+        ldmatrix_x4(bg, b_frag_addr(s + kA, wn * 32 + j * 16, kk));
+        ldmatrix_x4(bu, b_frag_addr(s + kA + kB, wn * 32 + j * 16, kk));
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          mma16816(g[i][2 * j], af[i], bg[0], bg[1]);
+          mma16816(g[i][2 * j + 1], af[i], bg[2], bg[3]);
+          mma16816(u[i][2 * j], af[i], bu[0], bu[1]);
+          mma16816(u[i][2 * j + 1], af[i], bu[2], bu[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  // Accumulator (i, n): rows wm*32 + i*16 + lane/4 (+8), columns wn*32 + n*8 + 2*(lane%4) (+1).
+  const int lane = threadIdx.x & 31;
+  auto* h = static_cast<__nv_bfloat16*>(a.h);
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = wm * 32 + i * 16 + (lane >> 2) + half * 8;
+        const int c = wn * 32 + n * 8 + 2 * (lane & 3);
+        if (r >= t.rows || c >= valid_f) continue;
+        const float g0 = g[i][n][2 * half], g1 = g[i][n][2 * half + 1];
+        const float v0 = g0 / (1.0f + expf(-g0)) * u[i][n][2 * half];
+        const float v1 = g1 / (1.0f + expf(-g1)) * u[i][n][2 * half + 1];
+        *reinterpret_cast<__nv_bfloat162*>(h + int64_t(t.begin + r) * F + f0 + c) =
+            __floats2bfloat162_rn(v0, v1);
+      }
+}
+
+// Grid (ceil(hidden / 128), max tiles). Warp (wm, wn) owns rows wm*32.. and columns wn*64..
+__global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
+  constexpr int BN = 128;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const Tile t = tile_of(a.lists, blockIdx.y);
+  if (t.e < 0) return;
+  const ExpertPtrs ex = a.experts[t.e];
+  const int H = a.hidden, F = a.inter;
+  const int n0 = blockIdx.x * BN;
+  const int valid_n = min(BN, H - n0);
+  const auto* ha = static_cast<const __nv_bfloat16*>(a.h) + int64_t(t.begin) * F;
+  const auto* down = static_cast<const __nv_bfloat16*>(ex.down) + int64_t(n0) * ex.down_ld;
+  constexpr uint32_t kA = kTileM * kBK * 2, kB = BN * kBK * 2, kStage = kA + kB;
+  const uint32_t s0 = smem_addr(smem);
+  auto load = [&](int stage, int kt) {
+    const uint32_t s = s0 + stage * kStage;
+    const int k0 = kt * kBK;
+    stage_rows<kTileM>(s, ha, F, t.rows, k0, F);
+    stage_rows<BN>(s + kA, down, ex.down_ld, valid_n, k0, F);
+  };
+  const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
+  float acc[2][8][4] = {};
+  const int KT = (F + kBK - 1) / kBK;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    cp_async_commit();
+    const uint32_t s = s0 + (kt % kStages) * kStage;
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      uint32_t af[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) ldmatrix_x4(af[i], a_frag_addr(s, wm * 32 + i * 16, kk));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t b[4];
+        ldmatrix_x4(b, b_frag_addr(s + kA, wn * 64 + j * 16, kk));
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          mma16816(acc[i][2 * j], af[i], b[0], b[1]);
+          mma16816(acc[i][2 * j + 1], af[i], b[2], b[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = wm * 32 + i * 16 + (lane >> 2) + half * 8;
+        const int c = wn * 64 + n * 8 + 2 * (lane & 3);
+        if (r >= t.rows || c >= valid_n) continue;
+        *reinterpret_cast<float2*>(a.y + int64_t(t.begin + r) * H + n0 + c) =
+            make_float2(acc[i][n][2 * half], acc[i][n][2 * half + 1]);
+      }
+}
+
+constexpr size_t kGateUpSmem = size_t(kStages) * (kTileM + 2 * 64) * kBK * 2;
+constexpr size_t kDownSmem = size_t(kStages) * (kTileM + 128) * kBK * 2;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string("CUDA moe ") + what + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+void prepare_grouped_kernels() {
+  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  check(cudaFuncSetAttribute(gate_up_kernel, attr, int(kGateUpSmem)), "grouped smem limit");
+  check(cudaFuncSetAttribute(down_kernel, attr, int(kDownSmem)), "grouped smem limit");
+}
+
+int64_t max_tiles(int64_t assignments, int num_experts) {
+  return assignments / kTileM + std::min<int64_t>(num_experts, assignments);
+}
+
+void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
+  const int64_t n = a.num_tokens * a.top_k;
+  if (a.hidden % 8 != 0 || a.inter % 8 != 0)
+    throw UnsupportedError("cuda moe_ffn: the grouped path needs hidden and F multiples of 8");
+  if (n == 0) return;
+  launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts, n,
+                     a.hidden, a.xa, stream);
+  const unsigned tiles = unsigned(max_tiles(n, a.num_experts));
+  gate_up_kernel<<<dim3(unsigned((a.inter + 63) / 64), tiles), kThreads, kGateUpSmem, stream>>>(a);
+  check(cudaGetLastError(), "grouped gate_up");
+  down_kernel<<<dim3(unsigned((a.hidden + 127) / 128), tiles), kThreads, kDownSmem, stream>>>(a);
+  check(cudaGetLastError(), "grouped down");
+}
+
+}  // namespace ds::cuda::moe
