@@ -163,7 +163,11 @@ struct MoeFfnParams {
   // per-expert pointer tables keyed by experts.data(), so the span must stay alive and
   // unchanged for the model's lifetime.
   std::span<const ExpertWeights> experts;
-  TensorView out;  // [T, hidden] F32, overwritten: sum_k weights[t,k] * expert_{ids[t,k]}(x[t])
+  // The last num_shared experts are shared ones: every token goes through them with weight 1,
+  // added after its routed experts; ids name only the others.
+  int num_shared = 0;
+  // [T, hidden] F32, overwritten: sum_k weights[t,k] * expert_{ids[t,k]}(x[t]) + shared(x[t])
+  TensorView out;
 };
 
 class Backend {

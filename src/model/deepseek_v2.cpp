@@ -35,10 +35,11 @@ struct DsLayer {
   TensorView w_uv;                   // [H, v, R]: per head, the value up-projection (view of wkv_b)
   TensorView wo;                     // [hidden, H * v]
   bool moe = false;
-  DsMlp mlp;          // dense layers: the MLP; MoE layers: the shared experts
-  TensorView router;  // [E, hidden]
-  std::vector<ExpertWeights> experts;
-  int moe_index = -1;  // row of the expert counters
+  DsMlp mlp;                           // dense layers: the MLP; MoE layers: the shared experts
+  TensorView router;                   // [E, hidden]
+  std::vector<ExpertWeights> experts;  // routed, then num_shared slices of the shared MLP
+  int num_shared = 0;                  // 0: the shared MLP runs on its own (mlp)
+  int moe_index = -1;                  // row of the expert counters
 };
 
 // q_a_layernorm and kv_a_layernorm are built without the config's eps in DeepSeek's code and
@@ -102,9 +103,11 @@ class DeepseekV2 final : public Model {
           ew.down = b.linear(x + "down_proj.weight", hidden, cfg.moe_intermediate, Op::MoeFfn);
           L.experts.push_back(ew);
         }
-        if (cfg.moe_shared_experts > 0)
+        if (cfg.moe_shared_experts > 0) {
           L.mlp = bind_mlp(b, p + "mlp.shared_experts.",
                            int64_t(cfg.moe_shared_experts) * cfg.moe_intermediate);
+          L.num_shared = fold_shared(L, cfg.moe_shared_experts, cfg.moe_intermediate);
+        }
       } else {
         L.mlp = bind_mlp(b, p + "mlp.", cfg.intermediate);
       }
@@ -198,6 +201,27 @@ class DeepseekV2 final : public Model {
     for (int l = 0; l < cfg_.layers; ++l)
       if (cfg_.is_moe_layer(l)) return l;
     return -1;
+  }
+
+  // The shared MLP (intermediate n * F) is n experts of F: slices of its gate/up rows and down
+  // columns, appended to the routed ones so moe_ffn runs them in the same launches. Only when
+  // the slices look like the routed experts (dtype, 16-byte aligned rows); returns n, or 0.
+  static int fold_shared(DsLayer& L, int n, int64_t F) {
+    const DsMlp& m = L.mlp;
+    const DType t = L.experts.front().gate.dtype;
+    const TensorView g = m.gate_up ? *m.gate_up : m.gate;
+    if (g.dtype != t || m.down.dtype != t || (m.gate_up ? false : m.up.dtype != t)) return 0;
+    const int64_t esize = int64_t(dtype_info(t).type_size);
+    if (dtype_info(t).block_size != 1 || (F * esize) % 16 != 0) return 0;
+    for (int i = 0; i < n; ++i) {
+      ExpertWeights w;
+      w.gate = g.slice_rows(i * F, (i + 1) * F);
+      w.up = m.gate_up ? g.slice_rows((n + i) * F, (n + i + 1) * F)
+                       : m.up.slice_rows(i * F, (i + 1) * F);
+      w.down = cols(m.down, i * F, F);
+      L.experts.push_back(w);
+    }
+    return n;
   }
 
   static DsMlp bind_mlp(WeightBinder& b, const std::string& prefix, int64_t ffn) {
@@ -427,9 +451,10 @@ class DeepseekV2 final : public Model {
     fp.ids = ids;
     fp.weights = wts;
     fp.experts = W.experts;
+    fp.num_shared = W.num_shared;
     fp.out = out;
     be_.moe_ffn(fp);
-    if (cfg_.moe_shared_experts > 0) {
+    if (cfg_.moe_shared_experts > 0 && W.num_shared == 0) {
       TensorView shared = shared_->view(DType::F32, {T, cfg_.hidden});
       mlp(W.mlp, xn, shared);
       be_.add(out, shared);

@@ -165,21 +165,23 @@ inline Routing random_routing(int T, int E, int k, bool skewed, uint64_t seed) {
 
 // One moe_ffn problem on both backends; x and out may have padded rows.
 struct FfnCase {
-  int T = 0, k = 0, H = 0;
+  int T = 0, k = 0, H = 0, shared = 0;
   int64_t x_ld = 0, out_ld = 0;
   test::Twin x, ids, w, out;
   MoeFfnParams cpu, gpu;
 };
 
+// The last `shared` experts are shared ones (the routing names only the others).
 inline std::unique_ptr<FfnCase> make_case(const Experts& ex, int T, int k, bool skewed,
-                                          uint64_t seed, int pad = 0) {
+                                          uint64_t seed, int pad = 0, int shared = 0) {
   auto c = std::make_unique<FfnCase>();
   c->T = T;
   c->k = k;
+  c->shared = shared;
   c->H = ex.H;
   c->x_ld = ex.H + pad;
   c->out_ld = ex.H + 2 * pad;
-  const Routing r = random_routing(T, ex.E, k, skewed, seed);
+  const Routing r = random_routing(T, ex.E - shared, k, skewed, seed);
   Rng rng{seed * 7 + 1};
   std::vector<float> x(size_t(T) * size_t(c->x_ld));
   for (float& v : x) v = rng.uniform(-1.0f, 1.0f);
@@ -195,6 +197,7 @@ inline std::unique_ptr<FfnCase> make_case(const Experts& ex, int T, int k, bool 
     p.ids = test::view_of(ids_t, {T, k}, {k, 1});
     p.weights = w_t.view;
     p.experts = experts;
+    p.num_shared = shared;
     p.out = test::view_of(out_t, {T, ex.H}, {c->out_ld, 1});
   };
   fill(c->cpu, c->x.cpu, c->ids.cpu, c->w.cpu, c->out.cpu, ex.cpu);

@@ -12,6 +12,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -245,7 +246,7 @@ const char* path_name(cuda::MoeFfnPath p) {
 
 // Whether Auto takes a path that rounds activations to BF16 (grouped or prefill).
 bool auto_rounds_to_bf16(const FfnCase& c, DType t) {
-  return t == DType::BF16 && int64_t(c.T) * c.k >= cuda::kMoeGroupedMinAssignments;
+  return t == DType::BF16 && int64_t(c.T) * (c.k + c.shared) >= cuda::kMoeGroupedMinAssignments;
 }
 
 // The CPU result, then each path on the GPU against it; the sentinel padding of out must
@@ -321,6 +322,21 @@ TEST(CudaMoeFfn, DeepSeekV2LiteShapesAllPaths) {
   SCOPED_TRACE("T 64 skewed");
   auto c = make_case(*ex, 64, 6, true, ++seed);
   check_all_paths(*ex, *c, true);
+}
+
+// Shared experts ride along as always-on slots (weight 1) on every path, and stay batch
+// invariant: 64 routed + 2 shared as DeepSeek-V2-Lite folds them, and a small odd case.
+TEST(CudaMoeFfn, SharedExpertsAllPaths) {
+  DS_REQUIRE_GPU();
+  uint64_t seed = 500;
+  for (auto [E, H, F, k, S] : {std::tuple{66, 2048, 1408, 6, 2}, std::tuple{9, 64, 48, 3, 1}}) {
+    const auto ex = make_experts(E, H, F, DType::BF16, ++seed);
+    for (int T : {1, 8, 64, 300}) {
+      SCOPED_TRACE("E " + std::to_string(E) + " T " + std::to_string(T));
+      auto c = make_case(*ex, T, k, T == 64, ++seed, T == 8 ? 4 : 0, S);
+      check_all_paths(*ex, *c, true);
+    }
+  }
 }
 
 TEST(CudaMoeFfn, HalfAndFloatWeightsUseTheDecodeKernels) {
@@ -419,9 +435,13 @@ TEST(CudaMoeFfn, GraphReplayFollowsNewRouting) {
     SCOPED_TRACE("T " + std::to_string(T));
     auto c = make_case(*ex, T, 6, false, 100 + uint64_t(T));
     auto c2 = make_case(*ex, T, 6, false, 200 + uint64_t(T));
+    // The path Auto takes under capture; its eager run sizes the scratch first.
+    const cuda::MoeFfnPath ref = int64_t(T) * 6 >= cuda::kMoeGroupedMinAssignments
+                                     ? cuda::MoeFfnPath::Grouped
+                                     : cuda::MoeFfnPath::Decode;
     DirectCuda d;
     g.synchronize();
-    d.ffn(c->gpu, cuda::MoeFfnPath::Decode);  // warms scratch and the expert table
+    d.ffn(c->gpu, ref);  // warms scratch and the expert table
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
@@ -430,9 +450,6 @@ TEST(CudaMoeFfn, GraphReplayFollowsNewRouting) {
     MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
     // Eager reference for the second problem, computed in c2's own buffers.
-    const cuda::MoeFfnPath ref = int64_t(T) * 6 >= cuda::kMoeGroupedMinAssignments
-                                     ? cuda::MoeFfnPath::Grouped
-                                     : cuda::MoeFfnPath::Decode;
     g.synchronize();
     d.ffn(c2->gpu, ref);
     const std::vector<float> want = test::download_floats(g, c2->out.gpu);

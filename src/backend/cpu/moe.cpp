@@ -148,6 +148,9 @@ void moe_ffn(const MoeFfnParams& p, const MatmulContext& mm, MoeScratch& s) {
            "moe_ffn: x, out, weights F32; ids I32");
   const int64_t T = x.rows(), hidden = x.cols(), K = ids.cols();
   const int E = int(p.experts.size());
+  const int S = p.num_shared;
+  DS_CHECK(S >= 0 && S < E, "moe_ffn: num_shared out of range");
+  const int64_t slots = K + S;  // per token: routed, then shared (weight 1)
   DS_CHECK(out.rows() == T && out.cols() == hidden && ids.rows() == T && wts.rows() == T &&
                wts.cols() == K,
            "moe_ffn shapes: x " + x.shape_str() + ", ids " + ids.shape_str() + ", weights " +
@@ -160,17 +163,21 @@ void moe_ffn(const MoeFfnParams& p, const MatmulContext& mm, MoeScratch& s) {
   for (int64_t t = 0; t < T; ++t) {
     const auto* id = reinterpret_cast<const int32_t*>(ids.row(t));
     for (int64_t k = 0; k < K; ++k) {
-      DS_CHECK(id[k] >= 0 && id[k] < E, "moe_ffn: expert id " + std::to_string(id[k]) +
-                                            " out of range [0, " + std::to_string(E) + ")");
+      DS_CHECK(id[k] >= 0 && id[k] < E - S, "moe_ffn: expert id " + std::to_string(id[k]) +
+                                                " out of range [0, " + std::to_string(E - S) + ")");
       ++s.offsets[size_t(id[k]) + 1];
     }
+    for (int j = 0; j < S; ++j) ++s.offsets[size_t(E - S + j) + 1];
   }
   for (int e = 0; e < E; ++e) s.offsets[size_t(e) + 1] += s.offsets[size_t(e)];
-  s.assign.resize(size_t(T * K));
+  s.assign.resize(size_t(T * slots));
   std::vector<int32_t> cursor(s.offsets.begin(), s.offsets.end() - 1);
   for (int64_t t = 0; t < T; ++t) {
     const auto* id = reinterpret_cast<const int32_t*>(ids.row(t));
-    for (int64_t k = 0; k < K; ++k) s.assign[size_t(cursor[size_t(id[k])]++)] = int32_t(t * K + k);
+    for (int64_t k = 0; k < slots; ++k) {
+      const int e = k < K ? id[k] : E - S + int(k - K);
+      s.assign[size_t(cursor[size_t(e)]++)] = int32_t(t * slots + k);
+    }
   }
 
   // Every used expert is checked before anything is written.
@@ -195,13 +202,13 @@ void moe_ffn(const MoeFfnParams& p, const MatmulContext& mm, MoeScratch& s) {
     const int64_t F = w.gate.rows();
     for (int64_t r0 = s.offsets[size_t(e)]; r0 < s.offsets[size_t(e) + 1]; r0 += kChunkRows) {
       const int64_t n = std::min<int64_t>(kChunkRows, s.offsets[size_t(e) + 1] - r0);
-      const int32_t* rows = s.assign.data() + r0;  // token * K + slot
+      const int32_t* rows = s.assign.data() + r0;  // token * slots + slot
       grow(s.x, n * hidden);
       grow(s.gate, n * F);
       grow(s.up, n * F);
       grow(s.down, n * hidden);
       for (int64_t r = 0; r < n; ++r)
-        std::memcpy(s.x.data() + r * hidden, frow(x, rows[r] / K), size_t(hidden) * 4);
+        std::memcpy(s.x.data() + r * hidden, frow(x, rows[r] / slots), size_t(hidden) * 4);
       run_matmul(mm, s.x.data(), n, hidden, w.gate, s.gate.data());  // [n, F]
       run_matmul(mm, s.x.data(), n, hidden, w.up, s.up.data());      // [n, F]
       float *g = s.gate.data(), *u = s.up.data();
@@ -214,8 +221,9 @@ void moe_ffn(const MoeFfnParams& p, const MatmulContext& mm, MoeScratch& s) {
       const float* d = s.down.data();
       parallel_range(pool, hidden, n * hidden, [&](int64_t c0, int64_t c1) {
         for (int64_t r = 0; r < n; ++r) {
-          const float wk = frow(wts, rows[r] / K)[rows[r] % K];
-          float* o = frow(out, rows[r] / K);
+          const int64_t t = rows[r] / slots, k = rows[r] % slots;
+          const float wk = k < K ? frow(wts, t)[k] : 1.0f;
+          float* o = frow(out, t);
           const float* y = d + r * hidden;
           for (int64_t c = c0; c < c1; ++c) o[c] += wk * y[c];
         }

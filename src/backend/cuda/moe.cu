@@ -46,11 +46,24 @@ __device__ int block_exclusive_scan(int v, int* sums /* [33] */, int* total) {
   return result;
 }
 
+// Expert of assignment i = t * (top_k + shared) + j: routed slots read ids [T, top_k]; the
+// shared slots are the last `shared` experts; -1 for ids out of the routed range.
+__device__ __forceinline__ int expert_of(const int32_t* ids, int64_t i, int top_k, int shared,
+                                         int E) {
+  const int slots = top_k + shared;
+  const int64_t t = i / slots;
+  const int j = int(i - t * slots);
+  if (j >= top_k) return E - shared + (j - top_k);
+  const int e = ids[t * top_k + j];
+  return e >= 0 && e < E - shared ? e : -1;
+}
+
 // One CTA: per-expert counts (shared atomics: order-free), offsets, the active list, then a
 // stable scatter in chunks of 1024 assignments: rank = earlier chunks + earlier warps of this
 // chunk + earlier lanes of this warp with the same expert (__match_any_sync).
 __global__ void __launch_bounds__(kListThreads)
-    token_lists_kernel(const int32_t* __restrict__ ids, int64_t n, int top_k, int E, TokenLists l) {
+    token_lists_kernel(const int32_t* __restrict__ ids, int64_t n, int top_k, int shared, int E,
+                       TokenLists l) {
   __shared__ int cnt[kMaxExperts];
   __shared__ int running[kMaxExperts];
   __shared__ int warp_cnt[32][kMaxExperts];
@@ -62,8 +75,8 @@ __global__ void __launch_bounds__(kListThreads)
   for (int i = tid; i < 32 * kMaxExperts; i += kListThreads) (&warp_cnt[0][0])[i] = 0;
   __syncthreads();
   for (int64_t i = tid; i < n; i += kListThreads) {
-    const int e = ids[i];
-    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    const int e = expert_of(ids, i, top_k, shared, E);
+    if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
   const int c = tid < E ? cnt[tid] : 0;
@@ -94,8 +107,7 @@ __global__ void __launch_bounds__(kListThreads)
 
   for (int64_t base = 0; base < n; base += kListThreads) {
     const int64_t i = base + tid;
-    int e = i < n ? ids[i] : -1;
-    if (e < 0 || e >= E) e = -1;
+    const int e = i < n ? expert_of(ids, i, top_k, shared, E) : -1;
     const unsigned peers = __match_any_sync(kFull, e);
     const int rank = __popc(peers & ((1u << lane) - 1u));
     if (e >= 0 && rank == 0) warp_cnt[warp][e] = __popc(peers);
@@ -104,7 +116,7 @@ __global__ void __launch_bounds__(kListThreads)
       int p = running[e] + rank;
       for (int w = 0; w < warp; ++w) p += warp_cnt[w][e];
       l.pos[i] = p;
-      l.sorted_token[p] = int(i / top_k);
+      l.sorted_token[p] = int(i / (top_k + shared));
     } else if (i < n) {
       l.pos[i] = -1;
     }
@@ -121,12 +133,14 @@ __global__ void __launch_bounds__(kListThreads)
   }
 }
 
-// One block per token; each thread sums the token's k contributions in ascending k.
+// One block per token; each thread sums the token's routed contributions in ascending k, then
+// its shared experts' (weight 1).
 __global__ void combine_kernel(const float* __restrict__ y, const int* __restrict__ pos,
-                               const float* __restrict__ w, int top_k, int hidden,
+                               const float* __restrict__ w, int top_k, int shared, int hidden,
                                float* __restrict__ out, int64_t out_stride) {
   const int64_t t = blockIdx.x;
-  const int* tp = pos + t * top_k;
+  const int slots = top_k + shared;
+  const int* tp = pos + t * slots;
   const float* tw = w + t * top_k;
   float* orow = out + t * out_stride;
   for (int col = threadIdx.x; col < hidden; col += blockDim.x) {
@@ -135,6 +149,7 @@ __global__ void combine_kernel(const float* __restrict__ y, const int* __restric
       const int p = tp[j];
       if (p >= 0) acc = fmaf(tw[j], y[int64_t(p) * hidden + col], acc);
     }
+    for (int j = top_k; j < slots; ++j) acc += y[int64_t(tp[j]) * hidden + col];
     orow[col] = acc;
   }
 }
@@ -145,17 +160,19 @@ void check(cudaError_t e, const char* what) {
 
 }  // namespace
 
-void launch_token_lists(const int32_t* ids, int64_t n, int top_k, int num_experts,
-                        const TokenLists& lists, cudaStream_t stream) {
-  token_lists_kernel<<<1, kListThreads, 0, stream>>>(ids, n, top_k, num_experts, lists);
+void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int shared,
+                        int num_experts, const TokenLists& lists, cudaStream_t stream) {
+  const int64_t n = num_tokens * (top_k + shared);
+  token_lists_kernel<<<1, kListThreads, 0, stream>>>(ids, n, top_k, shared, num_experts, lists);
   check(cudaGetLastError(), "token lists");
 }
 
 void launch_combine(const float* y, const int* pos, const float* weights, int64_t num_tokens,
-                    int top_k, int hidden, float* out, int64_t out_stride, cudaStream_t stream) {
+                    int top_k, int shared, int hidden, float* out, int64_t out_stride,
+                    cudaStream_t stream) {
   const int threads = hidden >= 512 ? 256 : 128;
-  combine_kernel<<<unsigned(num_tokens), threads, 0, stream>>>(y, pos, weights, top_k, hidden, out,
-                                                               out_stride);
+  combine_kernel<<<unsigned(num_tokens), threads, 0, stream>>>(y, pos, weights, top_k, shared,
+                                                               hidden, out, out_stride);
   check(cudaGetLastError(), "combine");
 }
 
@@ -366,7 +383,10 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   const int F = table.inter;
   DS_CHECK(p.x.cols() == H, "moe_ffn: x has " + std::to_string(p.x.cols()) +
                                 " columns, experts take " + std::to_string(H));
-  const int64_t n = T * k;
+  const int S = p.num_shared;
+  DS_CHECK(S >= 0 && S < E, "moe_ffn: num_shared out of range");
+  const int ks = k + S;  // slots per token: routed, then shared
+  const int64_t n = T * ks;
 
   const bool bf16 = table.dtype == DType::BF16;
   if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped) {
@@ -392,7 +412,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));
   layout(base, n, int(E), H, F, path, s);
 
-  moe::launch_token_lists(p.ids.ptr<int32_t>(), n, k, int(E), s.lists, ctx.stream);
+  moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream);
   const float* y = nullptr;
   if (path == MoeFfnPath::Grouped) {
     moe::GroupedFfnArgs a;
@@ -401,7 +421,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.x_stride = p.x.row_stride() / 4;
     a.num_tokens = T;
     a.num_experts = int(E);
-    a.top_k = k;
+    a.top_k = ks;
     a.hidden = H;
     a.inter = F;
     a.lists = s.lists;
@@ -418,7 +438,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.x_stride = p.x.row_stride() / 4;
     a.num_tokens = T;
     a.num_experts = int(E);
-    a.top_k = k;
+    a.top_k = ks;
     a.hidden = H;
     a.inter = F;
     a.lists = s.lists;
@@ -436,7 +456,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.x_stride = p.x.row_stride() / 4;
     a.num_tokens = T;
     a.num_experts = int(E);
-    a.top_k = k;
+    a.top_k = ks;
     a.hidden = H;
     a.inter = F;
     a.lists = s.lists;
@@ -445,7 +465,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     moe::launch_decode_ffn(a, ctx.stream);
     y = s.y;
   }
-  moe::launch_combine(y, s.lists.pos, p.weights.ptr<float>(), T, k, H, p.out.ptr<float>(),
+  moe::launch_combine(y, s.lists.pos, p.weights.ptr<float>(), T, k, S, H, p.out.ptr<float>(),
                       p.out.row_stride() / 4, ctx.stream);
 }
 

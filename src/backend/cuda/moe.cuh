@@ -36,8 +36,10 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // while the stream is not being captured, Grouped in between (and above, when capturing);
 // F16 / F32 experts always take Decode. Tests and benchmarks force one.
 enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped };
-constexpr int64_t kMoeGroupedMinAssignments = 96;
-constexpr int64_t kMoePrefillMinAssignments = 1 << 30;
+// From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
+// grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
+constexpr int64_t kMoeGroupedMinAssignments = 160;
+constexpr int64_t kMoePrefillMinAssignments = 16384;
 void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
 
 // ---- internals shared by moe*.cu --------------------------------------------------------
@@ -56,7 +58,8 @@ struct ExpertPtrs {
   bool operator==(const ExpertPtrs&) const = default;
 };
 
-// Assignments (token t, slot j) -> i = t * top_k + j, sorted by expert (then by i).
+// Assignments (token t, slot j) -> i = t * slots + j with slots = top_k + shared (the shared
+// experts' slots follow the routed ones), sorted by expert (then by i).
 struct TokenLists {
   int* offsets = nullptr;       // [E + 1] expert e owns sorted positions [offsets[e], offsets[e+1])
   int* active = nullptr;        // [E] experts with at least one assignment, ascending
@@ -73,13 +76,16 @@ struct TokenLists {
 constexpr int kTileM = 64;
 int64_t max_tiles(int64_t assignments, int num_experts);
 
-// Builds the lists from ids [N] (N = T * top_k) in one CTA; deterministic (no order races).
-void launch_token_lists(const int32_t* ids, int64_t n, int top_k, int num_experts,
-                        const TokenLists& lists, cudaStream_t stream);
+// Builds the lists from ids [T, top_k] and `shared` always-on experts (the last ones of
+// num_experts) in one CTA; deterministic (no order races).
+void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int shared,
+                        int num_experts, const TokenLists& lists, cudaStream_t stream);
 
-// out[t, :] = sum_{j < top_k, ascending} weights[t, j] * y[pos[t * top_k + j], :].
+// out[t, :] = sum_{j < top_k, ascending} weights[t, j] * y[pos[t * slots + j], :], then
+// + y[pos[t * slots + j], :] for the shared slots j in [top_k, slots).
 void launch_combine(const float* y, const int* pos, const float* weights, int64_t num_tokens,
-                    int top_k, int hidden, float* out, int64_t out_stride, cudaStream_t stream);
+                    int top_k, int shared, int hidden, float* out, int64_t out_stride,
+                    cudaStream_t stream);
 
 // Weight element type of the decode kernels.
 enum class WeightKind : int { BF16 = 0, F16 = 1, F32 = 2 };
@@ -91,7 +97,7 @@ struct DecodeFfnArgs {
   int64_t x_stride = 0;
   int64_t num_tokens = 0;
   int num_experts = 0;
-  int top_k = 0;
+  int top_k = 0;  // slots per token: routed + shared
   int hidden = 0;
   int inter = 0;  // F
   TokenLists lists;
@@ -114,7 +120,7 @@ struct PrefillFfnArgs {
   int64_t x_stride = 0;
   int64_t num_tokens = 0;
   int num_experts = 0;
-  int top_k = 0;
+  int top_k = 0;  // slots per token: routed + shared
   int hidden = 0;
   int inter = 0;
   TokenLists lists;
@@ -128,7 +134,7 @@ struct GroupedFfnArgs {
   int64_t x_stride = 0;
   int64_t num_tokens = 0;
   int num_experts = 0;
-  int top_k = 0;
+  int top_k = 0;  // slots per token: routed + shared
   int hidden = 0;
   int inter = 0;
   TokenLists lists;    // with the tile table

@@ -222,8 +222,9 @@ void quantize_q8_0(const float* x, int n, uint8_t* dst, double* stored) {
 }
 
 // Random experts stored in `dtype`, random tokens and routes.
+// E experts; the last `shared` of them are shared ones (every token, weight 1).
 struct MoeProblem {
-  int T, hidden, F, E, top_k;
+  int T, hidden, F, E, top_k, shared;
   DType dtype;
   std::vector<float> x, w;                  // [T, hidden], [T, top_k]
   std::vector<int32_t> ids;                 // [T, top_k], distinct experts per token
@@ -231,8 +232,8 @@ struct MoeProblem {
   std::vector<std::vector<double>> vals;    // their stored values
   std::vector<ExpertWeights> experts;
 
-  MoeProblem(int t, int h, int f, int e, int k, DType dt, uint32_t seed)
-      : T(t), hidden(h), F(f), E(e), top_k(k), dtype(dt) {
+  MoeProblem(int t, int h, int f, int e, int k, DType dt, uint32_t seed, int num_shared = 0)
+      : T(t), hidden(h), F(f), E(e), top_k(k), shared(num_shared), dtype(dt) {
     std::mt19937 rng(seed);
     for (int ex = 0; ex < E; ++ex) {
       TensorView v[3];
@@ -271,7 +272,7 @@ struct MoeProblem {
     x.resize(size_t(T * hidden));
     for (auto& a : x) a = nd(rng);
     std::uniform_real_distribution<float> ud(0.1f, 1.0f);
-    std::vector<int32_t> perm(static_cast<size_t>(E));
+    std::vector<int32_t> perm(static_cast<size_t>(E - shared));
     std::iota(perm.begin(), perm.end(), 0);
     for (int i = 0; i < T; ++i) {
       std::shuffle(perm.begin(), perm.end(), rng);
@@ -302,6 +303,7 @@ struct MoeProblem {
     p.ids = TensorView::contiguous(is.data(), DType::I32, {n, top_k});
     p.weights = TensorView::contiguous(ws.data(), DType::F32, {n, top_k});
     p.experts = experts;
+    p.num_shared = shared;
     p.out = TensorView::contiguous(out.data(), DType::F32, {n, hidden});
     be.moe_ffn(p);
     return out;
@@ -311,8 +313,8 @@ struct MoeProblem {
   std::vector<double> reference(int t) const {
     std::vector<double> o(size_t(hidden), 0.0), hmid(static_cast<size_t>(F));
     const float* xt = &x[size_t(t * hidden)];
-    for (int k = 0; k < top_k; ++k) {
-      const int e = ids[size_t(t * top_k + k)];
+    for (int k = 0; k < top_k + shared; ++k) {
+      const int e = k < top_k ? ids[size_t(t * top_k + k)] : E - shared + (k - top_k);
       const auto &G = vals[size_t(3 * e)], &U = vals[size_t(3 * e + 1)],
                  &D = vals[size_t(3 * e + 2)];
       for (int f = 0; f < F; ++f) {
@@ -326,7 +328,7 @@ struct MoeProblem {
       for (int i = 0; i < hidden; ++i) {
         double d = 0;
         for (int f = 0; f < F; ++f) d += D[size_t(i * F + f)] * hmid[size_t(f)];
-        o[size_t(i)] += double(w[size_t(t * top_k + k)]) * d;
+        o[size_t(i)] += (k < top_k ? double(w[size_t(t * top_k + k)]) : 1.0) * d;
       }
     }
     return o;
@@ -361,6 +363,27 @@ TEST(DeepseekMoe, FfnMatchesFloat64) {
                  std::string(dtype_name(c.dtype)));
     const MoeProblem pr(c.T, c.hidden, c.F, c.E, c.top_k, c.dtype, seed++);
     expect_ffn_matches(pr, *be);
+  }
+}
+
+TEST(DeepseekMoe, FfnWithSharedExpertsMatchesFloat64) {
+  auto be = backend(2);
+  for (DType dt : {DType::F32, DType::BF16, DType::Q8_0}) {
+    SCOPED_TRACE(std::string(dtype_name(dt)));
+    const MoeProblem pr(9, 64, 32, 7, 2, dt, 90, 2);  // 5 routed + 2 shared
+    expect_ffn_matches(pr, *be);
+    // A shared id in the routing is an error: ids name routed experts only.
+    std::vector<float> xs(pr.x.begin(), pr.x.begin() + pr.hidden), out(size_t(pr.hidden));
+    std::vector<int32_t> bad = {0, 5};
+    std::vector<float> ws = {0.5f, 0.5f};
+    MoeFfnParams p;
+    p.x = TensorView::contiguous(xs.data(), DType::F32, {1, pr.hidden});
+    p.ids = TensorView::contiguous(bad.data(), DType::I32, {1, 2});
+    p.weights = TensorView::contiguous(ws.data(), DType::F32, {1, 2});
+    p.experts = pr.experts;
+    p.num_shared = 2;
+    p.out = TensorView::contiguous(out.data(), DType::F32, {1, pr.hidden});
+    EXPECT_THROW(be->moe_ffn(p), Error);
   }
 }
 
