@@ -1,6 +1,7 @@
 #include "backend/backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 namespace ds {
@@ -35,6 +36,12 @@ std::string_view op_name(Op op) {
   return "?";
 }
 
+void Backend::add_rms_norm(TensorView x, const TensorView& y, const TensorView& w, float eps,
+                           TensorView out) {
+  add(x, y);
+  rms_norm(x, w, eps, out);
+}
+
 void Backend::argmax(const TensorView& logits, TensorView ids) {
   const int64_t R = logits.rows(), V = logits.cols();
   DS_CHECK(logits.dtype == DType::F32 && logits.is_contiguous() && ids.numel() >= R,
@@ -50,6 +57,24 @@ void Backend::argmax(const TensorView& logits, TensorView ids) {
     out[size_t(r)] = int32_t(best);
   }
   upload(ids, out.data(), out.size() * 4);
+}
+
+int Backend::mark() {
+  synchronize();  // a host clock only times work that has finished
+  host_marks_ns_.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now().time_since_epoch())
+                               .count());
+  return int(host_marks_ns_.size()) - 1;
+}
+
+std::vector<double> Backend::mark_times_ms() {
+  std::vector<double> t(host_marks_ns_.size());
+  for (size_t i = 0; i < t.size(); ++i) t[i] = double(host_marks_ns_[i] - host_marks_ns_[0]) / 1e6;
+  return t;
+}
+
+void Backend::clear_marks() {
+  host_marks_ns_.clear();
 }
 
 float yarn_mscale(float factor, float mscale) {

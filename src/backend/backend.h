@@ -206,6 +206,10 @@ class Backend {
   virtual void silu_mul(const TensorView& gate_up, TensorView out) = 0;
   // x += y elementwise, both [rows, n] F32.
   virtual void add(TensorView x, const TensorView& y) = 0;
+  // x += y, then out = rms_norm(x) * w: a layer's residual add and the next norm, one pass on
+  // devices. out may alias y. The base version runs add, then rms_norm.
+  virtual void add_rms_norm(TensorView x, const TensorView& y, const TensorView& w, float eps,
+                            TensorView out);
   // out[b, m, n] = sum_k x[b, m, k] * w[b, n, k] for every b. 3-D views with byte strides
   // (x, out F32; w F32, F16 or BF16), so heads of a [T, H, d] buffer are batches of a
   // [H, T, d] view. Each (b, m) result depends on that row alone.
@@ -235,6 +239,17 @@ class Backend {
   virtual uint64_t alloc_epoch() const { return 0; }
   // dst = src, same dtype and shape; either may be strided in its outer dimensions.
   virtual void copy(const TensorView& src, TensorView dst) = 0;
+
+  // Timing marks (per-op profiling, ProfilingBackend): mark() records a point in the op
+  // stream and returns its index without waiting; mark_times_ms() waits once and gives every
+  // mark's time in ms after the first; clear_marks() forgets them. Not during a graph capture.
+  // The base version reads the host clock after synchronize() (exact for synchronous ops).
+  virtual int mark();
+  virtual std::vector<double> mark_times_ms();
+  virtual void clear_marks();
+
+ private:
+  std::vector<int64_t> host_marks_ns_;  // the base marks' steady-clock times
 };
 
 // How CPU matmuls treat activations against block-quantized weights: F32 keeps them exact

@@ -41,6 +41,7 @@ struct ScenarioResult {
   std::optional<double> mean_decode_batch, mean_context;
   std::optional<double> usd_per_million_output_tokens;
   std::vector<double> ttft_samples_ms, tpot_samples_ms, e2e_samples_ms;  // per request
+  std::optional<OpProfile> op_profile;  // --profile-ops: per-op times of the scenario's steps
 };
 
 struct AggregateOptions {

@@ -94,6 +94,15 @@ TargetSnapshot OfflineTarget::snapshot() {
   return s;
 }
 
+void OfflineTarget::reset_op_profile() {
+  if (cfg_.profiler) cfg_.profiler->reset();
+}
+
+std::optional<OpProfile> OfflineTarget::op_profile() {
+  if (!cfg_.profiler) return std::nullopt;
+  return cfg_.profiler->profile();
+}
+
 std::optional<RooflineModel> OfflineTarget::roofline() const {
   RooflineModel m;
   m.weights = model_.weight_bytes();

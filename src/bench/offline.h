@@ -15,6 +15,8 @@ struct OfflineTargetConfig {
   DType kv_dtype = DType::F32;  // what the roofline counts per cached token
   // Bytes the backend's memory pool holds in live buffers; unset: the whole device's use.
   std::function<double()> device_memory_used;
+  // Set with --profile-ops: the decorator the model and engine run on (not owned).
+  ProfilingBackend* profiler = nullptr;
 };
 
 class OfflineTarget : public BenchTarget {
@@ -25,6 +27,8 @@ class OfflineTarget : public BenchTarget {
   TargetSnapshot snapshot() override;
   std::optional<RooflineModel> roofline() const override;
   bool engine_timestamps() const override { return true; }
+  void reset_op_profile() override;
+  std::optional<OpProfile> op_profile() override;
 
  private:
   Engine& engine_;

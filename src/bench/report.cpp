@@ -56,7 +56,38 @@ std::string cell(const std::optional<double>& v, const char* fmt) {
   return buf;
 }
 
+Json timing_rows_json(const std::vector<OpTimingRow>& rows) {
+  Json a = Json::array();
+  for (const OpTimingRow& r : rows)
+    a.push_back({{"label", r.label},
+                 {"kind", r.kind},
+                 {"calls", r.calls},
+                 {"us", r.us},
+                 {"share", r.share}});
+  return a;
+}
+
 }  // namespace
+
+Json op_profile_json(const OpProfile& p) {
+  Json groups = Json::array();
+  for (const StepGroupCount& g : p.groups)
+    groups.push_back({{"tokens", g.tokens}, {"decode", g.decode}, {"steps", g.steps}});
+  Json step;  // null without steps
+  if (p.step) {
+    const StepProfile& s = *p.step;
+    step = {{"tokens", s.tokens},
+            {"decode", s.decode},
+            {"steps", s.steps},
+            {"seqs", s.seqs},
+            {"context", s.context},
+            {"op_ms", s.op_ms},
+            {"wall_ms", s.wall_ms},
+            {"ops", timing_rows_json(s.ops)},
+            {"kinds", timing_rows_json(s.kinds)}};
+  }
+  return {{"backend", p.backend}, {"steps", p.steps}, {"groups", groups}, {"step", step}};
+}
 
 SystemInfo collect_system_info(const std::string& command, const std::string& version) {
   SystemInfo s;
@@ -138,6 +169,7 @@ Json scenario_json(const ScenarioResult& r) {
   j["usd_per_million_output_tokens"] = opt(r.usd_per_million_output_tokens);
   j["samples"] = {
       {"ttft_ms", r.ttft_samples_ms}, {"tpot_ms", r.tpot_samples_ms}, {"e2e_ms", r.e2e_samples_ms}};
+  j["op_profile"] = r.op_profile ? op_profile_json(*r.op_profile) : Json();
   return j;
 }
 
@@ -181,7 +213,8 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
             {"seed", spec.seed},
             {"bandwidth_gbps",
              opt(run.scenarios.empty() ? std::nullopt : run.scenarios[0].bandwidth_gbps)},
-            {"bandwidth_source", ctx.bandwidth_source}}},
+            {"bandwidth_source", ctx.bandwidth_source},
+            {"profile_ops", ctx.profile_ops}}},
           {"warmup_s", run.warmup_s},
           {"scenarios", scen}};
 }
@@ -216,6 +249,17 @@ void print_table(std::FILE* out, const BenchRun& run) {
   std::fprintf(out,
                "(ms unless noted; pp = prompt tokens / TTFT and tg = 1 / TPOT, per request; "
                "mem = peak GPU memory, else peak RSS)\n");
+  bool profiled = false;
+  for (const auto& r : run.scenarios) {
+    if (!r.op_profile) continue;
+    std::fprintf(out, "\n%s ", r.scenario.name.c_str());
+    print_op_profile(out, *r.op_profile);
+    profiled = true;
+  }
+  if (profiled)
+    std::fprintf(out,
+                 "(--profile-ops: eager per-op times without graphs or launch gaps; quote a plain "
+                 "run for throughput)\n");
 }
 
 }  // namespace ds

@@ -34,9 +34,12 @@ struct ReportContext {
   std::string url;
   std::string device;            // offline: the device the engine ran on
   std::string bandwidth_source;  // "config", "default for <gpu>" or "none"
+  bool profile_ops = false;      // ops ran eagerly between timing marks (--profile-ops)
 };
 
 nlohmann::json scenario_json(const ScenarioResult& r);
+// The `op_profile` object of a scenario (docs/BENCH.md).
+nlohmann::json op_profile_json(const OpProfile& p);
 nlohmann::json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sys,
                           const ReportContext& ctx);
 void print_table(std::FILE* out, const BenchRun& run);

@@ -82,6 +82,7 @@ BenchRun run_bench(const BenchSpec& spec, BenchTarget& target, const PromptMaker
     std::vector<BenchResult> results(static_cast<size_t>(n));
     std::atomic<int> next{0}, done{0};
 
+    target.reset_op_profile();  // the engine is idle: earlier steps stay out of this scenario
     std::vector<TargetSnapshot> snaps{target.snapshot()};
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<std::thread> workers;
@@ -110,6 +111,7 @@ BenchRun run_bench(const BenchSpec& spec, BenchTarget& target, const PromptMaker
     for (auto& w : workers) w.join();
     snaps.push_back(target.snapshot());
     ScenarioResult res = aggregate_scenario(s, spec.rate, results, snaps, agg);
+    res.op_profile = target.op_profile();
     if (tty) {
       draw_bar(si, scenarios.size(), s, n, res.duration_s);
       std::fprintf(stderr, "\n");

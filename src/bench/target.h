@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/profiling_backend.h"
 #include "model/model.h"
 
 namespace ds {
@@ -63,6 +64,10 @@ class BenchTarget {
   virtual std::optional<RooflineModel> roofline() const = 0;
   // Step times from the engine's own token timestamps (offline) rather than chunk arrival.
   virtual bool engine_timestamps() const = 0;
+  // Per-op timing (offline with --profile-ops): forget the steps so far (called while idle,
+  // before each scenario), and summarize the steps since then (after it).
+  virtual void reset_op_profile() {}
+  virtual std::optional<OpProfile> op_profile() { return std::nullopt; }
 };
 
 double steady_now_s();  // the clock every BenchResult uses

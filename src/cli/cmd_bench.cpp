@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "backend/profiling_backend.h"
 #include "bench/offline.h"
 #include "bench/online.h"
 #include "bench/plots.h"
@@ -59,13 +60,20 @@ void resolve_bandwidth(const BenchSpec& spec, const std::string& device, const S
 }
 
 BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptions ro,
-                     ReportContext& ctx) {
+                     ReportContext& ctx, bool profile_ops) {
   ModelOptions m;
   m.model = spec.model;
   m.threads = spec.threads;
   m.isa = spec.isa;
   m.precision = spec.precision;
   set_device_options(m, spec);
+  ProfilingBackend* profiler = nullptr;  // owned by the session
+  if (profile_ops)
+    m.wrap_backend = [&profiler](Backend& inner) {
+      auto p = std::make_unique<ProfilingBackend>(inner);
+      profiler = p.get();
+      return std::unique_ptr<Backend>(std::move(p));
+    };
   EngineOptions e;
   e.kv_cache_tokens = spec.engine.kv_cache_tokens;
   e.block_size = spec.engine.block_size;
@@ -82,7 +90,7 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   resolve_bandwidth(spec, device, sys, ro, ctx);
   PromptMaker prompts({s.loaded.tokenizer.get(), s.loaded.config.vocab, spec.prompt == "text",
                        /*send_text=*/false});
-  OfflineTargetConfig tc{device, kv_dtype_of(spec.kv_dtype, device), {}};
+  OfflineTargetConfig tc{device, kv_dtype_of(spec.kv_dtype, device), {}, profiler};
 #ifdef DEEPSERVE_HAVE_CUDA
   // The pool reserves most of the GPU up front: what its live buffers hold is the real use.
   if (device == "cuda")
@@ -126,13 +134,18 @@ int run_benchmark(const BenchOptions& o) {
   BenchSpec spec = load_bench_spec(o.config, getenv_str);
   if (!o.url.empty()) spec.url = o.url;
   if (o.gpu_hour_price) spec.gpu_hour_price = o.gpu_hour_price;
+  if (o.profile_ops && !spec.url.empty())
+    throw Error(
+        "--profile-ops times the ops of an in-process engine: offline mode only "
+        "(drop --url and the YAML's url)");
   const SystemInfo sys = collect_system_info(o.command, DEEPSERVE_VERSION);
 
   ReportContext ctx;
+  ctx.profile_ops = o.profile_ops;
   BenchRunOptions ro;
   ro.gpu_hour_price = spec.gpu_hour_price;
   const BenchRun run =
-      spec.url.empty() ? run_offline(spec, sys, ro, ctx) : run_online(spec, ro, ctx);
+      spec.url.empty() ? run_offline(spec, sys, ro, ctx, o.profile_ops) : run_online(spec, ro, ctx);
   const nlohmann::json doc = bench_json(spec, run, sys, ctx);
 
   std::printf("%s (%s%s, %s)\n", spec.name.c_str(), ctx.mode.c_str(),

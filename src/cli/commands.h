@@ -51,7 +51,8 @@ struct BenchOptions {
   std::optional<double> gpu_hour_price;  // USD per GPU-hour, for the cost per token
   std::string plots;                     // folder for PNG plots; "" = none
   bool verbose = false;
-  std::string command;  // the command line, recorded in the JSON
+  bool profile_ops = false;  // offline: time every op of each step (eager, ProfilingBackend)
+  std::string command;       // the command line, recorded in the JSON
 };
 
 struct InspectOptions {

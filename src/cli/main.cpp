@@ -135,6 +135,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   b->add_option("--plots", bench.plots, "draw PNG plots into this folder (needs matplotlib)");
   b->add_flag("-v,--verbose", bench.verbose, "log what is loaded and which kernels run");
+  b->add_flag("--profile-ops", bench.profile_ops,
+              "offline: time each op of every engine step (eager, no graphs) and report the "
+              "most common decode step per op");
   for (int k = 0; k < argc; ++k) bench.command += (k ? " " : "") + std::string(argv[k]);
 
   ds::InspectOptions insp;

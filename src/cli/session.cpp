@@ -116,12 +116,13 @@ std::unique_ptr<Backend> make_session_backend(const ModelOptions& m) {
 Session open_session(const ModelOptions& m, const EngineOptions& e) {
   Session s;
   s.backend = make_session_backend(m);
+  if (m.wrap_backend) s.wrapper = m.wrap_backend(*s.backend);
   const DeviceKind device = s.backend->device().kind;
   const DType kv_dtype = kv_dtype_for(e.kv_dtype, device);
   LoadOptions lo;
   lo.threads = std::max(1, m.threads);
   lo.progress = true;
-  s.loaded = load_model(resolve_model_path(m.model), *s.backend, lo);
+  s.loaded = load_model(resolve_model_path(m.model), s.ops(), lo);
   EngineConfig ec;
   ec.kv_cache_tokens =
       e.kv_cache_tokens > 0 ? e.kv_cache_tokens : auto_kv_tokens(s, kv_dtype, e.block_size);
@@ -134,7 +135,7 @@ Session open_session(const ModelOptions& m, const EngineOptions& e) {
   ec.prefix_cache = e.prefix_cache;
   ec.max_num_seqs = e.max_num_seqs;
   ec.max_num_batched_tokens = e.max_num_batched_tokens;
-  s.engine = std::make_unique<Engine>(*s.loaded.model, *s.backend, s.loaded.tokenizer.get(), ec);
+  s.engine = std::make_unique<Engine>(*s.loaded.model, s.ops(), s.loaded.tokenizer.get(), ec);
   log_info("backend " + s.backend->name() + ", KV cache " +
            std::to_string(s.engine->kv_capacity_tokens()) + " tokens (" +
            std::string(dtype_name(kv_dtype)) + ")");

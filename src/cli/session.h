@@ -1,6 +1,7 @@
 // What generate and chat share: options, a backend, a loaded model and its engine.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,6 +20,9 @@ struct ModelOptions {
   std::string
       device;  // "cpu", "cuda", or ""/"auto": cuda when built with CUDA and a GPU is present
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of free GPU memory the backend reserves
+  // Wraps the device backend (e.g. in a ProfilingBackend); the model and engine run on the
+  // wrapper. Unset: no wrapper.
+  std::function<std::unique_ptr<Backend>(Backend&)> wrap_backend;
 };
 
 struct EngineOptions {
@@ -35,8 +39,11 @@ struct EngineOptions {
 
 struct Session {
   std::unique_ptr<Backend> backend;  // destroyed last: the model and engine hold its memory
+  std::unique_ptr<Backend> wrapper;  // ModelOptions::wrap_backend's, over `backend`; or null
   LoadedModel loaded;
   std::unique_ptr<Engine> engine;
+  // What the model and engine run on.
+  Backend& ops() { return wrapper ? *wrapper : *backend; }
 };
 
 // Resolves the model path (default model when empty), picks the device, loads the model with

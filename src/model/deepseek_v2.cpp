@@ -175,13 +175,12 @@ class DeepseekV2 final : public Model {
     TensorView xn = xn_->view(DType::F32, {T, hidden});
     be_.embed(tok_embd_, in.token_ids(), int(T), x);
     dump("token_embd", x);
+    be_.rms_norm(x, layers_.front().attn_norm, cfg_.rms_eps, xn);
     for (int l = 0; l < cfg_.layers; ++l) {
       const DsLayer& W = layers_[size_t(l)];
-      be_.rms_norm(x, W.attn_norm, cfg_.rms_eps, xn);
       dump(l, "attn_norm", xn);
       attention(l, W, in, cache, xn);  // xn <- attention output
-      be_.add(x, xn);
-      be_.rms_norm(x, W.ffn_norm, cfg_.rms_eps, xn);
+      be_.add_rms_norm(x, xn, W.ffn_norm, cfg_.rms_eps, xn);
       dump(l, "ffn_norm", xn);
       TensorView y = tmp_->view(DType::F32, {T, hidden});
       if (W.moe) {
@@ -189,7 +188,12 @@ class DeepseekV2 final : public Model {
       } else {
         mlp(W.mlp, xn, y);
       }
-      be_.add(x, y);
+      // The residual add, fused with the next layer's input norm.
+      if (l + 1 < cfg_.layers) {
+        be_.add_rms_norm(x, y, layers_[size_t(l) + 1].attn_norm, cfg_.rms_eps, xn);
+      } else {
+        be_.add(x, y);
+      }
       dump(l, "out", x);
     }
     output_logits(be_, x, in.logit_rows, last_->view(DType::F32, {NL, hidden}), output_norm_,

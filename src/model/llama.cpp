@@ -94,9 +94,9 @@ class Llama final : public Model {
 
     be_.embed(tok_embd_, in.token_ids(), int(T), x);
     dump("token_embd", x);
+    be_.rms_norm(x, layers_.front().attn_norm, cfg_.rms_eps, xn);
     for (int l = 0; l < cfg_.layers; ++l) {
       const LlamaLayer& W = layers_[size_t(l)];
-      be_.rms_norm(x, W.attn_norm, cfg_.rms_eps, xn);
       dump(l, "attn_norm", xn);
       TensorView q = cols(qkv, 0, q_dim), k = cols(qkv, q_dim, kv_dim),
                  v = cols(qkv, q_dim + kv_dim, kv_dim);
@@ -122,8 +122,7 @@ class Llama final : public Model {
       be_.attention(ap, in.meta);
       dump(l, "attn_out", attn);
       be_.matmul(attn, W.wo, xn);
-      be_.add(x, xn);
-      be_.rms_norm(x, W.ffn_norm, cfg_.rms_eps, xn);
+      be_.add_rms_norm(x, xn, W.ffn_norm, cfg_.rms_eps, xn);
       dump(l, "ffn_norm", xn);
       if (W.w_gate_up) {
         be_.matmul(xn, *W.w_gate_up, gate_up);
@@ -133,7 +132,12 @@ class Llama final : public Model {
       }
       be_.silu_mul(gate_up, act);
       be_.matmul(act, W.w_down, xn);
-      be_.add(x, xn);
+      // The residual add, fused with the next layer's input norm.
+      if (l + 1 < cfg_.layers) {
+        be_.add_rms_norm(x, xn, layers_[size_t(l) + 1].attn_norm, cfg_.rms_eps, xn);
+      } else {
+        be_.add(x, xn);
+      }
       dump(l, "out", x);
     }
     output_logits(be_, x, in.logit_rows, last_->view(DType::F32, {L, cfg_.hidden}), output_norm_,

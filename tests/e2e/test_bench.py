@@ -97,6 +97,64 @@ engine:
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
+LLAMA_DECODE_OPS = {"embed", "rms_norm", "add_rms_norm", "matmul", "rope", "store_kv",
+                    "attention", "silu_mul", "add"}
+
+
+def test_offline_profile_ops(run, tmp_path):
+    cfg = write_config(tmp_path, "prof", """
+threads: 2
+concurrency: 2
+input_len: 16
+output_len: 8
+warmup: 1
+engine:
+  kv_cache_tokens: 512
+""")
+    out = tmp_path / "r.json"
+    p = run("bench", "--config", cfg, "--output", out, "--profile-ops", timeout=120)
+    assert "op profile" in p.stdout and "matmul [2,576]x" in p.stdout  # the per-op table
+    doc = json.loads(out.read_text())
+    check_schema(doc, "offline")
+    assert doc["config"]["profile_ops"] is True
+    prof = doc["scenarios"][0]["op_profile"]
+    assert prof["steps"] == sum(g["steps"] for g in prof["groups"])
+    step = prof["step"]
+    # Both requests decode together: the most common step is two sequences, one token each.
+    assert step["decode"] is True and step["tokens"] == 2 and step["seqs"] == 2
+    assert step["steps"] >= 5
+    assert 0 < step["op_ms"] <= step["wall_ms"]
+    kinds = {k["kind"]: k for k in step["kinds"]}
+    assert LLAMA_DECODE_OPS <= set(kinds), set(kinds)
+    # SmolLM2-135M: 30 layers, each with two norms, q and k rotations and two residual adds;
+    # every add but the last is fused with the norm after it.
+    assert kinds["embed"]["calls"] == 1
+    assert kinds["attention"]["calls"] == 30
+    assert kinds["rms_norm"]["calls"] == 2  # the first input norm and the output norm
+    assert kinds["add_rms_norm"]["calls"] == 59
+    assert kinds["rope"]["calls"] == 60
+    assert kinds["add"]["calls"] == 1
+    assert sum(k["share"] for k in step["kinds"]) == pytest.approx(1.0)
+    assert sum(o["us"] for o in step["ops"]) == pytest.approx(step["op_ms"] * 1e3)
+    for o in step["ops"]:
+        assert o["kind"] in kinds and o["us"] >= 0 and o["calls"] > 0, o
+    assert any(o["label"].startswith("attention [2,9,64] kv[3,64]") for o in step["ops"])
+    # Without the flag there is no profile.
+    plain = tmp_path / "plain.json"
+    run("bench", "--config", cfg, "--output", plain, timeout=120)
+    doc = json.loads(plain.read_text())
+    assert doc["config"]["profile_ops"] is False
+    assert doc["scenarios"][0]["op_profile"] is None
+
+
+def test_profile_ops_is_offline_only(run, tmp_path):
+    cfg = write_config(tmp_path, "online", "input_len: 16\noutput_len: 8\n")
+    p = run("bench", "--config", cfg, "--url", "http://127.0.0.1:9", "--profile-ops",
+            check=False)
+    assert p.returncode == 1
+    assert "--profile-ops" in p.stderr and "offline mode only" in p.stderr
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

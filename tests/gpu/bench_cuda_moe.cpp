@@ -18,28 +18,37 @@ using moe_test::FfnCase;
 using moe_test::make_case;
 using moe_test::make_experts;
 
+void run_moe_bench(int S);
+
 // DeepSeek-V2-Lite's routed experts (64 x [1408, 2048] BF16, top-6) over 16 routings per T,
-// cycled so consecutive calls touch different experts. GB/s counts the weights of the
-// distinct experts each call touches.
+// cycled so consecutive calls touch different experts, alone (S = 0) and with the two shared
+// experts folded in as the model runs them (S = 2). GB/s counts the weights of the distinct
+// experts each call touches.
 TEST(MoeBench, DISABLED_DeepSeekV2Lite) {
+  for (int S : {0, 2}) run_moe_bench(S);
+}
+
+void run_moe_bench(int S) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
-  const int E = 64, H = 2048, F = 1408, k = 6, kSets = 16;
+  const int E = 64 + S, H = 2048, F = 1408, k = 6, kSets = 16;
   const auto ex = make_experts(E, H, F, DType::BF16, 17);
   const double expert_bytes = 3.0 * H * F * 2;
+  std::printf("shared experts: %d\n", S);
   DirectCuda d;
   cudaEvent_t t0, t1;
   MOE_CUDA_OK(cudaEventCreate(&t0));
   MOE_CUDA_OK(cudaEventCreate(&t1));
   std::printf("%6s %-14s %10s %9s %9s\n", "T", "path", "us/call", "experts", "GB/s");
-  for (int T : {1, 8, 16, 32, 64, 128, 256, 1024, 8192}) {
+  for (int T : {1, 4, 8, 16, 32, 64, 128, 256, 1024, 8192}) {
+    if (S > 0 && T > 256) break;
     std::vector<std::unique_ptr<FfnCase>> sets;
     double touched = 0;
     for (int s = 0; s < kSets; ++s) {
-      sets.push_back(make_case(*ex, T, k, false, 1000 + uint64_t(T * kSets + s)));
+      sets.push_back(make_case(*ex, T, k, false, 1000 + uint64_t(T * kSets + s), 0, S));
       const std::set<int32_t> distinct(sets.back()->ids.cpu.ptr<int32_t>(),
                                        sets.back()->ids.cpu.ptr<int32_t>() + T * k);
-      touched += double(distinct.size()) / kSets;
+      touched += double(distinct.size() + size_t(S)) / kSets;
     }
     g.synchronize();
     auto report = [&](const char* name, double us) {

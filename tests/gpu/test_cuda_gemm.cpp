@@ -1,13 +1,15 @@
-// CUDA matmul and batched_matmul (cuBLAS) against float64 references and the CPU backend, for
-// F32, F16 and BF16 weights, awkward shapes and strided / permuted views.
+// CUDA matmul and batched_matmul (cuBLAS, or the skinny kernel for small M) against float64
+// references and the CPU backend, for F32, F16 and BF16 weights, awkward shapes and strided /
+// permuted views.
 //
-// Tolerances. The GPU rounds x to the weights' dtype (unit roundoff u16: 2^-11 for F16, 2^-8
-// for BF16, 0 for F32 weights) and accumulates in F32 (u32 = 2^-24). For out[m, n] with
+// Tolerances. The cuBLAS path rounds x to the weights' dtype (unit roundoff u16: 2^-11 for
+// F16, 2^-8 for BF16, 0 for F32 weights); the skinny kernel (M <= kSkinnyMaxM, aligned rows)
+// uses x as given. Both accumulate in F32 (u32 = 2^-24). For out[m, n] with
 // S = sum_k |x[m,k] w[n,k]|:
-//  - against float64 math on the rounded x only the F32 accumulation differs. IEEE F32 sums in
-//    any order stay within (K - 1) u32 S; tensor cores align and truncate instead of rounding
-//    (Fasi et al. 2021, "Numerical behavior of NVIDIA tensor cores"), up to twice that, so the
-//    bound is 4 K u32 S (kAccum), with margin;
+//  - against float64 math on the x its path uses only the F32 accumulation differs. IEEE F32
+//    sums in any order stay within (K - 1) u32 S; tensor cores align and truncate instead of
+//    rounding (Fasi et al. 2021, "Numerical behavior of NVIDIA tensor cores"), up to twice
+//    that, so the bound is 4 K u32 S (kAccum), with margin;
 //  - against exact x (float64 on the unrounded x) rounding x adds at most u16 S, since each
 //    |x^ - x| <= u16 |x|; against the CPU backend its own F32 sum adds another K u32 S.
 // The sqrt(K)-scaled estimates that typical errors follow would be tighter but can fail on an
@@ -19,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/gemm_skinny.cuh"
 #include "gpu_test_util.h"
 
 namespace ds {
@@ -41,6 +44,13 @@ double unit_roundoff(DType t) {
 }
 constexpr double kU32 = 1.0 / (1 << 24);
 constexpr double kAccum = 4.0;  // GPU F32 accumulation: kAccum * K * u32 * S
+
+// Whether the backend runs this (batched_)matmul on the skinny kernel (x as given) rather than
+// cuBLAS (x rounded to w's dtype).
+bool skinny_path(const TensorView& x, const TensorView& w, const TensorView& out) {
+  return cuda::use_skinny_gemm(x.ndim == 3 ? cuda::skinny_batched_args(x, w, out)
+                                           : cuda::skinny_matmul_args(x, w, out));
+}
 
 // x [B][M, K] and w [B][N, K] as dense host arrays (values the GPU sees for w).
 struct Reference {
@@ -127,8 +137,11 @@ TEST(CudaGemm, MatmulMatchesReferenceAndCpu) {
       const Reference r = reference(x, w, wt, 1, m, n, k);
       const std::vector<float> got = test::download_floats(g, out.gpu);
       const std::vector<int64_t> bd = {m, ldo};
-      EXPECT_TRUE(check_output(got, init, out.gpu.view.data, ov_g, r.rounded, r.abs_sum,
-                               kAccum * double(k) * kU32, "matmul vs float64 on rounded x", bd));
+      const bool skinny = skinny_path(xv_g, wv_g, ov_g);
+      EXPECT_TRUE(check_output(
+          got, init, out.gpu.view.data, ov_g, skinny ? r.exact : r.rounded, r.abs_sum,
+          kAccum * double(k) * kU32,
+          skinny ? "matmul (skinny) vs float64" : "matmul vs float64 on rounded x", bd));
       const double u16 = unit_roundoff(wt);
       EXPECT_TRUE(check_output(got, init, out.gpu.view.data, ov_g, r.exact, r.abs_sum,
                                u16 + kAccum * double(k) * kU32, "matmul vs float64", bd));
@@ -196,9 +209,12 @@ TEST(CudaGemm, BatchedMatmulOverPermutedViews) {
       const Reference r = reference(x, w, wt, b, m, n, k);
       const std::vector<float> got = test::download_floats(g, out.gpu);
       const std::vector<int64_t> bd = {int64_t(init.size())};
-      EXPECT_TRUE(check_output(got, init, out.gpu.view.data, ov, r.rounded, r.abs_sum,
-                               kAccum * double(k) * kU32, "batched_matmul vs float64 on rounded x",
-                               bd));
+      const bool skinny = skinny_path(xv, wv, ov);
+      EXPECT_TRUE(check_output(
+          got, init, out.gpu.view.data, ov, skinny ? r.exact : r.rounded, r.abs_sum,
+          kAccum * double(k) * kU32,
+          skinny ? "batched_matmul (skinny) vs float64" : "batched_matmul vs float64 on rounded x",
+          bd));
       EXPECT_TRUE(check_output(got, init, out.gpu.view.data, ov, r.exact, r.abs_sum,
                                unit_roundoff(wt) + kAccum * double(k) * kU32,
                                "batched_matmul vs float64", bd));
@@ -217,7 +233,8 @@ TEST(CudaGemm, BatchedMatmulOverPermutedViews) {
 }
 
 // The same row gives the same result whatever else is in the batch, within the F32 bound
-// (cuBLAS may pick another kernel for another M, so bit equality is not promised).
+// (M = 1 runs the skinny kernel on x as given, M = 256 cuBLAS on x rounded to w's dtype, so
+// bit equality is not promised; tests/gpu/test_cuda_gemm_skinny.cpp checks it for small M).
 TEST(CudaGemm, MatmulRowsDoNotDependOnTheBatch) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
@@ -235,9 +252,11 @@ TEST(CudaGemm, MatmulRowsDoNotDependOnTheBatch) {
     const std::vector<float> a = test::download_floats(g, one),
                              all = test::download_floats(g, many);
     const std::vector<double> first_row(all.begin(), all.begin() + n);
-    // Both are within kAccum K u32 S of the exact sum of the same rounded products, S <= K.
-    EXPECT_TRUE(test::all_close(a, first_row, {2.0 * kAccum * double(k) * kU32 * double(k), 0.0},
-                                "row 0 alone vs in a batch of 256"));
+    // Both are within kAccum K u32 S of their exact sums, which differ by at most u16 S (x
+    // rounded or not); S <= K.
+    EXPECT_TRUE(test::all_close(
+        a, first_row, {(2.0 * kAccum * double(k) * kU32 + unit_roundoff(wt)) * double(k), 0.0},
+        "row 0 alone vs in a batch of 256"));
   }
 }
 

@@ -254,6 +254,48 @@ TEST(CudaOps, RmsNormMatchesCpu) {
   }
 }
 
+// add_rms_norm: the fused kernel against the CPU's add then rms_norm; x after the add is
+// bit-exact (one F32 addition), the norm within the rms_norm tolerance; out aliasing y too.
+TEST(CudaOps, AddRmsNormMatchesCpu) {
+  DS_REQUIRE_GPU();
+  Backend &g = test::cuda_backend(), &c = test::cpu_backend();
+  struct Case {
+    int rows, n;
+    bool out_is_y;
+  };
+  const Case cases[] = {{1, 1, false},   {1, 2048, true},    {7, 7, false},
+                        {97, 576, true}, {300, 2048, false}, {3, 7168, true}};
+  uint32_t seed = 250;
+  for (const Case& k : cases) {
+    SCOPED_TRACE("rows " + std::to_string(k.rows) + " n " + std::to_string(k.n) +
+                 (k.out_is_y ? " out = y" : ""));
+    const int64_t ldx = k.n + 3, ldy = k.n + 1, ldo = k.n + 2;
+    const Twin x = twin_floats(DType::F32, {k.rows, ldx},
+                               test::random_floats(size_t(k.rows * ldx), ++seed, -2, 2));
+    const Twin y = twin_floats(DType::F32, {k.rows, ldy},
+                               test::random_floats(size_t(k.rows * ldy), ++seed, -2, 2));
+    const Twin w = twin_floats(DType::F32, {k.n}, test::random_floats(size_t(k.n), ++seed));
+    const Twin out = twin_floats(DType::F32, {k.rows, ldo}, sentinel(k.rows * ldo));
+    const BackendTensor& target_c = k.out_is_y ? y.cpu : out.cpu;
+    const BackendTensor& target_g = k.out_is_y ? y.gpu : out.gpu;
+    const int64_t ld = k.out_is_y ? ldy : ldo;
+    c.add(view_of(x.cpu, {k.rows, k.n}, {ldx, 1}), view_of(y.cpu, {k.rows, k.n}, {ldy, 1}));
+    c.rms_norm(view_of(x.cpu, {k.rows, k.n}, {ldx, 1}), w.cpu.view, 1e-6f,
+               view_of(target_c, {k.rows, k.n}, {ld, 1}));
+    g.add_rms_norm(view_of(x.gpu, {k.rows, k.n}, {ldx, 1}), view_of(y.gpu, {k.rows, k.n}, {ldy, 1}),
+                   w.gpu.view, 1e-6f, view_of(target_g, {k.rows, k.n}, {ld, 1}));
+    EXPECT_EQ(test::download_floats(g, x.gpu), test::download_floats(c, x.cpu)) << "x += y";
+    const std::vector<float> want = test::download_floats(c, target_c);
+    const std::vector<size_t> idx =
+        test::view_offsets(target_c.view.data, view_of(target_c, {k.rows, k.n}, {ld, 1}));
+    std::vector<double> vb(idx.size());
+    for (size_t i = 0; i < idx.size(); ++i) vb[i] = 1e-6 + 1e-5 * std::abs(want[idx[i]]);
+    EXPECT_TRUE(test::all_close_bounds(test::download_floats(g, target_g), to_double(want),
+                                       buffer_bounds(want.size(), idx, vb), "add_rms_norm",
+                                       {k.rows, ld}));
+  }
+}
+
 // ---- rope --------------------------------------------------------------------------------
 
 TEST(CudaOps, RopeMatchesCpu) {

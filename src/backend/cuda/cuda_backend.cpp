@@ -19,6 +19,7 @@
 #include "backend/cuda/elementwise.cuh"
 #include "backend/cuda/embed.cuh"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/gemm_skinny.cuh"
 #include "backend/cuda/kv_store.cuh"
 #include "backend/cuda/memory_pool.h"
 #include "backend/cuda/moe.cuh"
@@ -104,6 +105,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
     reset_graphs();
+    for (cudaEvent_t e : mark_events_) cudaEventDestroy(e);
     gemm_.reset();
     scratch_.clear();
     rope_tables_.clear();
@@ -175,6 +177,31 @@ class CudaBackend final : public Backend {
     graphs_.clear();
   }
   uint64_t alloc_epoch() const override { return alloc_epoch_; }
+
+  // Timing marks: pooled events recorded on the stream; the host waits only in mark_times_ms.
+  int mark() override {
+    DS_CHECK(!capturing_, "timing marks cannot be recorded during a graph capture");
+    if (marks_used_ == mark_events_.size()) {
+      cudaEvent_t e = nullptr;
+      check_cuda(cudaEventCreate(&e), "cudaEventCreate");
+      mark_events_.push_back(e);
+    }
+    check_cuda(cudaEventRecord(mark_events_[marks_used_], stream_), "cudaEventRecord");
+    return int(marks_used_++);
+  }
+  std::vector<double> mark_times_ms() override {
+    std::vector<double> t(marks_used_, 0.0);
+    if (marks_used_ == 0) return t;
+    check_cuda(cudaEventSynchronize(mark_events_[marks_used_ - 1]), "cudaEventSynchronize");
+    for (size_t i = 1; i < marks_used_; ++i) {
+      float ms = 0;
+      check_cuda(cudaEventElapsedTime(&ms, mark_events_[0], mark_events_[i]),
+                 "cudaEventElapsedTime");
+      t[i] = ms;
+    }
+    return t;
+  }
+  void clear_marks() override { marks_used_ = 0; }
   void upload(const TensorView& dst, const void* host, size_t bytes) override {
     if (bytes == 0) return;
     check_cuda(cudaMemcpyAsync(dst.data, host, bytes, cudaMemcpyHostToDevice, stream_), "upload");
@@ -198,6 +225,12 @@ class CudaBackend final : public Backend {
   void rms_norm(const TensorView& x, const TensorView& w, float eps, TensorView out) override {
     cuda::launch_rms_norm({x, w, eps, out}, stream_);
   }
+  void add_rms_norm(TensorView x, const TensorView& y, const TensorView& w, float eps,
+                    TensorView out) override {
+    cuda::RmsNormArgs a{x, w, eps, out};
+    a.residual = y;
+    cuda::launch_rms_norm(a, stream_);
+  }
 
   void matmul(const TensorView& x, const TensorView& w, TensorView out) override {
     require(Op::MatMul, w.dtype);
@@ -212,6 +245,12 @@ class CudaBackend final : public Backend {
     const int64_t m = x.rows(), k = x.cols(), n = w.rows();
     if (m == 0 || n == 0) return;
     DS_CHECK(k > 0, "matmul with K = 0");
+    // Decode-sized M: one bandwidth-bound launch on the F32 x (no conversion pass).
+    const cuda::SkinnyGemmArgs sk = cuda::skinny_matmul_args(x, w, out);
+    if (cuda::use_skinny_gemm(sk)) {
+      cuda::launch_skinny_gemm(sk, ctx_.sm_count, stream_);
+      return;
+    }
     cuda::GemmArgs g;
     g.dtype = w.dtype;
     g.m = m;
@@ -239,6 +278,11 @@ class CudaBackend final : public Backend {
     cuda::check_inner_dense(out, "batched_matmul");
     if (b == 0 || m == 0 || n == 0) return;
     DS_CHECK(k > 0, "batched_matmul with K = 0");
+    const cuda::SkinnyGemmArgs sk = cuda::skinny_batched_args(x, w, out);
+    if (cuda::use_skinny_gemm(sk)) {
+      cuda::launch_skinny_gemm(sk, ctx_.sm_count, stream_);
+      return;
+    }
     cuda::GemmArgs g;
     g.dtype = w.dtype;
     g.batch = b;
@@ -385,6 +429,9 @@ class CudaBackend final : public Backend {
   std::vector<cudaGraphExec_t> graphs_;
   bool capturing_ = false;
   uint64_t alloc_epoch_ = 0;  // allocations so far (captured graphs hold raw pointers)
+  // Timing marks: events reused after clear_marks().
+  std::vector<cudaEvent_t> mark_events_;
+  size_t marks_used_ = 0;
 };
 
 }  // namespace

@@ -6,13 +6,23 @@
 namespace ds::cuda {
 namespace {
 
-// One block per row (looping when rows exceed the grid).
-__global__ void rms_norm_kernel(const void* x, RowIndex xr, const float* __restrict__ w, float eps,
-                                void* out, RowIndex orow, int64_t rows, int n) {
+// One block per row (looping when rows exceed the grid). kAdd: x += y first, written back;
+// each thread reads y and writes out at the same indices, so out may alias y.
+template <bool kAdd>
+__global__ void rms_norm_kernel(void* x, RowIndex xr, const void* y, RowIndex yr,
+                                const float* __restrict__ w, float eps, void* out, RowIndex orow,
+                                int64_t rows, int n) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const float* xp = at_bytes<float>(x, xr.offset(r));
+    float* xp = at_bytes<float>(x, xr.offset(r));
     float ss = 0.0f;
-    for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) ss += xp[i] * xp[i];
+    for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {
+      float v = xp[i];
+      if constexpr (kAdd) {
+        v += at_bytes<float>(y, yr.offset(r))[i];
+        xp[i] = v;
+      }
+      ss += v * v;
+    }
     ss = block_sum(ss);
     const float s = 1.0f / sqrtf(ss / float(n) + eps);
     float* op = at_bytes<float>(out, orow.offset(r));
@@ -23,21 +33,33 @@ __global__ void rms_norm_kernel(const void* x, RowIndex xr, const float* __restr
 }  // namespace
 
 void launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
-  DS_CHECK(a.x.dtype == DType::F32 && a.w.dtype == DType::F32 && a.out.dtype == DType::F32,
+  const bool add = a.residual.data != nullptr;
+  DS_CHECK(a.x.dtype == DType::F32 && a.w.dtype == DType::F32 && a.out.dtype == DType::F32 &&
+               (!add || a.residual.dtype == DType::F32),
            "rms_norm takes F32");
   const int64_t rows = a.x.rows(), n = a.x.cols();
   DS_CHECK(
       a.out.rows() == rows && a.out.cols() == n && a.w.numel() == n,
       "rms_norm shapes " + a.x.shape_str() + " * " + a.w.shape_str() + " -> " + a.out.shape_str());
+  DS_CHECK(!add || (a.residual.rows() == rows && a.residual.cols() == n),
+           "add_rms_norm shapes " + a.x.shape_str() + " += " + a.residual.shape_str());
   check_inner_dense(a.x, "rms_norm");
   check_inner_dense(a.out, "rms_norm");
+  if (add) check_inner_dense(a.residual, "add_rms_norm");
   DS_CHECK(a.w.ndim == 1 || a.w.is_contiguous(), "rms_norm weight must be contiguous");
   if (rows == 0 || n == 0) return;
   // About 4 elements per thread, whole warps, at most 1024 threads.
   const int threads = int(std::clamp<int64_t>((n / 4 + 31) / 32 * 32, 32, 1024));
   const unsigned blocks = unsigned(std::min<int64_t>(rows, int64_t(1) << 30));
-  rms_norm_kernel<<<blocks, threads, 0, stream>>>(a.x.data, row_index(a.x), a.w.ptr<float>(), a.eps,
-                                                  a.out.data, row_index(a.out), rows, int(n));
+  if (add) {
+    rms_norm_kernel<true><<<blocks, threads, 0, stream>>>(
+        a.x.data, row_index(a.x), a.residual.data, row_index(a.residual), a.w.ptr<float>(), a.eps,
+        a.out.data, row_index(a.out), rows, int(n));
+  } else {
+    rms_norm_kernel<false><<<blocks, threads, 0, stream>>>(
+        a.x.data, row_index(a.x), nullptr, RowIndex{}, a.w.ptr<float>(), a.eps, a.out.data,
+        row_index(a.out), rows, int(n));
+  }
   check_cuda(cudaGetLastError(), "rms_norm");
 }
 
