@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The one GPU job: run on the H200 machine (through the device tool) from the repo root.
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
-# JSON under $OUT. Stages (default: build test): build, test, cputest, lite, bench, hfbase.
+# JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, bench,
+# profile, moebench, gemmbench, hfbase.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
 #   lite    writes the DeepSeek-V2-Lite-shaped random BF16 checkpoint to $LITE_DIR
 #   bench   deepserve bench for bench/w{1,2,3}.yaml on that checkpoint
+#   profile the same with --profile-ops (eager, per-op times of the steady decode step)
+#   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks
 #   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
 # The machine has no package registry: cpp-httplib and PCRE2 come from Debian .debs unpacked
 # into .carry/deps (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"].
@@ -113,6 +116,23 @@ if has_stage bench; then
     log "bench $w rc=$?"
     tail -6 "$OUT/bench-$w.log"
   done
+fi
+
+if has_stage profile; then
+  for w in ${PROFILE_WORKLOADS:-w3 w1 w2}; do
+    log "bench $w --profile-ops"
+    DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
+      --output "$OUT/bench-profile-$w.json" --profile-ops >"$OUT/bench-profile-$w.log" 2>&1
+    log "profile $w rc=$?"
+    grep -A40 "op profile" "$OUT/bench-profile-$w.log" | head -45
+  done
+fi
+
+if has_stage gemmbench; then
+  log "skinny GEMM micro-benchmark"
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='GemmBench.*' \
+    >"$OUT/gemm-bench.log" 2>&1
+  grep -vE "^\[|^$" "$OUT/gemm-bench.log" | tail -60
 fi
 
 if has_stage moebench; then
