@@ -513,11 +513,11 @@ TEST(CudaAttention, DISABLED_Timing) {
   };
   const std::vector<test::StepSeq> w1(8, {1, 1280}), w2(256, {1, 1280}), pre(8, {1024, 1024});
   const std::vector<test::StepSeq> gdec(64, {1, 1024}), gpre(4, {512, 512});
-  const Row rows[] = {{"mla W1 decode 8 x 1280", mla(w1)},
-                      {"mla W2 decode 256 x 1280", mla(w2)},
-                      {"mla prefill 8 x 1024", mla(pre)},
-                      {"gqa 9/3x64 decode 64 x 1024", gqa(gdec)},
-                      {"gqa 9/3x64 prefill 4 x 512", gqa(gpre)}};
+  const std::vector<test::StepSeq> w3(1, {1, 1088});
+  const Row rows[] = {
+      {"mla W3 decode 1 x 1088", mla(w3)},        {"mla W1 decode 8 x 1280", mla(w1)},
+      {"mla W2 decode 256 x 1280", mla(w2)},      {"mla prefill 8 x 1024", mla(pre)},
+      {"gqa 9/3x64 decode 64 x 1024", gqa(gdec)}, {"gqa 9/3x64 prefill 4 x 512", gqa(gpre)}};
   cudaStream_t s = launch_context().stream();
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);

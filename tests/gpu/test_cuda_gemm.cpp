@@ -3,9 +3,9 @@
 // permuted views.
 //
 // Tolerances. The cuBLAS path rounds x to the weights' dtype (unit roundoff u16: 2^-11 for
-// F16, 2^-8 for BF16, 0 for F32 weights); the skinny kernel (M <= kSkinnyMaxM, aligned rows)
-// uses x as given. Both accumulate in F32 (u32 = 2^-24). For out[m, n] with
-// S = sum_k |x[m,k] w[n,k]|:
+// F16, 2^-8 for BF16, 0 for F32 weights); the skinny kernel
+// (small M, aligned rows; see use_skinny_gemm) uses x as given. Both accumulate in F32 (u32 =
+// 2^-24). For out[m, n] with S = sum_k |x[m,k] w[n,k]|:
 //  - against float64 math on the x its path uses only the F32 accumulation differs. IEEE F32
 //    sums in any order stay within (K - 1) u32 S; tensor cores align and truncate instead of
 //    rounding (Fasi et al. 2021, "Numerical behavior of NVIDIA tensor cores"), up to twice

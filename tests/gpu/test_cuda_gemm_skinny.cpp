@@ -179,13 +179,14 @@ TEST(SkinnyGemm, BackendTakesTheSkinnyPath) {
 }
 
 // Row i's result does not depend on which other rows share the call: bit-identical alone,
-// at another position, and inside M = 3, 8 and 16.
+// at another position, and inside M = 3 and kSkinnyMaxM (weights small enough for the skinny
+// path at every M).
 TEST(SkinnyGemm, RowsAreBatchInvariant) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
   const int64_t M = cuda::kSkinnyMaxM, k = 2048;
   for (DType wt : {DType::BF16, DType::F32}) {
-    for (int64_t n : {64, 576, 3072}) {
+    for (int64_t n : {64, 576}) {
       SCOPED_TRACE(std::string(dtype_name(wt)) + " N " + std::to_string(n));
       const BackendTensor x =
           test::upload_floats(g, DType::F32, {M, k}, test::random_floats(size_t(M * k), 41));
@@ -195,7 +196,7 @@ TEST(SkinnyGemm, RowsAreBatchInvariant) {
       g.matmul(x.view, w.view, all.view);
       const std::vector<float> want = test::download_floats(g, all);
       for (int64_t first : {0, 5}) {
-        for (int64_t m : {1, 3, 8}) {
+        for (int64_t m : {1, 3}) {
           BackendTensor part = test::zeros(g, DType::F32, {m, n});
           g.matmul(test::view_of(x, {m, k}, {k, 1}, first * k), w.view, part.view);
           const std::vector<float> got = test::download_floats(g, part);

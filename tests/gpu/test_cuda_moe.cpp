@@ -246,7 +246,8 @@ const char* path_name(cuda::MoeFfnPath p) {
 
 // Whether Auto takes a path that rounds activations to BF16 (grouped or prefill).
 bool auto_rounds_to_bf16(const FfnCase& c, DType t) {
-  return t == DType::BF16 && int64_t(c.T) * (c.k + c.shared) >= cuda::kMoeGroupedMinAssignments;
+  return cuda::moe_auto_path(t == DType::BF16, c.T, c.k, c.shared, false) !=
+         cuda::MoeFfnPath::Decode;
 }
 
 // The CPU result, then each path on the GPU against it; the sentinel padding of out must
@@ -436,9 +437,7 @@ TEST(CudaMoeFfn, GraphReplayFollowsNewRouting) {
     auto c = make_case(*ex, T, 6, false, 100 + uint64_t(T));
     auto c2 = make_case(*ex, T, 6, false, 200 + uint64_t(T));
     // The path Auto takes under capture; its eager run sizes the scratch first.
-    const cuda::MoeFfnPath ref = int64_t(T) * 6 >= cuda::kMoeGroupedMinAssignments
-                                     ? cuda::MoeFfnPath::Grouped
-                                     : cuda::MoeFfnPath::Decode;
+    const cuda::MoeFfnPath ref = cuda::moe_auto_path(true, T, 6, 0, true);
     DirectCuda d;
     g.synchronize();
     d.ffn(c->gpu, ref);  // warms scratch and the expert table

@@ -163,7 +163,10 @@ SkinnyGemmArgs skinny_batched_args(const TensorView& x, const TensorView& w,
 }
 
 bool use_skinny_gemm(const SkinnyGemmArgs& a) {
-  return a.m <= kSkinnyMaxM && skinny_gemm_fits(a);
+  const int64_t weight_bytes = a.batch * a.n * a.k * int64_t(dtype_info(a.wtype).type_size);
+  const bool small =
+      a.m <= kSkinnyAnyM || (a.m <= kSkinnyMaxM && weight_bytes <= kSkinnySmallWeightBytes);
+  return small && skinny_gemm_fits(a);
 }
 
 void launch_skinny_gemm(const SkinnyGemmArgs& a, int sm_count, cudaStream_t stream) {

@@ -21,8 +21,14 @@
 
 namespace ds::cuda {
 
-// Largest M the backend sends to the skinny kernel; cuBLAS above (and for shapes it rejects).
-inline constexpr int64_t kSkinnyMaxM = 16;
+// Which GEMMs the backend sends to the skinny kernel (cuBLAS otherwise, and for shapes it
+// rejects), from the H200 micro-benchmark (bench_cuda_gemm.cpp, DeepSeek-V2-Lite shapes): at
+// M = 1 it matches or beats conversion + cuBLAS everywhere (0.9-2.3x); at M = 8 only on small
+// weights (kv_a 1.5x, router 1.4x, MLA heads 1.0-1.15x), while q_proj (0.62x), o_proj and the
+// MLPs lose. So: M <= kSkinnyAnyM always, M <= kSkinnyMaxM when the weights are small.
+inline constexpr int64_t kSkinnyAnyM = 2;
+inline constexpr int64_t kSkinnyMaxM = 8;
+inline constexpr int64_t kSkinnySmallWeightBytes = int64_t(6) << 20;
 
 // For each b < batch: out_b[m, n] = sum_k x_b[m, k] * w_b[n, k]. Strides in bytes (a stride is
 // ignored where its dimension is 1).

@@ -397,9 +397,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     DS_CHECK(path == MoeFfnPath::Grouped || !capturing(ctx.stream),
              "moe_ffn: the prefill path cannot be graph-captured");
   } else if (path == MoeFfnPath::Auto) {
-    path = !bf16 || n < kMoeGroupedMinAssignments                     ? MoeFfnPath::Decode
-           : n >= kMoePrefillMinAssignments && !capturing(ctx.stream) ? MoeFfnPath::Prefill
-                                                                      : MoeFfnPath::Grouped;
+    path = moe_auto_path(bf16, T, k, S, capturing(ctx.stream));
   }
   const bool prefill = path == MoeFfnPath::Prefill;
   if (prefill && !dev.cublas) {

@@ -38,8 +38,19 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped };
 // From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
 // grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
+// With shared experts every one of them holds all T tokens, which the decode kernels stream
+// slowly (a tail of CTAs): grouped wins from T = 8 there (260 vs 294 us with 2 shared).
 constexpr int64_t kMoeGroupedMinAssignments = 160;
+constexpr int64_t kMoeGroupedMinSharedTokens = 6;
 constexpr int64_t kMoePrefillMinAssignments = 16384;
+
+// What Auto picks for T tokens of top_k routed + `shared` shared experts.
+inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, bool capturing) {
+  const int64_t n = T * (top_k + shared);
+  if (!bf16 || (n < kMoeGroupedMinAssignments && (shared == 0 || T < kMoeGroupedMinSharedTokens)))
+    return MoeFfnPath::Decode;
+  return n >= kMoePrefillMinAssignments && !capturing ? MoeFfnPath::Prefill : MoeFfnPath::Grouped;
+}
 void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
 
 // ---- internals shared by moe*.cu --------------------------------------------------------
