@@ -72,7 +72,10 @@ LaunchContext& launch_context() {
 }
 
 const char* path_name(AttentionPath p) {
-  return p == AttentionPath::Simt ? "simt" : p == AttentionPath::TensorCore ? "mma" : "auto";
+  return p == AttentionPath::Simt         ? "simt"
+         : p == AttentionPath::TensorCore ? "mma"
+         : p == AttentionPath::MlaDecode  ? "mla-decode"
+                                          : "auto";
 }
 
 struct Case {
@@ -393,13 +396,49 @@ TEST(CudaAttention, MlaDecodeBatches) {
   DS_REQUIRE_GPU();
   // W1's shape (8 sequences, contexts ~1280) and W2's (256 sequences).
   for (int n : {8, 256})
-    for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore}) {
+    for (AttentionPath path :
+         {AttentionPath::Simt, AttentionPath::TensorCore, AttentionPath::MlaDecode}) {
       Case c;
       c.seqs = decodes(n, 1400, uint32_t(n));
       c.heads = 16, c.hd = 512, c.rope = 64;
       c.path = path;
       check_case(c, 2100 + uint32_t(n));
     }
+}
+
+// The MLA decode kernel on its edges: contexts around its 64-key tiles, 1 to 5000 keys (one
+// sequence: split-K over up to 64 splits), head counts that fill 16-row chunks partly (8),
+// exactly (16) or several (32, 128), 32 rope dims, block size 1, strided q / q_rope / out, and
+// the F32-cache fallback.
+TEST(CudaAttention, MlaDecodeKernelEdges) {
+  DS_REQUIRE_GPU();
+  struct Shape {
+    int heads, P, block_size;
+    std::vector<test::StepSeq> seqs;
+    bool strided = false;
+  };
+  const std::vector<test::StepSeq> edges = {{1, 1},   {1, 63},  {1, 64},  {1, 65},
+                                            {1, 128}, {1, 129}, {1, 777}, {1, 2049}};
+  const Shape shapes[] = {{16, 64, 16, edges},       {8, 64, 16, edges},
+                          {32, 64, 16, edges},       {128, 64, 16, {{1, 300}, {1, 1}}},
+                          {16, 64, 16, edges, true}, {16, 32, 1, {{1, 100}, {1, 17}}},
+                          {16, 64, 16, {{1, 5000}}}, {16, 64, 16, {{1, 1}}}};
+  uint32_t seed = 2300;
+  for (const Shape& sh : shapes) {
+    Case c;
+    c.seqs = sh.seqs;
+    c.heads = sh.heads, c.hd = 512, c.rope = sh.P, c.block_size = sh.block_size;
+    c.strided = sh.strided;
+    c.path = AttentionPath::MlaDecode;
+    check_case(c, seed++);
+  }
+  Case f;  // F32 cache: Auto falls back to the other kernels, a forced MlaDecode refuses
+  f.seqs = {{1, 100}};
+  f.heads = 16, f.hd = 512, f.rope = 64, f.dtype = DType::F32;
+  check_case(f, seed++);
+  f.path = AttentionPath::MlaDecode;
+  const Inputs in = make_inputs(f, seed);
+  EXPECT_THROW(launch(f, in), Error);
 }
 
 TEST(CudaAttention, MlaLongContextSplitK) {
@@ -524,7 +563,11 @@ TEST(CudaAttention, DISABLED_Timing) {
   cudaEventCreate(&e1);
   std::printf("%-30s %6s %10s %12s\n", "shape", "path", "us/call", "rate");
   for (const Row& row : rows)
-    for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore}) {
+    for (AttentionPath path :
+         {AttentionPath::Simt, AttentionPath::TensorCore, AttentionPath::MlaDecode}) {
+      if (path == AttentionPath::MlaDecode &&
+          (row.c.rope == 0 || row.c.seqs.front().query_len != 1))
+        continue;
       Case c = row.c;
       c.path = path;
       const Inputs in = make_inputs(c, 5000);

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "backend/cuda/attention.cuh"
+#include "backend/cuda/attention_mla_decode.cuh"
 #include "backend/cuda/attention_mma.cuh"
 #include "backend/cuda/attention_setup.h"
 #include "backend/cuda/attention_simt.cuh"
@@ -115,6 +116,22 @@ void run(const Context& ctx, int scratch_slot, kern::AttnParams a, bool tensor_c
   }
 }
 
+// The MLA decode kernel, then the shared split merge.
+void run_mla_decode(const Context& ctx, kern::AttnParams a) {
+  a.splits = mla_decode_splits(a, sm_count_of(ctx));
+  if (a.splits > 1) {
+    void* scratch = ctx.scratch(kScratchMla, split_scratch_bytes(a));
+    DS_CHECK(scratch != nullptr, "cuda mla_attention: no scratch memory for the split partials");
+    bind_split_scratch(a, scratch);
+  }
+  launch_mla_decode(a, ctx.stream);
+  if (a.splits > 1) {
+    merge_kernel<<<unsigned(a.num_tokens) * unsigned(a.heads), 128, 0, ctx.stream>>>(
+        merge_params(a));
+    check_cuda(cudaGetLastError(), "attention merge kernel");
+  }
+}
+
 // The kernel family for `path`: Auto takes tensor cores wherever their shared memory fits.
 bool use_tensor_cores(const Context& ctx, const kern::AttnParams& a, AttentionPath path) {
   if (path == AttentionPath::Simt) return false;
@@ -148,6 +165,14 @@ void mla_attention_on(const Context& ctx, const MlaAttentionParams& p, const Att
                       AttentionPath path) {
   if (meta.num_tokens <= 0 || meta.num_seqs <= 0) return;
   const kern::AttnParams a = mla_params(p, meta);
+  const bool decode = mla_decode_fits(a);
+  DS_CHECK(decode || path != AttentionPath::MlaDecode,
+           "cuda mla_attention: the decode kernel needs a BF16 cache, R 512, rope dims a "
+           "multiple of 16 up to 64 and one query per sequence");
+  if (decode && (path == AttentionPath::Auto || path == AttentionPath::MlaDecode)) {
+    run_mla_decode(ctx, a);
+    return;
+  }
   run(ctx, kScratchMla, a, use_tensor_cores(ctx, a, path));
 }
 

@@ -15,7 +15,8 @@ void mla_attention(const Context& ctx, const MlaAttentionParams& p, const Attent
 
 // Which kernel family runs: Auto picks the fastest that supports the shape; tests pin one.
 // Simt: F32 arithmetic, every shape. TensorCore: mma.sync with split-BF16 operands (MLA).
-enum class AttentionPath { Auto, Simt, TensorCore };
+// MlaDecode: MLA only, BF16 latent cache, one query per sequence (attention_mla_decode.cuh).
+enum class AttentionPath { Auto, Simt, TensorCore, MlaDecode };
 void paged_attention_on(const Context& ctx, const AttentionParams& p, const AttentionMeta& meta,
                         AttentionPath path);
 void mla_attention_on(const Context& ctx, const MlaAttentionParams& p, const AttentionMeta& meta,

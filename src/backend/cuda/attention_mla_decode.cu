@@ -1,0 +1,325 @@
+// MLA decode attention over a BF16 latent cache: every sequence has one query, and all of its
+// heads share every cache row, so a CTA takes 16 heads of one sequence as the M = 16 rows of
+// mma.sync m16n8k16 tiles and streams its share of the context (a split) once:
+//   S = Q [16, R + P] . K^T      (K = the cached rows, keys as n; ldmatrix from row-major rows)
+//   O += P [16, keys] . V        (V = the first R dims of the same rows; ldmatrix .trans)
+// 64-key tiles stream through a two-stage cp.async pipeline; 8 warps split the keys for S (8
+// each) and the value dims for O (64 each). Q and P are split into BF16 hi + lo parts, so the
+// products keep about F32 precision (the cache itself is exact BF16). Online softmax in base 2
+// as the other attention kernels; splits write the same partials and share their merge.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
+#include "backend/cuda/attention_mla_decode.cuh"
+
+namespace ds::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = 16;           // heads per CTA
+constexpr int kKeys = 64;           // keys per tile
+constexpr int kR = kMlaDecodeRank;  // value dims; kWarps x 64
+constexpr int kMaxDim = kR + kMlaDecodeMaxRope;
+constexpr int kRowBytes = kMaxDim * 2;  // staged row stride (BF16)
+constexpr int kQBytes = kRows * kRowBytes;
+constexpr int kTileBytes = kKeys * kRowBytes;
+constexpr int kPBytes = kRows * kKeys * 2;
+// Q hi, Q lo, two cache stages, P hi, P lo, row max / sum exchange.
+constexpr int kSmemBytes = 2 * kQBytes + 2 * kTileBytes + 2 * kPBytes + 2 * kWarps * kRows * 4;
+static_assert(kR == kWarps * 64, "each warp owns 64 value dims");
+
+// Byte offset of 16-byte chunk c of a staged row r (rows of `row_bytes`): chunks swizzled
+// within groups of 8 by the row, so ldmatrix's 8 rows of a phase hit 8 different bank groups.
+__device__ __forceinline__ uint32_t swz(int r, int c, int row_bytes) {
+  return uint32_t(r * row_bytes + (((c & ~7) | ((c ^ r) & 7)) << 4));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// BF16 hi + lo of v (v ~= hi + lo to about 16 significant bits).
+__device__ __forceinline__ void split_bf16(float v, __nv_bfloat16& hi, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(v);
+  lo = __float2bfloat16_rn(v - __bfloat162float(hi));
+}
+
+// Grid (num_seqs, splits, ceil(heads / 16)).
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::AttnParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* q_hi = smem;
+  uint8_t* q_lo = q_hi + kQBytes;
+  uint8_t* stage0 = q_lo + kQBytes;
+  uint8_t* p_hi = stage0 + 2 * kTileBytes;
+  uint8_t* p_lo = p_hi + kPBytes;
+  float* red_max = reinterpret_cast<float*>(p_lo + kPBytes);  // [kWarps][kRows]
+  float* red_sum = red_max + kWarps * kRows;                  // [kWarps][kRows]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
+  const int dim = p.dim, chunks = dim / 8;  // 16-byte chunks per cache row
+  const int token = p.query_start[seq];
+  const int ctx = p.context_lens[seq];
+  // Keys of this split: whole 64-key tiles, as few splits as the context needs.
+  const int tiles_total = (ctx + kKeys - 1) / kKeys;
+  const int used = min(p.splits, tiles_total);
+  const int tiles_per = used > 0 ? (tiles_total + used - 1) / used : 0;
+  const int key_begin = split * tiles_per * kKeys;
+  const int key_end = min(ctx, key_begin + tiles_per * kKeys);
+  const bool partial = p.splits > 1;
+  if (key_begin >= key_end) {  // nothing to see: tell the merge to skip this split
+    if (partial && tid < kRows && h0 + tid < p.heads) {
+      float* ml = p.part_ml + ((int64_t(split) * p.num_tokens + token) * p.heads + h0 + tid) * 2;
+      ml[0] = -INFINITY;
+      ml[1] = 0.0f;
+    }
+    return;
+  }
+
+  auto load_tile = [&](int stage, int k0) {
+    const uint32_t base = smem_u32(stage0 + stage * kTileBytes);
+    int cached_row = -1;
+    int64_t slot = -1;
+    for (int i = tid; i < kKeys * chunks; i += kThreads) {
+      const int r = i / chunks, c = i - r * chunks;
+      if (r != cached_row) {
+        cached_row = r;
+        const int j = k0 + r;
+        slot = j < key_end ? kern::slot_of(p, seq, j) : -1;
+      }
+      const uint8_t* src = slot >= 0 ? p.k + slot * p.slot_bytes + c * 16 : p.k;
+      cp_async16(base + swz(r, c, kRowBytes), src, slot >= 0);
+    }
+  };
+  const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
+  load_tile(0, key_begin);
+  cp_commit();
+
+  // Q rows (heads h0..h0+15 of the token) as hi / lo BF16, zeros past dim or past the heads.
+  for (int i = tid; i < kRows * (kMaxDim / 2); i += kThreads) {
+    const int r = i / (kMaxDim / 2), d = (i - r * (kMaxDim / 2)) * 2;
+    float v[2] = {0.0f, 0.0f};
+    const int h = h0 + r;
+    if (h < p.heads) {
+      for (int e = 0; e < 2; ++e) {
+        const int dd = d + e;
+        if (dd < p.q_dims)
+          v[e] = *reinterpret_cast<const float*>(p.q + token * p.q_ts + h * p.q_hs + dd * 4);
+        else if (dd < dim)
+          v[e] = *reinterpret_cast<const float*>(p.q2 + token * p.q2_ts + h * p.q2_hs +
+                                                 (dd - p.q_dims) * 4);
+      }
+    }
+    __nv_bfloat16 hi[2], lo[2];
+    split_bf16(v[0], hi[0], lo[0]);
+    split_bf16(v[1], hi[1], lo[1]);
+    const uint32_t off = swz(r, d / 8, kRowBytes) + (d % 8) * 2;
+    *reinterpret_cast<__nv_bfloat162*>(q_hi + off) = __halves2bfloat162(hi[0], hi[1]);
+    *reinterpret_cast<__nv_bfloat162*>(q_lo + off) = __halves2bfloat162(lo[0], lo[1]);
+  }
+
+  // Per row (g = lane / 4 and g + 8): running max (base 2) and sum, the same in every warp.
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  float o[8][4] = {};                       // value dims warp*64 + n*8 + c2 (+1), rows g / g + 8
+  const int lm = lane >> 3, li = lane & 7;  // ldmatrix: matrix and row of this lane's address
+
+  for (int t = 0; t < n_tiles; ++t) {
+    const int k0 = key_begin + t * kKeys;
+    __syncthreads();  // the other stage and P are free (previous tile done)
+    if (t + 1 < n_tiles) load_tile((t + 1) & 1, k0 + kKeys);
+    cp_commit();
+    cp_wait<1>();
+    __syncthreads();  // tile t (and Q) visible to every warp
+    const uint32_t kv = smem_u32(stage0 + (t & 1) * kTileBytes);
+
+    // S for keys warp*8 .. +8: A = Q (16 x 16 per step), B = 8 keys x 16 dims.
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const uint32_t qh = smem_u32(q_hi), ql = smem_u32(q_lo);
+    for (int kk = 0; kk < dim; kk += 16) {
+      uint32_t ah[4], al[4], b[2];
+      const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kRowBytes);
+      ldsm_x4(ah, qh + a_off);
+      ldsm_x4(al, ql + a_off);
+      ldsm_x2(b, kv + swz(warp * 8 + li, kk / 8 + (lm & 1), kRowBytes));
+      mma(s, ah, b[0], b[1]);
+      mma(s, al, b[0], b[1]);
+    }
+    // Base-2 scores; keys past the split are -inf.
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = k0 + warp * 8 + c2 + (e & 1);
+      s[e] = key < key_end ? s[e] * p.scale_log2 : -INFINITY;
+      tmax[e >> 1] = fmaxf(tmax[e >> 1], s[e]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+    }
+    if ((lane & 3) == 0) {
+      red_max[warp * kRows + g] = tmax[0];
+      red_max[warp * kRows + g + 8] = tmax[1];
+    }
+    __syncthreads();
+    float m_new[2], alpha[2], psum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = m_run[h];
+      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_max[w * kRows + g + 8 * h]);
+      m_new[h] = mx;  // finite: every tile holds at least one key of the split
+      alpha[h] = exp2f(m_run[h] - mx);
+    }
+    // P = 2^(s - m) as hi / lo BF16 into shared memory (row g / g + 8, key warp*8 + c2).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float p0 = exp2f(s[2 * h] - m_new[h]), p1 = exp2f(s[2 * h + 1] - m_new[h]);
+      psum[h] = p0 + p1;
+      __nv_bfloat16 hi0, lo0, hi1, lo1;
+      split_bf16(p0, hi0, lo0);
+      split_bf16(p1, hi1, lo1);
+      const int r = g + 8 * h, col = warp * 8 + c2;
+      const uint32_t off = swz(r, col / 8, kKeys * 2) + (col % 8) * 2;
+      *reinterpret_cast<__nv_bfloat162*>(p_hi + off) = __halves2bfloat162(hi0, hi1);
+      *reinterpret_cast<__nv_bfloat162*>(p_lo + off) = __halves2bfloat162(lo0, lo1);
+      psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 1);
+      psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 2);
+    }
+    if ((lane & 3) == 0) {
+      red_sum[warp * kRows + g] = psum[0];
+      red_sum[warp * kRows + g + 8] = psum[1];
+    }
+    __syncthreads();  // P and the sums visible
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float tsum = 0.0f;
+      for (int w = 0; w < kWarps; ++w) tsum += red_sum[w * kRows + g + 8 * h];
+      l_run[h] = l_run[h] * alpha[h] + tsum;
+      m_run[h] = m_new[h];
+    }
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+    // O[:, warp*64 .. +64] += P . V: A = P (16 x 16 keys), B = 16 keys x 16 dims (.trans).
+    const uint32_t ph = smem_u32(p_hi), pl = smem_u32(p_lo);
+#pragma unroll
+    for (int kk = 0; kk < kKeys; kk += 16) {
+      uint32_t ah[4], al[4];
+      const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kKeys * 2);
+      ldsm_x4(ah, ph + a_off);
+      ldsm_x4(al, pl + a_off);
+#pragma unroll
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t b[4];  // (keys 0-7, dims n), (keys 8-15, dims n), same for dims n + 1
+        const int dchunk = (warp * 64 + n * 8) / 8 + (lm >> 1);
+        ldsm_x4_t(b, kv + swz(kk + (lm & 1) * 8 + li, dchunk, kRowBytes));
+        mma(o[n], ah, b[0], b[1]);
+        mma(o[n], al, b[0], b[1]);
+        mma(o[n + 1], ah, b[2], b[3]);
+        mma(o[n + 1], al, b[2], b[3]);
+      }
+    }
+  }
+  cp_wait<0>();
+
+  // Rows g and g + 8: heads h0 + g (+ 8); normalized output, or the split's partial.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = h0 + g + 8 * h;
+    if (head >= p.heads) continue;
+    const int64_t prow = (int64_t(split) * p.num_tokens + token) * p.heads + head;
+    const float inv = partial ? 1.0f : 1.0f / l_run[h];
+    float* dst = partial ? p.part_o + prow * p.dv
+                         : reinterpret_cast<float*>(p.out + token * p.out_ts + head * p.out_hs);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int d = warp * 64 + n * 8 + c2;
+      dst[d] = o[n][2 * h] * inv;
+      dst[d + 1] = o[n][2 * h + 1] * inv;
+    }
+    if (partial && warp == 0 && (lane & 3) == 0) {
+      p.part_ml[prow * 2] = m_run[h];
+      p.part_ml[prow * 2 + 1] = l_run[h];
+    }
+  }
+}
+
+}  // namespace
+
+bool mla_decode_fits(const kern::AttnParams& a) {
+  const int P = a.dim - a.dv;
+  return a.cache_type == kern::kCacheBF16 && a.dv == kR && P >= 0 && P <= kMlaDecodeMaxRope &&
+         P % 16 == 0 && a.num_tokens == a.num_seqs && a.kv_heads == 1 && a.slot_bytes % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(a.k) % 16 == 0;
+}
+
+int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
+  const int ctas = a.num_seqs * ((a.heads + kRows - 1) / kRows);
+  if (ctas >= sm_count) return 1;
+  const int64_t capacity = int64_t(a.max_blocks_per_seq) * a.block_size;
+  const int64_t by_capacity = std::max<int64_t>(1, (capacity + kKeys - 1) / kKeys);
+  return int(std::min<int64_t>({(sm_count + ctas - 1) / ctas, by_capacity, 64}));
+}
+
+void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream) {
+  // Raised once per device before the first launch (outside any graph capture).
+  static std::atomic<uint64_t> smem_set{0};
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  const uint64_t bit = uint64_t(1) << (dev & 63);
+  if (!(smem_set.load() & bit)) {
+    check_cuda(cudaFuncSetAttribute(mla_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kSmemBytes),
+               "mla decode smem limit");
+    smem_set.fetch_or(bit);
+  }
+  const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
+                  unsigned((a.heads + kRows - 1) / kRows));
+  mla_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
+  check_cuda(cudaGetLastError(), "mla decode kernel");
+}
+
+}  // namespace ds::cuda

@@ -1,0 +1,25 @@
+// MLA decode attention on tensor cores for a BF16 latent cache (attention_mla_decode.cu): one
+// query per sequence, 16 heads per CTA sharing every cache row, split-K over the context.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/common.cuh"
+
+namespace ds::cuda {
+
+constexpr int kMlaDecodeRank = 512;    // kv_lora_rank the kernel is built for (DeepSeek-V2/V3)
+constexpr int kMlaDecodeMaxRope = 64;  // rope dims: a multiple of 16 up to this
+
+// Whether the parameter block (plan not applied) suits the kernel: BF16 cache, R = 512, rope
+// dims a multiple of 16 up to 64, every sequence decoding one token, 16-byte aligned rows.
+bool mla_decode_fits(const kern::AttnParams& a);
+// Context splits for the grid: one unless the sequences leave SMs idle; host-known sizes only
+// (num_seqs, heads, max_blocks_per_seq), so graphs replay with new metadata.
+int mla_decode_splits(const kern::AttnParams& a, int sm_count);
+// Grid (num_seqs, a.splits, head chunks); with splits > 1 it writes a.part_o / a.part_ml for
+// the shared merge kernel, else the normalized output.
+void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream);
+
+}  // namespace ds::cuda
