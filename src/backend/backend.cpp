@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 
+#include "backend/cpu/sample.h"
+
 namespace ds {
 
 std::string_view op_name(Op op) {
@@ -56,6 +58,28 @@ void Backend::argmax(const TensorView& logits, TensorView ids) {
       if (row[i] > row[best]) best = i;
     out[size_t(r)] = int32_t(best);
   }
+  upload(ids, out.data(), out.size() * 4);
+}
+
+void Backend::sample(const TensorView& logits, const SampleRow* rows, TensorView ids) {
+  const int64_t R = logits.rows(), V = logits.cols();
+  DS_CHECK(logits.dtype == DType::F32 && logits.ndim == 2 && logits.row_stride() % 4 == 0 &&
+               ids.numel() >= R,
+           "sample takes F32 logits [R, V] (rows may be strided) and I32 ids [R]");
+  if (R == 0) return;
+  const int64_t ld = logits.row_stride() / 4;
+  // One download of the span the rows cover, gaps included.
+  std::vector<float> host(size_t((R - 1) * ld + V));
+  download(host.data(),
+           TensorView::contiguous(logits.data, DType::F32, {int64_t(host.size())}, logits.device),
+           host.size() * 4);
+  std::vector<SampleRow> params(static_cast<size_t>(R));
+  download(params.data(),
+           TensorView::contiguous(const_cast<SampleRow*>(rows), DType::U8,
+                                  {R * int64_t(sizeof(SampleRow))}, device()),
+           params.size() * sizeof(SampleRow));
+  std::vector<int32_t> out(static_cast<size_t>(R));
+  cpu::sample_rows(host.data(), R, V, ld, params.data(), out.data(), nullptr);
   upload(ids, out.data(), out.size() * 4);
 }
 

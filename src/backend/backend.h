@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/sampling.h"
 #include "core/error.h"
 #include "core/tensor.h"
 
@@ -224,6 +225,12 @@ class Backend {
   // logits: [R, V] F32 (contiguous); ids: [R] I32. Greedy sampling without moving the logits
   // to the host. The base version goes through host memory (right for the CPU).
   virtual void argmax(const TensorView& logits, TensorView ids);
+  // ids[r] = a token drawn from logits[r, :] with rows[r] (temperature, top-k, top-p, min-p,
+  // seed, counter; see SampleRow and cpu::sample_row for the exact rule). logits: [R, V] F32,
+  // rows may be strided; rows: [R] in backend memory; ids: [R] I32. The draw is a pure
+  // function of (logits, rows), so the op is deterministic and graph-safe. The base version
+  // runs the CPU reference on a host copy.
+  virtual void sample(const TensorView& logits, const SampleRow* rows, TensorView ids);
 
   // Graphs (CUDA graphs): ops issued between begin_capture() and end_capture() are recorded,
   // not run; replay(g) reruns them with the same pointers and launch shapes (the memory they

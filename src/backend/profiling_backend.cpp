@@ -250,6 +250,10 @@ void ProfilingBackend::argmax(const TensorView& logits, TensorView ids) {
   timed("argmax", "argmax " + dims(logits), [&] { inner_.argmax(logits, ids); });
 }
 
+void ProfilingBackend::sample(const TensorView& logits, const SampleRow* rows, TensorView ids) {
+  timed("sample", "sample " + dims(logits), [&] { inner_.sample(logits, rows, ids); });
+}
+
 void ProfilingBackend::copy(const TensorView& src, TensorView dst) {
   timed("copy", "copy " + dims(src) + " " + dt(src.dtype), [&] { inner_.copy(src, dst); });
 }

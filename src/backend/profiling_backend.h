@@ -90,6 +90,7 @@ class ProfilingBackend final : public Backend {
                  TensorView weights) override;
   void moe_ffn(const MoeFfnParams& p) override;
   void argmax(const TensorView& logits, TensorView ids) override;
+  void sample(const TensorView& logits, const SampleRow* rows, TensorView ids) override;
   void copy(const TensorView& src, TensorView dst) override;
 
   // Eager only: a captured graph would hide the ops.

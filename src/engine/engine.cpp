@@ -135,6 +135,8 @@ Engine::Engine(Model& model, Backend& backend, const Tokenizer* tokenizer, const
   const int64_t logit_rows = std::max(cfg.max_num_seqs, cfg.graph_max_batch);
   logits_buf_ =
       backend.alloc(size_t(std::max<int64_t>(logit_rows, 1)) * size_t(model.config().vocab) * 4);
+  // Backend::sample's per-row parameters, then its ids, for as many rows as the logits hold.
+  ids_buf_ = backend.alloc(size_t(std::max<int64_t>(logit_rows, 1)) * (sizeof(SampleRow) + 4));
   if (backend.supports_graphs() && cfg.graph_max_batch > 0) {
     DecodeGraphConfig gc;
     gc.max_batch = cfg.graph_max_batch;
@@ -340,17 +342,27 @@ void Engine::step() {
   std::vector<SampledToken> sampled;
   sampled.reserve(rows);
   std::vector<TokenLogprobs> lps;  // sized only when a request in the batch asked
-  // On a device, a batch that is all plain greedy (no penalties, no logprobs) is sampled there:
-  // R ids come back instead of R x vocab logits.
-  bool device_greedy = backend_.device().kind != DeviceKind::CPU && rows > 0;
-  for (size_t i = 0; i < rows && device_greedy; ++i) {
+  // On a device, a batch whose rows need nothing but their logits (no penalties, no logprobs)
+  // is sampled there in one op: R ids come back instead of R x vocab logits.
+  bool on_device = backend_.device().kind != DeviceKind::CPU && rows > 0;
+  for (size_t i = 0; i < rows && on_device; ++i) {
     const Live& l = *live_.at(batch.logit_seqs[i]);
-    device_greedy = l.sampler.plain_greedy() && l.req.logprobs < 0;
+    on_device = l.sampler.device_sampleable() && l.req.logprobs < 0;
   }
-  if (device_greedy) {
-    if (!ids_buf_ || ids_buf_->size() < rows * 4) ids_buf_ = backend_.alloc(rows * 8);
-    TensorView ids = ids_buf_->view(DType::I32, {int64_t(rows)});
-    backend_.argmax(logits, ids);
+  if (on_device) {
+    std::vector<SampleRow> params(rows);
+    for (size_t i = 0; i < rows; ++i) {
+      const Live& l = *live_.at(batch.logit_seqs[i]);
+      params[i] = l.sampler.sample_row(uint64_t(l.generated));
+    }
+    const Device dev = backend_.device();
+    auto* base = static_cast<uint8_t*>(ids_buf_->data());
+    const size_t param_bytes = rows * sizeof(SampleRow);
+    backend_.upload(TensorView::contiguous(base, DType::U8, {int64_t(param_bytes)}, dev),
+                    params.data(), param_bytes);
+    const TensorView ids = TensorView::contiguous(base + size_t(cap_rows) * sizeof(SampleRow),
+                                                  DType::I32, {int64_t(rows)}, dev);
+    backend_.sample(logits, reinterpret_cast<const SampleRow*>(base), ids);
     std::vector<int32_t> host(rows);
     backend_.download(host.data(), ids, rows * 4);
     for (size_t i = 0; i < rows; ++i) sampled.push_back({batch.logit_seqs[i], host[i]});

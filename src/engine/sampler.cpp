@@ -23,6 +23,17 @@ Sampler::Sampler(const SamplingParams& p)
   if (p.repetition_penalty <= 0) throw Error("repetition_penalty must be > 0");
 }
 
+SampleRow Sampler::sample_row(uint64_t counter) const {
+  SampleRow r;
+  r.temperature = p_.temperature;
+  r.top_k = p_.top_k;
+  r.top_p = p_.top_p;
+  r.min_p = p_.min_p;
+  r.seed = seed_;
+  r.counter = counter;
+  return r;
+}
+
 int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history) {
   const bool penalize =
       p_.repetition_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;

@@ -7,6 +7,8 @@
 #include <span>
 #include <vector>
 
+#include "backend/sampling.h"
+
 namespace ds {
 
 struct SamplingParams {
@@ -28,11 +30,15 @@ class Sampler {
   // generated so far (for penalties). Logits are not modified.
   int32_t sample(std::span<const float> logits, std::span<const int32_t> history);
   uint64_t seed() const { return seed_; }
-  // Greedy with no penalties: the pick is argmax of the raw logits (a device can do it).
-  bool plain_greedy() const {
-    return p_.temperature <= 0.0f && p_.repetition_penalty == 1.0f && p_.presence_penalty == 0.0f &&
+  // No penalties: the pick depends on the logits row alone, so Backend::sample can make it on
+  // the device (drawing from sample_uniform(seed, counter) instead of this sampler's generator).
+  bool device_sampleable() const {
+    return p_.repetition_penalty == 1.0f && p_.presence_penalty == 0.0f &&
            p_.frequency_penalty == 0.0f;
   }
+  // Backend::sample's parameters for this request's token number `counter` (0 = the first
+  // generated token), so a seeded request draws the same whatever batch it runs in.
+  SampleRow sample_row(uint64_t counter) const;
   const SamplingParams& params() const { return p_; }
 
  private:

@@ -10,6 +10,7 @@
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/mla_attention.h"
 #include "backend/cpu/moe.h"
+#include "backend/cpu/sample.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 
@@ -317,6 +318,15 @@ class CpuBackend final : public Backend {
 
   void moe_ffn(const MoeFfnParams& p) override {
     cpu::moe_ffn(p, {&pool_, isa_, act()}, moe_scratch_);
+  }
+
+  // The reference itself, in place (host memory); rows spread over the pool.
+  void sample(const TensorView& logits, const SampleRow* rows, TensorView ids) override {
+    DS_CHECK(logits.dtype == DType::F32 && logits.ndim == 2 && logits.row_stride() % 4 == 0 &&
+                 ids.dtype == DType::I32 && ids.numel() >= logits.rows(),
+             "sample takes F32 logits [R, V] (rows may be strided) and I32 ids [R]");
+    cpu::sample_rows(logits.ptr<float>(), logits.rows(), logits.cols(), logits.row_stride() / 4,
+                     rows, ids.ptr<int32_t>(), &pool_);
   }
 
   void copy(const TensorView& src, TensorView dst) override {

@@ -25,6 +25,7 @@
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/rope.cuh"
+#include "backend/cuda/sample.cuh"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -144,6 +145,18 @@ class CudaBackend final : public Backend {
     cuda::launch_argmax(logits.ptr<float>(), logits.rows(), logits.cols(), logits.row_stride() / 4,
                         ids.ptr<int32_t>(), stream_);
     check_cuda(cudaGetLastError(), "argmax");
+  }
+
+  void sample(const TensorView& logits, const SampleRow* rows, TensorView ids) override {
+    DS_CHECK(logits.dtype == DType::F32 && logits.ndim == 2 && logits.row_stride() % 4 == 0 &&
+                 ids.dtype == DType::I32 && ids.numel() >= logits.rows(),
+             "sample takes F32 logits [R, V] (rows may be strided) and I32 ids [R]");
+    DS_CHECK(logits.cols() > 0 && logits.cols() < (int64_t(1) << 21),
+             "sample: vocab must be in [1, 2^21) (fixed-point mass)");
+    cuda::launch_sample({logits.ptr<float>(), logits.rows(), logits.cols(), logits.row_stride() / 4,
+                         rows, ids.ptr<int32_t>()},
+                        stream_);
+    check_cuda(cudaGetLastError(), "sample");
   }
 
   // CUDA graphs: the stream's work between begin and end is recorded into an executable
