@@ -407,7 +407,7 @@ TEST(CudaAttention, MlaDecodeBatches) {
 }
 
 // The MLA decode kernel on its edges: contexts around its 64-key tiles, 1 to 5000 keys (one
-// sequence: split-K over up to 64 splits), head counts that fill 16-row chunks partly (8),
+// sequence: split-K over up to 16 splits), head counts that fill 16-row chunks partly (8),
 // exactly (16) or several (32, 128), 32 rope dims, block size 1, strided q / q_rope / out, and
 // the F32-cache fallback.
 TEST(CudaAttention, MlaDecodeKernelEdges) {

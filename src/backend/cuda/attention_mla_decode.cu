@@ -20,8 +20,9 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRows = 16;           // heads per CTA
-constexpr int kKeys = 64;           // keys per tile
+constexpr int kRows = 16;  // heads per CTA
+constexpr int kKeys = 64;  // keys per tile
+constexpr int kMaxSplits = 16;
 constexpr int kR = kMlaDecodeRank;  // value dims; kWarps x 64
 constexpr int kMaxDim = kR + kMlaDecodeMaxRope;
 constexpr int kRowBytes = kMaxDim * 2;  // staged row stride (BF16)
@@ -171,18 +172,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
     __syncthreads();  // tile t (and Q) visible to every warp
     const uint32_t kv = smem_u32(stage0 + (t & 1) * kTileBytes);
 
-    // S for keys warp*8 .. +8: A = Q (16 x 16 per step), B = 8 keys x 16 dims.
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // S for keys warp*8 .. +8: A = Q (16 x 16 per step), B = 8 keys x 16 dims. Two
+    // accumulators (even and odd steps) halve the chain of dependent mma.
+    float sa[2][4] = {};
     const uint32_t qh = smem_u32(q_hi), ql = smem_u32(q_lo);
-    for (int kk = 0; kk < dim; kk += 16) {
+    auto qk_step = [&](int kk, float(&acc)[4]) {
       uint32_t ah[4], al[4], b[2];
       const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kRowBytes);
       ldsm_x4(ah, qh + a_off);
       ldsm_x4(al, ql + a_off);
       ldsm_x2(b, kv + swz(warp * 8 + li, kk / 8 + (lm & 1), kRowBytes));
-      mma(s, ah, b[0], b[1]);
-      mma(s, al, b[0], b[1]);
+      mma(acc, ah, b[0], b[1]);
+      mma(acc, al, b[0], b[1]);
+    };
+    for (int kk = 0; kk < dim; kk += 32) {
+      qk_step(kk, sa[0]);
+      if (kk + 16 < dim) qk_step(kk + 16, sa[1]);
     }
+    float s[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] = sa[0][e] + sa[1][e];
     // Base-2 scores; keys past the split are -inf.
     float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -301,7 +310,9 @@ int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
   if (ctas >= sm_count) return 1;
   const int64_t capacity = int64_t(a.max_blocks_per_seq) * a.block_size;
   const int64_t by_capacity = std::max<int64_t>(1, (capacity + kKeys - 1) / kKeys);
-  return int(std::min<int64_t>({(sm_count + ctas - 1) / ctas, by_capacity, 64}));
+  // At most 16: the merge reads every split's partial, and a split of a few tiles already
+  // streams well.
+  return int(std::min<int64_t>({(sm_count + ctas - 1) / ctas, by_capacity, kMaxSplits}));
 }
 
 void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream) {
