@@ -12,7 +12,8 @@
 #   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks
 #   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
 # The machine has no package registry: cpp-httplib and PCRE2 come from Debian .debs unpacked
-# into .carry/deps (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"].
+# into .carry/deps (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"];
+# scripts/gpu_snapshot.sh puts the committed tree in .carry/src to run from (carried too).
 set -uo pipefail
 
 ROOT=$(pwd)
@@ -47,7 +48,7 @@ system_info() {
     echo "  \"driver\": \"$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)\","
     echo "  \"cuda\": \"$(nvcc --version | tail -2 | head -1 | sed 's/"//g')\","
     echo "  \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')\","
-    echo "  \"commit\": \"$(git rev-parse HEAD 2>/dev/null || cat "$ROOT/.commit" 2>/dev/null || echo unknown)\","
+    echo "  \"commit\": \"$(cat "$ROOT/.commit" 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)\","
     echo "  \"date\": \"$(date -u +%FT%TZ)\""
     echo "}"
   } >"$OUT/system.json"

@@ -156,7 +156,7 @@ class Engine {
   std::unordered_map<SeqId, std::unique_ptr<Live>> live_;  // engine thread only
   std::unique_ptr<DecodeGraphs> graphs_;                   // null when the backend has none
   std::unique_ptr<Buffer> logits_buf_;  // [max_num_seqs (or graph bucket), vocab], fixed
-  std::unique_ptr<Buffer> ids_buf_;     // device-side greedy picks
+  std::unique_ptr<Buffer> ids_buf_;     // device sampling: the step's SampleRow params, then ids
   std::unique_ptr<Buffer> meta_buf_;    // step metadata in backend memory (non-CPU backends)
   std::vector<int32_t> staging_;        // host side of meta_buf_'s upload
   std::vector<float> logits_;
