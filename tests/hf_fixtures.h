@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/engine.h"
+#include "request_tokens.h"
 
 namespace ds::test {
 
@@ -42,16 +43,7 @@ inline std::vector<std::vector<int32_t>> greedy_generate(
     r.ignore_eos = true;
     return r;
   };
-  auto collect = [](RequestHandle& h) {
-    std::vector<int32_t> toks;
-    while (auto ev = h.next()) {
-      if (ev->token >= 0) toks.push_back(ev->token);
-      if (ev->final) {
-        EXPECT_TRUE(ev->error.empty()) << ev->error;
-      }
-    }
-    return toks;
-  };
+  const auto collect = [](RequestHandle& h) { return test::collect_tokens(h); };
   std::vector<std::vector<int32_t>> out(prompts.size());
   if (concurrent) {
     std::vector<std::shared_ptr<RequestHandle>> hs;

@@ -216,6 +216,20 @@ TEST(CudaOps, EmbedReportsABadTokenAtSynchronize) {
 
 // ---- rms_norm ------------------------------------------------------------------------------
 
+// A [rows, n] output (row stride ld) on the GPU against the CPU's: F32 sum of squares (block
+// tree) vs the CPU's double, ~1e-6 relative on the scale, then two F32 products.
+void expect_norm_close(const BackendTensor& got, const BackendTensor& want_t, int rows, int n,
+                       int64_t ld, const char* what) {
+  Backend &g = test::cuda_backend(), &c = test::cpu_backend();
+  const std::vector<float> want = test::download_floats(c, want_t);
+  const std::vector<size_t> idx =
+      test::view_offsets(want_t.view.data, view_of(want_t, {rows, n}, {ld, 1}));
+  std::vector<double> vb(idx.size());
+  for (size_t i = 0; i < idx.size(); ++i) vb[i] = 1e-6 + 1e-5 * std::abs(want[idx[i]]);
+  EXPECT_TRUE(test::all_close_bounds(test::download_floats(g, got), to_double(want),
+                                     buffer_bounds(want.size(), idx, vb), what, {rows, ld}));
+}
+
 TEST(CudaOps, RmsNormMatchesCpu) {
   DS_REQUIRE_GPU();
   Backend &g = test::cuda_backend(), &c = test::cpu_backend();
@@ -241,16 +255,7 @@ TEST(CudaOps, RmsNormMatchesCpu) {
                view_of(target_c, {k.rows, k.n}, {ld, 1}));
     g.rms_norm(view_of(x.gpu, {k.rows, k.n}, {ldx, 1}), w.gpu.view, 1e-6f,
                view_of(target_g, {k.rows, k.n}, {ld, 1}));
-    // F32 sum of squares (block tree) vs the CPU's double: ~1e-6 relative on the scale, then
-    // two F32 products.
-    const std::vector<float> want = test::download_floats(c, target_c);
-    const std::vector<size_t> idx =
-        test::view_offsets(target_c.view.data, view_of(target_c, {k.rows, k.n}, {ld, 1}));
-    std::vector<double> vb(idx.size());
-    for (size_t i = 0; i < idx.size(); ++i) vb[i] = 1e-6 + 1e-5 * std::abs(want[idx[i]]);
-    EXPECT_TRUE(test::all_close_bounds(test::download_floats(g, target_g), to_double(want),
-                                       buffer_bounds(want.size(), idx, vb), "rms_norm",
-                                       {k.rows, ld}));
+    expect_norm_close(target_g, target_c, k.rows, k.n, ld, "rms_norm");
   }
 }
 
@@ -285,14 +290,7 @@ TEST(CudaOps, AddRmsNormMatchesCpu) {
     g.add_rms_norm(view_of(x.gpu, {k.rows, k.n}, {ldx, 1}), view_of(y.gpu, {k.rows, k.n}, {ldy, 1}),
                    w.gpu.view, 1e-6f, view_of(target_g, {k.rows, k.n}, {ld, 1}));
     EXPECT_EQ(test::download_floats(g, x.gpu), test::download_floats(c, x.cpu)) << "x += y";
-    const std::vector<float> want = test::download_floats(c, target_c);
-    const std::vector<size_t> idx =
-        test::view_offsets(target_c.view.data, view_of(target_c, {k.rows, k.n}, {ld, 1}));
-    std::vector<double> vb(idx.size());
-    for (size_t i = 0; i < idx.size(); ++i) vb[i] = 1e-6 + 1e-5 * std::abs(want[idx[i]]);
-    EXPECT_TRUE(test::all_close_bounds(test::download_floats(g, target_g), to_double(want),
-                                       buffer_bounds(want.size(), idx, vb), "add_rms_norm",
-                                       {k.rows, ld}));
+    expect_norm_close(target_g, target_c, k.rows, k.n, ld, "add_rms_norm");
   }
 }
 

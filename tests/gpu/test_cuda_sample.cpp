@@ -26,14 +26,7 @@ constexpr double kMargin = 1e-5;  // reference margins below this may flip under
 
 SampleRow make_row(float temperature, int top_k, float top_p, float min_p, uint64_t seed,
                    uint64_t counter) {
-  SampleRow r;
-  r.temperature = temperature;
-  r.top_k = top_k;
-  r.top_p = top_p;
-  r.min_p = min_p;
-  r.seed = seed;
-  r.counter = counter;
-  return r;
+  return SampleRow{temperature, top_k, top_p, min_p, seed, counter};
 }
 
 // A spread of settings: greedy, plain temperature, each filter alone and combined.

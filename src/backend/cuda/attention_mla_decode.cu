@@ -14,9 +14,12 @@
 #include <cmath>
 
 #include "backend/cuda/attention_mla_decode.cuh"
+#include "backend/cuda/mma_ptx.cuh"
 
 namespace ds::cuda {
 namespace {
+
+using ptx::smem_u32;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
@@ -37,44 +40,6 @@ static_assert(kR == kWarps * 64, "each warp owns 64 value dims");
 // within groups of 8 by the row, so ldmatrix's 8 rows of a phase hit 8 different bank groups.
 __device__ __forceinline__ uint32_t swz(int r, int c, int row_bytes) {
   return uint32_t(r * row_bytes + (((c & ~7) | ((c ^ r) & 7)) << 4));
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // BF16 hi + lo of v (v ~= hi + lo to about 16 significant bits).
@@ -127,12 +92,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
         slot = j < key_end ? kern::slot_of(p, seq, j) : -1;
       }
       const uint8_t* src = slot >= 0 ? p.k + slot * p.slot_bytes + c * 16 : p.k;
-      cp_async16(base + swz(r, c, kRowBytes), src, slot >= 0);
+      ptx::cp_async16(base + swz(r, c, kRowBytes), src, slot >= 0);
     }
   };
   const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
   load_tile(0, key_begin);
-  cp_commit();
+  ptx::cp_async_commit();
 
   // Q rows (heads h0..h0+15 of the token) as hi / lo BF16, zeros past dim or past the heads.
   for (int i = tid; i < kRows * (kMaxDim / 2); i += kThreads) {
@@ -167,8 +132,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
     const int k0 = key_begin + t * kKeys;
     __syncthreads();  // the other stage and P are free (previous tile done)
     if (t + 1 < n_tiles) load_tile((t + 1) & 1, k0 + kKeys);
-    cp_commit();
-    cp_wait<1>();
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();
     __syncthreads();  // tile t (and Q) visible to every warp
     const uint32_t kv = smem_u32(stage0 + (t & 1) * kTileBytes);
 
@@ -179,11 +144,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
     auto qk_step = [&](int kk, float(&acc)[4]) {
       uint32_t ah[4], al[4], b[2];
       const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kRowBytes);
-      ldsm_x4(ah, qh + a_off);
-      ldsm_x4(al, ql + a_off);
-      ldsm_x2(b, kv + swz(warp * 8 + li, kk / 8 + (lm & 1), kRowBytes));
-      mma(acc, ah, b[0], b[1]);
-      mma(acc, al, b[0], b[1]);
+      ptx::ldmatrix_x4(ah, qh + a_off);
+      ptx::ldmatrix_x4(al, ql + a_off);
+      ptx::ldmatrix_x2(b, kv + swz(warp * 8 + li, kk / 8 + (lm & 1), kRowBytes));
+      ptx::mma_bf16(acc, ah, b[0], b[1]);
+      ptx::mma_bf16(acc, al, b[0], b[1]);
     };
     for (int kk = 0; kk < dim; kk += 32) {
       qk_step(kk, sa[0]);
@@ -258,21 +223,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
     for (int kk = 0; kk < kKeys; kk += 16) {
       uint32_t ah[4], al[4];
       const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kKeys * 2);
-      ldsm_x4(ah, ph + a_off);
-      ldsm_x4(al, pl + a_off);
+      ptx::ldmatrix_x4(ah, ph + a_off);
+      ptx::ldmatrix_x4(al, pl + a_off);
 #pragma unroll
       for (int n = 0; n < 8; n += 2) {
         uint32_t b[4];  // (keys 0-7, dims n), (keys 8-15, dims n), same for dims n + 1
         const int dchunk = (warp * 64 + n * 8) / 8 + (lm >> 1);
-        ldsm_x4_t(b, kv + swz(kk + (lm & 1) * 8 + li, dchunk, kRowBytes));
-        mma(o[n], ah, b[0], b[1]);
-        mma(o[n], al, b[0], b[1]);
-        mma(o[n + 1], ah, b[2], b[3]);
-        mma(o[n + 1], al, b[2], b[3]);
+        ptx::ldmatrix_x4_trans(b, kv + swz(kk + (lm & 1) * 8 + li, dchunk, kRowBytes));
+        ptx::mma_bf16(o[n], ah, b[0], b[1]);
+        ptx::mma_bf16(o[n], al, b[0], b[1]);
+        ptx::mma_bf16(o[n + 1], ah, b[2], b[3]);
+        ptx::mma_bf16(o[n + 1], al, b[2], b[3]);
       }
     }
   }
-  cp_wait<0>();
+  ptx::cp_async_wait<0>();
 
   // Rows g and g + 8: heads h0 + g (+ 8); normalized output, or the split's partial.
 #pragma unroll

@@ -411,18 +411,20 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   layout(base, n, int(E), H, F, path, s);
 
   moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream);
+  moe::FfnProblem problem;
+  problem.x = p.x.ptr<float>();
+  problem.x_stride = p.x.row_stride() / 4;
+  problem.num_tokens = T;
+  problem.num_experts = int(E);
+  problem.top_k = ks;
+  problem.hidden = H;
+  problem.inter = F;
+  problem.lists = s.lists;
   const float* y = nullptr;
   if (path == MoeFfnPath::Grouped) {
     moe::GroupedFfnArgs a;
     a.experts = table.device;
-    a.x = p.x.ptr<float>();
-    a.x_stride = p.x.row_stride() / 4;
-    a.num_tokens = T;
-    a.num_experts = int(E);
-    a.top_k = ks;
-    a.hidden = H;
-    a.inter = F;
-    a.lists = s.lists;
+    static_cast<moe::FfnProblem&>(a) = problem;
     a.xa = s.act;
     a.h = s.h16;
     a.y = s.y;
@@ -432,14 +434,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     moe::PrefillFfnArgs a;
     a.experts = table.host.data();
     a.cublas = dev.cublas;
-    a.x = p.x.ptr<float>();
-    a.x_stride = p.x.row_stride() / 4;
-    a.num_tokens = T;
-    a.num_experts = int(E);
-    a.top_k = ks;
-    a.hidden = H;
-    a.inter = F;
-    a.lists = s.lists;
+    static_cast<moe::FfnProblem&>(a) = problem;
     a.act = s.act;
     a.gu = s.gu;
     moe::run_prefill_ffn(a, ctx.stream);
@@ -450,14 +445,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.kind = table.dtype == DType::BF16  ? moe::WeightKind::BF16
              : table.dtype == DType::F16 ? moe::WeightKind::F16
                                          : moe::WeightKind::F32;
-    a.x = p.x.ptr<float>();
-    a.x_stride = p.x.row_stride() / 4;
-    a.num_tokens = T;
-    a.num_experts = int(E);
-    a.top_k = ks;
-    a.hidden = H;
-    a.inter = F;
-    a.lists = s.lists;
+    static_cast<moe::FfnProblem&>(a) = problem;
     a.h = s.h;
     a.y = s.y;
     moe::launch_decode_ffn(a, ctx.stream);

@@ -101,9 +101,8 @@ void launch_combine(const float* y, const int* pos, const float* weights, int64_
 // Weight element type of the decode kernels.
 enum class WeightKind : int { BF16 = 0, F16 = 1, F32 = 2 };
 
-struct DecodeFfnArgs {
-  const ExpertPtrs* experts = nullptr;  // device [E]
-  WeightKind kind = WeightKind::BF16;
+// What every expert implementation gets: the activations, the sizes and the token lists.
+struct FfnProblem {
   const float* x = nullptr;  // [T, hidden], row stride x_stride elements
   int64_t x_stride = 0;
   int64_t num_tokens = 0;
@@ -112,6 +111,11 @@ struct DecodeFfnArgs {
   int hidden = 0;
   int inter = 0;  // F
   TokenLists lists;
+};
+
+struct DecodeFfnArgs : FfnProblem {
+  const ExpertPtrs* experts = nullptr;  // device [E]
+  WeightKind kind = WeightKind::BF16;
   float* h = nullptr;  // [N, F] silu(gate x) * up x per sorted position
   float* y = nullptr;  // [N, hidden] down h per sorted position
 };
@@ -124,34 +128,18 @@ void prepare_decode_kernels();
 // at least one token.
 constexpr int kDecodeStageBytes = 64 * 1024;
 
-struct PrefillFfnArgs {
+struct PrefillFfnArgs : FfnProblem {
   const ExpertPtrs* experts = nullptr;  // host [E]; BF16 weights
   cublasHandle_t cublas = nullptr;
-  const float* x = nullptr;  // [T, hidden]
-  int64_t x_stride = 0;
-  int64_t num_tokens = 0;
-  int num_experts = 0;
-  int top_k = 0;  // slots per token: routed + shared
-  int hidden = 0;
-  int inter = 0;
-  TokenLists lists;
   void* act = nullptr;  // max([N, hidden], [N, F]) BF16: gathered x, then silu(g) * u
   float* gu = nullptr;  // max([N, 2F], [N, hidden]) F32: gate | up, then y
 };
 
-struct GroupedFfnArgs {
+struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
   const ExpertPtrs* experts = nullptr;  // device [E]; BF16 weights
-  const float* x = nullptr;             // [T, hidden]
-  int64_t x_stride = 0;
-  int64_t num_tokens = 0;
-  int num_experts = 0;
-  int top_k = 0;  // slots per token: routed + shared
-  int hidden = 0;
-  int inter = 0;
-  TokenLists lists;    // with the tile table
-  void* xa = nullptr;  // [N, hidden] BF16: gathered x
-  void* h = nullptr;   // [N, F] BF16: silu(gate x) * up x
-  float* y = nullptr;  // [N, hidden] F32: down h
+  void* xa = nullptr;                   // [N, hidden] BF16: gathered x
+  void* h = nullptr;                    // [N, F] BF16: silu(gate x) * up x
+  float* y = nullptr;                   // [N, hidden] F32: down h
 };
 
 // Gather, then the gate/up and down tensor-core kernels; no host sync.

@@ -11,6 +11,7 @@
 
 #include <string>
 
+#include "backend/cuda/mma_ptx.cuh"
 #include "backend/cuda/moe.cuh"
 #include "core/error.h"
 
@@ -29,38 +30,6 @@ __device__ __forceinline__ uint32_t tile_offset(int r, int c) {
   return uint32_t(r * kBK * 2 + ((c ^ (r & 7)) << 4));
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, zero-filled when !valid (rows past a run, k past K).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Stages `rows` rows of [*, K] BF16 (row stride ld elements) starting at src into one
 // swizzled [rows][kBK] stage; rows >= valid_rows and k >= K are zero-filled.
 template <int Rows>
@@ -71,7 +40,7 @@ __device__ __forceinline__ void stage_rows(uint32_t dst, const __nv_bfloat16* sr
     const int k = k0 + c * 8;
     const bool ok = r < valid_rows && k < K;
     const __nv_bfloat16* p = ok ? src + int64_t(r) * ld + k : src;
-    cp_async16(dst + tile_offset(r, c), p, ok);
+    ptx::cp_async16(dst + tile_offset(r, c), p, ok);
   }
 }
 
@@ -84,6 +53,31 @@ __device__ __forceinline__ uint32_t a_frag_addr(uint32_t base, int row0, int kk)
 __device__ __forceinline__ uint32_t b_frag_addr(uint32_t base, int n0, int kk) {
   const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7;
   return base + tile_offset(n0 + (m >> 1) * 8 + i, kk / 8 + (m & 1));
+}
+
+// The k loop of both kernels: a kStages-deep cp.async pipeline over KT tiles of kBK columns;
+// load(stage, kt) issues one tile's copies, compute(stage) consumes the tile in that stage.
+template <typename Load, typename Compute>
+__device__ __forceinline__ void run_pipeline(int KT, Load&& load, Compute&& compute) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) load(s, s);
+    ptx::cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    ptx::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    ptx::cp_async_commit();
+    compute(kt % kStages);
+  }
+  ptx::cp_async_wait<0>();
+}
+
+// A fragments of the warp's two 16-row blocks (rows wm*32..) at column kk of a staged tile.
+__device__ __forceinline__ void load_a_frags(uint32_t (&af)[2][4], uint32_t s, int wm, int kk) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) ptx::ldmatrix_x4(af[i], a_frag_addr(s, wm * 32 + i * 16, kk));
 }
 
 struct Tile {
@@ -111,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
   const auto* gate = static_cast<const __nv_bfloat16*>(ex.gate) + int64_t(f0) * ex.gate_ld;
   const auto* up = static_cast<const __nv_bfloat16*>(ex.up) + int64_t(f0) * ex.up_ld;
   constexpr uint32_t kA = kTileM * kBK * 2, kB = BN * kBK * 2, kStage = kA + 2 * kB;
-  const uint32_t s0 = smem_addr(smem);
+  const uint32_t s0 = ptx::smem_u32(smem);
   auto load = [&](int stage, int kt) {
     const uint32_t s = s0 + stage * kStage;
     const int k0 = kt * kBK;
@@ -121,39 +115,27 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
   };
   const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
   float g[2][4][4] = {}, u[2][4][4] = {};
-  const int KT = (H + kBK - 1) / kBK;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < KT) load(s, s);
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < KT; ++kt) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
-    cp_async_commit();
-    const uint32_t s = s0 + (kt % kStages) * kStage;
+  run_pipeline((H + kBK - 1) / kBK, load, [&](int stage) {
+    const uint32_t s = s0 + stage * kStage;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       uint32_t af[2][4];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) ldmatrix_x4(af[i], a_frag_addr(s, wm * 32 + i * 16, kk));
+      load_a_frags(af, s, wm, kk);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {  // pairs of n8 tiles
         uint32_t bg[4], bu[4];
-        ldmatrix_x4(bg, b_frag_addr(s + kA, wn * 32 + j * 16, kk));
-        ldmatrix_x4(bu, b_frag_addr(s + kA + kB, wn * 32 + j * 16, kk));
+        ptx::ldmatrix_x4(bg, b_frag_addr(s + kA, wn * 32 + j * 16, kk));
+        ptx::ldmatrix_x4(bu, b_frag_addr(s + kA + kB, wn * 32 + j * 16, kk));
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          mma16816(g[i][2 * j], af[i], bg[0], bg[1]);
-          mma16816(g[i][2 * j + 1], af[i], bg[2], bg[3]);
-          mma16816(u[i][2 * j], af[i], bu[0], bu[1]);
-          mma16816(u[i][2 * j + 1], af[i], bu[2], bu[3]);
+          ptx::mma_bf16(g[i][2 * j], af[i], bg[0], bg[1]);
+          ptx::mma_bf16(g[i][2 * j + 1], af[i], bg[2], bg[3]);
+          ptx::mma_bf16(u[i][2 * j], af[i], bu[0], bu[1]);
+          ptx::mma_bf16(u[i][2 * j + 1], af[i], bu[2], bu[3]);
         }
       }
     }
-  }
-  cp_async_wait<0>();
+  });
   // Accumulator (i, n): rows wm*32 + i*16 + lane/4 (+8), columns wn*32 + n*8 + 2*(lane%4) (+1).
   const int lane = threadIdx.x & 31;
   auto* h = static_cast<__nv_bfloat16*>(a.h);
@@ -187,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
   const auto* ha = static_cast<const __nv_bfloat16*>(a.h) + int64_t(t.begin) * F;
   const auto* down = static_cast<const __nv_bfloat16*>(ex.down) + int64_t(n0) * ex.down_ld;
   constexpr uint32_t kA = kTileM * kBK * 2, kB = BN * kBK * 2, kStage = kA + kB;
-  const uint32_t s0 = smem_addr(smem);
+  const uint32_t s0 = ptx::smem_u32(smem);
   auto load = [&](int stage, int kt) {
     const uint32_t s = s0 + stage * kStage;
     const int k0 = kt * kBK;
@@ -196,36 +178,24 @@ __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
   };
   const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
   float acc[2][8][4] = {};
-  const int KT = (F + kBK - 1) / kBK;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < KT) load(s, s);
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < KT; ++kt) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
-    cp_async_commit();
-    const uint32_t s = s0 + (kt % kStages) * kStage;
+  run_pipeline((F + kBK - 1) / kBK, load, [&](int stage) {
+    const uint32_t s = s0 + stage * kStage;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       uint32_t af[2][4];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) ldmatrix_x4(af[i], a_frag_addr(s, wm * 32 + i * 16, kk));
+      load_a_frags(af, s, wm, kk);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t b[4];
-        ldmatrix_x4(b, b_frag_addr(s + kA, wn * 64 + j * 16, kk));
+        ptx::ldmatrix_x4(b, b_frag_addr(s + kA, wn * 64 + j * 16, kk));
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          mma16816(acc[i][2 * j], af[i], b[0], b[1]);
-          mma16816(acc[i][2 * j + 1], af[i], b[2], b[3]);
+          ptx::mma_bf16(acc[i][2 * j], af[i], b[0], b[1]);
+          ptx::mma_bf16(acc[i][2 * j + 1], af[i], b[2], b[3]);
         }
       }
     }
-  }
-  cp_async_wait<0>();
+  });
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i = 0; i < 2; ++i)

@@ -20,14 +20,7 @@ namespace {
 
 SampleRow row(float temperature, int top_k, float top_p, float min_p, uint64_t seed = 7,
               uint64_t counter = 0) {
-  SampleRow r;
-  r.temperature = temperature;
-  r.top_k = top_k;
-  r.top_p = top_p;
-  r.min_p = min_p;
-  r.seed = seed;
-  r.counter = counter;
-  return r;
+  return SampleRow{temperature, top_k, top_p, min_p, seed, counter};
 }
 
 int32_t first_max(const std::vector<float>& x) {

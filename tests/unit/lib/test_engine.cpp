@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "../../request_tokens.h"
 #include "engine/engine.h"
 #include "model/loader.h"
 
@@ -50,16 +51,7 @@ std::vector<std::vector<int32_t>> run_all(Fixture* f, const EngineConfig& cfg,
                                           EngineStats* stats = nullptr) {
   Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), cfg);
   std::vector<std::vector<int32_t>> out(prompts.size());
-  auto collect = [](RequestHandle& h) {
-    std::vector<int32_t> toks;
-    while (auto ev = h.next()) {
-      if (ev->token >= 0) toks.push_back(ev->token);
-      if (ev->final) {
-        EXPECT_TRUE(ev->error.empty()) << ev->error;
-      }
-    }
-    return toks;
-  };
+  const auto collect = [](RequestHandle& h) { return test::collect_tokens(h); };
   auto request = [&](const std::vector<int32_t>& p) {
     EngineRequest r;
     r.prompt = p;

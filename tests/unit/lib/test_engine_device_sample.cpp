@@ -11,6 +11,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "../../request_tokens.h"
 #include "engine/engine.h"
 #include "model/loader.h"
 
@@ -118,16 +119,7 @@ std::vector<std::vector<int32_t>> run(Backend& backend, LoadedModel& m, size_t n
   EngineConfig cfg;
   cfg.prefix_cache = false;
   Engine engine(*m.model, backend, m.tokenizer.get(), cfg);
-  auto collect = [](RequestHandle& h) {
-    std::vector<int32_t> toks;
-    while (auto ev = h.next()) {
-      if (ev->token >= 0) toks.push_back(ev->token);
-      if (ev->final) {
-        EXPECT_TRUE(ev->error.empty()) << ev->error;
-      }
-    }
-    return toks;
-  };
+  const auto collect = [](RequestHandle& h) { return test::collect_tokens(h); };
   std::vector<std::vector<int32_t>> out(n);
   if (together) {
     std::vector<std::shared_ptr<RequestHandle>> hs;
