@@ -132,12 +132,16 @@ Engine::Engine(Model& model, Backend& backend, const Tokenizer* tokenizer, const
   DS_CHECK(cfg.max_num_batched_tokens >= cfg.max_num_seqs,
            "max_num_batched_tokens must be >= max_num_seqs");
   // Logits live at one address for the engine's lifetime (captured graphs write there).
-  const int64_t logit_rows = std::max(cfg.max_num_seqs, cfg.graph_max_batch);
+  // Graph buckets may pad a batch past max_num_seqs; without graphs a step has at most one
+  // logit row per running sequence.
+  const bool graphs = backend.supports_graphs() && cfg.graph_max_batch > 0;
+  const int64_t logit_rows =
+      graphs ? std::max(cfg.max_num_seqs, cfg.graph_max_batch) : int64_t(cfg.max_num_seqs);
   logits_buf_ =
       backend.alloc(size_t(std::max<int64_t>(logit_rows, 1)) * size_t(model.config().vocab) * 4);
   // Backend::sample's per-row parameters, then its ids, for as many rows as the logits hold.
   ids_buf_ = backend.alloc(size_t(std::max<int64_t>(logit_rows, 1)) * (sizeof(SampleRow) + 4));
-  if (backend.supports_graphs() && cfg.graph_max_batch > 0) {
+  if (graphs) {
     DecodeGraphConfig gc;
     gc.max_batch = cfg.graph_max_batch;
     const int64_t len = std::min(cfg.graph_max_context, cache_.capacity_tokens());
