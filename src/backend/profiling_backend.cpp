@@ -179,8 +179,7 @@ void ProfilingBackend::rms_norm(const TensorView& x, const TensorView& w, float 
 
 void ProfilingBackend::add_rms_norm(TensorView x, const TensorView& y, const TensorView& w,
                                     float eps, TensorView out) {
-  timed("add_rms_norm", "add_rms_norm " + dims(x),
-        [&] { inner_.add_rms_norm(x, y, w, eps, out); });
+  timed("add_rms_norm", "add_rms_norm " + dims(x), [&] { inner_.add_rms_norm(x, y, w, eps, out); });
 }
 
 void ProfilingBackend::matmul(const TensorView& x, const TensorView& w, TensorView out) {
