@@ -13,7 +13,7 @@
 
 namespace ds {
 
-// Columns [begin, begin + n) of a 2-D F32 view.
+// Columns [begin, begin + n) of a 2-D view of a plain (not block-quantized) dtype.
 TensorView cols(const TensorView& t, int64_t begin, int64_t n);
 // A [rows, heads * hd] F32 view (any row stride) as [rows, heads, hd].
 TensorView heads_view(const TensorView& t, int heads, int hd);
