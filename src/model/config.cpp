@@ -64,12 +64,80 @@ void validate(const ModelConfig& c, const std::string& where) {
 
 }  // namespace
 
+namespace {
+
+// llama.cpp's `deepseek2` keys (convert_hf_to_gguf.py, DeepseekV2Model) into deepseek_v2's
+// config. Newer converters write the MQA view (key_length = kv_lora + rope, value_length =
+// kv_lora) plus key/value_length_mla; older ones only key/value_length per head.
+void read_deepseek2_gguf(const GgufFile& f, ModelConfig& c) {
+  const std::string a = "deepseek2.";
+  c.kv_heads = c.heads;  // the file says 1 (MLA as MQA); every head expands its own K/V
+  c.q_lora_rank = int(f.get_int(a + "attention.q_lora_rank").value_or(0));
+  c.kv_lora_rank = int(need_int(f, a + "attention.kv_lora_rank"));
+  c.qk_rope_dim = int(need_int(f, a + "rope.dimension_count"));
+  const auto mla_or = [&](const char* mla_key, const char* key) {
+    auto v = f.get_int(a + mla_key);
+    return v ? *v : need_int(f, a + key);
+  };
+  const int64_t qk = mla_or("attention.key_length_mla", "attention.key_length");
+  c.v_head_dim = int(mla_or("attention.value_length_mla", "attention.value_length"));
+  c.qk_nope_dim = int(qk) - c.qk_rope_dim;
+  c.head_dim = int(qk);
+  c.attn_scale = 1.0f / std::sqrt(float(c.head_dim));
+  c.rope.style = RopeStyle::Adjacent;  // the converter keeps DeepSeek's interleaved pairs
+  c.rope.rotary_dim = c.qk_rope_dim;
+  c.moe_experts = int(f.get_int(a + "expert_count").value_or(0));
+  c.moe_top_k = int(f.get_int(a + "expert_used_count").value_or(0));
+  c.moe_shared_experts = int(f.get_int(a + "expert_shared_count").value_or(0));
+  c.moe_intermediate = int(f.get_int(a + "expert_feed_forward_length").value_or(0));
+  c.first_k_dense = int(f.get_int(a + "leading_dense_block_count").value_or(0));
+  c.moe_layer_freq = 1;  // llama.cpp has no key for it: every layer after the dense ones
+  // Groups are written from n_group / topk_group; DeepSeek-V2 pairs n_group > 1 with
+  // group_limited_greedy (V2-Lite: 1 group, greedy), and the file keeps no topk_method.
+  c.moe_n_group = int(f.get_int(a + "expert_group_count").value_or(1));
+  c.moe_topk_group = int(f.get_int(a + "expert_group_used_count").value_or(1));
+  c.moe_topk_method = c.moe_n_group > 1 ? MoeTopk::GroupLimitedGreedy : MoeTopk::Greedy;
+  if (auto g = f.get_int(a + "expert_gating_func"); g && *g != 1)  // 1: softmax
+    throw UnsupportedError(f.path() + ": expert_gating_func " + std::to_string(*g) +
+                           " is not supported (softmax only)");
+  c.moe_norm_topk_prob = f.get_bool(a + "expert_weights_norm").value_or(false);
+  c.moe_routed_scaling = float(f.get_float(a + "expert_weights_scale").value_or(1.0));
+  // YaRN. The converter keeps mscale_all_dim as yarn_log_multiplier = 0.1 * mscale_all_dim
+  // and drops mscale; llama.cpp then takes mscale = mscale_all_dim (true of DeepSeek's
+  // checkpoints), so cos/sin are unscaled and the softmax scale gains mscale_all_dim's term.
+  const std::string type = f.get_string(a + "rope.scaling.type").value_or("none");
+  const float factor = float(f.get_float(a + "rope.scaling.factor").value_or(1.0));
+  if (type == "linear") {
+    c.rope.freq_scale = 1.0f / factor;
+  } else if (type == "yarn") {
+    c.rope.yarn_factor = factor;
+    c.rope.yarn_original_max_position =
+        int(f.get_int(a + "rope.scaling.original_context_length").value_or(0));
+    c.rope.yarn_beta_fast = float(f.get_float(a + "rope.scaling.yarn_beta_fast").value_or(32.0));
+    c.rope.yarn_beta_slow = float(f.get_float(a + "rope.scaling.yarn_beta_slow").value_or(1.0));
+    const auto log_mul = f.get_float(a + "rope.scaling.yarn_log_multiplier");
+    c.rope.attn_factor = log_mul ? 1.0f : yarn_mscale(factor, 1.0f);
+    if (auto af = f.get_float(a + "rope.scaling.yarn_attn_factor")) c.rope.attn_factor = float(*af);
+    if (log_mul) {
+      const float m = yarn_mscale(factor, float(*log_mul / 0.1));
+      c.attn_scale *= m * m;
+    }
+    if (c.rope.yarn_original_max_position <= 0)
+      throw Error(f.path() + ": yarn rope scaling needs rope.scaling.original_context_length");
+  } else if (type != "none") {
+    throw UnsupportedError(f.path() + ": rope scaling type '" + type +
+                           "' is not supported (supported: none, linear, yarn)");
+  }
+}
+
+}  // namespace
+
 ModelConfig config_from_gguf(const GgufFile& f) {
   ModelConfig c;
   c.arch = f.get_string("general.architecture").value_or("");
-  if (c.arch != "llama")
+  if (c.arch != "llama" && c.arch != "deepseek2")
     throw UnsupportedError(f.path() + ": architecture '" + c.arch +
-                           "' is not supported from GGUF (supported: llama)");
+                           "' is not supported from GGUF (supported: llama, deepseek2)");
   c.name = f.get_string("general.name").value_or("");
   const std::string a = c.arch + ".";
   c.hidden = int(need_int(f, a + "embedding_length"));
@@ -90,6 +158,10 @@ ModelConfig config_from_gguf(const GgufFile& f) {
   c.tied_embeddings = f.find_tensor("output.weight") == nullptr;
   c.bos_id = int(f.get_int("tokenizer.ggml.bos_token_id").value_or(-1));
   c.eos_id = int(f.get_int("tokenizer.ggml.eos_token_id").value_or(-1));
+  if (c.arch == "deepseek2") {
+    read_deepseek2_gguf(f, c);
+    c.arch = "deepseek_v2";  // the model's name here, whatever the file format calls it
+  }
   validate(c, f.path());
   return c;
 }

@@ -68,7 +68,8 @@ LoadedModel open_model_metadata(const std::filesystem::path& path) {
     m.tokenizer = Tokenizer::from_gguf(*g);
     m.chat_template = g->get_string("tokenizer.chat_template").value_or("");
     m.gguf = g;
-    m.weights = gguf_weights(g);
+    m.weights =
+        m.config.arch == "deepseek_v2" ? gguf_deepseek2_weights(g, m.config) : gguf_weights(g);
   }
   m.bytes = m.weights->total_bytes();
   return m;

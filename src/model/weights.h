@@ -14,6 +14,7 @@
 namespace ds {
 
 class GgufFile;
+struct ModelConfig;
 
 class WeightSource {
  public:
@@ -28,6 +29,11 @@ class WeightSource {
 };
 
 std::unique_ptr<WeightSource> gguf_weights(std::shared_ptr<const GgufFile> file);
+// A llama.cpp `deepseek2` GGUF under the Hugging Face DeepSeek-V2 names deepseek_v2 binds
+// (model.layers.N.mlp.experts.E.gate_proj.weight, ...): stacked experts as per-expert views,
+// kv_b_proj rebuilt from attn_k_b / attn_v_b (weights_deepseek2.cpp).
+std::unique_ptr<WeightSource> gguf_deepseek2_weights(std::shared_ptr<const GgufFile> file,
+                                                     const ModelConfig& cfg);
 // Hugging Face llama names (model.layers.N.self_attn.q_proj.weight, ...).
 std::unique_ptr<WeightSource> safetensors_llama_weights(const std::filesystem::path& dir);
 

@@ -145,7 +145,7 @@ ChatTemplate ChatTemplate::detect(std::string_view src, std::string_view arch,
   if (contains(src, "<|start_header_id|>")) return of_kind(ChatTemplateKind::Llama3, tokens);
   if (contains(src, "User: ") && contains(src, "Assistant:"))
     return of_kind(ChatTemplateKind::DeepSeek, tokens);
-  if (src.empty() && arch == "deepseek2") {
+  if (src.empty() && (arch == "deepseek2" || arch == "deepseek_v2")) {
     log_warn("chat template: the model has none; using the DeepSeek-V2 format for arch " +
              std::string(arch));
     return of_kind(ChatTemplateKind::DeepSeek, tokens);

@@ -73,6 +73,7 @@ TEST(ChatTemplate, FallbacksAndOtherKinds) {
   EXPECT_EQ(ChatTemplate::detect("", "llama").kind(), ChatTemplateKind::ChatML);
   EXPECT_EQ(ChatTemplate::detect("{{ messages }}", "qwen2").kind(), ChatTemplateKind::ChatML);
   EXPECT_EQ(ChatTemplate::detect("", "deepseek2").kind(), ChatTemplateKind::DeepSeek);
+  EXPECT_EQ(ChatTemplate::detect("", "deepseek_v2").kind(), ChatTemplateKind::DeepSeek);
   EXPECT_EQ(ChatTemplate::detect("<｜User｜>", "deepseek2").kind(), ChatTemplateKind::DeepSeek3);
   auto llama3 = ChatTemplate::detect("<|start_header_id|>", "llama");
   EXPECT_EQ(llama3.kind(), ChatTemplateKind::Llama3);
