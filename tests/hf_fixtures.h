@@ -10,7 +10,10 @@
 
 #include <gtest/gtest.h>
 
+#include "backend/backend.h"
 #include "engine/engine.h"
+#include "model/loader.h"
+#include "model/model.h"
 #include "request_tokens.h"
 
 namespace ds::test {
@@ -28,6 +31,69 @@ inline std::vector<std::string> hf_fixture_names() {
       names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   return names;
+}
+
+// A model on a 2-thread CPU backend with a one-sequence KV cache of kHarnessBlocks blocks
+// (16 slots each), for forwards outside the engine.
+constexpr int kHarnessBlocks = 16;  // 256 slots: a fixture prompt (<= 40) + 32 generated
+struct CpuModel {
+  std::unique_ptr<Backend> backend;
+  LoadedModel m;
+  std::unique_ptr<KvCache> cache;
+};
+
+inline CpuModel load_cpu_model(const std::filesystem::path& path, bool mla_expanded = false) {
+  CpuModel l;
+  BackendOptions bo;
+  bo.threads = 2;
+  l.backend = make_cpu_backend(bo);
+  LoadOptions lo;
+  lo.mla_expanded = mla_expanded;
+  l.m = load_model(path, *l.backend, lo);
+  KvCacheConfig kvc;
+  kvc.num_blocks = kHarnessBlocks;
+  l.cache = std::make_unique<KvCache>(*l.backend, l.m.config, kvc);
+  return l;
+}
+
+// Forwards ids[start, start + count) of one sequence whose earlier tokens are in the cache
+// (slot = position), returning the logits of each of those rows: [count, vocab].
+inline std::vector<float> forward_rows(CpuModel& l, const std::vector<int32_t>& ids, int start,
+                                       int count) {
+  const int vocab = l.m.config.vocab;
+  std::vector<int32_t> pos(static_cast<size_t>(count)), rows(static_cast<size_t>(count)),
+      table(kHarnessBlocks);
+  for (int i = 0; i < count; ++i) {
+    pos[size_t(i)] = start + i;
+    rows[size_t(i)] = i;
+  }
+  for (int b = 0; b < kHarnessBlocks; ++b) table[size_t(b)] = b;
+  const int32_t qs[2] = {0, count}, ctx[1] = {start + count};
+  ForwardInput in;
+  in.tokens = std::span(ids).subspan(size_t(start), size_t(count));
+  in.meta.num_seqs = 1;
+  in.meta.num_tokens = count;
+  in.meta.query_start = qs;
+  in.meta.context_lens = ctx;
+  in.meta.block_tables = table.data();
+  in.meta.max_blocks_per_seq = kHarnessBlocks;
+  in.meta.slot_mapping = pos.data();
+  in.meta.positions = pos.data();
+  in.meta.max_query_len = count;
+  in.meta.max_context_len = start + count;
+  in.logit_rows = rows;
+  auto buf = l.backend->alloc(size_t(count) * size_t(vocab) * sizeof(float));
+  TensorView logits = buf->view(DType::F32, {count, vocab});
+  l.m.model->forward(in, *l.cache, logits);
+  l.backend->synchronize();
+  std::vector<float> out(size_t(count) * size_t(vocab));
+  l.backend->download(out.data(), logits, out.size() * sizeof(float));
+  return out;
+}
+
+// One forward of a whole prompt from an empty cache: [n, vocab].
+inline std::vector<float> prefill_rows(CpuModel& l, const std::vector<int32_t>& ids) {
+  return forward_rows(l, ids, 0, int(ids.size()));
 }
 
 // Greedy continuations (EOS ignored) of `prompts` on `engine`: submitted all at once

@@ -24,7 +24,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr int kBlocks = 16;       // 256 cache slots
 constexpr double kRelTol = 1e-3;  // max abs logit difference / logit range
 // An F16 conversion of an F32 checkpoint against that checkpoint: weight rounding alone moves
 // transformers' logits by up to 2.3e-3 of their range on these prompts (ours: 2.7e-3).
@@ -45,51 +44,11 @@ constexpr Pair kPairs[] = {
     {"deepseek_v2_yarn_grouped_f16", "deepseek_v2_yarn_grouped_f32", false},  // F32 -> F16
 };
 
-struct Loaded {
-  std::unique_ptr<Backend> backend;
-  LoadedModel m;
-  std::unique_ptr<KvCache> cache;
-};
+using Loaded = test::CpuModel;
+using test::prefill_rows;
 
 Loaded load(const fs::path& path) {
-  Loaded l;
-  BackendOptions bo;
-  bo.threads = 2;
-  l.backend = make_cpu_backend(bo);
-  l.m = load_model(path, *l.backend, LoadOptions{});
-  KvCacheConfig kvc;
-  kvc.num_blocks = kBlocks;
-  l.cache = std::make_unique<KvCache>(*l.backend, l.m.config, kvc);
-  return l;
-}
-
-// One forward of a whole prompt from an empty cache: logits of every row [n, vocab].
-std::vector<float> prefill(Loaded& l, const std::vector<int32_t>& ids) {
-  const int n = int(ids.size()), vocab = l.m.config.vocab;
-  std::vector<int32_t> pos(ids.size()), table(kBlocks);
-  for (int i = 0; i < n; ++i) pos[size_t(i)] = i;
-  for (int b = 0; b < kBlocks; ++b) table[size_t(b)] = b;
-  const int32_t qs[2] = {0, n}, ctx[1] = {n};
-  ForwardInput in;
-  in.tokens = ids;
-  in.meta.num_seqs = 1;
-  in.meta.num_tokens = n;
-  in.meta.query_start = qs;
-  in.meta.context_lens = ctx;
-  in.meta.block_tables = table.data();
-  in.meta.max_blocks_per_seq = kBlocks;
-  in.meta.slot_mapping = pos.data();
-  in.meta.positions = pos.data();
-  in.meta.max_query_len = n;
-  in.meta.max_context_len = n;
-  in.logit_rows = pos;
-  auto buf = l.backend->alloc(size_t(n) * size_t(vocab) * sizeof(float));
-  TensorView logits = buf->view(DType::F32, {n, vocab});
-  l.m.model->forward(in, *l.cache, logits);
-  l.backend->synchronize();
-  std::vector<float> out(size_t(n) * size_t(vocab));
-  l.backend->download(out.data(), logits, out.size() * sizeof(float));
-  return out;
+  return test::load_cpu_model(path);
 }
 
 std::vector<int32_t> greedy(Loaded& l, const std::vector<int32_t>& prompt) {
@@ -229,8 +188,8 @@ TEST_P(GgufDeepseek, LogitsAndGreedyMatchSafetensors) {
   Loaded g = load(gguf_path());
   Loaded h = load(hf_path());
   for (const auto& [text, ids] : hf_prompts(GetParam().hf)) {
-    const auto want = prefill(h, ids);
-    const auto got = prefill(g, ids);
+    const auto want = prefill_rows(h, ids);
+    const auto got = prefill_rows(g, ids);
     const double range = range_of(want), diff = max_abs_diff(got, want);
     EXPECT_LE(diff, (GetParam().lossless ? kRelTol : kRoundedRelTol) * range)
         << "prompt '" << text << "': range " << range;
@@ -256,7 +215,7 @@ TEST_P(GgufDeepseek, MatchesTransformersOnRoundedWeights) {
     std::vector<float> want;
     for (const auto& row : p.at("logits"))
       for (const auto& v : row) want.push_back(v.get<float>());
-    const auto got = prefill(g, ids);
+    const auto got = prefill_rows(g, ids);
     const double range = range_of(want), diff = max_abs_diff(got, want);
     EXPECT_LE(diff, kRelTol * range) << "prompt " << prompts << ": range " << range;
     EXPECT_EQ(greedy(g, ids), p.at("generated_ids").get<std::vector<int32_t>>())
@@ -284,7 +243,7 @@ TEST(GgufDeepseekLlamaCpp, MatchesLlamaCpp) {
     for (const auto& v : row) want.push_back(v.get<float>());
   Loaded g = load(gguf_root() / j.at("gguf").get<std::string>());
   ASSERT_EQ(want.size(), ids.size() * size_t(g.m.config.vocab));
-  const auto got = prefill(g, ids);
+  const auto got = prefill_rows(g, ids);
   const double range = range_of(want), diff = max_abs_diff(got, want);
   EXPECT_LE(diff, kRelTol * range) << "range " << range;
   // Greedy: equal up to the first step whose llama.cpp-side choice is a near tie.

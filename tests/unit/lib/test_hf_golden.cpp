@@ -29,7 +29,6 @@ namespace fs = std::filesystem;
 constexpr double kLogitTol = 1e-3;     // ours (F32) vs transformers (F32), max abs
 constexpr double kExpandedTol = 1e-4;  // absorbed vs expanded MLA, max abs
 constexpr double kFragile = 1e-3;      // a greedy step whose top-2 margin is this small may flip
-constexpr int kBlocks = 16;            // 256 cache slots: prompt (<= 40) + 32 generated
 
 using test::hf_root;
 const auto fixture_names = test::hf_fixture_names;
@@ -80,62 +79,18 @@ Reference read_reference(const std::string& name) {
 }
 
 // A loaded fixture with its own backend and a one-sequence KV cache.
-struct Loaded {
-  std::unique_ptr<Backend> backend;
-  LoadedModel m;
-  std::unique_ptr<KvCache> cache;
-};
+using Loaded = test::CpuModel;
 
 Loaded load(const std::string& name, bool mla_expanded = false) {
-  Loaded l;
-  BackendOptions bo;
-  bo.threads = 2;
-  l.backend = make_cpu_backend(bo);
-  LoadOptions lo;
-  lo.mla_expanded = mla_expanded;
-  l.m = load_model(hf_root() / name, *l.backend, lo);
-  KvCacheConfig kvc;
-  kvc.num_blocks = kBlocks;
-  l.cache = std::make_unique<KvCache>(*l.backend, l.m.config, kvc);
-  return l;
+  return test::load_cpu_model(hf_root() / name, mla_expanded);
 }
 
-// Forwards ids[start, start + count) of one sequence whose earlier tokens are in the cache
-// (slot = position), returning the logits of each of those rows: [count, vocab].
 std::vector<float> step(Loaded& l, const std::vector<int32_t>& ids, int start, int count) {
-  const int vocab = l.m.config.vocab;
-  std::vector<int32_t> pos(static_cast<size_t>(count)), rows(static_cast<size_t>(count)),
-      table(kBlocks);
-  for (int i = 0; i < count; ++i) {
-    pos[size_t(i)] = start + i;
-    rows[size_t(i)] = i;
-  }
-  for (int b = 0; b < kBlocks; ++b) table[size_t(b)] = b;
-  const int32_t qs[2] = {0, count}, ctx[1] = {start + count};
-  ForwardInput in;
-  in.tokens = std::span(ids).subspan(size_t(start), size_t(count));
-  in.meta.num_seqs = 1;
-  in.meta.num_tokens = count;
-  in.meta.query_start = qs;
-  in.meta.context_lens = ctx;
-  in.meta.block_tables = table.data();
-  in.meta.max_blocks_per_seq = kBlocks;
-  in.meta.slot_mapping = pos.data();
-  in.meta.positions = pos.data();
-  in.meta.max_query_len = count;
-  in.meta.max_context_len = start + count;
-  in.logit_rows = rows;
-  auto buf = l.backend->alloc(size_t(count) * size_t(vocab) * sizeof(float));
-  TensorView logits = buf->view(DType::F32, {count, vocab});
-  l.m.model->forward(in, *l.cache, logits);
-  l.backend->synchronize();
-  std::vector<float> out(size_t(count) * size_t(vocab));
-  l.backend->download(out.data(), logits, out.size() * sizeof(float));
-  return out;
+  return test::forward_rows(l, ids, start, count);
 }
 
 std::vector<float> prefill(Loaded& l, const std::vector<int32_t>& ids) {
-  return step(l, ids, 0, int(ids.size()));
+  return test::prefill_rows(l, ids);
 }
 
 // One token per forward: every position goes through the decode path and the cache.
