@@ -37,6 +37,10 @@ std::vector<TensorRow> tensor_rows(const LoadedModel& m) {
   return rows;
 }
 
+const char* topk_method_name(const ModelConfig& c) {
+  return c.moe_topk_method == MoeTopk::GroupLimitedGreedy ? "group_limited_greedy" : "greedy";
+}
+
 }  // namespace
 
 int run_inspect(const InspectOptions& o) {
@@ -65,6 +69,26 @@ int run_inspect(const InspectOptions& o) {
         {"rotary_dim", c.rope.rotary_dim},
         {"rope_style", c.rope.style == RopeStyle::Adjacent ? "adjacent" : "rotate_half"},
         {"tied_embeddings", c.tied_embeddings}};
+    if (c.is_mla())
+      j["mla"] = {{"q_lora_rank", c.q_lora_rank},
+                  {"kv_lora_rank", c.kv_lora_rank},
+                  {"qk_nope_dim", c.qk_nope_dim},
+                  {"qk_rope_dim", c.qk_rope_dim},
+                  {"v_head_dim", c.v_head_dim}};
+    if (c.moe_experts > 0)
+      j["moe"] = {{"experts", c.moe_experts},
+                  {"top_k", c.moe_top_k},
+                  {"topk_method", topk_method_name(c)},
+                  {"n_group", c.moe_n_group},
+                  {"topk_group", c.moe_topk_group},
+                  {"shared_experts", c.moe_shared_experts},
+                  {"expert_intermediate", c.moe_intermediate},
+                  {"dense_layers", c.first_k_dense},
+                  {"norm_topk_prob", c.moe_norm_topk_prob},
+                  {"routed_scaling", c.moe_routed_scaling}};
+    if (c.rope.yarn_factor > 0)
+      j["yarn"] = {{"factor", c.rope.yarn_factor},
+                   {"original_max_position", c.rope.yarn_original_max_position}};
     if (tok)
       j["tokenizer"] = {
           {"vocab_size", tok->vocab_size()},   {"bos_id", tok->bos_id()},
@@ -99,6 +123,19 @@ int run_inspect(const InspectOptions& o) {
               double(c.rope.theta),
               c.rope.style == RopeStyle::Adjacent ? "adjacent pairs" : "rotate-half",
               c.rope.rotary_dim, c.tied_embeddings ? "yes" : "no");
+  if (c.is_mla())
+    std::printf("mla:           q_lora %d, kv_lora %d, qk %d nope + %d rope, v %d\n", c.q_lora_rank,
+                c.kv_lora_rank, c.qk_nope_dim, c.qk_rope_dim, c.v_head_dim);
+  if (c.moe_experts > 0)
+    std::printf(
+        "moe:           %d experts, top-%d (%s, %d groups / %d), %d shared, expert ffn %d, "
+        "%d dense layers, norm_topk_prob %s, routed scaling %g\n",
+        c.moe_experts, c.moe_top_k, topk_method_name(c), c.moe_n_group, c.moe_topk_group,
+        c.moe_shared_experts, c.moe_intermediate, c.first_k_dense,
+        c.moe_norm_topk_prob ? "yes" : "no", double(c.moe_routed_scaling));
+  if (c.rope.yarn_factor > 0)
+    std::printf("yarn:          factor %g, original context %d\n", double(c.rope.yarn_factor),
+                c.rope.yarn_original_max_position);
   if (tok)
     std::printf("tokenizer:     %d tokens, bos %d, eos %d, add_bos %s, chat template: %s\n",
                 tok->vocab_size(), tok->bos_id(), tok->eos_id(),

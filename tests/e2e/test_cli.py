@@ -120,3 +120,18 @@ def test_prompts_file_runs_concurrently_in_input_order(run, tmp_path):
     s = run("generate", "--prompts-file", f, "--json", "-n", "6", "--temperature", "0",
             "--ignore-eos", "--threads", "2", "--kv-mode", "static")
     assert [json.loads(l)["tokens"] for l in s.stdout.splitlines()] == [o["tokens"] for o in out]
+
+
+def test_inspect_deepseek_gguf_and_safetensors_agree(run):
+    from conftest import ROOT  # noqa
+    fx = ROOT / "tests" / "fixtures"
+    gguf = fx / "gguf_deepseek" / "deepseek_v2_yarn_grouped_f16.gguf"
+    hf = fx / "hf" / "deepseek_v2_yarn_grouped_f32"
+    g = json.loads(run("inspect", gguf, "--json").stdout)
+    h = json.loads(run("inspect", hf, "--json").stdout)
+    assert g["architecture"] == h["architecture"] == "deepseek_v2"
+    for key in ("mla", "moe", "yarn"):
+        assert g[key] == h[key], key
+    assert g["moe"]["topk_method"] == "group_limited_greedy" and g["moe"]["shared_experts"] == 2
+    text = run("inspect", gguf).stdout
+    assert "mla:" in text and "moe:" in text and "yarn:" in text
