@@ -18,6 +18,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/context.cuh"
+#include "backend/cuda/weight_stream.cuh"
 
 namespace ds::cuda {
 
@@ -99,7 +100,7 @@ void launch_combine(const float* y, const int* pos, const float* weights, int64_
                     cudaStream_t stream);
 
 // Weight element type of the decode kernels.
-enum class WeightKind : int { BF16 = 0, F16 = 1, F32 = 2 };
+using WeightKind = wstream::Elem;
 
 // What every expert implementation gets: the activations, the sizes and the token lists.
 struct FfnProblem {

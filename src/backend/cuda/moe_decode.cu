@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/weight_stream.cuh"
 #include "core/error.h"
 
 namespace ds::cuda::moe {
@@ -20,46 +22,6 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 4;    // weight rows a warp streams together (x is reused across them)
 constexpr int kUnroll = 2;  // 16-byte chunks per row a lane has in flight
-
-template <WeightKind K>
-struct Vec;  // elements per 16-byte chunk
-template <>
-struct Vec<WeightKind::BF16> {
-  static constexpr int kElems = 8;
-};
-template <>
-struct Vec<WeightKind::F16> {
-  static constexpr int kElems = 8;
-};
-template <>
-struct Vec<WeightKind::F32> {
-  static constexpr int kElems = 4;
-};
-
-__device__ __forceinline__ void word_to_float2(uint32_t w, WeightKind k, float& lo, float& hi) {
-  if (k == WeightKind::BF16) {
-    lo = __uint_as_float(w << 16);
-    hi = __uint_as_float(w & 0xffff0000u);
-  } else {
-    lo = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
-    hi = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
-  }
-}
-
-template <WeightKind K>
-__device__ __forceinline__ void chunk_to_float(const uint4& v, float (&f)[Vec<K>::kElems]) {
-  if constexpr (K == WeightKind::F32) {
-    f[0] = __uint_as_float(v.x);
-    f[1] = __uint_as_float(v.y);
-    f[2] = __uint_as_float(v.z);
-    f[3] = __uint_as_float(v.w);
-  } else {
-    word_to_float2(v.x, K, f[0], f[1]);
-    word_to_float2(v.y, K, f[2], f[3]);
-    word_to_float2(v.z, K, f[4], f[5]);
-    word_to_float2(v.w, K, f[6], f[7]);
-  }
-}
 
 // Shared-memory index of element k of a staged row: chunk c's V floats are split into
 // 4-float parts stored part-major ([part][chunk][4]), so a warp reading one part of 32
@@ -92,7 +54,7 @@ template <WeightKind K, int TC>
 __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], int chunks,
                                          const float* xs, int Klen, int nt,
                                          float (&acc)[kRows][TC]) {
-  constexpr int V = Vec<K>::kElems;
+  constexpr int V = wstream::kChunkElems<K>;
   constexpr int P = V / 4;
   const int lane = threadIdx.x & 31;
   const float4* xs4 = reinterpret_cast<const float4*>(xs);
@@ -117,7 +79,7 @@ __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], in
       if (c < chunks) {
         float wf[kRows][V];
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) chunk_to_float<K>(w[u][r], wf[r]);
+        for (int r = 0; r < kRows; ++r) wstream::chunk_to_float<K>(w[u][r], wf[r]);
 #pragma unroll
         for (int j = 0; j < TC; ++j) {
           if (j < nt) {
@@ -180,14 +142,14 @@ __device__ __forceinline__ float silu(float g) {
 // Grid (ceil(F / rows_per_cta), min(E, N)); a warp's unit is 2 F-rows of gate and up.
 template <WeightKind K, int TC>
 __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int units_per_cta) {
-  constexpr int V = Vec<K>::kElems;
+  constexpr int V = wstream::kChunkElems<K>;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   const ActiveExpert act = active_expert(a, blockIdx.y);
   if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];
-  const int esize = K == WeightKind::F32 ? 4 : 2;
+  const int esize = wstream::elem_bytes(K);
   const int64_t gate_ld = ex.gate_ld * esize;
   const int64_t up_ld = ex.up_ld * esize;
   const uint8_t* gate = static_cast<const uint8_t*>(ex.gate);
@@ -238,14 +200,14 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
 // Grid (ceil(hidden / rows_per_cta), min(E, N)); a warp's unit is kRows hidden rows of down.
 template <WeightKind K, int TC>
 __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int units_per_cta) {
-  constexpr int V = Vec<K>::kElems;
+  constexpr int V = wstream::kChunkElems<K>;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   const ActiveExpert act = active_expert(a, blockIdx.y);
   if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];
-  const int esize = K == WeightKind::F32 ? 4 : 2;
+  const int esize = wstream::elem_bytes(K);
   const int64_t down_ld = ex.down_ld * esize;
   const uint8_t* down = static_cast<const uint8_t*>(ex.down);
   const int F = a.inter;
@@ -323,37 +285,30 @@ void launch_gate_up(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream)
   gate_up_kernel<K, TC><<<grid, kThreads, smem, stream>>>(a, units);
 }
 
+// f(std::integral_constant<int, TC>) for the pass size tc (1, 2, 4 or 8).
+template <typename F>
+void with_tc(int tc, F&& f) {
+  switch (tc) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      f(std::integral_constant<int, 8>{});
+      break;
+  }
+}
+
 template <WeightKind K>
 void launch_kind(const DecodeFfnArgs& a, int tc_gu, int tc_dn, unsigned slots,
                  cudaStream_t stream) {
-  switch (tc_gu) {
-    case 1:
-      launch_gate_up<K, 1>(a, slots, stream);
-      break;
-    case 2:
-      launch_gate_up<K, 2>(a, slots, stream);
-      break;
-    case 4:
-      launch_gate_up<K, 4>(a, slots, stream);
-      break;
-    default:
-      launch_gate_up<K, 8>(a, slots, stream);
-      break;
-  }
-  switch (tc_dn) {
-    case 1:
-      launch_down<K, 1>(a, slots, stream);
-      break;
-    case 2:
-      launch_down<K, 2>(a, slots, stream);
-      break;
-    case 4:
-      launch_down<K, 4>(a, slots, stream);
-      break;
-    default:
-      launch_down<K, 8>(a, slots, stream);
-      break;
-  }
+  with_tc(tc_gu, [&](auto tc) { launch_gate_up<K, tc.value>(a, slots, stream); });
+  with_tc(tc_dn, [&](auto tc) { launch_down<K, tc.value>(a, slots, stream); });
 }
 
 void check(cudaError_t e, const char* what) {
@@ -362,16 +317,14 @@ void check(cudaError_t e, const char* what) {
 
 template <WeightKind K>
 void prepare_kind() {
-  const int bytes = kDecodeStageBytes;
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  check(cudaFuncSetAttribute(gate_up_kernel<K, 1>, attr, bytes), "smem limit");
-  check(cudaFuncSetAttribute(gate_up_kernel<K, 2>, attr, bytes), "smem limit");
-  check(cudaFuncSetAttribute(gate_up_kernel<K, 4>, attr, bytes), "smem limit");
-  check(cudaFuncSetAttribute(gate_up_kernel<K, 8>, attr, bytes), "smem limit");
-  check(cudaFuncSetAttribute(down_kernel<K, 1>, attr, bytes), "smem limit");
-  check(cudaFuncSetAttribute(down_kernel<K, 2>, attr, bytes), "smem limit");
-  check(cudaFuncSetAttribute(down_kernel<K, 4>, attr, bytes), "smem limit");
-  check(cudaFuncSetAttribute(down_kernel<K, 8>, attr, bytes), "smem limit");
+  for (int tc : {1, 2, 4, 8}) {
+    with_tc(tc, [&](auto c) {
+      check(cudaFuncSetAttribute(gate_up_kernel<K, c.value>, attr, kDecodeStageBytes),
+            "smem limit");
+      check(cudaFuncSetAttribute(down_kernel<K, c.value>, attr, kDecodeStageBytes), "smem limit");
+    });
+  }
 }
 
 }  // namespace
@@ -383,7 +336,7 @@ void prepare_decode_kernels() {
 }
 
 void launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
-  const int V = a.kind == WeightKind::F32 ? 4 : 8;
+  const int V = 16 / wstream::elem_bytes(a.kind);
   if (a.hidden % V != 0 || a.inter % V != 0)
     throw UnsupportedError("cuda moe_ffn: hidden and F must be multiples of " + std::to_string(V));
   if (int64_t(a.hidden) * 4 > kDecodeStageBytes || int64_t(a.inter) * 4 > kDecodeStageBytes)
