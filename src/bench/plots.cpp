@@ -1,24 +1,17 @@
 #include "bench/plots.h"
 
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <array>
 #include <cstdio>
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/self_path.h"
 
 namespace ds {
 namespace fs = std::filesystem;
 namespace {
-
-fs::path self_dir() {
-  std::array<char, 4096> buf{};
-  const ssize_t n = readlink("/proc/self/exe", buf.data(), buf.size() - 1);
-  if (n <= 0) return fs::current_path();
-  return fs::path(std::string(buf.data(), size_t(n))).parent_path();
-}
 
 std::string quote(const std::string& s) {
   std::string q = "'";
@@ -42,7 +35,7 @@ std::pair<int, std::string> run(const std::string& cmd) {
 std::vector<std::string> python_candidates(const std::string& virtual_env) {
   std::vector<std::string> out;
   std::error_code ec;
-  const fs::path exe = self_dir();
+  const fs::path exe = executable_dir();
   for (const fs::path& base : {exe, exe.parent_path(), fs::current_path()}) {
     const fs::path py = base / ".venv" / "bin" / "python";
     if (fs::exists(py, ec)) out.push_back(py.string());
@@ -60,7 +53,7 @@ std::optional<std::string> plot_script_path() {
 #ifdef DEEPSERVE_SOURCE_DIR
   tries.push_back(fs::path(DEEPSERVE_SOURCE_DIR) / "tools" / "plot_bench.py");
 #endif
-  const fs::path exe = self_dir();
+  const fs::path exe = executable_dir();
   tries.push_back(exe / "tools" / "plot_bench.py");
   tries.push_back(exe.parent_path() / "tools" / "plot_bench.py");
   std::error_code ec;

@@ -1,22 +1,15 @@
 #include "cli/default_model.h"
 
-#include <unistd.h>
-
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+
+#include "core/self_path.h"
 
 namespace ds {
 namespace fs = std::filesystem;
 
 namespace {
-
-fs::path self_dir() {
-  std::array<char, 4096> buf{};
-  const ssize_t n = readlink("/proc/self/exe", buf.data(), buf.size() - 1);
-  if (n <= 0) return fs::current_path();
-  return fs::path(std::string(buf.data(), size_t(n))).parent_path();
-}
 
 // <prefix>/lib/python3.*/site-packages for every python3.* folder under prefix/lib.
 void add_site_packages(const fs::path& prefix, std::vector<fs::path>& out) {
@@ -55,7 +48,7 @@ std::optional<fs::path> ask_python(std::vector<std::string>& looked) {
 
 std::optional<fs::path> find_default_model(std::vector<std::string>& looked) {
   std::vector<fs::path> roots;
-  const fs::path exe = self_dir();
+  const fs::path exe = executable_dir();
   for (const fs::path& base : {exe, exe.parent_path(), fs::current_path()})
     add_site_packages(base / ".venv", roots);
   if (const char* venv = std::getenv("VIRTUAL_ENV")) add_site_packages(venv, roots);
