@@ -109,15 +109,14 @@ inline std::vector<std::vector<int32_t>> greedy_generate(
     r.ignore_eos = true;
     return r;
   };
-  const auto collect = [](RequestHandle& h) { return test::collect_tokens(h); };
   std::vector<std::vector<int32_t>> out(prompts.size());
   if (concurrent) {
     std::vector<std::shared_ptr<RequestHandle>> hs;
     for (const auto& p : prompts) hs.push_back(engine.submit(request(p)));
-    for (size_t i = 0; i < hs.size(); ++i) out[i] = collect(*hs[i]);
+    for (size_t i = 0; i < hs.size(); ++i) out[i] = collect_tokens(*hs[i]);
   } else {
     for (size_t i = 0; i < prompts.size(); ++i)
-      out[i] = collect(*engine.submit(request(prompts[i])));
+      out[i] = collect_tokens(*engine.submit(request(prompts[i])));
   }
   return out;
 }

@@ -6,7 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "../../request_tokens.h"
+#include "../../hf_fixtures.h"
 #include "engine/engine.h"
 #include "model/loader.h"
 
@@ -50,24 +50,7 @@ std::vector<std::vector<int32_t>> run_all(Fixture* f, const EngineConfig& cfg,
                                           int max_tokens, bool concurrent,
                                           EngineStats* stats = nullptr) {
   Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), cfg);
-  std::vector<std::vector<int32_t>> out(prompts.size());
-  const auto collect = [](RequestHandle& h) { return test::collect_tokens(h); };
-  auto request = [&](const std::vector<int32_t>& p) {
-    EngineRequest r;
-    r.prompt = p;
-    r.max_tokens = max_tokens;
-    r.sampling.temperature = 0;
-    r.ignore_eos = true;
-    return r;
-  };
-  if (concurrent) {
-    std::vector<std::shared_ptr<RequestHandle>> hs;
-    for (const auto& p : prompts) hs.push_back(engine.submit(request(p)));
-    for (size_t i = 0; i < hs.size(); ++i) out[i] = collect(*hs[i]);
-  } else {
-    for (size_t i = 0; i < prompts.size(); ++i)
-      out[i] = collect(*engine.submit(request(prompts[i])));
-  }
+  auto out = test::greedy_generate(engine, prompts, max_tokens, concurrent);
   if (stats) *stats = engine.stats();
   return out;
 }

@@ -119,14 +119,13 @@ std::vector<std::vector<int32_t>> run(Backend& backend, LoadedModel& m, size_t n
   EngineConfig cfg;
   cfg.prefix_cache = false;
   Engine engine(*m.model, backend, m.tokenizer.get(), cfg);
-  const auto collect = [](RequestHandle& h) { return test::collect_tokens(h); };
   std::vector<std::vector<int32_t>> out(n);
   if (together) {
     std::vector<std::shared_ptr<RequestHandle>> hs;
     for (size_t i = 0; i < n; ++i) hs.push_back(engine.submit(make(i)));
-    for (size_t i = 0; i < n; ++i) out[i] = collect(*hs[i]);
+    for (size_t i = 0; i < n; ++i) out[i] = test::collect_tokens(*hs[i]);
   } else {
-    for (size_t i = 0; i < n; ++i) out[i] = collect(*engine.submit(make(i)));
+    for (size_t i = 0; i < n; ++i) out[i] = test::collect_tokens(*engine.submit(make(i)));
   }
   return out;
 }
