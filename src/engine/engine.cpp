@@ -219,9 +219,10 @@ void Engine::loop() {
     try {
       step();
     } catch (const std::exception& e) {
-      // A failed step fails the requests in it rather than the process.
+      // A failed forward fails the requests in it rather than the process. Failures of one
+      // sequence's own work are caught in step() and end that sequence alone.
       log_error(std::string("engine step failed: ") + e.what());
-      finish_all(FinishReason::Rejected, e.what());
+      finish_all(FinishReason::Error, e.what());
     }
     if (expert_load_stale_ && !sched_.has_unfinished()) {
       std::vector<ExpertLoad> load = model_.expert_load();
@@ -253,7 +254,8 @@ void Engine::finish(SeqId id, FinishReason reason, const std::string& error) {
   }
   EngineEvent ev;
   ev.final = true;
-  if (reason != FinishReason::Rejected) ev.text = std::string(l.out.close());
+  if (reason != FinishReason::Rejected && reason != FinishReason::Error)
+    ev.text = std::string(l.out.close());
   ev.finish_reason = std::string(finish_reason_name(reason));
   ev.error = error;
   ev.usage.prompt_tokens = int(l.req.prompt.size());
@@ -345,7 +347,8 @@ void Engine::step() {
 
   std::vector<SampledToken> sampled;
   sampled.reserve(rows);
-  std::vector<TokenLogprobs> lps;  // sized only when a request in the batch asked
+  std::vector<TokenLogprobs> lps;  // by index in `sampled`; sized only when a request asked
+  std::vector<std::pair<SeqId, std::string>> failed;  // per-sequence failures of this step
   // On a device, a batch whose rows need nothing but their logits (no penalties, no logprobs)
   // is sampled there in one op: R ids come back instead of R x vocab logits.
   bool on_device = backend_.device().kind != DeviceKind::CPU && rows > 0;
@@ -375,17 +378,23 @@ void Engine::step() {
     if (rows) backend_.download(logits_.data(), logits, logits_.size() * 4);
     for (size_t i = 0; i < rows; ++i) {
       const SeqId id = batch.logit_seqs[i];
-      const Sequence* seq = sched_.find(id);
-      Live& l = *live_.at(id);
-      const std::span<const float> row(logits_.data() + i * size_t(vocab), size_t(vocab));
-      const int32_t tok = l.sampler.sample(row, seq->tokens);
-      sampled.push_back({id, tok});
-      if (l.req.logprobs >= 0) {
-        lps.resize(rows);
-        lps[i] = token_logprobs(row, tok, l.req.logprobs);
+      try {
+        const Sequence* seq = sched_.find(id);
+        Live& l = *live_.at(id);
+        const std::span<const float> row(logits_.data() + i * size_t(vocab), size_t(vocab));
+        const int32_t tok = l.sampler.sample(row, seq->tokens);
+        if (l.req.logprobs >= 0) {
+          lps.resize(rows);
+          lps[sampled.size()] = token_logprobs(row, tok, l.req.logprobs);
+        }
+        sampled.push_back({id, tok});
+      } catch (const std::exception& e) {
+        failed.emplace_back(id, e.what());
       }
     }
   }
+  // A sequence that failed gets no token: finished first, the scheduler forgets its step.
+  for (const auto& [id, why] : failed) fail(id, "sampling", why);
   sched_.on_step_done(sampled);
 
   // Statistics first, so a caller woken by a final event below already sees this step.
@@ -422,7 +431,15 @@ void Engine::step() {
     ++l.generated;
     if (l.t_first < 0) l.t_first = t;
     l.t_last = t;
-    const auto d = l.out.push(st.token);
+    OutputProcessor::Delta d;
+    try {
+      if (cfg_.fault_hook) cfg_.fault_hook(st.id, st.token);
+      d = l.out.push(st.token);
+    } catch (const std::exception& e) {
+      // The token was generated (and is counted), but its output could not be made.
+      fail(st.id, "output", e.what());
+      continue;
+    }
     EngineEvent ev;
     ev.token = st.token;
     ev.time_s = t;
@@ -437,6 +454,11 @@ void Engine::step() {
     else if (l.generated >= l.req.max_tokens)
       finish(st.id, FinishReason::Length);
   }
+}
+
+void Engine::fail(SeqId id, const char* stage, const std::string& why) {
+  log_error("request " + std::to_string(id) + " failed in " + stage + ": " + why);
+  finish(id, FinishReason::Error, std::string(stage) + ": " + why);
 }
 
 }  // namespace ds

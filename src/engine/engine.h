@@ -5,6 +5,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -35,6 +36,9 @@ struct EngineConfig {
   // Contexts up to this many tokens use graphs (every captured launch is sized for it, so a
   // larger value costs empty work in each replay); longer ones run eagerly.
   int64_t graph_max_context = 4096;
+  // Fault injection for tests: called for each sampled token before its output is made; what
+  // it throws fails that request alone (as a detokenizer or stop-string failure would).
+  std::function<void(SeqId, int32_t)> fault_hook;
 };
 
 struct EngineRequest {
@@ -74,8 +78,8 @@ struct EngineEvent {
   std::string text;    // newly final text
   float logprob = 0;   // token events of requests with logprobs >= 0: log p(token)
   std::vector<std::pair<int32_t, float>> top_logprobs;  // descending; ties by lower id
-  std::string finish_reason;  // final: "stop", "length", "cancelled", "rejected"
-  std::string error;          // final, rejected: why
+  std::string finish_reason;  // final: "stop", "length", "cancelled", "rejected", "error"
+  std::string error;          // final, rejected or error: why
   Usage usage;
   Timings timings;
 };
@@ -144,6 +148,8 @@ class Engine {
   void step();
   void finish(SeqId id, FinishReason reason, const std::string& error = {});
   void finish_all(FinishReason reason, const std::string& error = {});
+  // Ends one sequence whose own work failed (`stage`: sampling, output), never the step.
+  void fail(SeqId id, const char* stage, const std::string& why);
   void copy_blocks(const std::vector<BlockCopy>& copies);
   ForwardInput place_inputs(const StepBatch& b);
 

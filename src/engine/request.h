@@ -38,9 +38,10 @@ enum class FinishReason : uint8_t {
   Length,     // max_tokens reached
   Cancelled,  // abort()
   Rejected,   // could never be served (see the reason in StepPlan::rejected)
+  Error,      // the engine failed while serving it (the server's fault, not the request's)
 };
 
-// "stop", "length", "cancelled", "rejected" (the OpenAI spelling where one exists).
+// "stop", "length", "cancelled", "rejected", "error" (the OpenAI spelling where one exists).
 inline std::string_view finish_reason_name(FinishReason r) {
   switch (r) {
     case FinishReason::Stop:
@@ -51,6 +52,8 @@ inline std::string_view finish_reason_name(FinishReason r) {
       return "cancelled";
     case FinishReason::Rejected:
       return "rejected";
+    case FinishReason::Error:
+      return "error";
   }
   return "?";
 }

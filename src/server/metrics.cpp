@@ -160,7 +160,7 @@ std::string ServerMetrics::prometheus(const EngineStats& st) const {
   header(out, "deepserve:generation_tokens", "counter", "Generated tokens of finished requests.");
   sample(out, "deepserve:generation_tokens_total", m, double(generation_tokens_));
   header(out, "deepserve:requests", "counter", "Finished requests by finish reason.");
-  for (const char* reason : {"stop", "length", "cancelled", "rejected"}) {
+  for (const char* reason : {"stop", "length", "cancelled", "rejected", "error"}) {
     auto it = requests_.find(reason);
     sample(out, "deepserve:requests_total", m + ",finish_reason=\"" + reason + "\"",
            it == requests_.end() ? 0.0 : double(it->second));
@@ -226,7 +226,7 @@ std::string ServerMetrics::prometheus(const EngineStats& st) const {
 nlohmann::json ServerMetrics::json(const EngineStats& st) const {
   std::lock_guard<std::mutex> lock(mu_);
   nlohmann::json reqs = nlohmann::json::object();
-  for (const char* reason : {"stop", "length", "cancelled", "rejected"}) reqs[reason] = 0;
+  for (const char* reason : {"stop", "length", "cancelled", "rejected", "error"}) reqs[reason] = 0;
   for (const auto& [k, v] : requests_) reqs[k] = v;
   nlohmann::json lat = nlohmann::json::object();
   for (int p = 0; p < kPriorities; ++p) {

@@ -202,14 +202,12 @@ Tokenizer::Tokenizer(TokenizerSpec spec)
 Tokenizer::~Tokenizer() = default;
 
 void Tokenizer::check_id(int32_t id) const {
-  if (id < 0 || id >= vocab_size())
-    throw Error("tokenizer: token id " + std::to_string(id) + " out of range [0, " +
-                std::to_string(vocab_size()) + ")");
+  if (id < 0) throw Error("tokenizer: negative token id " + std::to_string(id));
 }
 
 TokenType Tokenizer::token_type(int32_t id) const {
   check_id(id);
-  return types_[id];
+  return has_token(id) ? types_[id] : TokenType::Unused;
 }
 
 bool Tokenizer::is_special(int32_t id) const {
@@ -222,13 +220,14 @@ bool Tokenizer::is_eog(int32_t id) const {
 }
 
 const std::string& Tokenizer::token_text(int32_t id) const {
+  static const std::string kNone;
   check_id(id);
-  return tokens_[id];
+  return has_token(id) ? tokens_[id] : kNone;
 }
 
 std::string Tokenizer::token_bytes(int32_t id) const {
   check_id(id);
-  return bytes_[id];
+  return has_token(id) ? bytes_[id] : std::string();
 }
 
 std::optional<int32_t> Tokenizer::find_token(std::string_view text) const {
@@ -241,6 +240,7 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
   std::string out;
   for (int32_t id : ids) {
     check_id(id);
+    if (!has_token(id)) continue;
     if (skip_special && (types_[id] == TokenType::Control || types_[id] == TokenType::Unknown))
       continue;
     out += bytes_[id];
@@ -390,6 +390,12 @@ StreamingDetokenizer::StreamingDetokenizer(const Tokenizer& tok, bool skip_speci
     : tok_(tok), skip_special_(skip_special) {}
 
 std::string StreamingDetokenizer::push(int32_t id) {
+  // An id past the tokenizer (a padded model vocabulary) stands for no bytes: it leaves the
+  // held-back UTF-8 tail as it was.
+  if (!tok_.has_token(id)) {
+    tok_.token_type(id);  // still refuses negative ids
+    return {};
+  }
   const TokenType type = tok_.token_type(id);
   if (skip_special_ && (type == TokenType::Control || type == TokenType::Unknown)) return {};
   pending_ += tok_.token_bytes(id);

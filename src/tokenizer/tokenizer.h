@@ -67,10 +67,14 @@ class Tokenizer {
   // parse_special: text of control tokens ("<|im_start|>") becomes those tokens; user-defined
   // tokens are matched either way. Invalid UTF-8 bytes are read as U+FFFD.
   std::vector<int32_t> encode(std::string_view text, bool add_bos, bool parse_special) const;
-  // skip_special drops control and unknown tokens; ids out of range throw Error.
+  // Model vocabularies are often padded past the tokenizer's: an id >= vocab_size() is a
+  // valid output with no token, which decodes to nothing (empty text and bytes, type Unused).
+  // Negative ids throw Error.
+  // skip_special drops control and unknown tokens.
   std::string decode(std::span<const int32_t> ids, bool skip_special = false) const;
   std::string token_bytes(int32_t id) const;        // the raw bytes the token stands for
   const std::string& token_text(int32_t id) const;  // as stored in the vocab
+  bool has_token(int32_t id) const { return id >= 0 && id < vocab_size(); }
 
   int32_t vocab_size() const { return static_cast<int32_t>(tokens_.size()); }
   int32_t bos_id() const { return bos_id_; }  // -1 if none

@@ -5,10 +5,13 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <unordered_map>
 
 #include "../../hf_fixtures.h"
+#include "../tokenizer/tokenizer_test_util.h"
 #include "engine/engine.h"
 #include "model/loader.h"
+#include "tokenizer/unicode.h"
 
 namespace ds {
 namespace {
@@ -125,6 +128,99 @@ TEST(Engine, CancelFreesBlocksAndImpossibleRequestsAreRejected) {
   EXPECT_EQ(fin.finish_reason, "cancelled");
   EXPECT_LT(fin.usage.completion_tokens, 200);
   EXPECT_EQ(engine.stats().kv.used_blocks, 0);
+}
+
+// One request whose output cannot be made (as a failing detokenizer or stop-string check
+// would) ends alone, with reason "error"; the others in the same steps finish whole and
+// unchanged, and every block comes back.
+TEST(Engine, OneRequestsFailureEndsOnlyThatRequest) {
+  NEED_MODEL();
+  const std::vector<std::vector<int32_t>> prompts(f->prompts.begin(), f->prompts.begin() + 6);
+  EngineConfig cfg;
+  const auto alone = run_all(f, cfg, prompts, 10, false);
+
+  SeqId victim = 0;  // written before the victim is submitted; read on the engine thread
+  std::unordered_map<SeqId, int> seen;  // engine thread only
+  cfg.fault_hook = [&](SeqId id, int32_t) {
+    if (++seen[id] == 4 && id == victim) throw Error("injected output failure");
+  };
+  Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), cfg);
+  std::vector<std::shared_ptr<RequestHandle>> hs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest r;
+    r.prompt = prompts[i];
+    r.max_tokens = 10;
+    r.sampling.temperature = 0;
+    r.ignore_eos = true;
+    if (i == 2) victim = 3;  // ids are handed out from 1 in submission order
+    hs.push_back(engine.submit(r));
+  }
+  ASSERT_EQ(hs[2]->id(), victim);
+  for (size_t i = 0; i < hs.size(); ++i) {
+    std::vector<int32_t> toks;
+    EngineEvent fin;
+    while (auto ev = hs[i]->next()) {
+      if (ev->final)
+        fin = *ev;
+      else
+        toks.push_back(ev->token);
+    }
+    if (i == 2) {
+      EXPECT_EQ(fin.finish_reason, "error");
+      EXPECT_NE(fin.error.find("injected output failure"), std::string::npos) << fin.error;
+      EXPECT_EQ(toks, std::vector<int32_t>(alone[i].begin(), alone[i].begin() + 3));
+      EXPECT_EQ(fin.usage.completion_tokens, 4);  // the fourth was generated, not shown
+    } else {
+      EXPECT_EQ(fin.finish_reason, "length") << fin.error;
+      EXPECT_EQ(toks, alone[i]) << "request " << i;
+    }
+  }
+  EXPECT_EQ(engine.stats().kv.used_blocks, 0);
+}
+
+// A tokenizer smaller than the model's vocabulary (a padded vocabulary): ids it lacks are
+// ordinary outputs with no text. Here only the 256 byte tokens are known to the tokenizer,
+// so nearly every id SmolLM2 produces is past it.
+TEST(Engine, IdsPastTheTokenizerAreOutputsWithoutText) {
+  NEED_MODEL();
+  const std::vector<std::vector<int32_t>> prompts(f->prompts.begin(), f->prompts.begin() + 4);
+  EngineConfig cfg;
+  const auto full = run_all(f, cfg, prompts, 16, false);
+  const auto bytes_only = Tokenizer::create(test::TinyVocab().spec);
+  ASSERT_EQ(bytes_only->vocab_size(), 256);
+  Engine engine(*f->m.model, *f->backend, bytes_only.get(), cfg);
+  std::vector<std::shared_ptr<RequestHandle>> hs;
+  for (const auto& p : prompts) {
+    EngineRequest r;
+    r.prompt = p;
+    r.max_tokens = 16;
+    r.sampling.temperature = 0;
+    r.ignore_eos = true;
+    r.logprobs = 2;
+    hs.push_back(engine.submit(r));
+  }
+  int past = 0;
+  for (size_t i = 0; i < hs.size(); ++i) {
+    std::vector<int32_t> toks;
+    std::string text;
+    EngineEvent fin;
+    while (auto ev = hs[i]->next()) {
+      text += ev->text;
+      if (ev->final) {
+        fin = *ev;
+      } else {
+        toks.push_back(ev->token);
+        EXPECT_LE(ev->logprob, 0.0f);
+        EXPECT_EQ(ev->top_logprobs.size(), 2u);
+      }
+    }
+    EXPECT_EQ(fin.finish_reason, "length") << fin.error;
+    EXPECT_EQ(fin.usage.completion_tokens, 16);
+    EXPECT_EQ(toks, full[i]);
+    EXPECT_EQ(text, utf8_sanitize(bytes_only->decode(toks)));
+    for (int32_t t : toks) past += t >= 256;
+  }
+  EXPECT_GT(past, 32) << "the test needs ids the tokenizer lacks";
 }
 
 }  // namespace

@@ -179,8 +179,42 @@ TEST(Bpe, EogAndTokenBytes) {
   EXPECT_EQ(tok->token_bytes(byte), "A");
   EXPECT_EQ(tok->token_bytes(v.id(" ")), " ");
   EXPECT_EQ(tok->token_text(v.id(" ")), "Ġ");
-  EXPECT_THROW(tok->token_text(tok->vocab_size()), Error);
   EXPECT_THROW(tok->decode(Ids{-1}), Error);
+  EXPECT_THROW(tok->token_bytes(-1), Error);
+}
+
+// A padded model vocabulary samples ids the tokenizer lacks: they stand for no text.
+TEST(Bpe, IdsPastTheVocabularyHaveNoText) {
+  TinyVocab v;
+  auto tok = Tokenizer::create(v.spec);
+  const int32_t past = tok->vocab_size(), far = tok->vocab_size() + 1000;
+  EXPECT_FALSE(tok->has_token(past));
+  EXPECT_TRUE(tok->has_token(past - 1));
+  EXPECT_EQ(tok->token_text(past), "");
+  EXPECT_EQ(tok->token_bytes(far), "");
+  EXPECT_EQ(tok->token_type(past), TokenType::Unused);
+  EXPECT_FALSE(tok->is_special(past));
+  EXPECT_FALSE(tok->is_eog(past));
+  const Ids hi = tok->encode("hi", false, false);
+  Ids mixed = {past};
+  mixed.insert(mixed.end(), hi.begin(), hi.end());
+  mixed.push_back(far);
+  EXPECT_EQ(tok->decode(mixed), "hi");
+  EXPECT_EQ(tok->decode(mixed, /*skip_special=*/true), "hi");
+}
+
+// An id with no token between the bytes of one UTF-8 character leaves the character whole.
+TEST(Bpe, StreamingKeepsUtf8AcrossIdsWithoutText) {
+  TinyVocab v;
+  auto tok = Tokenizer::create(v.spec);
+  const Ids e_acute = tok->encode("\xC3\xA9", false, false);  // two byte tokens
+  ASSERT_EQ(e_acute.size(), 2u);
+  StreamingDetokenizer d(*tok);
+  EXPECT_EQ(d.push(e_acute[0]), "");
+  EXPECT_EQ(d.push(tok->vocab_size() + 7), "");
+  EXPECT_EQ(d.push(e_acute[1]), "\xC3\xA9");
+  EXPECT_EQ(d.flush(), "");
+  EXPECT_THROW(d.push(-3), Error);
 }
 
 TEST(Bpe, InvalidUtf8IsReadAsReplacementChar) {
