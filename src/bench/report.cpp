@@ -5,6 +5,8 @@
 #include <fstream>
 #include <thread>
 
+#include "core/build_info.h"
+
 namespace ds {
 namespace {
 
@@ -103,12 +105,7 @@ SystemInfo collect_system_info(const std::string& command, const std::string& ve
   }
   s.cpu = cpu_model_name();
   s.cpu_cores = int(std::thread::hardware_concurrency());
-#ifdef DEEPSERVE_SOURCE_DIR
-  const std::string git = std::string("git -C '") + DEEPSERVE_SOURCE_DIR + "' ";
-  s.commit = command_output(git + "rev-parse HEAD");
-  if (s.commit && command_output(git + "status --porcelain --untracked-files=no"))
-    *s.commit += "-dirty";
-#endif
+  s.commit = build_commit();
   s.command = command;
   s.version = version;
   const std::time_t now = std::time(nullptr);

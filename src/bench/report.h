@@ -15,7 +15,7 @@ struct SystemInfo {
   std::optional<std::string> gpu, driver;  // from nvidia-smi when there is one
   std::optional<std::string> cpu;          // /proc/cpuinfo's model name
   int cpu_cores = 0;
-  std::optional<std::string> commit;  // git rev-parse HEAD of the source tree (+ "-dirty")
+  std::optional<std::string> commit;  // build_commit() of this binary
   std::string command;
   std::string version;
   std::string time_utc;  // ISO 8601

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "cli/commands.h"
+#include "core/build_info.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -70,7 +71,8 @@ void add_sampling_options(CLI::App* app, ds::SamplingParams& s) {
 
 int main(int argc, char** argv) {
   CLI::App app{"deepserve: LLM inference engine"};
-  app.set_version_flag("--version", std::string("deepserve ") + DEEPSERVE_VERSION);
+  app.set_version_flag("--version", std::string("deepserve ") + DEEPSERVE_VERSION + " (commit " +
+                                        ds::build_commit() + ")");
   app.require_subcommand(1);
 
   ds::GenerateOptions gen;

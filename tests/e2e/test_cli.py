@@ -135,3 +135,15 @@ def test_inspect_deepseek_gguf_and_safetensors_agree(run):
     assert g["moe"]["topk_method"] == "group_limited_greedy" and g["moe"]["shared_experts"] == 2
     text = run("inspect", gguf).stdout
     assert "mla:" in text and "moe:" in text and "yarn:" in text
+
+
+def test_version_names_the_commit_built(run):
+    # The commit is compiled in (cmake/build_commit.cmake), not looked up when the binary runs.
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    out = run("--version").stdout.strip()
+    assert out.startswith("deepserve "), out
+    if head:
+        assert f"(commit {head}" in out, (out, head)
