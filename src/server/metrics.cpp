@@ -151,6 +151,11 @@ double ServerMetrics::tokens_per_second_locked() const {
   return double(total) / span;
 }
 
+void ServerMetrics::set_open_connections(int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  open_connections_ = n;
+}
+
 std::string ServerMetrics::prometheus(const EngineStats& st) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out;
@@ -160,7 +165,7 @@ std::string ServerMetrics::prometheus(const EngineStats& st) const {
   header(out, "deepserve:generation_tokens", "counter", "Generated tokens of finished requests.");
   sample(out, "deepserve:generation_tokens_total", m, double(generation_tokens_));
   header(out, "deepserve:requests", "counter", "Finished requests by finish reason.");
-  for (const char* reason : {"stop", "length", "cancelled", "rejected"}) {
+  for (const char* reason : {"stop", "length", "cancelled", "rejected", "error"}) {
     auto it = requests_.find(reason);
     sample(out, "deepserve:requests_total", m + ",finish_reason=\"" + reason + "\"",
            it == requests_.end() ? 0.0 : double(it->second));
@@ -184,6 +189,7 @@ std::string ServerMetrics::prometheus(const EngineStats& st) const {
        st.kv.prefix_hit_rate},
       {"deepserve:tokens_per_second_1m_avg", "Generated tokens per second, last minute.",
        tokens_per_second_locked()},
+      {"deepserve:http_connections_open", "Open HTTP connections.", double(open_connections_)},
   };
   for (const auto& g : gauges) {
     header(out, g.name, "gauge", g.help);
@@ -226,7 +232,7 @@ std::string ServerMetrics::prometheus(const EngineStats& st) const {
 nlohmann::json ServerMetrics::json(const EngineStats& st) const {
   std::lock_guard<std::mutex> lock(mu_);
   nlohmann::json reqs = nlohmann::json::object();
-  for (const char* reason : {"stop", "length", "cancelled", "rejected"}) reqs[reason] = 0;
+  for (const char* reason : {"stop", "length", "cancelled", "rejected", "error"}) reqs[reason] = 0;
   for (const auto& [k, v] : requests_) reqs[k] = v;
   nlohmann::json lat = nlohmann::json::object();
   for (int p = 0; p < kPriorities; ++p) {
@@ -248,6 +254,7 @@ nlohmann::json ServerMetrics::json(const EngineStats& st) const {
                       {"prefix_cache_hit_rate", st.kv.prefix_hit_rate},
                       {"preemptions_total", st.preemptions},
                       {"tokens_per_second_1m_avg", tokens_per_second_locked()},
+                      {"http_connections_open", open_connections_},
                       {"latency", lat}};
   if (!st.expert_load.empty()) j["moe"] = moe_json(st.expert_load);
   return j;
