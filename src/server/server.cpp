@@ -61,9 +61,14 @@ ApiServer::ApiServer(Engine& engine, const LoadedModel& model, ServerConfig cfg)
 
 ApiServer::~ApiServer() {
   http_->stop();
-  // Engine events must not reach connections that are going away.
-  std::lock_guard<std::mutex> lock(env_.mu);
-  for (auto& [id, handle] : env_.live) handle->set_listener(nullptr);
+  // Engine events must not reach connections that are going away. (Outside the lock: a
+  // listener may hold the last reference to its job, whose destructor takes the lock.)
+  std::vector<std::shared_ptr<RequestHandle>> live;
+  {
+    std::lock_guard<std::mutex> lock(env_.mu);
+    for (auto& [id, handle] : env_.live) live.push_back(handle);
+  }
+  for (auto& handle : live) handle->set_listener(nullptr);
   // (http_ is destroyed first among the members, closing what is still open.)
 }
 

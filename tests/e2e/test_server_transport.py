@@ -265,3 +265,26 @@ def test_no_tokenizer_streams_token_ids(deepserve, tmp_path):
         assert s["tpot_ms"]["p50"] > 0 and s["itl_ms"]["p50"] > 0
     finally:
         assert stop_server(proc) == 0
+
+
+def test_sigterm_past_drain_timeout_cancels_and_exits(deepserve, tmp_path):
+    proc, base = start_server(deepserve, tmp_path / "server.log", "--drain-timeout", "1")
+    try:
+        sock = raw_request(base, "/v1/completions", {"prompt": "Tell me a story",
+                                                     "max_tokens": 3000, "ignore_eos": True,
+                                                     "stream": True})
+        sock.settimeout(20)
+        got = b""
+        while b"data: " not in got:  # generating
+            got += sock.recv(65536)
+        t = time.time()
+        assert stop_server(proc, timeout=20) == 0
+        assert time.time() - t < 10
+        body = got
+        while chunk := sock.recv(65536):
+            body += chunk
+        sock.close()
+        assert b'"finish_reason":"cancelled"' in body and b"data: [DONE]" in body
+    finally:
+        if proc.poll() is None:
+            proc.kill()
