@@ -17,6 +17,7 @@
 #include <boost/beast/http/string_body.hpp>
 #include <cctype>
 #include <chrono>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -114,7 +115,8 @@ struct HttpServer::Impl {
   std::atomic<int> busy{0};
   std::atomic<bool> closing{false};
   net::io_context ioc;
-  std::optional<net::executor_work_guard<net::io_context::executor_type>> work;
+  std::mutex work_mu;  // stop() may come from any thread
+  std::optional<net::executor_work_guard<net::io_context::executor_type>> work;  // until stop()
   tcp::acceptor acceptor{net::make_strand(ioc)};
   net::steady_timer retry{acceptor.get_executor()};
 
@@ -435,6 +437,7 @@ HttpServer::HttpServer(HttpLimits limits, HttpHandler handler, HttpErrorBody err
   impl_->limits = limits;
   impl_->handler = std::move(handler);
   impl_->error_body = std::move(error_body);
+  impl_->work.emplace(impl_->ioc.get_executor());
 }
 
 HttpServer::~HttpServer() {
@@ -466,7 +469,6 @@ int HttpServer::bind(const std::string& host, int port) {
 }
 
 void HttpServer::run(int threads) {
-  impl_->work.emplace(impl_->ioc.get_executor());
   auto loop = [this] {
     for (;;) {
       try {
@@ -493,6 +495,7 @@ void HttpServer::stop_accepting() {
 }
 
 void HttpServer::stop() {
+  std::lock_guard<std::mutex> lock(impl_->work_mu);
   impl_->work.reset();
   impl_->ioc.stop();
 }
