@@ -17,6 +17,7 @@
 #include <boost/beast/http/string_body.hpp>
 #include <cctype>
 #include <chrono>
+#include <cstdio>
 #include <mutex>
 #include <optional>
 #include <thread>
