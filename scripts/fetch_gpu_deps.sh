@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .carry/debs
 rm -rf .carry/deps && mkdir -p .carry/deps
-(cd .carry/debs && apt-get download libcpp-httplib-dev libcpp-httplib0.11 libpcre2-dev libbrotli-dev libbrotli1 zlib1g-dev \
+(cd .carry/debs && apt-get download libpcre2-dev \
   libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3)
 for d in .carry/debs/*.deb; do dpkg -x "$d" .carry/deps; done
 du -sh .carry/deps

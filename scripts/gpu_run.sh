@@ -11,8 +11,9 @@
 #   profile the same with --profile-ops (eager, per-op times of the steady decode step)
 #   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks
 #   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
-# The machine has no package registry: cpp-httplib and PCRE2 come from Debian .debs unpacked
-# into .carry/deps (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"];
+# The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
+# (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
+# the HTTP server needs are the machine's own (/usr/include/boost);
 # scripts/gpu_snapshot.sh puts the committed tree in .carry/src to run from (carried too).
 set -uo pipefail
 

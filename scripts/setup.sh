@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libpcre2-dev nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
-  libcpp-httplib-dev libyaml-cpp-dev libspdlog-dev libfmt-dev
+  libboost1.81-dev libyaml-cpp-dev libspdlog-dev libfmt-dev
   clang libclang-rt-14-dev clang-format
   python3 python3-venv python3-pip
 )

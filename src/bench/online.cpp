@@ -1,22 +1,21 @@
 #include "bench/online.h"
 
-#include <httplib.h>
-
 #include <nlohmann/json.hpp>
 
+#include "bench/http_client.h"
 #include "bench/sse.h"
 #include "core/error.h"
 
 namespace ds {
 namespace {
 
-std::unique_ptr<httplib::Client> make_client(const ParsedUrl& u, const OnlineTargetConfig& c) {
-  auto cli = std::make_unique<httplib::Client>(u.origin);
-  cli->set_connection_timeout(10);
-  const auto timeout = std::chrono::duration<double>(c.request_timeout_s);
-  cli->set_read_timeout(std::chrono::duration_cast<std::chrono::microseconds>(timeout));
-  if (!c.api_key.empty()) cli->set_bearer_token_auth(c.api_key);
-  return cli;
+HttpCall make_call(const ParsedUrl& u, const OnlineTargetConfig& c, std::string target) {
+  HttpCall call;
+  call.origin = u.origin;
+  call.target = u.prefix + target;
+  call.read_timeout_s = c.request_timeout_s;
+  if (!c.api_key.empty()) call.headers.push_back({"Authorization", "Bearer " + c.api_key});
+  return call;
 }
 
 }  // namespace
@@ -39,13 +38,12 @@ ParsedUrl parse_server_url(const std::string& url) {
 OnlineTarget::OnlineTarget(OnlineTargetConfig cfg)
     : cfg_(std::move(cfg)), url_(parse_server_url(cfg_.url)) {
   if (!cfg_.model_name.empty()) return;
-  auto cli = make_client(url_, cfg_);
-  auto res = cli->Get(url_.prefix + "/v1/models");
-  if (!res) throw Error(cfg_.url + ": " + httplib::to_string(res.error()));
-  if (res->status != 200)
-    throw Error(cfg_.url + "/v1/models: HTTP " + std::to_string(res->status) + ": " + res->body);
+  const HttpReply res = http_call(make_call(url_, cfg_, "/v1/models"));
+  if (!res.error.empty()) throw Error(res.error);
+  if (res.status != 200)
+    throw Error(cfg_.url + "/v1/models: HTTP " + std::to_string(res.status) + ": " + res.body);
   try {
-    const auto j = nlohmann::json::parse(res->body);
+    const auto j = nlohmann::json::parse(res.body);
     cfg_.model_name = j.at("data").at(0).at("id").get<std::string>();
   } catch (const std::exception& e) {
     throw Error(cfg_.url + "/v1/models: no model id in the answer: " + e.what());
@@ -53,13 +51,16 @@ OnlineTarget::OnlineTarget(OnlineTargetConfig cfg)
 }
 
 BenchResult OnlineTarget::run(const BenchRequest& req) {
+  // return_token_ids: each chunk carries its tokens' ids (deepserve, vLLM), so tokens are
+  // counted exactly and timed as they arrive, with or without a tokenizer on the server.
   nlohmann::json body = {{"model", cfg_.model_name},
                          {"max_tokens", req.max_tokens},
                          {"stream", true},
                          {"stream_options", {{"include_usage", true}}},
                          {"ignore_eos", req.ignore_eos},
                          {"temperature", req.temperature},
-                         {"seed", req.seed}};
+                         {"seed", req.seed},
+                         {"return_token_ids", true}};
   if (req.prompt_text.empty())
     body["prompt"] = req.prompt_ids;
   else
@@ -69,27 +70,16 @@ BenchResult OnlineTarget::run(const BenchRequest& req) {
   BenchResult r;
   r.prompt_tokens = int(req.prompt_ids.size());
   SseParser sse;
-  int status = 0;
-  std::string error_body;
   bool done = false;
-  httplib::Request hr;
-  hr.method = "POST";
-  hr.path = url_.prefix + "/v1/completions";
-  hr.body = body.dump();
-  hr.set_header("Content-Type", "application/json");
-  hr.set_header("Accept", "text/event-stream");
-  hr.response_handler = [&](const httplib::Response& res) {
-    status = res.status;
-    return true;
-  };
-  hr.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+  HttpCall call = make_call(url_, cfg_, "/v1/completions");
+  call.method = "POST";
+  call.body = body.dump();
+  call.headers.push_back({"Content-Type", "application/json"});
+  call.headers.push_back({"Accept", "text/event-stream"});
+  call.on_body = [&](std::string_view data) {
     const double t = steady_now_s();
-    if (status != 200) {
-      error_body.append(data, n);
-      return true;
-    }
     try {
-      for (const std::string& ev : sse.feed(std::string_view(data, n))) {
+      for (const std::string& ev : sse.feed(data)) {
         const CompletionChunk c = parse_completion_chunk(ev);
         if (c.done) {
           done = true;
@@ -99,7 +89,9 @@ BenchResult OnlineTarget::run(const BenchRequest& req) {
           r.error = c.error;
           continue;
         }
-        const int tokens = cfg_.count_logprobs ? c.logprob_tokens : (c.text.empty() ? 0 : 1);
+        const int tokens = c.token_ids >= 0      ? c.token_ids
+                           : cfg_.count_logprobs ? c.logprob_tokens
+                                                 : (c.text.empty() ? 0 : 1);
         for (int i = 0; i < tokens; ++i) r.token_s.push_back(t);
         r.client_output_tokens += tokens;
         if (!c.finish_reason.empty()) r.finish_reason = c.finish_reason;
@@ -113,14 +105,13 @@ BenchResult OnlineTarget::run(const BenchRequest& req) {
     return true;
   };
 
-  auto cli = make_client(url_, cfg_);
   r.start_s = steady_now_s();
-  auto res = cli->send(hr);
+  const HttpReply res = http_call(call);
   r.end_s = steady_now_s();
-  if (!res) {
-    if (r.error.empty()) r.error = cfg_.url + ": " + httplib::to_string(res.error());
-  } else if (status != 200) {
-    r.error = "HTTP " + std::to_string(status) + ": " + error_body.substr(0, 500);
+  if (res.status != 200 && res.status != 0) {
+    r.error = "HTTP " + std::to_string(res.status) + ": " + res.body.substr(0, 500);
+  } else if (!res.error.empty()) {
+    if (r.error.empty()) r.error = res.error;
   } else if (!done && r.error.empty()) {
     r.error = "the stream ended without [DONE]";
   }
@@ -132,18 +123,17 @@ BenchResult OnlineTarget::run(const BenchRequest& req) {
 TargetSnapshot OnlineTarget::snapshot() {
   TargetSnapshot s;
   if (metrics_missing_) return s;
-  auto cli = make_client(url_, cfg_);
-  cli->set_read_timeout(5);
-  auto res = cli->Get(url_.prefix + "/api/v1/metrics?model=" +
-                      httplib::detail::encode_query_param(cfg_.model_name));
-  if (!res) return s;  // busy or gone: try again at the next sample
-  if (res->status == 404) {
+  HttpCall call = make_call(url_, cfg_, "/api/v1/metrics?model=" + url_encode(cfg_.model_name));
+  call.read_timeout_s = 5;
+  const HttpReply res = http_call(call);
+  if (res.status == 0) return s;  // busy or gone: try again at the next sample
+  if (res.status == 404) {
     metrics_missing_ = true;  // not our server: no JSON metrics
     return s;
   }
-  if (res->status != 200) return s;
+  if (res.status != 200) return s;
   try {
-    const auto j = nlohmann::json::parse(res->body);
+    const auto j = nlohmann::json::parse(res.body);
     auto num = [&](const char* k) -> std::optional<double> {
       auto it = j.find(k);
       if (it == j.end() || !it->is_number()) return std::nullopt;

@@ -71,6 +71,8 @@ CompletionChunk parse_completion_chunk(std::string_view data) {
         c.text = t->get<std::string>();
     if (auto f = choice.find("finish_reason"); f != choice.end() && f->is_string())
       c.finish_reason = f->get<std::string>();
+    if (auto ids = choice.find("token_ids"); ids != choice.end() && ids->is_array())
+      c.token_ids = int(ids->size());
     if (auto lp = choice.find("logprobs"); lp != choice.end() && lp->is_object())
       if (auto toks = lp->find("tokens"); toks != lp->end() && toks->is_array())
         c.logprob_tokens = int(toks->size());

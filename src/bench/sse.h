@@ -33,6 +33,7 @@ struct CompletionChunk {
   std::string text;           // choices[0].text (or a chat delta's content)
   std::string finish_reason;  // "" until the end
   int logprob_tokens = 0;     // entries in choices[0].logprobs.tokens
+  int token_ids = -1;         // entries in choices[0].token_ids; -1 when it has none
   std::optional<int> prompt_tokens, completion_tokens;  // usage, when the chunk has it
 };
 

@@ -28,6 +28,9 @@ int run_serve(const ServeOptions& o) {
   cfg.host = o.host;
   cfg.port = o.port;
   cfg.api_key = o.api_key;
+  cfg.http = o.http;
+  cfg.io_threads = o.io_threads;
+  cfg.max_waiting_requests = o.max_waiting_requests;
   cfg.model_name = o.served_model_name;
   if (cfg.model_name.empty()) cfg.model_name = std::filesystem::path(s.loaded.path).stem().string();
   ApiServer server(*s.engine, s.loaded, cfg);

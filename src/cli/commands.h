@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cli/session.h"
+#include "server/http_transport.h"
 
 namespace ds {
 
@@ -42,6 +43,9 @@ struct ServeOptions {
   std::string api_key;
   std::string served_model_name;  // default: the model file's name without extension
   double drain_timeout_s = 30;
+  HttpLimits http;
+  int io_threads = 2;
+  int max_waiting_requests = 4096;
 };
 
 struct BenchOptions {

@@ -124,6 +124,29 @@ int main(int argc, char** argv) {
                  "seconds in-flight requests get to finish on SIGTERM / SIGINT")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  // The HTTP layer's limits: positive numbers, defaults shown in --help.
+  auto limit = [sv](const char* name, auto& value, const char* help) {
+    sv->add_option(name, value, help)->check(CLI::PositiveNumber)->capture_default_str();
+  };
+  limit("--max-connections", serve.http.max_connections,
+        "open HTTP connections at most (more are answered 503 and closed)");
+  limit("--max-waiting-requests", serve.max_waiting_requests,
+        "requests queued or in prefill at most (more are answered 503 + Retry-After)");
+  limit("--max-header-bytes", serve.http.max_header_bytes,
+        "a request header larger than this is answered 431");
+  limit("--max-body-bytes", serve.http.max_body_bytes,
+        "a request body larger than this is answered 413");
+  limit("--header-timeout", serve.http.header_timeout_s,
+        "seconds a new connection has to send its request header");
+  limit("--body-timeout", serve.http.body_timeout_s,
+        "seconds a request body has to arrive after its header");
+  limit("--idle-timeout", serve.http.idle_timeout_s,
+        "seconds a kept-alive connection may wait for its next request");
+  limit("--write-timeout", serve.http.write_timeout_s,
+        "seconds one write may wait on a client that does not read");
+  sv->add_option("--io-threads", serve.io_threads, "threads running the HTTP connections")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
 
   ds::BenchOptions bench;
   auto* b = app.add_subcommand("bench", "measure throughput and latency for a workload YAML");

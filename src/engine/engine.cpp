@@ -79,14 +79,18 @@ double Timings::decode_tokens_per_s() const {
   return decode_s > 0 && completion_tokens > 1 ? (completion_tokens - 1) / decode_s : 0;
 }
 
-std::optional<EngineEvent> RequestHandle::next() {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (done_) return std::nullopt;
-  cv_.wait(lock, [&] { return !events_.empty(); });
+std::optional<EngineEvent> RequestHandle::pop_locked() {
   EngineEvent ev = std::move(events_.front());
   events_.pop_front();
   if (ev.final) done_ = true;
   return ev;
+}
+
+std::optional<EngineEvent> RequestHandle::next() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (done_) return std::nullopt;
+  cv_.wait(lock, [&] { return !events_.empty(); });
+  return pop_locked();
 }
 
 std::optional<EngineEvent> RequestHandle::next_for(double timeout_s) {
@@ -95,10 +99,27 @@ std::optional<EngineEvent> RequestHandle::next_for(double timeout_s) {
   if (!cv_.wait_for(lock, std::chrono::duration<double>(std::max(timeout_s, 0.0)),
                     [&] { return !events_.empty(); }))
     return std::nullopt;
-  EngineEvent ev = std::move(events_.front());
-  events_.pop_front();
-  if (ev.final) done_ = true;
-  return ev;
+  return pop_locked();
+}
+
+std::optional<EngineEvent> RequestHandle::try_next() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (done_ || events_.empty()) return std::nullopt;
+  return pop_locked();
+}
+
+void RequestHandle::set_listener(std::function<void()> fn) {
+  std::function<void()> old;  // destroyed outside the lock: it may own what set it
+  {
+    std::lock_guard<std::mutex> lock(listener_mu_);
+    old = std::exchange(listener_, std::move(fn));
+    bool queued;
+    {
+      std::lock_guard<std::mutex> events_lock(mu_);
+      queued = !events_.empty();
+    }
+    if (queued && listener_) listener_();
+  }
 }
 
 EngineEvent RequestHandle::wait() {
@@ -120,6 +141,8 @@ void RequestHandle::push(EngineEvent ev) {
     events_.push_back(std::move(ev));
   }
   cv_.notify_one();
+  std::lock_guard<std::mutex> lock(listener_mu_);
+  if (listener_) listener_();
 }
 
 Engine::Engine(Model& model, Backend& backend, const Tokenizer* tokenizer, const EngineConfig& cfg)

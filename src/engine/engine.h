@@ -93,18 +93,27 @@ class RequestHandle {
   std::optional<EngineEvent> next();
   // Like next(), but waits at most `timeout_s`: nullopt also when nothing arrived in time.
   std::optional<EngineEvent> next_for(double timeout_s);
+  // Never blocks: the next event if one is queued, else nullopt (also after the final one).
+  std::optional<EngineEvent> try_next();
+  // Event-driven readers: `fn` runs after each event is queued (on the engine thread, so it
+  // must only hand off, e.g. post to an executor), and at once if events are already queued.
+  // Once set_listener returns, the previous listener is not running and will not run again.
+  void set_listener(std::function<void()> fn);
   // Reads events until the final one; returns it with `text` holding the whole output.
   EngineEvent wait();
 
  private:
   friend class Engine;
   void push(EngineEvent ev);
+  std::optional<EngineEvent> pop_locked();
 
   SeqId id_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<EngineEvent> events_;
-  bool done_ = false;  // final event read
+  bool done_ = false;       // final event read
+  std::mutex listener_mu_;  // held while the listener runs or is replaced
+  std::function<void()> listener_;
 };
 
 struct EngineStats {

@@ -196,6 +196,10 @@ nlohmann::json error_body(const ApiError& e) {
             {"code", e.code.empty() ? nlohmann::json() : nlohmann::json(e.code)}}}};
 }
 
+std::string dump_json(const nlohmann::ordered_json& j) {
+  return j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+}
+
 ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLimits& lim) {
   if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object");
   if (const auto* m = field(body, "model")) {
@@ -219,6 +223,7 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
     bad("n", "'n' must be between 1 and " + std::to_string(lim.max_n));
   r.n = int(n.value_or(1));
   r.logprobs = requested_logprobs(body, chat);
+  r.return_token_ids = boolean(body, "return_token_ids", false) || !lim.tokenizer;
 
   // max_completion_tokens is the newer name; either must be >= 1 when given.
   std::optional<int64_t> max_tokens = integer(body, "max_completion_tokens");

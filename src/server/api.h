@@ -26,6 +26,9 @@ struct ApiError : std::runtime_error {
 
 nlohmann::json error_body(const ApiError& e);
 
+// Compact JSON text; invalid UTF-8 in strings is replaced, never thrown on.
+std::string dump_json(const nlohmann::ordered_json& j);
+
 // What validation needs to know about the model being served.
 struct ApiLimits {
   const Tokenizer* tokenizer = nullptr;  // null: only token-id prompts
@@ -44,6 +47,10 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;
   int logprobs = -1;  // -1: none; else alternatives per token (completions 0..5, chat 0..20)
+  // Each choice carries its generated `token_ids` (streamed: each chunk its step's ids, so a
+  // chunk goes out for every token): asked for with `return_token_ids`, always when the model
+  // has no tokenizer.
+  bool return_token_ids = false;
   std::vector<EngineRequest> engine;  // prompts.size() * n, prompt-major
 };
 

@@ -151,6 +151,11 @@ double ServerMetrics::tokens_per_second_locked() const {
   return double(total) / span;
 }
 
+void ServerMetrics::set_open_connections(int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  open_connections_ = n;
+}
+
 std::string ServerMetrics::prometheus(const EngineStats& st) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out;
@@ -184,6 +189,7 @@ std::string ServerMetrics::prometheus(const EngineStats& st) const {
        st.kv.prefix_hit_rate},
       {"deepserve:tokens_per_second_1m_avg", "Generated tokens per second, last minute.",
        tokens_per_second_locked()},
+      {"deepserve:http_connections_open", "Open HTTP connections.", double(open_connections_)},
   };
   for (const auto& g : gauges) {
     header(out, g.name, "gauge", g.help);
@@ -248,6 +254,7 @@ nlohmann::json ServerMetrics::json(const EngineStats& st) const {
                       {"prefix_cache_hit_rate", st.kv.prefix_hit_rate},
                       {"preemptions_total", st.preemptions},
                       {"tokens_per_second_1m_avg", tokens_per_second_locked()},
+                      {"http_connections_open", open_connections_},
                       {"latency", lat}};
   if (!st.expert_load.empty()) j["moe"] = moe_json(st.expert_load);
   return j;

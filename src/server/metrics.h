@@ -53,6 +53,8 @@ class ServerMetrics {
   // for the first).
   void token(Priority priority, double gap_s);
   void request_finished(const RequestRecord& r);
+  // The HTTP layer's open connections (a gauge, set before each rendering).
+  void set_open_connections(int64_t n);
 
   std::string prometheus(const EngineStats& st) const;
   nlohmann::json json(const EngineStats& st) const;
@@ -72,6 +74,7 @@ class ServerMetrics {
   mutable std::mutex mu_;
   int64_t prompt_tokens_ = 0;
   int64_t generation_tokens_ = 0;
+  int64_t open_connections_ = 0;
   std::map<std::string, int64_t> requests_;  // by finish reason
   std::array<PerPriority, kPriorities> per_priority_;
   // Tokens per wall-clock second over the last minute: a ring indexed by second.

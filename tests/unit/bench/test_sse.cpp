@@ -52,7 +52,13 @@ TEST(CompletionChunk, Fields) {
   EXPECT_EQ(c.text, "ab");
   EXPECT_EQ(c.finish_reason, "");
   EXPECT_EQ(c.logprob_tokens, 2);
+  EXPECT_EQ(c.token_ids, -1);  // none sent
   EXPECT_FALSE(c.completion_tokens);
+
+  // Token ids (return_token_ids): counted even when the step added no text.
+  c = parse_completion_chunk(R"({"choices":[{"text":"","token_ids":[17]}]})");
+  EXPECT_EQ(c.token_ids, 1);
+  EXPECT_EQ(parse_completion_chunk(R"({"choices":[{"text":"","token_ids":[]}]})").token_ids, 0);
 
   c = parse_completion_chunk(R"({"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}})");
   EXPECT_FALSE(c.has_choice);

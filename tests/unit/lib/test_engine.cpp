@@ -2,8 +2,11 @@
 // and a cache small enough to force preemptions), prefix caching, cancellation, rejection.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
@@ -221,6 +224,41 @@ TEST(Engine, IdsPastTheTokenizerAreOutputsWithoutText) {
     for (int32_t t : toks) past += t >= 256;
   }
   EXPECT_GT(past, 32) << "the test needs ids the tokenizer lacks";
+}
+
+// The event-driven reading the HTTP server does: a listener wakes the reader, which takes
+// events with try_next() and never blocks; no event is missed, even ones queued before the
+// listener was set.
+TEST(Engine, ListenerWakesANonBlockingReader) {
+  NEED_MODEL();
+  Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), EngineConfig{});
+  EngineRequest r;
+  r.prompt = f->prompts[0];
+  r.max_tokens = 6;
+  r.ignore_eos = true;
+  auto h = engine.submit(r);
+  std::mutex mu;
+  std::condition_variable cv;
+  int wakeups = 0;
+  h->set_listener([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    ++wakeups;
+    cv.notify_all();
+  });
+  std::vector<EngineEvent> got;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while ((got.empty() || !got.back().final) && std::chrono::steady_clock::now() < deadline) {
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_until(lock, deadline, [&] { return wakeups > 0; });
+      wakeups = 0;
+    }
+    while (auto ev = h->try_next()) got.push_back(std::move(*ev));
+  }
+  ASSERT_EQ(got.size(), 7u);  // six tokens, then the final event
+  EXPECT_EQ(got.back().finish_reason, "length");
+  EXPECT_FALSE(h->try_next().has_value());
+  h->set_listener(nullptr);
 }
 
 }  // namespace

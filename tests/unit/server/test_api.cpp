@@ -45,6 +45,14 @@ TEST(ServerApi, TokenPromptsAndChoices) {
   EXPECT_FALSE(r.engine[0].ignore_eos);
 }
 
+TEST(ServerApi, TokenIdsAlwaysReturnedWithoutTokenizer) {
+  // No tokenizer: the text is empty, so the ids are what a client can read.
+  EXPECT_TRUE(parse_api_request(Json{{"prompt", {1}}}, false, limits()).return_token_ids);
+  EXPECT_TRUE(parse_api_request(Json{{"prompt", {1}}, {"return_token_ids", false}}, false, limits())
+                  .return_token_ids);
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"return_token_ids", "yes"}}), 400);
+}
+
 TEST(ServerApi, IgnoreEosExtension) {
   auto r =
       parse_api_request(Json{{"prompt", {1}}, {"n", 2}, {"ignore_eos", true}}, false, limits());

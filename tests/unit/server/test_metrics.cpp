@@ -162,6 +162,13 @@ TEST(ServerMetrics, CountsAndRenders) {
   EXPECT_EQ(ex.types.at("deepserve:num_requests_running"), "gauge");
   EXPECT_EQ(ex.at("deepserve:num_requests_running", model), 3);
   EXPECT_EQ(ex.at("deepserve:num_requests_waiting", model), 2);
+  EXPECT_EQ(ex.at("deepserve:http_connections_open", model), 0);
+  EXPECT_EQ(ex.at("deepserve:requests_total", {{"model_name", "m"}, {"finish_reason", "error"}}),
+            0);
+
+  m.set_open_connections(7);
+  EXPECT_EQ(parse_exposition(m.prometheus(st)).at("deepserve:http_connections_open", model), 7);
+  EXPECT_EQ(m.json(st)["http_connections_open"], 7);
 }
 
 TEST(ServerMetrics, ExpertUtilizationVariance) {
