@@ -81,6 +81,12 @@ class CudaBackend final : public Backend {
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     cudaDeviceProp prop{};
     check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    // The kernels use Ampere's instructions (mma.sync BF16, cp.async, ldmatrix) at least.
+    if (prop.major < 8)
+      throw UnsupportedError(
+          std::string("CUDA device ") + prop.name + " is sm_" +
+          std::to_string(prop.major * 10 + prop.minor) +
+          "; deepserve's CUDA backend needs sm_80 or newer (Ampere, Ada, Hopper)");
     size_t free = 0, total = 0;
     check_cuda(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
     const size_t pool_bytes =
