@@ -50,6 +50,11 @@ void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
                   "tokens per engine step (prefill chunks and decodes)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app->add_option("--lower-class-prefill-tokens", e.lower_class_prefill_tokens,
+                  "priority isolation: while a higher-class request is live, prefill tokens "
+                  "per step of all lower classes together (0 pauses them, -1 = no cap)")
+      ->check(CLI::Range(-1, 1 << 24))
+      ->capture_default_str();
 }
 
 void add_sampling_options(CLI::App* app, ds::SamplingParams& s) {
