@@ -44,6 +44,10 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;
   int logprobs = -1;  // -1: none; else alternatives per token (completions 0..5, chat 0..20)
+  // Completions with echo: each prompt's text, which its choices begin with (the text as sent,
+  // or the decoded ids of a token-id prompt).
+  bool echo = false;
+  std::vector<std::string> echo_text;  // [prompts.size()]
   std::vector<EngineRequest> engine;  // prompts.size() * n, prompt-major
 };
 

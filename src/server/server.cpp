@@ -87,8 +87,9 @@ Json chat_logprobs(const Tokenizer* tok, std::span<const TokenLp> lps) {
   return {{"content", content}};
 }
 
-// The legacy completions shape: parallel lists, alternatives as {token: logprob} maps.
-Json completion_logprobs(const Tokenizer* tok, std::span<const TokenLp> lps) {
+// The legacy completions shape: parallel lists, alternatives as {token: logprob} maps; text
+// offsets count from `base` (the echoed prompt's length).
+Json completion_logprobs(const Tokenizer* tok, std::span<const TokenLp> lps, size_t base = 0) {
   Json tokens = Json::array(), token_lps = Json::array(), tops = Json::array(),
        offsets = Json::array();
   for (const auto& t : lps) {
@@ -97,12 +98,30 @@ Json completion_logprobs(const Tokenizer* tok, std::span<const TokenLp> lps) {
     Json top = Json::object();
     for (const auto& [id, lp] : t.top) top[token_text(tok, id)] = lp;
     tops.push_back(top);
-    offsets.push_back(t.begin);
+    offsets.push_back(base + t.begin);
   }
   return {{"tokens", tokens},
           {"token_logprobs", token_lps},
           {"top_logprobs", tops},
           {"text_offset", offsets}};
+}
+
+// Echo: the prompt's tokens in the completions shape, without log-probabilities (null).
+Json echo_logprobs(const Tokenizer* tok, std::span<const int32_t> prompt) {
+  Json j = {{"tokens", Json::array()},
+            {"token_logprobs", Json::array()},
+            {"top_logprobs", Json::array()},
+            {"text_offset", Json::array()}};
+  size_t at = 0;
+  for (int32_t id : prompt) {
+    const std::string s = token_text(tok, id);
+    j["tokens"].push_back(s);
+    j["token_logprobs"].push_back(nullptr);
+    j["top_logprobs"].push_back(nullptr);
+    j["text_offset"].push_back(at);
+    at += s.size();
+  }
+  return j;
 }
 
 }  // namespace
@@ -171,7 +190,21 @@ struct ApiServer::Job {
     while (to < s.lps.size() && s.lps[to].end <= s.text.size()) ++to;
     const std::span<const TokenLp> part(s.lps.data() + from, to - from);
     return req.chat ? chat_logprobs(srv->limits_.tokenizer, part)
-                    : completion_logprobs(srv->limits_.tokenizer, part);
+                    : completion_logprobs(srv->limits_.tokenizer, part, echo(i).size());
+  }
+
+  // Completions with echo: the prompt text choice `i` begins with ("" without echo).
+  const std::string& echo(size_t i) const {
+    static const std::string none;
+    return req.echo ? req.echo_text[i / size_t(req.n)] : none;
+  }
+  // Echo with logprobs: the prompt's entries (null log-probabilities), then `generated`'s.
+  Json echo_logprobs(size_t i, const Json& generated = nullptr) const {
+    Json j = ds::echo_logprobs(srv->limits_.tokenizer, req.prompts[i / size_t(req.n)]);
+    if (generated.is_object())
+      for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+        for (const auto& x : generated[key]) j[key].push_back(x);
+    return j;
   }
 
   // For a streamed chunk: the ready tokens not sent yet (null when logprobs are off).
@@ -232,13 +265,13 @@ struct ApiServer::Job {
         const ApiError e(400, s.fin.error, "", "rejected");
         return {e.status, error_body(e)};
       }
-      Json c = {{"index", i},
-                {"logprobs", req.logprobs >= 0 ? logprobs(i, 0) : Json()},
-                {"finish_reason", s.fin.finish_reason}};
+      Json lp = req.logprobs >= 0 ? logprobs(i, 0) : Json();
+      if (req.echo && req.logprobs >= 0) lp = echo_logprobs(i, lp);
+      Json c = {{"index", i}, {"logprobs", lp}, {"finish_reason", s.fin.finish_reason}};
       if (req.chat)
         c["message"] = {{"role", "assistant"}, {"content", s.text}};
       else
-        c["text"] = s.text;
+        c["text"] = echo(i) + s.text;
       choices.push_back(c);
     }
     return {200,
@@ -419,6 +452,11 @@ void ApiServer::completions(bool chat, const std::string& body, void* res_ptr) {
     if (job->req.chat)
       for (size_t i = 0; i < job->subs.size(); ++i)
         if (!send(job->chunk(i, nullptr, nullptr, true))) return false;
+    if (job->req.echo)  // the prompt first
+      for (size_t i = 0; i < job->subs.size(); ++i)
+        if (!send(job->chunk(i, &job->echo(i), nullptr, false,
+                             job->req.logprobs >= 0 ? job->echo_logprobs(i) : Json())))
+          return false;
     while (!job->all_finished()) {
       auto got = job->next_any(kPollS);
       if (!got) {
