@@ -35,7 +35,7 @@ struct EngineOptions {
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
   int lower_class_prefill_tokens = 256;  // priority isolation (docs/ARCHITECTURE.md); -1: off
-  std::string kv_dtype;  // "f32", "f16", "bf16"; "" = f32 on the CPU, bf16 on CUDA
+  std::string kv_dtype;                  // "f32", "f16", "bf16"; "" = f32 on the CPU, bf16 on CUDA
 };
 
 struct Session {

@@ -48,7 +48,7 @@ struct ApiRequest {
   // or the decoded ids of a token-id prompt).
   bool echo = false;
   std::vector<std::string> echo_text;  // [prompts.size()]
-  std::vector<EngineRequest> engine;  // prompts.size() * n, prompt-major
+  std::vector<EngineRequest> engine;   // prompts.size() * n, prompt-major
 };
 
 // Validates `body` (already parsed JSON) and tokenizes its prompt(s); throws ApiError.
