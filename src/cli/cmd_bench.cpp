@@ -135,6 +135,8 @@ int run_benchmark(const BenchOptions& o) {
   BenchSpec spec = load_bench_spec(o.config, getenv_str);
   if (!o.url.empty()) spec.url = o.url;
   if (o.gpu_hour_price) spec.gpu_hour_price = o.gpu_hour_price;
+  if (o.lower_class_prefill_tokens)
+    spec.engine.lower_class_prefill_tokens = *o.lower_class_prefill_tokens;
   if (o.profile_ops && !spec.url.empty())
     throw Error(
         "--profile-ops times the ops of an in-process engine: offline mode only "

@@ -140,6 +140,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   b->add_option("--plots", bench.plots, "draw PNG plots into this folder (needs matplotlib)");
   b->add_flag("-v,--verbose", bench.verbose, "log what is loaded and which kernels run");
+  b->add_option_function<int>(
+       "--lower-class-prefill-tokens", [&bench](int v) { bench.lower_class_prefill_tokens = v; },
+       "offline: override the YAML's engine.lower_class_prefill_tokens (-1 = isolation off)")
+      ->check(CLI::Range(-1, 1 << 24));
   b->add_flag("--profile-ops", bench.profile_ops,
               "offline: time each op of every engine step (eager, no graphs) and report the "
               "most common decode step per op");
