@@ -206,7 +206,7 @@ void refuse_unsupported(const nlohmann::json& body, bool chat) {
     if (const auto* t = field(body, name);
         t && !(t->is_string() && t->get<std::string>() == "none"))
       bad(name, std::string("'") + name + "' other than \"none\" is not supported");
-  if (chat && field(body, "echo")) bad("echo", "'echo' is for completions");
+  if (chat && boolean(body, "echo", false)) bad("echo", "'echo' is for completions");
 }
 
 }  // namespace

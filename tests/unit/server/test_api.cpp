@@ -208,7 +208,8 @@ TEST(ServerApi, UnsupportedFieldsAreRefusedByName) {
   EXPECT_EQ(param_of(with("tool_choice", "none")), "accepted");
   EXPECT_EQ(param_of(with("tool_choice", "auto")), "tool_choice");
   EXPECT_EQ(param_of(with("functions", {{{"name", "f"}}})), "functions");
-  EXPECT_EQ(param_of(with("echo", true), true), "echo");  // completions only
+  EXPECT_EQ(param_of(with("echo", true), true), "echo");       // completions only
+  EXPECT_EQ(param_of(with("echo", false), true), "messages");  // false passes (then no template)
 }
 
 TEST(ServerApi, ErrorBodyHasOpenAiFields) {
