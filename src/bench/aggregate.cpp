@@ -156,4 +156,21 @@ ScenarioResult aggregate_scenario(const BenchScenario& scenario, std::optional<d
   return out;
 }
 
+ClassResult class_result(const BenchClass& cls, const ScenarioResult& r) {
+  ClassResult c;
+  c.cls = cls;
+  c.completed = r.completed;
+  c.failed = r.failed;
+  c.duration_s = r.duration_s;
+  c.output_tokens_per_s = r.output_tokens_per_s;
+  c.ttft_ms = r.ttft_ms;
+  c.tpot_ms = r.tpot_ms;
+  c.itl_ms = r.itl_ms;
+  c.e2e_ms = r.e2e_ms;
+  c.ttft_samples_ms = r.ttft_samples_ms;
+  c.tpot_samples_ms = r.tpot_samples_ms;
+  c.e2e_samples_ms = r.e2e_samples_ms;
+  return c;
+}
+
 }  // namespace ds

@@ -13,6 +13,17 @@
 
 namespace ds {
 
+// One class of a mixed scenario: the figures of its own requests.
+struct ClassResult {
+  BenchClass cls;
+  int completed = 0;
+  int failed = 0;
+  double duration_s = 0;  // its first request out -> its last stream end
+  double output_tokens_per_s = 0;
+  std::optional<Summary> ttft_ms, tpot_ms, itl_ms, e2e_ms;
+  std::vector<double> ttft_samples_ms, tpot_samples_ms, e2e_samples_ms;  // per request
+};
+
 struct ScenarioResult {
   BenchScenario scenario;
   std::optional<double> rate;  // requests per second; unset = burst
@@ -42,6 +53,7 @@ struct ScenarioResult {
   std::optional<double> usd_per_million_output_tokens;
   std::vector<double> ttft_samples_ms, tpot_samples_ms, e2e_samples_ms;  // per request
   std::optional<OpProfile> op_profile;  // --profile-ops: per-op times of the scenario's steps
+  std::vector<ClassResult> classes;     // mixed scenarios: one per class, in spec order
 };
 
 struct AggregateOptions {
@@ -57,5 +69,8 @@ ScenarioResult aggregate_scenario(const BenchScenario& scenario, std::optional<d
                                   const std::vector<BenchResult>& results,
                                   const std::vector<TargetSnapshot>& snapshots,
                                   const AggregateOptions& opts);
+
+// A class's figures out of aggregate_scenario() over its requests alone.
+ClassResult class_result(const BenchClass& cls, const ScenarioResult& r);
 
 }  // namespace ds

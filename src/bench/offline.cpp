@@ -48,6 +48,14 @@ BenchResult OfflineTarget::run(const BenchRequest& req) {
   er.sampling.min_p = 0;
   er.sampling.seed = req.seed;
   BenchResult r;
+  if (!req.priority.empty()) {
+    const auto p = parse_priority(req.priority);
+    if (!p) {
+      r.error = "unknown priority '" + req.priority + "'";
+      return r;
+    }
+    er.priority = *p;
+  }
   r.prompt_tokens = int(req.prompt_ids.size());
   r.start_s = steady_now_s();
   std::shared_ptr<RequestHandle> h;

@@ -66,6 +66,7 @@ BenchResult OnlineTarget::run(const BenchRequest& req) {
   else
     body["prompt"] = req.prompt_text;
   if (cfg_.count_logprobs) body["logprobs"] = 0;
+  if (!req.priority.empty()) body["priority"] = req.priority;  // deepserve's extension field
 
   BenchResult r;
   r.prompt_tokens = int(req.prompt_ids.size());

@@ -69,6 +69,36 @@ Json timing_rows_json(const std::vector<OpTimingRow>& rows) {
   return a;
 }
 
+Json class_json(const ClassResult& c) {
+  const BenchClass& k = c.cls;
+  return {{"name", k.name},
+          {"priority", k.priority.empty() ? Json() : Json(k.priority)},
+          {"input_len", k.input_len},
+          {"output_len", k.output_len},
+          {"concurrency", k.concurrency},
+          {"num_prompts", k.num_prompts},
+          {"request_rate", opt(k.rate)},
+          {"start_s", k.start_s},
+          {"background", k.background},
+          {"completed", c.completed},
+          {"failed", c.failed},
+          {"duration_s", c.duration_s},
+          {"output_tokens_per_s", c.output_tokens_per_s},
+          {"ttft_ms", summary_json(c.ttft_ms)},
+          {"tpot_ms", summary_json(c.tpot_ms)},
+          {"itl_ms", summary_json(c.itl_ms)},
+          {"e2e_ms", summary_json(c.e2e_ms)},
+          {"samples",
+           {{"ttft_ms", c.ttft_samples_ms},
+            {"tpot_ms", c.tpot_samples_ms},
+            {"e2e_ms", c.e2e_samples_ms}}}};
+}
+
+std::string p50_p99(const std::optional<Summary>& s, const char* fmt) {
+  if (!s) return "-";
+  return cell(s->p50, fmt) + "/" + cell(s->p99, fmt);
+}
+
 }  // namespace
 
 Json op_profile_json(const OpProfile& p) {
@@ -167,6 +197,8 @@ Json scenario_json(const ScenarioResult& r) {
   j["samples"] = {
       {"ttft_ms", r.ttft_samples_ms}, {"tpot_ms", r.tpot_samples_ms}, {"e2e_ms", r.e2e_samples_ms}};
   j["op_profile"] = r.op_profile ? op_profile_json(*r.op_profile) : Json();
+  j["classes"] = Json::array();
+  for (const ClassResult& c : r.classes) j["classes"].push_back(class_json(c));
   return j;
 }
 
@@ -179,7 +211,8 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
                        {"kv_mode", spec.engine.kv_mode},
                        {"prefix_cache", spec.engine.prefix_cache},
                        {"max_num_seqs", spec.engine.max_num_seqs},
-                       {"max_num_batched_tokens", spec.engine.max_num_batched_tokens}};
+                       {"max_num_batched_tokens", spec.engine.max_num_batched_tokens},
+                       {"lower_class_prefill_tokens", spec.engine.lower_class_prefill_tokens}};
   return {{"schema_version", 1},
           {"name", spec.name},
           {"description", spec.description},
@@ -203,6 +236,7 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
             {"precision", spec.precision},
             {"engine", engine},
             {"request_rate", opt(spec.rate)},
+            {"priority", spec.priority.empty() ? Json() : Json(spec.priority)},
             {"ignore_eos", spec.ignore_eos},
             {"temperature", spec.temperature},
             {"warmup", spec.warmup},
@@ -222,10 +256,6 @@ void print_table(std::FILE* out, const BenchRun& run) {
                "tg tok/s", "TTFT p50/p99", "TPOT p50/p99", "E2E p50/p99", "step ms (std)",
                "roofline", "mem GB");
   for (const auto& r : run.scenarios) {
-    auto pair = [](const std::optional<Summary>& s, const char* fmt) {
-      if (!s) return std::string("-");
-      return cell(s->p50, fmt) + "/" + cell(s->p99, fmt);
-    };
     const std::string step = r.step_time_ms ? cell(r.step_time_ms->mean, "%.2f") + " (" +
                                                   cell(r.step_time_ms->std, "%.2f") + ")"
                                             : "-";
@@ -236,9 +266,17 @@ void print_table(std::FILE* out, const BenchRun& run) {
                  r.scenario.name.c_str(), r.scenario.concurrency, r.scenario.input_len,
                  r.scenario.output_len, r.requests_per_s, r.output_tokens_per_s,
                  r.total_tokens_per_s, cell(r.prompt_tokens_per_s, "%.1f").c_str(),
-                 cell(r.decode_tokens_per_s, "%.1f").c_str(), pair(r.ttft_ms, "%.1f").c_str(),
-                 pair(r.tpot_ms, "%.2f").c_str(), pair(r.e2e_ms, "%.0f").c_str(), step.c_str(),
-                 cell(roof, "%.1f%%").c_str(), cell(mem, "%.2f").c_str());
+                 cell(r.decode_tokens_per_s, "%.1f").c_str(), p50_p99(r.ttft_ms, "%.1f").c_str(),
+                 p50_p99(r.tpot_ms, "%.2f").c_str(), p50_p99(r.e2e_ms, "%.0f").c_str(),
+                 step.c_str(), cell(roof, "%.1f%%").c_str(), cell(mem, "%.2f").c_str());
+    for (const ClassResult& c : r.classes) {  // mixed scenarios: each class's own latencies
+      const std::string name =
+          "  " + c.cls.name + (c.cls.priority.empty() ? "" : " (" + c.cls.priority + ")");
+      std::fprintf(out, "%-24s %5d %6d %5d %7s %9.1f %9s %9s %9s %15s %13s %13s\n", name.c_str(),
+                   c.cls.concurrency, c.cls.input_len, c.cls.output_len, "", c.output_tokens_per_s,
+                   "", "", "", p50_p99(c.ttft_ms, "%.1f").c_str(),
+                   p50_p99(c.tpot_ms, "%.2f").c_str(), p50_p99(c.e2e_ms, "%.0f").c_str());
+    }
     if (r.failed)
       std::fprintf(out, "  %d request(s) failed: %s\n", r.failed,
                    r.errors.empty() ? "" : r.errors.front().c_str());

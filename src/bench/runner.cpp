@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -24,14 +25,32 @@ void draw_bar(size_t index, size_t count, const BenchScenario& s, int done, doub
   std::fflush(stderr);
 }
 
-BenchRequest request_for(const BenchSpec& spec, const PromptMaker& prompts, int input_len,
-                         int output_len, uint64_t seed) {
-  BenchRequest r = prompts.make(input_len, seed);
-  r.max_tokens = output_len;
+BenchRequest request_for(const BenchSpec& spec, const PromptMaker& prompts, const BenchClass& c,
+                         uint64_t seed) {
+  BenchRequest r = prompts.make(c.input_len, seed);
+  r.max_tokens = c.output_len;
   r.ignore_eos = spec.ignore_eos;
   r.temperature = spec.temperature;
+  r.priority = c.priority;
   return r;
 }
+
+// One class's requests in a scenario run: what each is, when it may go out, what came back.
+struct ClassRun {
+  const BenchClass* cls = nullptr;
+  uint64_t key = 0;              // its requests' seeds derive from it
+  std::vector<double> arrivals;  // [num_prompts] seconds from the scenario's start
+  std::vector<BenchResult> results;
+  std::vector<char> ran;  // background classes stop early: requests never sent are left out
+  std::atomic<int> next{0};
+
+  std::vector<BenchResult> sent() const {
+    std::vector<BenchResult> out;
+    for (size_t i = 0; i < results.size(); ++i)
+      if (ran[i]) out.push_back(results[i]);
+    return out;
+  }
+};
 
 }  // namespace
 
@@ -60,7 +79,7 @@ BenchRun run_bench(const BenchSpec& spec, BenchTarget& target, const PromptMaker
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < spec.warmup; ++i) {
       // Scenario index ~0: warm-up prompts never share a prefix with measured ones.
-      const auto req = request_for(spec, prompts, s.input_len, s.output_len,
+      const auto req = request_for(spec, prompts, s.classes.front(),
                                    request_seed(spec.seed, ~uint64_t(0), uint64_t(i)));
       const BenchResult r = target.run(req);
       if (!r.ok) throw Error("warm-up request failed: " + r.error);
@@ -72,35 +91,52 @@ BenchRun run_bench(const BenchSpec& spec, BenchTarget& target, const PromptMaker
                              target.engine_timestamps(), spec.engine.max_num_seqs};
   for (size_t si = 0; si < scenarios.size(); ++si) {
     const BenchScenario& s = scenarios[si];
-    const int n = s.num_prompts;
-    std::vector<BenchRequest> reqs;
-    for (int i = 0; i < n; ++i)
-      reqs.push_back(request_for(spec, prompts, s.input_len, s.output_len,
-                                 request_seed(spec.seed, si, uint64_t(i))));
-    const std::vector<double> arrivals =
-        arrival_times(n, spec.rate, request_seed(spec.seed, si, ~0ull));
-    std::vector<BenchResult> results(static_cast<size_t>(n));
-    std::atomic<int> next{0}, done{0};
+    std::vector<std::unique_ptr<ClassRun>> classes;
+    for (size_t ci = 0; ci < s.classes.size(); ++ci) {
+      auto cr = std::make_unique<ClassRun>();
+      const BenchClass& c = s.classes[ci];
+      cr->cls = &c;
+      cr->key = si + (uint64_t(ci) << 32);  // a matrix cell's one class: si, as before
+      cr->arrivals = arrival_times(c.num_prompts, c.rate, request_seed(spec.seed, cr->key, ~0ull));
+      for (double& t : cr->arrivals) t += c.start_s;
+      cr->results.resize(size_t(c.num_prompts));
+      cr->ran.assign(size_t(c.num_prompts), 0);
+      classes.push_back(std::move(cr));
+    }
+    const int n = s.num_prompts;  // foreground requests: the scenario ends with them
+    std::atomic<int> done{0};
+    std::atomic<bool> foreground_done{false};
 
     target.reset_op_profile();  // the engine is idle: earlier steps stay out of this scenario
     std::vector<TargetSnapshot> snaps{target.snapshot()};
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<std::thread> workers;
-    const int threads = std::min(s.concurrency, n);
-    for (int w = 0; w < threads; ++w)
-      workers.emplace_back([&] {
-        for (int i; (i = next.fetch_add(1)) < n;) {
-          std::this_thread::sleep_until(t0 +
-                                        std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                            std::chrono::duration<double>(arrivals[size_t(i)])));
-          try {
-            results[size_t(i)] = target.run(reqs[size_t(i)]);
-          } catch (const std::exception& e) {
-            results[size_t(i)].error = e.what();
+    for (auto& cr : classes) {
+      const int threads = std::min(cr->cls->concurrency, cr->cls->num_prompts);
+      for (int w = 0; w < threads; ++w)
+        workers.emplace_back([&, c = cr.get()] {
+          const int count = int(c->arrivals.size());
+          for (int i; (i = c->next.fetch_add(1)) < count;) {
+            const auto at = t0 + std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::duration<double>(c->arrivals[size_t(i)]));
+            // In slices, so a background class waiting for its next arrival sees the end.
+            while (std::chrono::steady_clock::now() < at && !foreground_done.load())
+              std::this_thread::sleep_until(
+                  std::min(at, std::chrono::steady_clock::now() + std::chrono::milliseconds(50)));
+            if (c->cls->background && foreground_done.load()) break;
+            c->ran[size_t(i)] = 1;
+            try {
+              // Made when sent: a background class may hold many more prompts than it sends.
+              const BenchRequest req =
+                  request_for(spec, prompts, *c->cls, request_seed(spec.seed, c->key, uint64_t(i)));
+              c->results[size_t(i)] = target.run(req);
+            } catch (const std::exception& e) {
+              c->results[size_t(i)].error = e.what();
+            }
+            if (!c->cls->background && done.fetch_add(1) + 1 == n) foreground_done = true;
           }
-          done.fetch_add(1);
-        }
-      });
+        });
+    }
     while (done.load() < n) {
       std::this_thread::sleep_for(std::chrono::duration<double>(opts.snapshot_interval_s));
       snaps.push_back(target.snapshot());
@@ -108,9 +144,17 @@ BenchRun run_bench(const BenchSpec& spec, BenchTarget& target, const PromptMaker
         draw_bar(si, scenarios.size(), s, done.load(),
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    for (auto& w : workers) w.join();
+    for (auto& w : workers) w.join();  // background requests in flight run to their end
     snaps.push_back(target.snapshot());
-    ScenarioResult res = aggregate_scenario(s, spec.rate, results, snaps, agg);
+    std::vector<BenchResult> results;
+    for (const auto& cr : classes)
+      for (auto& r : cr->sent()) results.push_back(std::move(r));
+    const std::optional<double> rate = s.mixed ? std::nullopt : spec.rate;
+    ScenarioResult res = aggregate_scenario(s, rate, results, snaps, agg);
+    if (s.mixed)
+      for (const auto& cr : classes)
+        res.classes.push_back(
+            class_result(*cr->cls, aggregate_scenario(s, cr->cls->rate, cr->sent(), {}, agg)));
     res.op_profile = target.op_profile();
     if (tty) {
       draw_bar(si, scenarios.size(), s, n, res.duration_s);
@@ -118,8 +162,8 @@ BenchRun run_bench(const BenchSpec& spec, BenchTarget& target, const PromptMaker
     }
     if (opts.progress)
       std::fprintf(stderr, "bench: [%zu/%zu] %s: %d/%d requests in %.2f s, %.1f output tok/s%s\n",
-                   si + 1, scenarios.size(), s.name.c_str(), res.completed, n, res.duration_s,
-                   res.output_tokens_per_s,
+                   si + 1, scenarios.size(), s.name.c_str(), res.completed, int(results.size()),
+                   res.duration_s, res.output_tokens_per_s,
                    res.failed ? (", " + std::to_string(res.failed) + " failed").c_str() : "");
     run.scenarios.push_back(std::move(res));
   }

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "core/error.h"
 
@@ -175,10 +176,62 @@ std::string number_text(double x) {
   return o.str();
 }
 
+// The `classes:` list of a mixed scenario.
+std::vector<BenchClass> parse_classes(const YAML::Node& list, const std::string& source) {
+  if (!list.IsSequence() || list.size() == 0)
+    throw Error(source + ":" + std::to_string(list.Mark().line + 1) +
+                ": 'classes' must be a non-empty list of request classes");
+  std::vector<BenchClass> out;
+  bool foreground = false;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const YAML::Node& node = list[i];
+    const std::string at = "classes[" + std::to_string(i) + "].";
+    if (!node.IsMap())
+      throw Error(source + ":" + std::to_string(node.Mark().line + 1) + ": '" +
+                  at.substr(0, at.size() - 1) + "' must be a mapping");
+    Reader r(node, source, at);
+    BenchClass c;
+    c.name = r.string({"name"}).value_or("class" + std::to_string(i));
+    if (auto v = r.choice({"priority"}, {"latency-critical", "standard", "batch"})) c.priority = *v;
+    const auto in = r.integer({"input_len"}, 1, 1 << 24);
+    const auto outl = r.integer({"output_len"}, 1, 1 << 24);
+    if (!in || !outl) r.fail(node, "'" + at + "input_len' and '" + at + "output_len' are required");
+    c.input_len = int(*in);
+    c.output_len = int(*outl);
+    c.concurrency = int(r.integer({"concurrency"}, 1, 1 << 16).value_or(1));
+    c.num_prompts = int(r.integer({"num_prompts"}, 1, 1 << 24).value_or(c.concurrency));
+    c.rate = r.number({"rate"}, 1e-6, 1e9);
+    c.start_s = r.number({"start_s"}, 0, 1e6).value_or(0);
+    c.background = r.boolean({"background"}).value_or(false);
+    foreground = foreground || !c.background;
+    for (const auto& other : out)
+      if (other.name == c.name) r.fail(node, "two classes are named '" + c.name + "'");
+    r.check_unknown();
+    out.push_back(c);
+  }
+  if (!foreground)
+    throw Error(source +
+                ": 'classes' needs one class that is not 'background' (it ends the scenario)");
+  return out;
+}
+
 }  // namespace
 
 std::vector<BenchScenario> BenchSpec::scenarios() const {
   std::vector<BenchScenario> out;
+  if (!classes.empty()) {
+    BenchScenario s;
+    s.name = name;
+    s.concurrency = s.num_prompts = 0;
+    for (const auto& c : classes) {
+      s.concurrency += c.concurrency;
+      if (!c.background) s.num_prompts += c.num_prompts;
+    }
+    s.classes = classes;
+    s.mixed = true;
+    out.push_back(s);
+    return out;
+  }
   for (int in : input_len)
     for (int outl : output_len)
       for (int c : concurrency) {
@@ -190,6 +243,12 @@ std::vector<BenchScenario> BenchSpec::scenarios() const {
         s.name =
             "c" + std::to_string(c) + "_in" + std::to_string(in) + "_out" + std::to_string(outl);
         if (rate) s.name += "_r" + number_text(*rate);
+        s.classes.push_back({.priority = priority,
+                             .input_len = in,
+                             .output_len = outl,
+                             .concurrency = c,
+                             .num_prompts = s.num_prompts,
+                             .rate = rate});
         out.push_back(s);
       }
   return out;
@@ -232,6 +291,8 @@ BenchSpec parse_bench_spec(const std::string& yaml, const std::string& source,
       en.max_num_seqs = int(*v);
     if (auto v = er.integer({"max_num_batched_tokens"}, 1, 1 << 24))
       en.max_num_batched_tokens = int(*v);
+    if (auto v = er.integer({"lower_class_prefill_tokens"}, -1, 1 << 24))
+      en.lower_class_prefill_tokens = int(*v);
     er.check_unknown();
   }
 
@@ -239,14 +300,24 @@ BenchSpec parse_bench_spec(const std::string& yaml, const std::string& source,
     s.concurrency = *v;
   if (auto v = r.int_list({"input_len", "seq_lengths"}, 1, 1 << 24)) s.input_len = *v;
   if (auto v = r.int_list({"output_len"}, 1, 1 << 24)) s.output_len = *v;
-  if (s.input_len.empty()) throw Error(source + ": 'input_len' (or 'seq_lengths') is required");
-  if (s.output_len.empty()) throw Error(source + ": 'output_len' is required");
   if (auto v = r.integer({"num_prompts"}, 1, 1 << 24)) s.num_prompts = int(*v);
   if (const auto v = r.get({"rate"})) {
     const std::string t = r.scalar(*v, "rate", "'burst' or requests per second");
     if (t != "burst" && t != "inf") s.rate = r.to_number(*v, "rate", 1e-6, 1e9);
   }
+  if (auto v = r.choice({"priority"}, {"latency-critical", "standard", "batch"})) s.priority = *v;
   if (auto v = r.boolean({"ignore_eos"})) s.ignore_eos = *v;
+  if (const auto v = r.get({"classes"})) s.classes = parse_classes(*v, source);
+  if (!s.classes.empty()) {
+    for (const char* k : {"input_len", "seq_lengths", "output_len", "concurrency", "batch_sizes",
+                          "batch_size", "num_prompts", "rate", "priority"})
+      if (const YAML::Node v = std::as_const(root)[k]; v.IsDefined())
+        throw Error(source + ":" + std::to_string(v.Mark().line + 1) + ": '" + k +
+                    "' is set per class when 'classes' is given");
+  } else {
+    if (s.input_len.empty()) throw Error(source + ": 'input_len' (or 'seq_lengths') is required");
+    if (s.output_len.empty()) throw Error(source + ": 'output_len' is required");
+  }
   if (auto v = r.number({"temperature"}, 0, 2)) s.temperature = *v;
   if (auto v = r.integer({"warmup"}, 0, 1 << 20)) s.warmup = int(*v);
   if (auto v = r.choice({"prompt"}, {"random", "text"})) s.prompt = *v;

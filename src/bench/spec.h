@@ -18,15 +18,32 @@ struct BenchEngineSpec {
   bool prefix_cache = true;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
+  int lower_class_prefill_tokens = 256;  // priority isolation; -1: off
 };
 
-// One cell of the matrix.
-struct BenchScenario {
-  std::string name;  // "c4_in512_out128" (+ "_r2.5" with a request rate)
-  int concurrency = 1;
+// One class of requests of a mixed scenario (`classes:`): its own shape, load and priority.
+struct BenchClass {
+  std::string name{};
+  std::string priority{};  // "latency-critical", "standard", "batch"; "" = the target's default
   int input_len = 0;
   int output_len = 0;
-  int num_prompts = 0;
+  int concurrency = 1;           // requests of this class in flight at most
+  int num_prompts = 0;           // requests (background classes: at most)
+  std::optional<double> rate{};  // Poisson arrivals per second; unset: as concurrency allows
+  double start_s = 0;            // when its first request may go out, from the scenario's start
+  bool background = false;       // issues no new request once the other classes are done
+};
+
+// One cell of the matrix, or the one scenario of a spec with classes.
+struct BenchScenario {
+  std::string name;     // "c4_in512_out128" (+ "_r2.5" with a request rate), or the spec's name
+  int concurrency = 1;  // mixed: summed over the classes
+  int input_len = 0;    // mixed: 0
+  int output_len = 0;   // mixed: 0
+  int num_prompts = 0;  // mixed: summed over the foreground classes
+  // Each a class of its own; a matrix cell is the one class {"", spec priority, its shape}.
+  std::vector<BenchClass> classes;
+  bool mixed = false;  // from `classes:` (per-class figures are reported)
 };
 
 struct BenchSpec {
@@ -46,8 +63,10 @@ struct BenchSpec {
   std::vector<int> concurrency{1};
   std::vector<int> input_len;
   std::vector<int> output_len;
-  std::optional<int> num_prompts;  // per scenario; unset = its concurrency
-  std::optional<double> rate;      // requests per second (Poisson); unset = burst
+  std::optional<int> num_prompts;   // per scenario; unset = its concurrency
+  std::optional<double> rate;       // requests per second (Poisson); unset = burst
+  std::string priority;             // every matrix request's class; "" = the target's default
+  std::vector<BenchClass> classes;  // instead of the matrix: one scenario of these classes
   bool ignore_eos = true;
   double temperature = 0;
   int warmup = 1;

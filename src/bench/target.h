@@ -20,6 +20,7 @@ struct BenchRequest {
   bool ignore_eos = true;
   double temperature = 0;
   uint64_t seed = 0;
+  std::string priority;  // "latency-critical", "standard", "batch"; "" = the target's default
 };
 
 struct BenchResult {

@@ -81,6 +81,7 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   e.prefix_cache = spec.engine.prefix_cache;
   e.max_num_seqs = spec.engine.max_num_seqs;
   e.max_num_batched_tokens = spec.engine.max_num_batched_tokens;
+  e.lower_class_prefill_tokens = spec.engine.lower_class_prefill_tokens;
   set_kv_dtype(e, spec.kv_dtype);
   Session s = open_session(m, e);
   const std::string device = s.backend->device().kind == DeviceKind::CUDA ? "cuda" : "cpu";
@@ -134,6 +135,8 @@ int run_benchmark(const BenchOptions& o) {
   BenchSpec spec = load_bench_spec(o.config, getenv_str);
   if (!o.url.empty()) spec.url = o.url;
   if (o.gpu_hour_price) spec.gpu_hour_price = o.gpu_hour_price;
+  if (o.lower_class_prefill_tokens)
+    spec.engine.lower_class_prefill_tokens = *o.lower_class_prefill_tokens;
   if (o.profile_ops && !spec.url.empty())
     throw Error(
         "--profile-ops times the ops of an in-process engine: offline mode only "

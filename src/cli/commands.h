@@ -56,7 +56,8 @@ struct BenchOptions {
   std::string plots;                     // folder for PNG plots; "" = none
   bool verbose = false;
   bool profile_ops = false;  // offline: time every op of each step (eager, ProfilingBackend)
-  std::string command;       // the command line, recorded in the JSON
+  std::optional<int> lower_class_prefill_tokens;  // overrides the YAML's engine setting
+  std::string command;                            // the command line, recorded in the JSON
 };
 
 struct InspectOptions {

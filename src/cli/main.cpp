@@ -51,6 +51,11 @@ void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
                   "tokens per engine step (prefill chunks and decodes)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app->add_option("--lower-class-prefill-tokens", e.lower_class_prefill_tokens,
+                  "priority isolation: while a higher-class request is live, prefill tokens "
+                  "per step of all lower classes together (0 pauses them, -1 = no cap)")
+      ->check(CLI::Range(-1, 1 << 24))
+      ->capture_default_str();
 }
 
 void add_sampling_options(CLI::App* app, ds::SamplingParams& s) {
@@ -160,6 +165,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   b->add_option("--plots", bench.plots, "draw PNG plots into this folder (needs matplotlib)");
   b->add_flag("-v,--verbose", bench.verbose, "log what is loaded and which kernels run");
+  b->add_option_function<int>(
+       "--lower-class-prefill-tokens", [&bench](int v) { bench.lower_class_prefill_tokens = v; },
+       "offline: override the YAML's engine.lower_class_prefill_tokens (-1 = isolation off)")
+      ->check(CLI::Range(-1, 1 << 24));
   b->add_flag("--profile-ops", bench.profile_ops,
               "offline: time each op of every engine step (eager, no graphs) and report the "
               "most common decode step per op");

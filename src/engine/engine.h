@@ -30,6 +30,7 @@ struct EngineConfig {
   bool prefix_cache = true;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
+  int lower_class_prefill_tokens = 256;  // SchedulerConfig's priority isolation; -1: off
   DType kv_dtype = DType::F32;
   // Decode steps of up to this many sequences replay device graphs (CUDA); 0 disables.
   int graph_max_batch = 256;

@@ -21,6 +21,9 @@ Sampler::Sampler(const SamplingParams& p)
   if (p.top_p <= 0) throw Error("top_p must be > 0");
   if (p.min_p > 1) throw Error("min_p must be <= 1");
   if (p.repetition_penalty <= 0) throw Error("repetition_penalty must be > 0");
+  for (const auto& [id, bias] : p.logit_bias)
+    if (id < 0 || !std::isfinite(bias))
+      throw Error("logit_bias needs token ids >= 0 and finite biases");
 }
 
 SampleRow Sampler::sample_row(uint64_t counter) const {
@@ -35,13 +38,14 @@ SampleRow Sampler::sample_row(uint64_t counter) const {
 }
 
 int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history) {
-  const bool penalize =
-      p_.repetition_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
+  const bool penalize = penalizes();
   const bool greedy = p_.temperature <= 0.0f;
-  if (greedy && !penalize) return argmax(logits);
+  if (greedy && !adjusts_logits()) return argmax(logits);
 
   cand_.resize(logits.size());
   for (size_t i = 0; i < logits.size(); ++i) cand_[i] = {logits[i], int32_t(i)};
+  for (const auto& [id, bias] : p_.logit_bias)
+    if (size_t(id) < cand_.size()) cand_[size_t(id)].first += bias;
   if (penalize) {
     const size_t n = p_.penalty_last_n < 0 ? history.size()
                                            : std::min(history.size(), size_t(p_.penalty_last_n));

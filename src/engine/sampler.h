@@ -1,10 +1,12 @@
-// Token sampling: penalties, then top-k / top-p / min-p filtering, then temperature.
+// Token sampling: logit biases and penalties, then top-k / top-p / min-p filtering, then
+// temperature.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <random>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "backend/sampling.h"
@@ -20,7 +22,10 @@ struct SamplingParams {
   float presence_penalty = 0.0f;    // subtracted once from every token already seen
   float frequency_penalty = 0.0f;   // subtracted per occurrence
   int penalty_last_n = 64;          // how many recent tokens the penalties look at (-1 = all)
-  std::optional<uint64_t> seed;     // unset: drawn from the system's entropy source
+  // (token id, bias) added to those logits before anything else (OpenAI's logit_bias; -100 and
+  // 100 in effect ban and force a token).
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  std::optional<uint64_t> seed;  // unset: drawn from the system's entropy source
 };
 
 class Sampler {
@@ -30,18 +35,22 @@ class Sampler {
   // generated so far (for penalties). Logits are not modified.
   int32_t sample(std::span<const float> logits, std::span<const int32_t> history);
   uint64_t seed() const { return seed_; }
-  // No penalties: the pick depends on the logits row alone, so Backend::sample can make it on
-  // the device (drawing from sample_uniform(seed, counter) instead of this sampler's generator).
-  bool device_sampleable() const {
-    return p_.repetition_penalty == 1.0f && p_.presence_penalty == 0.0f &&
-           p_.frequency_penalty == 0.0f;
-  }
+  // No penalties or biases: the pick depends on the logits row alone, so Backend::sample can
+  // make it on the device (drawing from sample_uniform(seed, counter) instead of this
+  // sampler's generator).
+  bool device_sampleable() const { return !adjusts_logits(); }
   // Backend::sample's parameters for this request's token number `counter` (0 = the first
   // generated token), so a seeded request draws the same whatever batch it runs in.
   SampleRow sample_row(uint64_t counter) const;
   const SamplingParams& params() const { return p_; }
 
  private:
+  bool penalizes() const {
+    return p_.repetition_penalty != 1.0f || p_.presence_penalty != 0.0f ||
+           p_.frequency_penalty != 0.0f;
+  }
+  bool adjusts_logits() const { return penalizes() || !p_.logit_bias.empty(); }
+
   SamplingParams p_;
   uint64_t seed_;
   std::mt19937_64 rng_;

@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <climits>
 
 #include "core/error.h"
 
@@ -147,7 +148,8 @@ bool Scheduler::make_room(Sequence& s, int n, StepPlan& plan, TokenBudget& budge
   return true;
 }
 
-bool Scheduler::admit(Sequence& s, StepPlan& plan, TokenBudget& budget) {
+bool Scheduler::admit(Sequence& s, StepPlan& plan, TokenBudget& budget, TokenBudget* lower) {
+  if (lower && lower->left() == 0) return false;     // checked before anyone is displaced
   const std::span<const int32_t> tokens = s.tokens;  // recompute includes generated tokens
   const int max_new = s.max_tokens - s.num_output();
   const int need = blocks_.blocks_needed(tokens, max_new);
@@ -176,8 +178,35 @@ bool Scheduler::admit(Sequence& s, StepPlan& plan, TokenBudget& budget) {
   s.num_computed = *computed;
   if (s.num_cached_prompt < 0) s.num_cached_prompt = *computed;
   running_.push_back(&s);
-  add_to_plan(s, budget.take(s.num_uncomputed()), plan);
+  const int n = std::min({s.num_uncomputed(), budget.left(), lower ? lower->left() : INT_MAX});
+  if (lower) lower->take(n);
+  add_to_plan(s, budget.take(n), plan);
   return true;
+}
+
+std::optional<Priority> Scheduler::top_class() const {
+  std::optional<Priority> top;
+  if (!waiting_.empty()) top = (*waiting_.begin())->priority;  // the waiting set is class-ordered
+  for (const Sequence* s : running_)
+    if (!top || s->priority < *top) top = s->priority;
+  return top;
+}
+
+void Scheduler::schedule_running(bool decodes, StepPlan& plan, TokenBudget& budget, Priority top,
+                                 TokenBudget* lower) {
+  std::vector<Sequence*> order = running_;  // in service order
+  std::sort(order.begin(), order.end(),
+            [&](const Sequence* a, const Sequence* b) { return admission_.before(*a, *b); });
+  for (Sequence* s : order) {
+    if (budget.left() == 0) break;
+    if (s->status != SeqStatus::Running || s->num_scheduled > 0) continue;  // preempted
+    if ((s->num_uncomputed() == 1) != decodes) continue;
+    TokenBudget* cap = !decodes && s->priority > top ? lower : nullptr;
+    const int n = std::min({s->num_uncomputed(), budget.left(), cap ? cap->left() : INT_MAX});
+    if (n == 0 || !make_room(*s, n, plan, budget)) continue;
+    if (cap) cap->take(n);
+    add_to_plan(*s, budget.take(n), plan);
+  }
 }
 
 void Scheduler::finish_reached_max_tokens(StepPlan& plan) {
@@ -199,31 +228,29 @@ StepPlan Scheduler::schedule() {
   finish_reached_max_tokens(plan);
   plan.rejected = std::exchange(pending_rejections_, {});
   TokenBudget budget(cfg_.max_num_batched_tokens);
+  // Priority isolation: lower classes' prefill chunks share a small budget of their own.
+  const std::optional<Priority> top = top_class();
+  std::optional<TokenBudget> lower;
+  if (top && cfg_.lower_class_prefill_tokens >= 0) lower.emplace(cfg_.lower_class_prefill_tokens);
 
-  // Running sequences in service order: decodes first, then unfinished prefills (chunks).
-  std::vector<Sequence*> order = running_;
-  std::sort(order.begin(), order.end(),
-            [&](const Sequence* a, const Sequence* b) { return admission_.before(*a, *b); });
-  for (const bool decodes : {true, false}) {
-    for (Sequence* s : order) {
-      if (budget.left() == 0) break;
-      if (s->status != SeqStatus::Running || s->num_scheduled > 0) continue;  // preempted
-      if ((s->num_uncomputed() == 1) != decodes) continue;
-      const int n = std::min(s->num_uncomputed(), budget.left());
-      if (!make_room(*s, n, plan, budget)) continue;
-      add_to_plan(*s, budget.take(n), plan);
-    }
-  }
-
-  // Admissions, unless memory was short this step (readmitting now would thrash).
-  if (plan.preempted.empty()) {
+  auto fill = [&](TokenBudget* cap) {
+    // Running sequences first: decodes, then unfinished prefills (chunks).
+    schedule_running(true, plan, budget, *top, cap);
+    schedule_running(false, plan, budget, *top, cap);
+    // Admissions, unless memory was short this step (readmitting now would thrash).
+    if (!plan.preempted.empty()) return;
     while (budget.left() > 0 && !waiting_.empty()) {
       Sequence& head = **waiting_.begin();
       // Head-of-line blocking keeps class and FIFO order; one displaced this step waits.
       if (std::find(plan.preempted.begin(), plan.preempted.end(), head.id) != plan.preempted.end())
         break;
-      if (!admit(head, plan, budget)) break;
+      if (!admit(head, plan, budget, head.priority > *top ? cap : nullptr)) break;
     }
+  };
+  if (top) {
+    fill(lower ? &*lower : nullptr);
+    // The cap never stalls the engine: with nothing else to run, lower classes go ahead.
+    if (plan.seqs.empty() && lower) fill(nullptr);
   }
 
   plan.block_copies = blocks_.take_pending_copies();

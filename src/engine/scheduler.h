@@ -29,6 +29,11 @@ struct SchedulerConfig {
   int max_num_batched_tokens = 2048;
   int max_num_seqs = 64;  // running sequences at most
   int max_model_len = 0;  // prompt + max_tokens at most; 0 = only the cache limits
+  // Priority isolation: while a sequence of a higher class is live (running or waiting), the
+  // prefill chunks of all lower classes together take at most this many tokens per step, so
+  // the higher class's steps stay short. Decodes are never capped. 0 pauses lower-class
+  // prefill while a higher class is live; -1 disables the cap.
+  int lower_class_prefill_tokens = 256;
 };
 
 // One sequence's share of a step.
@@ -118,7 +123,13 @@ class Scheduler {
   // Gives `s` slots for n more tokens, preempting unscheduled running sequences (possibly `s`
   // itself: then false).
   bool make_room(Sequence& s, int n, StepPlan& plan, TokenBudget& budget);
-  bool admit(Sequence& s, StepPlan& plan, TokenBudget& budget);
+  bool admit(Sequence& s, StepPlan& plan, TokenBudget& budget, TokenBudget* lower);
+  // Schedules running sequences' decodes (or prefill chunks) in service order; prefill chunks
+  // of classes below `top` also draw on `lower` when it is set.
+  void schedule_running(bool decodes, StepPlan& plan, TokenBudget& budget, Priority top,
+                        TokenBudget* lower);
+  // The highest class with a live sequence (nullopt when none is).
+  std::optional<Priority> top_class() const;
   void preempt(Sequence& s, StepPlan& plan, TokenBudget& budget);
   void add_to_plan(Sequence& s, int n, StepPlan& plan);
   Sequence& live(SeqId id);

@@ -1,6 +1,7 @@
 #include "server/api.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 
 namespace ds {
@@ -63,26 +64,28 @@ std::vector<int32_t> encode(const std::string& text, const ApiLimits& lim, bool 
   return lim.tokenizer->encode(text, lim.tokenizer->add_bos_default(), special);
 }
 
+// The prompts, and in `texts` (when set) each one's text (a token-id prompt's decoded ids).
 std::vector<std::vector<int32_t>> completion_prompts(const nlohmann::json& body,
-                                                     const ApiLimits& lim) {
+                                                     const ApiLimits& lim,
+                                                     std::vector<std::string>* texts) {
   const auto* p = field(body, "prompt");
   if (!p) bad("prompt", "'prompt' is required");
   std::vector<std::vector<int32_t>> out;
-  if (p->is_string()) {
-    out.push_back(encode(p->get<std::string>(), lim, false));
-  } else if (is_token_list(*p)) {
-    out.push_back(token_ids(*p, lim));
-  } else if (p->is_array() && !p->empty()) {
-    for (const auto& x : *p) {
-      if (x.is_string())
-        out.push_back(encode(x.get<std::string>(), lim, false));
-      else if (is_token_list(x))
-        out.push_back(token_ids(x, lim));
-      else
-        bad("prompt",
-            "'prompt' must be a string, a list of strings, a list of token ids or a "
-            "list of token-id lists");
+  auto add = [&](const nlohmann::json& x) {
+    if (x.is_string()) {
+      out.push_back(encode(x.get<std::string>(), lim, false));
+      if (texts) texts->push_back(x.get<std::string>());
+    } else {
+      out.push_back(token_ids(x, lim));
+      if (texts) texts->push_back(lim.tokenizer ? lim.tokenizer->decode(out.back()) : "");
     }
+  };
+  if (p->is_string() || is_token_list(*p)) {
+    add(*p);
+  } else if (p->is_array() && !p->empty() && std::all_of(p->begin(), p->end(), [](const auto& x) {
+               return x.is_string() || is_token_list(x);
+             })) {
+    for (const auto& x : *p) add(x);
   } else {
     bad("prompt",
         "'prompt' must be a string, a list of strings, a list of token ids or a list "
@@ -165,6 +168,47 @@ int requested_logprobs(const nlohmann::json& body, bool chat) {
   return want ? int(n) : -1;
 }
 
+// OpenAI's logit_bias: {"token id": bias in [-100, 100]}.
+std::vector<std::pair<int32_t, float>> logit_bias(const nlohmann::json& body,
+                                                  const ApiLimits& lim) {
+  const auto* lb = field(body, "logit_bias");
+  if (!lb) return {};
+  if (!lb->is_object())
+    bad("logit_bias", "'logit_bias' must be an object mapping token ids to biases");
+  std::vector<std::pair<int32_t, float>> out;
+  for (const auto& [key, value] : lb->items()) {
+    int64_t id = -1;
+    const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
+    if (ec != std::errc() || end != key.data() + key.size() || id < 0 || id >= lim.vocab)
+      bad("logit_bias", "'logit_bias' key '" + key + "' is not a token id in [0, " +
+                            std::to_string(lim.vocab) + ")");
+    if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < -100 ||
+        value.get<double>() > 100)
+      bad("logit_bias", "'logit_bias' values must be numbers between -100 and 100");
+    out.emplace_back(int32_t(id), value.get<float>());
+  }
+  return out;
+}
+
+// Fields that would change the answer but are not implemented: refused rather than ignored.
+void refuse_unsupported(const nlohmann::json& body, bool chat) {
+  if (const auto best_of = integer(body, "best_of"); best_of && *best_of != 1)
+    bad("best_of", "'best_of' other than 1 is not supported");
+  if (const auto* rf = field(body, "response_format")) {
+    const auto* type = rf->is_object() ? field(*rf, "type") : nullptr;
+    if (!type || !type->is_string() || type->get<std::string>() != "text")
+      bad("response_format", "'response_format' other than {\"type\": \"text\"} is not supported");
+  }
+  for (const char* name : {"tools", "functions"})
+    if (const auto* t = field(body, name); t && !(t->is_array() && t->empty()))
+      bad(name, std::string("'") + name + "' (tool calling) is not supported");
+  for (const char* name : {"tool_choice", "function_call"})
+    if (const auto* t = field(body, name);
+        t && !(t->is_string() && t->get<std::string>() == "none"))
+      bad(name, std::string("'") + name + "' other than \"none\" is not supported");
+  if (chat && boolean(body, "echo", false)) bad("echo", "'echo' is for completions");
+}
+
 }  // namespace
 
 ApiError::ApiError(int status_, const std::string& message, std::string param_, std::string code_)
@@ -211,6 +255,8 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
   if (const auto* u = field(body, "user"); u && !u->is_string())
     bad("user", "'user' must be a string");
 
+  refuse_unsupported(body, chat);
+
   ApiRequest r;
   r.chat = chat;
   r.stream = boolean(body, "stream", false);
@@ -224,6 +270,7 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
   r.n = int(n.value_or(1));
   r.logprobs = requested_logprobs(body, chat);
   r.return_token_ids = boolean(body, "return_token_ids", false) || !lim.tokenizer;
+  r.echo = !chat && boolean(body, "echo", false);
 
   // max_completion_tokens is the newer name; either must be >= 1 when given.
   std::optional<int64_t> max_tokens = integer(body, "max_completion_tokens");
@@ -241,6 +288,7 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
   if (auto k = integer(body, "top_k")) sp.top_k = int(std::clamp<int64_t>(*k, -1, 1 << 20));
   if (auto mp = number(body, "min_p", 0, 1)) sp.min_p = float(*mp);
   if (auto seed = integer(body, "seed")) sp.seed = uint64_t(*seed);
+  sp.logit_bias = logit_bias(body, lim);
 
   Priority priority = Priority::Standard;
   if (const auto* p = field(body, "priority")) {
@@ -256,7 +304,7 @@ ApiRequest parse_api_request(const nlohmann::json& body, bool chat, const ApiLim
   if (chat)
     r.prompts.push_back(chat_prompt(body, lim));
   else
-    r.prompts = completion_prompts(body, lim);
+    r.prompts = completion_prompts(body, lim, r.echo ? &r.echo_text : nullptr);
 
   for (const auto& ids : r.prompts) {
     if (ids.empty()) bad("prompt", "the prompt is empty");

@@ -51,7 +51,11 @@ struct ApiRequest {
   // chunk goes out for every token): asked for with `return_token_ids`, always when the model
   // has no tokenizer.
   bool return_token_ids = false;
-  std::vector<EngineRequest> engine;  // prompts.size() * n, prompt-major
+  // Completions with echo: each prompt's text, which its choices begin with (the text as sent,
+  // or the decoded ids of a token-id prompt).
+  bool echo = false;
+  std::vector<std::string> echo_text;  // [prompts.size()]
+  std::vector<EngineRequest> engine;   // prompts.size() * n, prompt-major
 };
 
 // Validates `body` (already parsed JSON) and tokenizes its prompt(s); throws ApiError.

@@ -43,8 +43,9 @@ Json chat_logprobs(const Tokenizer* tok, std::span<const TokenLp> lps) {
   return {{"content", content}};
 }
 
-// The legacy completions shape: parallel lists, alternatives as {token: logprob} maps.
-Json completion_logprobs(const Tokenizer* tok, std::span<const TokenLp> lps) {
+// The legacy completions shape: parallel lists, alternatives as {token: logprob} maps; text
+// offsets count from `base` (the echoed prompt's length).
+Json completion_logprobs(const Tokenizer* tok, std::span<const TokenLp> lps, size_t base = 0) {
   Json tokens = Json::array(), token_lps = Json::array(), tops = Json::array(),
        offsets = Json::array();
   for (const auto& t : lps) {
@@ -53,12 +54,30 @@ Json completion_logprobs(const Tokenizer* tok, std::span<const TokenLp> lps) {
     Json top = Json::object();
     for (const auto& [id, lp] : t.top) top[token_text(tok, id)] = lp;
     tops.push_back(top);
-    offsets.push_back(t.begin);
+    offsets.push_back(base + t.begin);
   }
   return {{"tokens", tokens},
           {"token_logprobs", token_lps},
           {"top_logprobs", tops},
           {"text_offset", offsets}};
+}
+
+// Echo: the prompt's tokens in the completions shape, without log-probabilities (null).
+Json echo_logprobs(const Tokenizer* tok, std::span<const int32_t> prompt) {
+  Json j = {{"tokens", Json::array()},
+            {"token_logprobs", Json::array()},
+            {"top_logprobs", Json::array()},
+            {"text_offset", Json::array()}};
+  size_t at = 0;
+  for (int32_t id : prompt) {
+    const std::string s = token_text(tok, id);
+    j["tokens"].push_back(s);
+    j["token_logprobs"].push_back(nullptr);
+    j["top_logprobs"].push_back(nullptr);
+    j["text_offset"].push_back(at);
+    at += s.size();
+  }
+  return j;
 }
 
 // How a choice's final event reaches the client when it is a failure (nullopt otherwise):
@@ -113,6 +132,10 @@ void Job::start() {
     if (req_.chat)
       for (size_t i = 0; i < req_.engine.size(); ++i)
         send(chunk(i, nullptr, nullptr, true, nullptr, nullptr));
+    if (req_.echo)  // the prompt first
+      for (size_t i = 0; i < req_.engine.size(); ++i)
+        send(chunk(i, &echo(i), nullptr, false,
+                   req_.logprobs >= 0 ? prompt_logprobs(i, nullptr) : Json(), nullptr));
   }
   subs_.resize(req_.engine.size());
   env_.waiting += int(subs_.size());
@@ -237,7 +260,22 @@ Json Job::logprobs(size_t i, size_t from) const {
   while (to < s.lps.size() && s.lps[to].end <= s.text.size()) ++to;
   const std::span<const TokenLp> part(s.lps.data() + from, to - from);
   return req_.chat ? chat_logprobs(env_.limits.tokenizer, part)
-                   : completion_logprobs(env_.limits.tokenizer, part);
+                   : completion_logprobs(env_.limits.tokenizer, part, echo(i).size());
+}
+
+// Completions with echo: the prompt text choice `i` begins with ("" without echo).
+const std::string& Job::echo(size_t i) const {
+  static const std::string none;
+  return req_.echo ? req_.echo_text[i / size_t(req_.n)] : none;
+}
+
+// Echo with logprobs: the prompt's entries (null log-probabilities), then `generated`'s.
+Json Job::prompt_logprobs(size_t i, const Json& generated) const {
+  Json j = echo_logprobs(env_.limits.tokenizer, req_.prompts[i / size_t(req_.n)]);
+  if (generated.is_object())
+    for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+      for (const auto& x : generated[key]) j[key].push_back(x);
+  return j;
 }
 
 // For a streamed chunk: the ready tokens not sent yet (null when logprobs are off).
@@ -291,13 +329,13 @@ void Job::reply_whole() {
     const auto& s = subs_[i];
     if (auto err = failure(s.fin))
       return ex_->reply(err->status, "application/json", dump_json(error_body(*err)));
-    Json c = {{"index", i},
-              {"logprobs", req_.logprobs >= 0 ? logprobs(i, 0) : Json()},
-              {"finish_reason", s.fin.finish_reason}};
+    Json lp = req_.logprobs >= 0 ? logprobs(i, 0) : Json();
+    if (req_.echo && req_.logprobs >= 0) lp = prompt_logprobs(i, lp);
+    Json c = {{"index", i}, {"logprobs", lp}, {"finish_reason", s.fin.finish_reason}};
     if (req_.chat)
       c["message"] = {{"role", "assistant"}, {"content", s.text}};
     else
-      c["text"] = s.text;
+      c["text"] = echo(i) + s.text;
     if (req_.return_token_ids) c["token_ids"] = s.ids;
     choices.push_back(c);
   }

@@ -58,6 +58,8 @@ class Job : public std::enable_shared_from_this<Job> {
   bool all_finished() const;
   nlohmann::ordered_json logprobs(size_t i, size_t from) const;
   nlohmann::ordered_json take_logprobs(size_t i);
+  const std::string& echo(size_t i) const;
+  nlohmann::ordered_json prompt_logprobs(size_t i, const nlohmann::ordered_json& generated) const;
   nlohmann::ordered_json usage() const;
   nlohmann::ordered_json chunk(size_t i, const std::string* text, const std::string* finish,
                                bool role, nlohmann::ordered_json lp,

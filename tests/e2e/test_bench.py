@@ -223,6 +223,55 @@ count_tokens: logprobs
     assert measured <= after - before <= measured + 8
 
 
+def e2e_counts(base):
+    r = requests.get(base + "/api/v1/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    lat = r.json()["latency"]
+    return {p: lat[p]["e2e_request_latency_seconds"]["count"] for p in lat}
+
+
+def test_online_mixed_classes_carry_their_priority(run, server, tmp_path):
+    cfg = write_config(tmp_path, "mixed", f"""
+warmup: 0
+api_key: {KEY}
+classes:
+  - name: bulk
+    priority: batch
+    input_len: 32
+    output_len: 8
+    concurrency: 2
+    num_prompts: 1000
+    background: true
+  - name: probe
+    priority: latency-critical
+    input_len: 16
+    output_len: 4
+    num_prompts: 3
+    start_s: 0.2
+""")
+    out = tmp_path / "mixed.json"
+    before = e2e_counts(server)
+    p = run("bench", "--config", cfg, "--url", server, "--output", out, timeout=120)
+    after = e2e_counts(server)
+    doc = json.loads(out.read_text())
+    assert len(doc["scenarios"]) == 1
+    s = doc["scenarios"][0]
+    assert s["name"] == "mixed" and s["failed"] == 0, s["errors"]
+    bulk, probe = s["classes"]
+    assert (bulk["name"], bulk["priority"], bulk["background"]) == ("bulk", "batch", True)
+    assert (probe["name"], probe["priority"]) == ("probe", "latency-critical")
+    assert probe["completed"] == 3 and len(probe["samples"]["ttft_ms"]) == 3
+    assert 0 < bulk["completed"] < 1000  # stopped with the probes
+    assert s["completed"] == bulk["completed"] + 3
+    for c in (bulk, probe):
+        for k in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            assert isinstance(c[k]["p50"], float), (c["name"], k)
+    # Each request reached the server with its class's priority.
+    assert after["latency-critical"] - before["latency-critical"] == 3
+    assert after["batch"] - before["batch"] == bulk["completed"]
+    assert "probe (latency-critical)" in p.stdout
+
+
 def test_bad_config_is_reported(run, tmp_path):
     cfg = write_config(tmp_path, "bad", "input_len: 16\noutput_len: 8\nconcurency: [1]\n")
     p = run("bench", "--config", cfg, check=False)

@@ -223,6 +223,76 @@ def test_chat_logprobs(client, model):
     assert plain.choices[0].logprobs is None
 
 
+def test_logit_bias_forces_a_token(client, model):
+    prompt = "The quick brown fox"
+    base = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                     logprobs=0)
+    forced = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                       logprobs=0, logit_bias={"1000": 100},
+                                       extra_body={"ignore_eos": True})
+    toks = forced.choices[0].logprobs.tokens
+    assert len(toks) == 4 and len(set(toks)) == 1 and toks != base.choices[0].logprobs.tokens
+    assert forced.choices[0].text == toks[0] * 4
+    # Sampled too (on the host, as penalties are), and in chat.
+    sampled = client.completions.create(model=model, prompt=prompt, max_tokens=4, seed=3,
+                                        logit_bias={"1000": 100}, extra_body={"ignore_eos": True})
+    assert sampled.choices[0].text == toks[0] * 4
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+        logit_bias={"1000": 100})
+    assert chat.choices[0].message.content == toks[0] * 3
+
+
+def test_echo_prepends_the_prompt(client, model):
+    prompt = "The quick brown fox"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    gen = plain.choices[0].text
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                  echo=True)
+    assert r.choices[0].text == prompt + gen
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=6,
+                                            temperature=0, echo=True, stream=True))
+    assert chunks[0].choices[0].text == prompt  # the prompt goes first
+    assert "".join(ch.choices[0].text for ch in chunks) == prompt + gen
+    r = client.completions.create(model=model, prompt=[prompt, "Hello"], max_tokens=2, n=2,
+                                  temperature=0, echo=True)
+    texts = {c.index: c.text for c in r.choices}
+    assert texts[0].startswith(prompt) and texts[1].startswith(prompt)
+    assert texts[2].startswith("Hello") and texts[3].startswith("Hello")
+    # With logprobs the prompt's tokens come first, without log-probabilities.
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                  echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) > n_prompt and "".join(lp.tokens[:n_prompt]) == prompt
+    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt
+    assert all(x is not None for x in lp.token_logprobs[n_prompt:])
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+UNSUPPORTED = [
+    ("best_of", "/v1/completions", {"prompt": "hi", "best_of": 2}),
+    ("response_format", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
+    ("tools", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("tool_choice", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}),
+]
+
+
+@pytest.mark.parametrize("param,path,body", UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])
+def test_unsupported_fields_are_refused_by_name(server, model, param, path, body):
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    ok = {"best_of": 1, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
+    r = post(server, path, {**body, param: ok[param], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
 BAD = [
     ("malformed json", "/v1/completions", b'{"prompt": "hi", ', 400),
     ("not an object", "/v1/completions", b'[1, 2]', 400),

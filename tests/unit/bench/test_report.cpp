@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <map>
+#include <mutex>
 
 #include "bench/aggregate.h"
 #include "bench/report.h"
@@ -18,6 +20,10 @@ class FakeTarget : public BenchTarget {
   std::string mode() const override { return "offline"; }
   BenchResult run(const BenchRequest& req) override {
     const int i = calls_++;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++priorities[req.priority];
+    }
     BenchResult r;
     r.ok = true;
     r.finish_reason = "length";
@@ -51,6 +57,9 @@ class FakeTarget : public BenchTarget {
   }
   bool engine_timestamps() const override { return true; }
 
+  std::mutex mu_;
+  std::map<std::string, int> priorities;  // requests seen per priority
+
  private:
   std::atomic<int> calls_{0};
   int snaps_ = 0;
@@ -62,7 +71,7 @@ TEST(BenchAggregate, FiguresOfOneRequest) {
   req.prompt_ids.assign(100, 1);
   req.max_tokens = 5;
   const BenchResult r = t.run(req);
-  BenchScenario sc{"s", 1, 100, 5, 1};
+  BenchScenario sc{"s", 1, 100, 5, 1, {}, false};
   AggregateOptions o;
   o.roofline = t.roofline();
   o.bandwidth_gbps = 100;
@@ -102,7 +111,7 @@ TEST(BenchAggregate, FailuresAndKvDifferences) {
   std::vector<TargetSnapshot> snaps;
   for (int i = 0; i < 3; ++i) snaps.push_back(t.snapshot());
   const ScenarioResult a =
-      aggregate_scenario(BenchScenario{"s", 1, 1, 1, 1}, 2.0, {bad, bad}, snaps, {});
+      aggregate_scenario(BenchScenario{"s", 1, 1, 1, 1, {}, false}, 2.0, {bad, bad}, snaps, {});
   EXPECT_EQ(a.failed, 2);
   EXPECT_EQ(a.completed, 0);
   EXPECT_EQ(a.errors, std::vector<std::string>{"boom"});
@@ -164,9 +173,60 @@ TEST(BenchReport, JsonHasEverySchemaField) {
     EXPECT_TRUE(s["peak_gpu_memory_gb"].is_null());
     EXPECT_EQ(s["samples"]["ttft_ms"].size(), s["num_prompts"].get<size_t>());
     EXPECT_EQ(s["output_tokens"], 4 * s["num_prompts"].get<int>());
+    EXPECT_TRUE(s["classes"].is_array() && s["classes"].empty());  // mixed scenarios only
   }
   EXPECT_EQ(j["scenarios"][1]["concurrency"], 2);
   EXPECT_EQ(j["scenarios"][1]["name"], "c2_in8_out4");
+}
+
+TEST(BenchReport, MixedScenarioReportsEachClass) {
+  BenchSpec spec;
+  spec.name = "mix";
+  spec.warmup = 0;
+  const BenchClass bulk{.name = "bulk",
+                        .priority = "batch",
+                        .input_len = 16,
+                        .output_len = 2,
+                        .concurrency = 2,
+                        .num_prompts = 100000,
+                        .background = true};
+  const BenchClass probe{.name = "probe",
+                         .priority = "latency-critical",
+                         .input_len = 8,
+                         .output_len = 4,
+                         .num_prompts = 3,
+                         .start_s = 0.01};
+  spec.classes = {bulk, probe};
+  FakeTarget target;
+  PromptMaker prompts({nullptr, 1000, false, false});
+  BenchRunOptions ro;
+  ro.progress = false;
+  ro.snapshot_interval_s = 0.001;
+  const BenchRun run = run_bench(spec, target, prompts, ro);
+  ASSERT_EQ(run.scenarios.size(), 1u);
+  const ScenarioResult& r = run.scenarios[0];
+  ASSERT_EQ(r.classes.size(), 2u);
+  EXPECT_EQ(r.classes[1].completed, 3);
+  // The background class ran until the probes were done, not through all its prompts.
+  EXPECT_GT(r.classes[0].completed, 0);
+  EXPECT_LT(r.classes[0].completed, 100000);
+  EXPECT_EQ(r.completed, r.classes[0].completed + 3);
+  EXPECT_EQ(target.priorities["latency-critical"], 3);
+  EXPECT_EQ(target.priorities["batch"], r.classes[0].completed);
+
+  const auto j =
+      bench_json(spec, run, collect_system_info("x", "0.0"), {"offline", "m", "", "cpu", "none"});
+  const auto& c = j["scenarios"][0]["classes"];
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[1]["name"], "probe");
+  EXPECT_EQ(c[1]["priority"], "latency-critical");
+  EXPECT_EQ(c[1]["completed"], 3);
+  EXPECT_EQ(c[1]["samples"]["ttft_ms"].size(), 3u);
+  EXPECT_DOUBLE_EQ(c[1]["ttft_ms"]["p50"].get<double>(), 500);  // FakeTarget: 0.5 s
+  EXPECT_TRUE(c[0]["background"].get<bool>());
+  for (const char* k : {"ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"})
+    for (const char* q : {"mean", "p50", "p90", "p99", "max"})
+      EXPECT_TRUE(c[0][k][q].is_number()) << k << "." << q;
 }
 
 }  // namespace

@@ -48,11 +48,13 @@ engine:
   prefix_cache: false
   max_num_seqs: 8
   max_num_batched_tokens: 4096
+  lower_class_prefill_tokens: -1
 batch_sizes: [1, 4, 16]
 seq_lengths: [512, 2048]
 output_len: 64
 num_prompts: 32
 rate: 2.5
+priority: batch
 ignore_eos: false
 temperature: 0.7
 warmup: 3
@@ -82,6 +84,7 @@ vocab_size: 1000
   EXPECT_FALSE(s.engine.prefix_cache);
   EXPECT_EQ(s.engine.max_num_seqs, 8);
   EXPECT_EQ(s.engine.max_num_batched_tokens, 4096);
+  EXPECT_EQ(s.engine.lower_class_prefill_tokens, -1);
   EXPECT_EQ(s.concurrency, (std::vector<int>{1, 4, 16}));
   EXPECT_EQ(s.input_len, (std::vector<int>{512, 2048}));
   EXPECT_EQ(s.output_len, (std::vector<int>{64}));
@@ -106,6 +109,69 @@ vocab_size: 1000
   EXPECT_EQ(sc[1].concurrency, 4);
   EXPECT_EQ(sc[3].input_len, 2048);
   EXPECT_EQ(sc[5].num_prompts, 32);
+  ASSERT_EQ(sc[3].classes.size(), 1u);  // a matrix cell is one class of its shape
+  EXPECT_FALSE(sc[3].mixed);
+  EXPECT_EQ(sc[3].classes[0].priority, "batch");
+  EXPECT_EQ(sc[3].classes[0].input_len, 2048);
+  EXPECT_EQ(sc[3].classes[0].concurrency, 1);
+  EXPECT_EQ(sc[3].classes[0].num_prompts, 32);
+  EXPECT_DOUBLE_EQ(*sc[3].classes[0].rate, 2.5);
+}
+
+TEST(BenchSpec, ClassesMakeOneMixedScenario) {
+  const BenchSpec s = parse(R"(
+name: mix
+classes:
+  - name: bulk
+    priority: batch
+    input_len: 1024
+    output_len: 256
+    concurrency: 64
+    num_prompts: 1000
+    background: true
+  - priority: latency-critical
+    input_len: 512
+    output_len: 64
+    rate: 0.5
+    num_prompts: 8
+    start_s: 5
+)");
+  const auto sc = s.scenarios();
+  ASSERT_EQ(sc.size(), 1u);
+  EXPECT_TRUE(sc[0].mixed);
+  EXPECT_EQ(sc[0].name, "mix");
+  EXPECT_EQ(sc[0].concurrency, 65);
+  EXPECT_EQ(sc[0].num_prompts, 8);  // the foreground class ends the scenario
+  ASSERT_EQ(sc[0].classes.size(), 2u);
+  const BenchClass& bulk = sc[0].classes[0];
+  EXPECT_EQ(bulk.name, "bulk");
+  EXPECT_EQ(bulk.priority, "batch");
+  EXPECT_EQ(bulk.input_len, 1024);
+  EXPECT_EQ(bulk.concurrency, 64);
+  EXPECT_EQ(bulk.num_prompts, 1000);
+  EXPECT_TRUE(bulk.background);
+  EXPECT_FALSE(bulk.rate);
+  const BenchClass& probe = sc[0].classes[1];
+  EXPECT_EQ(probe.name, "class1");
+  EXPECT_EQ(probe.priority, "latency-critical");
+  EXPECT_EQ(probe.concurrency, 1);
+  EXPECT_DOUBLE_EQ(*probe.rate, 0.5);
+  EXPECT_DOUBLE_EQ(probe.start_s, 5);
+  EXPECT_FALSE(probe.background);
+
+  const std::string one = "classes:\n  - input_len: 4\n    output_len: 2\n";
+  EXPECT_EQ(error_of(one), "");
+  EXPECT_NE(error_of(one + "input_len: 8\n").find("'input_len' is set per class"),
+            std::string::npos);
+  EXPECT_NE(error_of(one + "    priority: urgent\n").find("'classes[0].priority' must be one of"),
+            std::string::npos);
+  EXPECT_NE(error_of(one + "    prio: batch\n").find("unknown key 'classes[0].prio'"),
+            std::string::npos);
+  EXPECT_NE(error_of("classes:\n  - input_len: 4\n").find("are required"), std::string::npos);
+  EXPECT_NE(error_of(one + "    background: true\n").find("not 'background'"), std::string::npos);
+  const std::string a = "  - name: a\n    input_len: 4\n    output_len: 2\n";
+  EXPECT_NE(error_of("classes:\n" + a + a).find("two classes are named 'a'"), std::string::npos);
+  EXPECT_NE(error_of("classes: []\n").find("non-empty list"), std::string::npos);
 }
 
 TEST(BenchSpec, DefaultsAndScalars) {

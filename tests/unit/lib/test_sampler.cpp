@@ -98,12 +98,35 @@ TEST(Sampler, PenaltiesChangeTheGreedyChoice) {
   EXPECT_EQ(Sampler(window).sample(l, history), 0);
 }
 
+TEST(Sampler, LogitBiasForcesBansAndKeepsSamplingOnTheHost) {
+  const std::vector<float> l = {2.0f, 1.9f, -1.0f, 0.5f};
+  SamplingParams p = plain(0);
+  EXPECT_TRUE(Sampler(p).device_sampleable());
+  p.logit_bias = {{0, -100.0f}};  // bans the argmax
+  EXPECT_EQ(Sampler(p).sample(l, {}), 1);
+  EXPECT_FALSE(Sampler(p).device_sampleable());
+  p.logit_bias = {{2, 100.0f}, {9, 100.0f}};  // ids past the vocabulary are ignored
+  EXPECT_EQ(Sampler(p).sample(l, {}), 2);
+  p.logit_bias = {{3, 1.6f}};  // 0.5 + 1.6 = 2.1 > 2.0: a bias, not only a ban or a force
+  EXPECT_EQ(Sampler(p).sample(l, {}), 3);
+  SamplingParams hot = plain(1.0f);
+  hot.logit_bias = {{2, 100.0f}};
+  Sampler s(hot);
+  for (int i = 0; i < 200; ++i) ASSERT_EQ(s.sample(l, {}), 2);
+  hot.logit_bias = {{0, -100.0f}, {1, -100.0f}};
+  Sampler t(hot);
+  for (int i = 0; i < 200; ++i) ASSERT_GE(t.sample(l, {}), 2);
+}
+
 TEST(Sampler, RejectsBadParameters) {
   SamplingParams p = plain(1.0f);
   p.top_p = 0;
   EXPECT_THROW(Sampler{p}, Error);
   p = plain(1.0f);
   p.repetition_penalty = 0;
+  EXPECT_THROW(Sampler{p}, Error);
+  p = plain(1.0f);
+  p.logit_bias = {{1, NAN}};
   EXPECT_THROW(Sampler{p}, Error);
 }
 

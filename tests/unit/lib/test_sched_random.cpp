@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -19,6 +20,7 @@ namespace {
 struct Totals {
   int64_t steps = 0, preemptions = 0, forks = 0, copies = 0, hits = 0, rejected = 0;
   int64_t cancelled = 0, auto_finished = 0, chunked = 0;
+  int64_t capped = 0;  // steps whose lower-class prefill used the whole isolation cap
 };
 
 class Simulation {
@@ -60,6 +62,8 @@ class Simulation {
     SchedulerConfig c;
     c.max_num_batched_tokens = std::uniform_int_distribution<int>(6, 48)(rng);
     c.max_num_seqs = std::uniform_int_distribution<int>(3, 10)(rng);
+    // Priority isolation: off, pausing (0) or a cap below and above typical chunks.
+    c.lower_class_prefill_tokens = std::uniform_int_distribution<int>(-1, 12)(rng);
     return c;
   }
   static BlockManagerConfig make_blocks(AllocationMode mode, bool prefix_cache) {
@@ -161,6 +165,41 @@ class Simulation {
     }
   }
 
+  // The highest class among sequences live when the plan was made (the scheduler has already
+  // dropped those it finished itself).
+  std::optional<Priority> top_class(const StepPlan& plan) const {
+    std::optional<Priority> top;
+    for (SeqId id : live_) {
+      const Sequence* s = sched_.find(id);
+      if (!s || std::any_of(plan.finished.begin(), plan.finished.end(),
+                            [&](const Finished& f) { return f.id == id; }))
+        continue;
+      if (!top || s->priority < *top) top = s->priority;
+    }
+    return top;
+  }
+
+  // Lower classes' prefill chunks stay within the isolation cap, unless they are all the plan
+  // holds (the cap yields rather than stall the engine).
+  void verify_isolation(const StepPlan& plan, std::optional<Priority> top) {
+    const int cap = sched_.config().lower_class_prefill_tokens;
+    if (!top || cap < 0) return;
+    int lower = 0;
+    bool other = false;  // a decode or a top-class chunk
+    for (const ScheduledSeq& x : plan.seqs) {
+      const Sequence* s = sched_.find(x.id);
+      const bool prefill = s->num_uncomputed() > 1;
+      if (prefill && s->priority > *top)
+        lower += int(x.tokens.size());
+      else
+        other = true;
+    }
+    if (other) {
+      ASSERT_LE(lower, cap) << "lower-class prefill over the isolation cap";
+    }
+    if (other && lower == cap && cap > 0) ++totals_.capped;
+  }
+
   void verify_plan(const StepPlan& plan) {
     ASSERT_LE(plan.num_tokens(), sched_.config().max_num_batched_tokens);
     const BlockManager& bm = sched_.block_manager();
@@ -200,6 +239,8 @@ class Simulation {
     const bool had_work = sched_.num_running() + sched_.num_waiting() > 0;
     const StepPlan plan = sched_.schedule();
     ++totals_.steps;
+    verify_isolation(plan, top_class(plan));
+    if (::testing::Test::HasFatalFailure()) return;
     for (const Rejection& r : plan.rejected) {
       ASSERT_FALSE(r.reason.empty());
       done(r.id, FinishReason::Rejected);
@@ -272,12 +313,13 @@ TEST(SchedulerRandom, NoLeaksNoDoubleOwnershipEveryRequestEnds) {
   EXPECT_GT(totals.cancelled, 100);
   EXPECT_GT(totals.auto_finished, 0);
   EXPECT_GT(totals.chunked, 100);
+  EXPECT_GT(totals.capped, 100);
   std::printf(
       "random steps %lld, preemptions %lld, forks %lld, block copies %lld, "
-      "prefix-hit tokens %lld, rejected %lld, cancelled %lld\n",
+      "prefix-hit tokens %lld, rejected %lld, cancelled %lld, capped steps %lld\n",
       (long long)totals.steps, (long long)totals.preemptions, (long long)totals.forks,
       (long long)totals.copies, (long long)totals.hits, (long long)totals.rejected,
-      (long long)totals.cancelled);
+      (long long)totals.cancelled, (long long)totals.capped);
 }
 
 }  // namespace

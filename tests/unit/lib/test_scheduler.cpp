@@ -211,6 +211,55 @@ TEST(Scheduler, LatencyCriticalDisplacesBatchButNotItsOwnClass) {
   EXPECT_EQ(t.find(2)->status, SeqStatus::Waiting);
 }
 
+TEST(Scheduler, LowerClassPrefillIsCappedWhileAHigherClassIsLive) {
+  SchedulerConfig c = sched(64);
+  c.lower_class_prefill_tokens = 8;
+  Scheduler s(c, blocks(256));
+  Driver d(s);
+  s.add(req(1, 200, 4, Priority::Batch));
+  s.add(req(2, 40, 8, Priority::Standard));
+  StepPlan p = d.step();  // Standard is the top class: only Batch is capped
+  ASSERT_EQ(ids(p), (std::vector<SeqId>{2, 1}));
+  EXPECT_EQ(p.seqs[0].tokens.size(), 40u);
+  EXPECT_EQ(p.seqs[1].tokens.size(), 8u);
+
+  s.add(req(3, 30, 8, Priority::LatencyCritical));
+  p = d.step();  // Standard's decode; Batch's chunk stays capped; the newcomer gets the rest
+  ASSERT_EQ(ids(p), (std::vector<SeqId>{2, 1, 3}));
+  EXPECT_EQ(p.seqs[1].tokens.size(), 8u);
+  EXPECT_EQ(p.seqs[2].tokens.size(), 30u);
+  p = d.step();  // two decodes and the capped chunk; the rest of the budget stays unused
+  ASSERT_EQ(ids(p), (std::vector<SeqId>{3, 2, 1}));
+  EXPECT_EQ(p.num_tokens(), 1 + 1 + 8);
+
+  s.abort(3);  // Standard is the top class again: Batch is still capped
+  EXPECT_EQ(d.step().num_tokens(), 1 + 8);
+  s.abort(2);  // no higher class left: the whole budget
+  EXPECT_EQ(d.step().num_tokens(), 64);
+
+  // -1 turns the cap off: the Batch prompt takes what the newcomer leaves.
+  SchedulerConfig off = c;
+  off.lower_class_prefill_tokens = -1;
+  Scheduler t(off, blocks(256));
+  Driver e(t);
+  t.add(req(1, 200, 4, Priority::Batch));
+  t.add(req(2, 30, 3, Priority::LatencyCritical));
+  EXPECT_EQ(e.step().num_tokens(), 64);
+}
+
+TEST(Scheduler, ZeroCapPausesLowerClassPrefill) {
+  SchedulerConfig c = sched(64, 2);
+  c.lower_class_prefill_tokens = 0;
+  Scheduler s(c, blocks(256));
+  Driver d(s);
+  s.add(req(1, 30, 4, Priority::LatencyCritical));
+  s.add(req(2, 30, 4, Priority::Batch));
+  EXPECT_EQ(ids(d.step()), (std::vector<SeqId>{1}));  // a seat is free, the budget too
+  EXPECT_EQ(ids(d.step()), (std::vector<SeqId>{1}));
+  s.abort(1);
+  EXPECT_EQ(ids(d.step()), (std::vector<SeqId>{2}));  // the only class left: uncapped
+}
+
 TEST(Scheduler, RejectsImpossibleRequestsWithAReason) {
   Scheduler s(sched(64, 16, 12), blocks(4, 4));
   EXPECT_FALSE(s.add(req(1, 10, 7)));  // 17 tokens: longer than the context

@@ -1,6 +1,8 @@
 // Request validation and metric rendering of the HTTP server, without sockets or a model.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "server/api.h"
 
 namespace ds {
@@ -157,6 +159,65 @@ TEST(ServerApi, Logprobs) {
   EXPECT_EQ(chat_status({{"logprobs", 2}}), 400);      // a boolean in chat
   EXPECT_EQ(chat_status({{"top_logprobs", 2}}), 400);  // needs logprobs=true
   EXPECT_EQ(chat_status({{"logprobs", false}, {"top_logprobs", 2}}), 400);
+}
+
+TEST(ServerApi, LogitBias) {
+  auto r = parse_api_request(
+      Json{{"prompt", {1}}, {"n", 2}, {"logit_bias", {{"7", 100}, {"0", -2.5}}}}, false, limits());
+  auto bias = r.engine[1].sampling.logit_bias;
+  std::sort(bias.begin(), bias.end());
+  EXPECT_EQ(bias, (std::vector<std::pair<int32_t, float>>{{0, -2.5f}, {7, 100.0f}}));
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"logit_bias", {{"100", 1}}}}), 400);  // vocab
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"logit_bias", {{"-1", 1}}}}), 400);
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"logit_bias", {{"x", 1}}}}), 400);
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"logit_bias", {{"1", 101}}}}), 400);
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"logit_bias", {{"1", "2"}}}}), 400);
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"logit_bias", {1, 2}}}), 400);
+}
+
+TEST(ServerApi, EchoKeepsEachPromptsText) {
+  auto r = parse_api_request(Json{{"prompt", {{1, 2}, {3}}}, {"n", 2}}, false, limits());
+  EXPECT_FALSE(r.echo);
+  EXPECT_TRUE(r.echo_text.empty());
+  const auto tok = byte_tokenizer();
+  ApiLimits lim = limits();
+  lim.tokenizer = tok.get();
+  lim.vocab = 258;
+  r = parse_api_request(
+      Json{{"prompt", Json::array({"Hi there", Json::array({72, 105})})}, {"echo", true}}, false,
+      lim);
+  EXPECT_TRUE(r.echo);
+  EXPECT_EQ(r.echo_text, (std::vector<std::string>{"Hi there", "Hi"}));
+  EXPECT_EQ(status_of(Json{{"prompt", {1}}, {"echo", 1}}), 400);
+}
+
+TEST(ServerApi, UnsupportedFieldsAreRefusedByName) {
+  auto param_of = [](const Json& body, bool chat = false) -> std::string {
+    try {
+      parse_api_request(body, chat, limits());
+    } catch (const ApiError& e) {
+      return e.status == 400 ? e.param : "status " + std::to_string(e.status);
+    }
+    return "accepted";
+  };
+  const Json p = {{"prompt", {1}}};
+  auto with = [&](const char* k, Json v) {
+    Json b = p;
+    b[k] = std::move(v);
+    return b;
+  };
+  EXPECT_EQ(param_of(with("best_of", 1)), "accepted");
+  EXPECT_EQ(param_of(with("best_of", 3)), "best_of");
+  EXPECT_EQ(param_of(with("response_format", {{"type", "text"}})), "accepted");
+  EXPECT_EQ(param_of(with("response_format", {{"type", "json_object"}})), "response_format");
+  EXPECT_EQ(param_of(with("response_format", "json")), "response_format");
+  EXPECT_EQ(param_of(with("tools", Json::array())), "accepted");
+  EXPECT_EQ(param_of(with("tools", {{{"type", "function"}}})), "tools");
+  EXPECT_EQ(param_of(with("tool_choice", "none")), "accepted");
+  EXPECT_EQ(param_of(with("tool_choice", "auto")), "tool_choice");
+  EXPECT_EQ(param_of(with("functions", {{{"name", "f"}}})), "functions");
+  EXPECT_EQ(param_of(with("echo", true), true), "echo");       // completions only
+  EXPECT_EQ(param_of(with("echo", false), true), "messages");  // false passes (then no template)
 }
 
 TEST(ServerApi, ErrorBodyHasOpenAiFields) {
