@@ -1,0 +1,64 @@
+// The differential fixtures of tests/fixtures/hf_diff (many random DeepSeek-V2 / Llama
+// configurations with transformers 5.17's float32 outputs, tools/make_hf_differential.py) on
+// the CUDA backend: BF16 activations into the GEMMs and a BF16 KV cache, so greedy tokens
+// must agree with transformers wherever the reference's top-2 margin exceeds 3% of the logit
+// range (up to the first step where it does not). Logit differences are reported.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "../hf_diff_fixtures.h"
+#include "gpu_models.h"
+
+namespace ds {
+namespace {
+
+constexpr double kRobustMargin = 0.03;  // a greedy token may differ only below this margin
+
+TEST(CudaDifferential, GreedyMatchesTransformersWhereMarginExceeds3Percent) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device here";
+  const auto index = test::hf_diff_index();
+  ASSERT_GE(index.size(), 40u) << test::hf_diff_root();
+  double worst = 0;
+  int compared = 0, generated = 0;
+  for (const auto& entry : index) {
+    const test::DiffCase c = test::read_diff_case(entry);
+    SCOPED_TRACE(c.name + " (" + c.arch + ", " + c.layout + ", " + c.dtype + ")");
+    test::OnGpu g = test::load_on_gpu(test::hf_diff_root() / c.name);
+    ASSERT_EQ(g.m.config.vocab, c.vocab);
+    std::vector<std::vector<int32_t>> prompts;
+    double case_worst = 0;
+    for (const auto& p : c.prompts) {
+      case_worst = std::max(
+          case_worst, test::max_diff_over_range(test::gpu_prefill(g, p.ids), p.logits, c.vocab));
+      prompts.push_back(p.ids);
+    }
+    worst = std::max(worst, case_worst);
+    const auto got = test::gpu_greedy(g, prompts, 32, true);
+    int case_compared = 0;
+    for (size_t i = 0; i < c.prompts.size(); ++i) {
+      const test::DiffPrompt& p = c.prompts[i];
+      const test::GreedyCheck g = test::check_greedy(got[i], p, kRobustMargin);
+      EXPECT_EQ(g.first_bad, -1) << "prompt " << i << ": greedy token " << g.first_bad
+                                 << " differs where the reference margin is "
+                                 << p.margin_frac[size_t(std::max(g.first_bad, 0))]
+                                 << " of the range";
+      case_compared += g.compared;
+      generated += int(p.generated.size());
+    }
+    compared += case_compared;
+    std::printf("  %s %-11s %-8s max |diff|/range %.2e, %3d greedy tokens compared\n",
+                c.name.c_str(), c.arch.c_str(), c.dtype.c_str(), case_worst, case_compared);
+  }
+  std::printf(
+      "CudaDifferential: %zu configs: max |logit diff|/range %.3g; %d of %d greedy tokens "
+      "compared along the reference (a different token fails where its margin > %g of the "
+      "range)\n",
+      index.size(), worst, compared, generated, kRobustMargin);
+}
+
+}  // namespace
+}  // namespace ds
