@@ -5,8 +5,11 @@
 // by the CPU test (tests/unit/lib) and the GPU one (tests/gpu).
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -113,6 +116,26 @@ inline GreedyCheck check_greedy(const std::vector<int32_t>& got, const DiffPromp
     break;
   }
   return c;
+}
+
+// Checks the greedy continuations `got` (one per prompt of `c`) with check_greedy and prints
+// the case's line; returns the number of tokens compared.
+inline int expect_greedy_matches(const DiffCase& c, const std::vector<std::vector<int32_t>>& got,
+                                 double min_frac, double logit_worst) {
+  int compared = 0;
+  for (size_t i = 0; i < c.prompts.size(); ++i) {
+    const DiffPrompt& p = c.prompts[i];
+    const GreedyCheck g = check_greedy(got[i], p, min_frac);
+    EXPECT_EQ(g.first_bad, -1) << "prompt " << i << ": greedy token " << g.first_bad
+                               << " differs where the reference margin is "
+                               << p.margin_frac[size_t(std::max(g.first_bad, 0))]
+                               << " of the range";
+    compared += g.compared;
+  }
+  std::printf("  %s %-11s %-13s %-8s max |diff|/range %.2e, %3d greedy tokens compared\n",
+              c.name.c_str(), c.arch.c_str(), c.layout.c_str(), c.dtype.c_str(), logit_worst,
+              compared);
+  return compared;
 }
 
 }  // namespace ds::test

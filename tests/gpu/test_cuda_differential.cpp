@@ -38,20 +38,8 @@ TEST(CudaDifferential, GreedyMatchesTransformersWhereMarginExceeds3Percent) {
     }
     worst = std::max(worst, case_worst);
     const auto got = test::gpu_greedy(g, prompts, 32, true);
-    int case_compared = 0;
-    for (size_t i = 0; i < c.prompts.size(); ++i) {
-      const test::DiffPrompt& p = c.prompts[i];
-      const test::GreedyCheck g = test::check_greedy(got[i], p, kRobustMargin);
-      EXPECT_EQ(g.first_bad, -1) << "prompt " << i << ": greedy token " << g.first_bad
-                                 << " differs where the reference margin is "
-                                 << p.margin_frac[size_t(std::max(g.first_bad, 0))]
-                                 << " of the range";
-      case_compared += g.compared;
-      generated += int(p.generated.size());
-    }
-    compared += case_compared;
-    std::printf("  %s %-11s %-8s max |diff|/range %.2e, %3d greedy tokens compared\n",
-                c.name.c_str(), c.arch.c_str(), c.dtype.c_str(), case_worst, case_compared);
+    compared += test::expect_greedy_matches(c, got, kRobustMargin, case_worst);
+    generated += 32 * int(c.prompts.size());
   }
   std::printf(
       "CudaDifferential: %zu configs: max |logit diff|/range %.3g; %d of %d greedy tokens "
