@@ -29,6 +29,9 @@ struct DiffPrompt {
   std::vector<int32_t> ids, generated;  // prompt; 32 greedy tokens
   std::vector<float> logits;            // [ids.size(), vocab]
   std::vector<float> margin_frac;       // [32] top-2 margin / logit range at each greedy step
+  // [32] smallest router-logit gap (last chosen vs first rejected expert or group) in each
+  // greedy step's forward, over every token so far; inf without routers.
+  std::vector<float> route_gap;
 };
 
 struct DiffCase {
@@ -69,6 +72,7 @@ inline DiffCase read_diff_case(const nlohmann::json& entry) {
     q.logits = tensor_values<float>(f, p + "logits");
     q.generated = tensor_values<int32_t>(f, p + "generated");
     q.margin_frac = tensor_values<float>(f, p + "margin_frac");
+    q.route_gap = tensor_values<float>(f, p + "route_gap");
     c.prompts.push_back(std::move(q));
   }
   return c;
@@ -102,17 +106,19 @@ struct GreedyCheck {
 };
 
 // Walks a greedy continuation along the reference's. A different token fails where the
-// reference's top-2 margin exceeds `min_frac` of the logit range and ends the comparison
-// otherwise: past a near-tie a correct engine may take the other branch.
+// reference's top-2 margin exceeds `min_frac` of the logit range and every routing so far
+// had a router-logit gap of at least `min_route_gap`; otherwise it ends the comparison: past
+// a near-tie (of tokens, or of experts, which moves logits far more than rounding) a correct
+// engine may take the other branch.
 inline GreedyCheck check_greedy(const std::vector<int32_t>& got, const DiffPrompt& p,
-                                double min_frac) {
+                                double min_frac, double min_route_gap) {
   GreedyCheck c;
   for (size_t i = 0; i < p.generated.size(); ++i) {
     if (i < got.size() && got[i] == p.generated[i]) {
       ++c.compared;
       continue;
     }
-    if (p.margin_frac[i] > min_frac) c.first_bad = int(i);
+    if (p.margin_frac[i] > min_frac && p.route_gap[i] >= min_route_gap) c.first_bad = int(i);
     break;
   }
   return c;
@@ -121,15 +127,16 @@ inline GreedyCheck check_greedy(const std::vector<int32_t>& got, const DiffPromp
 // Checks the greedy continuations `got` (one per prompt of `c`) with check_greedy and prints
 // the case's line; returns the number of tokens compared.
 inline int expect_greedy_matches(const DiffCase& c, const std::vector<std::vector<int32_t>>& got,
-                                 double min_frac, double logit_worst) {
+                                 double min_frac, double min_route_gap, double logit_worst) {
   int compared = 0;
   for (size_t i = 0; i < c.prompts.size(); ++i) {
     const DiffPrompt& p = c.prompts[i];
-    const GreedyCheck g = check_greedy(got[i], p, min_frac);
+    const GreedyCheck g = check_greedy(got[i], p, min_frac, min_route_gap);
     EXPECT_EQ(g.first_bad, -1) << "prompt " << i << ": greedy token " << g.first_bad
                                << " differs where the reference margin is "
                                << p.margin_frac[size_t(std::max(g.first_bad, 0))]
-                               << " of the range";
+                               << " of the range (router gap "
+                               << p.route_gap[size_t(std::max(g.first_bad, 0))] << ")";
     compared += g.compared;
   }
   std::printf("  %s %-11s %-13s %-8s max |diff|/range %.2e, %3d greedy tokens compared\n",

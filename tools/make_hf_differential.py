@@ -14,7 +14,9 @@ Writes tests/fixtures/hf_diff/cNN/ (config.json, model.safetensors, reference.sa
 tests/fixtures/hf_diff/index.json (per config: what it draws, seed, margins). The reference
 file holds, for prompt i: p{i}.ids I32 [n], p{i}.logits F32 [n, vocab] (every prompt
 position), p{i}.generated I32 [32] (greedy, full forward per step, lowest id on ties, EOS not
-special-cased) and p{i}.margin_frac F32 [32] (top-2 margin / logit range at each step).
+special-cased), p{i}.margin_frac F32 [32] (top-2 margin / logit range at each step) and
+p{i}.route_gap F32 [32] (the smallest router-logit gap between the last chosen and first
+rejected expert/group in that step's forward, i.e. over every token so far; inf for Llama).
 No tokenizer: the models take token ids.
 
   $HFPY tools/make_hf_differential.py [--out tests/fixtures/hf_diff] [--count 40] [--seed 7]
@@ -134,17 +136,21 @@ def run_reference(model, prompts, watch):
         for ids in prompts:
             watch.take()
             logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-            seq, gen, fracs = list(ids), [], []
+            g = watch.take()
+            if g is not None:
+                gaps.append(g)
+            seq, gen, fracs, route = list(ids), [], [], []
             for _ in range(GEN_TOKENS):
                 last = model(input_ids=torch.tensor([seq])).logits[0, -1].float()
                 nxt = int(torch.argmax(last))  # first maximal index: lowest id on ties
                 fracs.append(base.margin_frac(last))
+                g = watch.take()  # this forward's routing: every token so far
+                route.append(math.inf if g is None else g)
                 gen.append(nxt)
                 seq.append(nxt)
-            g = watch.take()
-            if g is not None:
-                gaps.append(g)
-            out.append(dict(ids=ids, logits=logits, generated=gen, margin_frac=fracs))
+            gaps += [g for g in route if g != math.inf]
+            out.append(dict(ids=ids, logits=logits, generated=gen, margin_frac=fracs,
+                            route_gap=route))
     return out, (min(gaps) if gaps else None)
 
 
@@ -186,6 +192,7 @@ def make_one(spec, out_root):
         tensors[f"p{i}.logits"] = r["logits"].contiguous()
         tensors[f"p{i}.generated"] = torch.tensor(r["generated"], dtype=torch.int32)
         tensors[f"p{i}.margin_frac"] = torch.tensor(r["margin_frac"], dtype=torch.float32)
+        tensors[f"p{i}.route_gap"] = torch.tensor(r["route_gap"], dtype=torch.float32)
     save_file(tensors, str(out_dir / "reference.safetensors"), metadata={"format": "pt"})
     prefill = [base.margin_frac(row) for r in results for row in r["logits"]]
     greedy = [f for r in results for f in r["margin_frac"]]

@@ -2,7 +2,8 @@
 // configurations with transformers 5.17's float32 outputs, tools/make_hf_differential.py) on
 // the CUDA backend: BF16 activations into the GEMMs and a BF16 KV cache, so greedy tokens
 // must agree with transformers wherever the reference's top-2 margin exceeds 3% of the logit
-// range (up to the first step where it does not). Logit differences are reported.
+// range (up to the first step where it does not, or where a routing so far was a near-tie).
+// Logit differences are reported.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +18,11 @@ namespace ds {
 namespace {
 
 constexpr double kRobustMargin = 0.03;  // a greedy token may differ only below this margin
+// Or once some routing so far had two experts (or groups) this close in router logits: BF16
+// GEMM inputs move router logits by ~1e-3..1e-2, and another expert changes the logits by far
+// more than rounding. (transformers itself in bfloat16 diverges from its float32 greedy at a
+// margin of 7-22% on 4 of the 200 prompts, each after such a near-tie.)
+constexpr double kRouteNearTie = 0.01;
 
 TEST(CudaDifferential, GreedyMatchesTransformersWhereMarginExceeds3Percent) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device here";
@@ -38,7 +44,7 @@ TEST(CudaDifferential, GreedyMatchesTransformersWhereMarginExceeds3Percent) {
     }
     worst = std::max(worst, case_worst);
     const auto got = test::gpu_greedy(g, prompts, 32, true);
-    compared += test::expect_greedy_matches(c, got, kRobustMargin, case_worst);
+    compared += test::expect_greedy_matches(c, got, kRobustMargin, kRouteNearTie, case_worst);
     generated += 32 * int(c.prompts.size());
   }
   std::printf(

@@ -60,7 +60,8 @@ TEST(HfDifferential, LogitsAndGreedyMatchTransformers) {
     // No tokenizer: these models have none, and the comparison is of token ids.
     Engine engine(*l.m.model, *l.backend, nullptr, cfg);
     const auto got = test::greedy_generate(engine, prompts, 32, true);
-    compared += test::expect_greedy_matches(c, got, kRobustMargin, case_worst);
+    // Float32 throughout: no router gap excuses a difference.
+    compared += test::expect_greedy_matches(c, got, kRobustMargin, 0.0, case_worst);
     generated += 32 * int(c.prompts.size());
   }
   std::printf(
