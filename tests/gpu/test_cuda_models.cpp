@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "../hf_fixtures.h"
-#include "backend/cuda/cuda_backend.h"
 #include "engine/engine.h"
+#include "gpu_models.h"
 #include "model/loader.h"
 
 namespace ds {
@@ -36,7 +36,11 @@ constexpr double kRelTol = 0.02;
 // swapping the two experts: 0.60 and 0.10 on the two such prompts of deepseek_v2_qlora_bf16).
 constexpr double kRouteNearTie = 0.01;
 
+using test::gpu_greedy;
+using test::gpu_prefill;
 using test::hf_root;
+using test::load_on_gpu;
+using test::OnGpu;
 const auto fixture_names = test::hf_fixture_names;
 
 struct Prompt {
@@ -67,75 +71,6 @@ std::vector<Prompt> read_prompts(const std::string& name, int& vocab) {
   return out;
 }
 
-struct OnGpu {
-  std::unique_ptr<Backend> backend;
-  LoadedModel m;
-};
-
-OnGpu load_on_gpu(const std::string& name) {
-  OnGpu g;
-  BackendOptions bo;
-  bo.gpu_memory_utilization = 0.05;
-  g.backend = make_cuda_backend(bo, 0);
-  g.m = load_model(hf_root() / name, *g.backend, LoadOptions{});
-  return g;
-}
-
-// Prefill logits of one prompt through the model on the GPU, metadata uploaded by hand.
-std::vector<float> prefill(OnGpu& g, const std::vector<int32_t>& ids) {
-  Backend& be = *g.backend;
-  const int n = int(ids.size()), vocab = g.m.config.vocab, blocks = (n + 15) / 16;
-  KvCacheConfig kvc;
-  kvc.num_blocks = blocks;
-  kvc.dtype = DType::BF16;
-  KvCache cache(be, g.m.config, kvc);
-  // tokens[n] positions[n] query_start[2] context_lens[1] block_table[blocks] rows[n]
-  std::vector<int32_t> host;
-  host.insert(host.end(), ids.begin(), ids.end());
-  for (int i = 0; i < n; ++i) host.push_back(i);
-  host.push_back(0);
-  host.push_back(n);
-  host.push_back(n);
-  for (int b = 0; b < blocks; ++b) host.push_back(b);
-  auto meta = be.alloc(host.size() * 4);
-  be.upload(meta->view(DType::I32, {int64_t(host.size())}), host.data(), host.size() * 4);
-  const int32_t* d = static_cast<const int32_t*>(meta->data());
-  std::vector<int32_t> rows(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) rows[size_t(i)] = i;
-  ForwardInput in;
-  in.tokens = ids;
-  in.device_tokens = d;
-  in.meta.num_seqs = 1;
-  in.meta.num_tokens = n;
-  in.meta.positions = d + n;
-  in.meta.slot_mapping = d + n;  // slot = position
-  in.meta.query_start = d + 2 * n;
-  in.meta.context_lens = d + 2 * n + 2;
-  in.meta.block_tables = d + 2 * n + 3;
-  in.meta.max_blocks_per_seq = blocks;
-  in.meta.max_query_len = n;
-  in.meta.max_context_len = n;
-  in.logit_rows = rows;
-  auto buf = be.alloc(size_t(n) * size_t(vocab) * 4);
-  TensorView logits = buf->view(DType::F32, {n, vocab});
-  g.m.model->forward(in, cache, logits);
-  std::vector<float> out(size_t(n) * size_t(vocab));
-  be.download(out.data(), logits, out.size() * 4);
-  return out;
-}
-
-std::vector<std::vector<int32_t>> generate(OnGpu& g, const std::vector<std::vector<int32_t>>& ps,
-                                           int max_tokens, bool concurrent) {
-  EngineConfig cfg;
-  cfg.prefix_cache = false;
-  cfg.kv_dtype = DType::BF16;
-  cfg.kv_cache_tokens = 2048;
-  Engine engine(*g.m.model, *g.backend, g.m.tokenizer.get(), cfg);
-  auto out = test::greedy_generate(engine, ps, max_tokens, concurrent);
-  std::printf("  engine: %d decode graphs captured\n", engine.graphs_captured());
-  return out;
-}
-
 // The tolerance of a prompt's logits: kRelTol of the reference's largest magnitude.
 double tolerance(const Prompt& p) {
   double m = 0;
@@ -162,10 +97,10 @@ class CudaModels : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(CudaModels, PrefillLogitsWithinBf16Tolerance) {
-  OnGpu g = load_on_gpu(GetParam());
+  OnGpu g = load_on_gpu(hf_root() / GetParam());
   ASSERT_EQ(g.m.config.vocab, vocab_);
   for (const auto& p : prompts_) {
-    const auto got = prefill(g, p.ids);
+    const auto got = gpu_prefill(g, p.ids);
     ASSERT_EQ(got.size(), p.logits.size());
     const double tol = tolerance(p);
     double worst = 0;
@@ -192,10 +127,10 @@ TEST_P(CudaModels, PrefillLogitsWithinBf16Tolerance) {
 }
 
 TEST_P(CudaModels, GreedyMatchesTransformersWhereMarginAllows) {
-  OnGpu g = load_on_gpu(GetParam());
+  OnGpu g = load_on_gpu(hf_root() / GetParam());
   for (const auto& p : prompts_) {
     const int n = int(p.generated.size());
-    const auto got = generate(g, {p.ids}, n, false)[0];
+    const auto got = gpu_greedy(g, {p.ids}, n, false)[0];
     ASSERT_EQ(int(got.size()), n);
     const int robust = robust_prefix(p, tolerance(p));
     int same = 0;
@@ -207,12 +142,12 @@ TEST_P(CudaModels, GreedyMatchesTransformersWhereMarginAllows) {
 }
 
 TEST_P(CudaModels, BatchedMatchesAlone) {
-  OnGpu g = load_on_gpu(GetParam());
+  OnGpu g = load_on_gpu(hf_root() / GetParam());
   std::vector<std::vector<int32_t>> ps;
   for (int rep = 0; rep < 3; ++rep)
     for (const auto& p : prompts_) ps.push_back(p.ids);
-  const auto alone = generate(g, ps, 32, false);
-  const auto batched = generate(g, ps, 32, true);
+  const auto alone = gpu_greedy(g, ps, 32, false);
+  const auto batched = gpu_greedy(g, ps, 32, true);
   for (size_t i = 0; i < ps.size(); ++i) {
     const Prompt& p = prompts_[i % prompts_.size()];
     // Different batch sizes may pick different GEMM kernels: tokens must agree up to the

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -26,9 +27,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr double kLogitTol = 1e-3;     // ours (F32) vs transformers (F32), max abs
-constexpr double kExpandedTol = 1e-4;  // absorbed vs expanded MLA, max abs
-constexpr double kFragile = 1e-3;      // a greedy step whose top-2 margin is this small may flip
+constexpr double kLogitTol = 1e-3;      // ours (F32) vs transformers (F32), max abs
+constexpr double kExpandedTol = 1e-4;   // absorbed vs expanded MLA, max abs
+constexpr double kFragile = 1e-3;       // a greedy step whose top-2 margin is this small may flip
+constexpr double kHiddenRelTol = 1e-4;  // residual stream vs transformers, of the layer's range
 
 using test::hf_root;
 const auto fixture_names = test::hf_fixture_names;
@@ -39,12 +41,16 @@ struct Prompt {
   std::vector<int32_t> ids, text_ids, generated;
   std::vector<double> margins;  // reference top-2 margin at each greedy step
   std::vector<float> logits;    // [ids.size(), vocab]
+  // The prefill's residual stream by debug-hook name ("token_embd", "blk.N.out"), in the
+  // model's order: [ids.size(), hidden] each.
+  std::vector<std::pair<std::string, std::vector<float>>> hidden;
 };
 
 struct Reference {
   std::string name, arch, layout, dtype;
   bool mla = false;
   int vocab = 0, bos = -1, eos = -1;
+  int tokenizer_vocab = 0;  // < vocab: padded embedding / lm_head rows no token names
   std::vector<Prompt> prompts;
 };
 
@@ -58,6 +64,7 @@ Reference read_reference(const std::string& name) {
   r.dtype = j.at("weights_dtype");
   r.mla = j.at("mla");
   r.vocab = j.at("vocab");
+  r.tokenizer_vocab = j.value("tokenizer_vocab", r.vocab);
   r.bos = j.at("bos_id");
   r.eos = j.at("eos_id");
   for (const auto& p : j.at("prompts")) {
@@ -72,6 +79,18 @@ Reference read_reference(const std::string& name) {
     for (const auto& row : p.at("logits")) {
       EXPECT_EQ(int(row.size()), r.vocab);
       for (const auto& v : row) q.logits.push_back(v.get<float>());
+    }
+    if (p.contains("hidden_states")) {
+      const auto& hs = p.at("hidden_states");
+      std::vector<std::string> names{"token_embd"};
+      for (int layer = 0; hs.contains("blk." + std::to_string(layer) + ".out"); ++layer)
+        names.push_back("blk." + std::to_string(layer) + ".out");
+      for (const auto& n : names) {
+        std::vector<float> v;
+        for (const auto& row : hs.at(n))
+          for (const auto& x : row) v.push_back(x.get<float>());
+        q.hidden.emplace_back(n, std::move(v));
+      }
     }
     r.prompts.push_back(std::move(q));
   }
@@ -120,11 +139,32 @@ Diff max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return d;
 }
 
-std::vector<std::vector<int32_t>> generate(Loaded& l, const EngineConfig& cfg,
+// The engine's tokenizer: none for a padded vocabulary, whose ids past the tokenizer only the
+// model knows (the comparison is of token ids; detokenizing them is the engine tests' matter).
+const Tokenizer* engine_tokenizer(const Loaded& l, const Reference& ref) {
+  return ref.tokenizer_vocab < ref.vocab ? nullptr : l.m.tokenizer.get();
+}
+
+std::vector<std::vector<int32_t>> generate(Loaded& l, const Reference& ref, const EngineConfig& cfg,
                                            const std::vector<std::vector<int32_t>>& prompts,
                                            int max_tokens, bool concurrent) {
-  Engine engine(*l.m.model, *l.backend, l.m.tokenizer.get(), cfg);
+  Engine engine(*l.m.model, *l.backend, engine_tokenizer(l, ref), cfg);
   return test::greedy_generate(engine, prompts, max_tokens, concurrent);
+}
+
+// The prefill's named intermediates, through the model's debug hook.
+std::map<std::string, std::vector<float>> prefill_dumps(Loaded& l,
+                                                        const std::vector<int32_t>& ids) {
+  std::map<std::string, std::vector<float>> seen;
+  l.m.model->set_debug_hook([&](const std::string& name, const TensorView& t) {
+    std::vector<float> v(size_t(t.numel()));
+    l.backend->synchronize();
+    l.backend->download(v.data(), t, v.size() * sizeof(float));
+    seen[name] = std::move(v);
+  });
+  prefill(l, ids);
+  l.m.model->set_debug_hook(nullptr);
+  return seen;
 }
 
 class HfGolden : public ::testing::TestWithParam<std::string> {
@@ -163,6 +203,30 @@ TEST_P(HfGolden, PrefillLogitsMatchTransformers) {
   }
 }
 
+// The residual stream after the embedding and after every layer, so a failure names the
+// first layer that departs from transformers.
+TEST_P(HfGolden, HiddenStatesMatchTransformersLayerByLayer) {
+  Loaded l = load(GetParam());
+  int compared = 0;
+  for (const auto& p : ref_.prompts) {
+    if (p.hidden.empty()) continue;
+    const auto got = prefill_dumps(l, p.ids);
+    for (const auto& [name, want] : p.hidden) {
+      const auto it = got.find(name);
+      ASSERT_NE(it, got.end()) << "the model dumped no " << name;
+      const auto [lo, hi] = std::minmax_element(want.begin(), want.end());
+      const double range = double(*hi) - double(*lo);
+      const Diff d = max_abs_diff(it->second, want);
+      const size_t hidden = want.size() / p.ids.size();
+      ASSERT_LE(d.max, kHiddenRelTol * range)
+          << p.name << ": " << name << " is the first to differ (range " << range << "), position "
+          << d.at / hidden << " element " << d.at % hidden;
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 0) << "reference.json has no hidden_states";
+}
+
 // Every position through the decode path (absorbed MLA for DeepSeek) and the paged cache.
 TEST_P(HfGolden, TokenByTokenLogitsMatchTransformers) {
   Loaded l = load(GetParam());
@@ -180,7 +244,7 @@ TEST_P(HfGolden, GreedyContinuationMatchesTransformers) {
   cfg.prefix_cache = false;
   for (const auto& p : ref_.prompts) {
     const int n = int(p.generated.size());
-    const auto got = generate(l, cfg, {p.ids}, n, false)[0];
+    const auto got = generate(l, ref_, cfg, {p.ids}, n, false)[0];
     ASSERT_EQ(int(got.size()), n) << p.name;
     // Identity is required up to the first step whose reference margin is a near-tie.
     int robust = 0;
@@ -203,15 +267,15 @@ TEST_P(HfGolden, BatchedEqualsAlone) {
   for (const auto& p : ref_.prompts) prompts.push_back(p.ids);
   EngineConfig alone_cfg;
   alone_cfg.prefix_cache = false;
-  const auto alone = generate(l, alone_cfg, prompts, 32, false);
-  EXPECT_EQ(generate(l, alone_cfg, prompts, 32, true), alone) << "batched";
+  const auto alone = generate(l, ref_, alone_cfg, prompts, 32, false);
+  EXPECT_EQ(generate(l, ref_, alone_cfg, prompts, 32, true), alone) << "batched";
   EngineConfig chunked = alone_cfg;
   chunked.max_num_seqs = 4;
   chunked.max_num_batched_tokens = 7;  // prompts split into chunks of a few tokens
-  EXPECT_EQ(generate(l, chunked, prompts, 32, true), alone) << "chunked prefill";
+  EXPECT_EQ(generate(l, ref_, chunked, prompts, 32, true), alone) << "chunked prefill";
   EngineConfig cached;
   cached.prefix_cache = true;
-  EXPECT_EQ(generate(l, cached, prompts, 32, true), alone) << "prefix cache";
+  EXPECT_EQ(generate(l, ref_, cached, prompts, 32, true), alone) << "prefix cache";
 }
 
 // Every token the model processes is routed to top_k experts in every MoE layer; the engine's
@@ -222,7 +286,7 @@ TEST_P(HfGolden, ExpertLoadCountsEveryRoutedToken) {
   const ModelConfig& c = l.m.config;
   EngineConfig cfg;
   cfg.prefix_cache = false;
-  Engine engine(*l.m.model, *l.backend, l.m.tokenizer.get(), cfg);
+  Engine engine(*l.m.model, *l.backend, engine_tokenizer(l, ref_), cfg);
   int requests = 0;
   for (const auto& p : ref_.prompts) {
     EngineRequest r;
@@ -274,7 +338,7 @@ TEST_P(HfGolden, TokenizerMatchesTransformers) {
   Loaded l = load(GetParam());
   ASSERT_NE(l.m.tokenizer, nullptr) << "tokenizer.json was not loaded";
   const Tokenizer& t = *l.m.tokenizer;
-  EXPECT_EQ(t.vocab_size(), ref_.vocab);
+  EXPECT_EQ(t.vocab_size(), ref_.tokenizer_vocab);
   EXPECT_EQ(t.bos_id(), ref_.bos);
   EXPECT_EQ(t.eos_id(), ref_.eos);
   EXPECT_TRUE(t.add_bos_default());
@@ -283,6 +347,27 @@ TEST_P(HfGolden, TokenizerMatchesTransformers) {
     EXPECT_EQ(t.encode(p.text, p.add_bos, true), p.ids) << p.name;
     EXPECT_EQ(t.decode(p.text_ids), p.text) << p.name;
   }
+}
+
+// A padded vocabulary (embedding and lm_head rows past the tokenizer): the fixture's greedy
+// continuations reach those ids (GreedyContinuationMatchesTransformers compares them).
+TEST(HfGoldenPaddedVocab, ReferenceGeneratesIdsPastTheTokenizer) {
+  int padded_fixtures = 0;
+  for (const auto& name : fixture_names()) {
+    const Reference r = read_reference(name);
+    if (r.tokenizer_vocab == r.vocab) continue;
+    ++padded_fixtures;
+    EXPECT_LT(r.tokenizer_vocab, r.vocab);
+    int past = 0;
+    for (const auto& p : r.prompts)
+      for (int32_t t : p.generated) past += t >= r.tokenizer_vocab ? 1 : 0;
+    EXPECT_GT(past, 0) << name;
+    Loaded l = load(name);
+    EXPECT_EQ(l.m.config.vocab, r.vocab) << name;
+    ASSERT_NE(l.m.tokenizer, nullptr);
+    EXPECT_EQ(l.m.tokenizer->vocab_size(), r.tokenizer_vocab) << name;
+  }
+  EXPECT_GE(padded_fixtures, 1);
 }
 
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(HfGolden);

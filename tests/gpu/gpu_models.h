@@ -1,0 +1,90 @@
+// A model on the CUDA backend for the GPU tests: loading, a prefill with hand-made metadata
+// and greedy continuations through the engine.
+#pragma once
+
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "../hf_fixtures.h"
+#include "backend/cuda/cuda_backend.h"
+#include "engine/engine.h"
+#include "model/loader.h"
+
+namespace ds::test {
+
+struct OnGpu {
+  std::unique_ptr<Backend> backend;
+  LoadedModel m;
+};
+
+inline OnGpu load_on_gpu(const std::filesystem::path& dir) {
+  OnGpu g;
+  BackendOptions bo;
+  bo.gpu_memory_utilization = 0.05;
+  g.backend = make_cuda_backend(bo, 0);
+  g.m = load_model(dir, *g.backend, LoadOptions{});
+  return g;
+}
+
+// Prefill logits of one prompt through the model on the GPU, metadata uploaded by hand.
+inline std::vector<float> gpu_prefill(OnGpu& g, const std::vector<int32_t>& ids) {
+  Backend& be = *g.backend;
+  const int n = int(ids.size()), vocab = g.m.config.vocab, blocks = (n + 15) / 16;
+  KvCacheConfig kvc;
+  kvc.num_blocks = blocks;
+  kvc.dtype = DType::BF16;
+  KvCache cache(be, g.m.config, kvc);
+  // tokens[n] positions[n] query_start[2] context_lens[1] block_table[blocks] rows[n]
+  std::vector<int32_t> host;
+  host.insert(host.end(), ids.begin(), ids.end());
+  for (int i = 0; i < n; ++i) host.push_back(i);
+  host.push_back(0);
+  host.push_back(n);
+  host.push_back(n);
+  for (int b = 0; b < blocks; ++b) host.push_back(b);
+  auto meta = be.alloc(host.size() * 4);
+  be.upload(meta->view(DType::I32, {int64_t(host.size())}), host.data(), host.size() * 4);
+  const int32_t* d = static_cast<const int32_t*>(meta->data());
+  std::vector<int32_t> rows(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) rows[size_t(i)] = i;
+  ForwardInput in;
+  in.tokens = ids;
+  in.device_tokens = d;
+  in.meta.num_seqs = 1;
+  in.meta.num_tokens = n;
+  in.meta.positions = d + n;
+  in.meta.slot_mapping = d + n;  // slot = position
+  in.meta.query_start = d + 2 * n;
+  in.meta.context_lens = d + 2 * n + 2;
+  in.meta.block_tables = d + 2 * n + 3;
+  in.meta.max_blocks_per_seq = blocks;
+  in.meta.max_query_len = n;
+  in.meta.max_context_len = n;
+  in.logit_rows = rows;
+  auto buf = be.alloc(size_t(n) * size_t(vocab) * 4);
+  TensorView logits = buf->view(DType::F32, {n, vocab});
+  g.m.model->forward(in, cache, logits);
+  std::vector<float> out(size_t(n) * size_t(vocab));
+  be.download(out.data(), logits, out.size() * 4);
+  return out;
+}
+
+// Greedy continuations (EOS ignored) through the engine on the GPU (BF16 KV cache, CUDA
+// graphs), submitted all at once or one after another. No tokenizer: the tests compare ids,
+// and a padded vocabulary's ids past the tokenizer have no text.
+inline std::vector<std::vector<int32_t>> gpu_greedy(OnGpu& g,
+                                                    const std::vector<std::vector<int32_t>>& ps,
+                                                    int max_tokens, bool concurrent) {
+  EngineConfig cfg;
+  cfg.prefix_cache = false;
+  cfg.kv_dtype = DType::BF16;
+  cfg.kv_cache_tokens = 2048;
+  Engine engine(*g.m.model, *g.backend, nullptr, cfg);
+  auto out = greedy_generate(engine, ps, max_tokens, concurrent);
+  std::printf("  engine: %d decode graphs captured\n", engine.graphs_captured());
+  return out;
+}
+
+}  // namespace ds::test
