@@ -72,8 +72,8 @@ inline std::vector<float> gpu_prefill(OnGpu& g, const std::vector<int32_t>& ids)
 }
 
 // Greedy continuations (EOS ignored) through the engine on the GPU (BF16 KV cache, CUDA
-// graphs), submitted all at once or one after another. No tokenizer: the tests compare ids,
-// and a padded vocabulary's ids past the tokenizer have no text.
+// graphs), submitted all at once or one after another, with the model's tokenizer: a padded
+// vocabulary's ids past it are outputs without text, which must not end a request.
 inline std::vector<std::vector<int32_t>> gpu_greedy(OnGpu& g,
                                                     const std::vector<std::vector<int32_t>>& ps,
                                                     int max_tokens, bool concurrent) {
@@ -81,7 +81,7 @@ inline std::vector<std::vector<int32_t>> gpu_greedy(OnGpu& g,
   cfg.prefix_cache = false;
   cfg.kv_dtype = DType::BF16;
   cfg.kv_cache_tokens = 2048;
-  Engine engine(*g.m.model, *g.backend, nullptr, cfg);
+  Engine engine(*g.m.model, *g.backend, g.m.tokenizer.get(), cfg);
   auto out = greedy_generate(engine, ps, max_tokens, concurrent);
   std::printf("  engine: %d decode graphs captured\n", engine.graphs_captured());
   return out;

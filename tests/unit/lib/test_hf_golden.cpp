@@ -139,16 +139,10 @@ Diff max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return d;
 }
 
-// The engine's tokenizer: none for a padded vocabulary, whose ids past the tokenizer only the
-// model knows (the comparison is of token ids; detokenizing them is the engine tests' matter).
-const Tokenizer* engine_tokenizer(const Loaded& l, const Reference& ref) {
-  return ref.tokenizer_vocab < ref.vocab ? nullptr : l.m.tokenizer.get();
-}
-
 std::vector<std::vector<int32_t>> generate(Loaded& l, const Reference& ref, const EngineConfig& cfg,
                                            const std::vector<std::vector<int32_t>>& prompts,
                                            int max_tokens, bool concurrent) {
-  Engine engine(*l.m.model, *l.backend, engine_tokenizer(l, ref), cfg);
+  Engine engine(*l.m.model, *l.backend, l.m.tokenizer.get(), cfg);
   return test::greedy_generate(engine, prompts, max_tokens, concurrent);
 }
 
@@ -286,7 +280,7 @@ TEST_P(HfGolden, ExpertLoadCountsEveryRoutedToken) {
   const ModelConfig& c = l.m.config;
   EngineConfig cfg;
   cfg.prefix_cache = false;
-  Engine engine(*l.m.model, *l.backend, engine_tokenizer(l, ref_), cfg);
+  Engine engine(*l.m.model, *l.backend, l.m.tokenizer.get(), cfg);
   int requests = 0;
   for (const auto& p : ref_.prompts) {
     EngineRequest r;
