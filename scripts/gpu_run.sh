@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The one GPU job: run on the H200 machine (through the device tool) from the repo root.
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
-# JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, bench,
-# profile, moebench, gemmbench, hfbase.
+# JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded,
+# bench, http, profile, moebench, gemmbench, hfbase.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
 #   lite    writes the DeepSeek-V2-Lite-shaped random BF16 checkpoint to $LITE_DIR
+#   padded  generate on CUDA on the padded-vocabulary fixture vs transformers' greedy tokens
 #   bench   deepserve bench for bench/w{1,2,3}.yaml on that checkpoint
+#   http    deepserve serve on that checkpoint, then bench --url: mixed-idle, mixed, w2, http-1024
 #   profile the same with --profile-ops (eager, per-op times of the steady decode step)
 #   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks
 #   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
@@ -118,6 +120,40 @@ if has_stage bench; then
     log "bench $w rc=$?"
     tail -6 "$OUT/bench-$w.log"
   done
+fi
+
+if has_stage padded; then
+  log "generate on cuda: padded-vocabulary fixture vs transformers"
+  python3 tools/check_padded_generate.py --deepserve "$BUILD/deepserve" --device cuda \
+    --out "$OUT/padded-cuda.json" 2>&1 | tee "$OUT/padded.log"
+  log "padded rc=${PIPESTATUS[0]}"
+fi
+
+if has_stage http; then
+  # One server on the Lite checkpoint, then bench --url: W2 (compare with the offline W2 of the
+  # same run), 1,024 streams, the mixed-priority load and its idle probes.
+  port=8011
+  log "serve (W2 engine settings, KV for 1,024 x 1,152 tokens)"
+  "$BUILD/deepserve" serve -m "$LITE_DIR" --device cuda --port $port --max-num-seqs 256 \
+    --kv-cache-tokens 1300000 --max-num-batched-tokens 8192 >"$OUT/serve.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 240); do
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1)" \
+      2>/dev/null && break
+    sleep 0.5
+  done
+  for w in ${HTTP_WORKLOADS:-mixed-idle mixed w2 http-1024}; do
+    log "bench $w --url"
+    DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
+      --url "http://127.0.0.1:$port" --output "$OUT/bench-http-$w.json" \
+      --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" >"$OUT/bench-http-$w.log" 2>&1
+    log "bench $w --url rc=$?"
+    tail -8 "$OUT/bench-http-$w.log"
+  done
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
+    >"$OUT/serve-metrics.txt" 2>&1
+  kill -TERM $spid; wait $spid
+  log "server exit rc=$?"
 fi
 
 if has_stage profile; then
