@@ -212,7 +212,8 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
                        {"prefix_cache", spec.engine.prefix_cache},
                        {"max_num_seqs", spec.engine.max_num_seqs},
                        {"max_num_batched_tokens", spec.engine.max_num_batched_tokens},
-                       {"lower_class_prefill_tokens", spec.engine.lower_class_prefill_tokens}};
+                       {"lower_class_prefill_tokens", spec.engine.lower_class_prefill_tokens},
+                       {"batch_prefill_tokens", spec.engine.batch_prefill_tokens}};
   return {{"schema_version", 1},
           {"name", spec.name},
           {"description", spec.description},

@@ -18,7 +18,8 @@ struct BenchEngineSpec {
   bool prefix_cache = true;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
-  int lower_class_prefill_tokens = 256;  // priority isolation; -1: off
+  int lower_class_prefill_tokens = 0;  // priority isolation; -1: off
+  int batch_prefill_tokens = 512;      // batch-class prefill per step; -1: no cap
 };
 
 // One class of requests of a mixed scenario (`classes:`): its own shape, load and priority.

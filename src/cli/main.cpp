@@ -53,7 +53,13 @@ void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
       ->capture_default_str();
   app->add_option("--lower-class-prefill-tokens", e.lower_class_prefill_tokens,
                   "priority isolation: while a higher-class request is live, prefill tokens "
-                  "per step of all lower classes together (0 pauses them, -1 = no cap)")
+                  "per step of all lower classes together, whose decodes wait meanwhile (0 "
+                  "pauses their prefill too, -1 = isolation off)")
+      ->check(CLI::Range(-1, 1 << 24))
+      ->capture_default_str();
+  app->add_option("--batch-prefill-tokens", e.batch_prefill_tokens,
+                  "batch-priority prefill tokens per step, always (-1 or 0 = no cap): bounds "
+                  "the step a higher-class request may have to wait for")
       ->check(CLI::Range(-1, 1 << 24))
       ->capture_default_str();
 }

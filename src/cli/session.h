@@ -34,8 +34,9 @@ struct EngineOptions {
   bool prefix_cache = true;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
-  int lower_class_prefill_tokens = 256;  // priority isolation (docs/ARCHITECTURE.md); -1: off
-  std::string kv_dtype;                  // "f32", "f16", "bf16"; "" = f32 on the CPU, bf16 on CUDA
+  int lower_class_prefill_tokens = 0;  // priority isolation (docs/ARCHITECTURE.md); -1: off
+  int batch_prefill_tokens = 512;      // batch-class prefill tokens per step; -1: no cap
+  std::string kv_dtype;                // "f32", "f16", "bf16"; "" = f32 on the CPU, bf16 on CUDA
 };
 
 struct Session {

@@ -30,7 +30,8 @@ struct EngineConfig {
   bool prefix_cache = true;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
-  int lower_class_prefill_tokens = 256;  // SchedulerConfig's priority isolation; -1: off
+  int lower_class_prefill_tokens = 0;  // SchedulerConfig's priority isolation; -1: off
+  int batch_prefill_tokens = 512;      // SchedulerConfig's; -1: no cap
   DType kv_dtype = DType::F32;
   // Decode steps of up to this many sequences replay device graphs (CUDA); 0 disables.
   int graph_max_batch = 256;

@@ -148,8 +148,8 @@ bool Scheduler::make_room(Sequence& s, int n, StepPlan& plan, TokenBudget& budge
   return true;
 }
 
-bool Scheduler::admit(Sequence& s, StepPlan& plan, TokenBudget& budget, TokenBudget* lower) {
-  if (lower && lower->left() == 0) return false;     // checked before anyone is displaced
+bool Scheduler::admit(Sequence& s, StepPlan& plan, TokenBudget& budget) {
+  if (prefill_cap_left(s) == 0) return false;        // checked before anyone is displaced
   const std::span<const int32_t> tokens = s.tokens;  // recompute includes generated tokens
   const int max_new = s.max_tokens - s.num_output();
   const int need = blocks_.blocks_needed(tokens, max_new);
@@ -178,10 +178,26 @@ bool Scheduler::admit(Sequence& s, StepPlan& plan, TokenBudget& budget, TokenBud
   s.num_computed = *computed;
   if (s.num_cached_prompt < 0) s.num_cached_prompt = *computed;
   running_.push_back(&s);
-  const int n = std::min({s.num_uncomputed(), budget.left(), lower ? lower->left() : INT_MAX});
-  if (lower) lower->take(n);
+  const int n = std::min({s.num_uncomputed(), budget.left(), prefill_cap_left(s)});
+  take_prefill_cap(s, n);
   add_to_plan(s, budget.take(n), plan);
   return true;
+}
+
+int Scheduler::prefill_cap_left(const Sequence& s) const {
+  int left = INT_MAX;
+  if (caps_.lower && s.priority > *caps_.top) left = std::min(left, caps_.lower->left());
+  if (caps_.batch && s.priority == Priority::Batch) left = std::min(left, caps_.batch->left());
+  return left;
+}
+
+void Scheduler::take_prefill_cap(const Sequence& s, int n) {
+  if (caps_.lower && s.priority > *caps_.top) caps_.lower->take(n);
+  if (caps_.batch && s.priority == Priority::Batch) caps_.batch->take(n);
+}
+
+bool Scheduler::decode_waits(const Sequence& s) const {
+  return caps_.lower && s.priority > *caps_.top;
 }
 
 std::optional<Priority> Scheduler::top_class() const {
@@ -192,8 +208,7 @@ std::optional<Priority> Scheduler::top_class() const {
   return top;
 }
 
-void Scheduler::schedule_running(bool decodes, StepPlan& plan, TokenBudget& budget, Priority top,
-                                 TokenBudget* lower) {
+void Scheduler::schedule_running(bool decodes, StepPlan& plan, TokenBudget& budget) {
   std::vector<Sequence*> order = running_;  // in service order
   std::sort(order.begin(), order.end(),
             [&](const Sequence* a, const Sequence* b) { return admission_.before(*a, *b); });
@@ -201,10 +216,11 @@ void Scheduler::schedule_running(bool decodes, StepPlan& plan, TokenBudget& budg
     if (budget.left() == 0) break;
     if (s->status != SeqStatus::Running || s->num_scheduled > 0) continue;  // preempted
     if ((s->num_uncomputed() == 1) != decodes) continue;
-    TokenBudget* cap = !decodes && s->priority > top ? lower : nullptr;
-    const int n = std::min({s->num_uncomputed(), budget.left(), cap ? cap->left() : INT_MAX});
+    if (decodes && decode_waits(*s)) continue;
+    const int n =
+        std::min({s->num_uncomputed(), budget.left(), decodes ? INT_MAX : prefill_cap_left(*s)});
     if (n == 0 || !make_room(*s, n, plan, budget)) continue;
-    if (cap) cap->take(n);
+    if (!decodes) take_prefill_cap(*s, n);
     add_to_plan(*s, budget.take(n), plan);
   }
 }
@@ -228,15 +244,18 @@ StepPlan Scheduler::schedule() {
   finish_reached_max_tokens(plan);
   plan.rejected = std::exchange(pending_rejections_, {});
   TokenBudget budget(cfg_.max_num_batched_tokens);
-  // Priority isolation: lower classes' prefill chunks share a small budget of their own.
-  const std::optional<Priority> top = top_class();
-  std::optional<TokenBudget> lower;
-  if (top && cfg_.lower_class_prefill_tokens >= 0) lower.emplace(cfg_.lower_class_prefill_tokens);
-
-  auto fill = [&](TokenBudget* cap) {
+  // Priority isolation: lower classes' prefill chunks share a small budget of their own and
+  // their decodes wait; the batch class's prefill has a per-step budget at all times.
+  caps_ = {};
+  caps_.top = top_class();
+  auto fill = [&](bool isolate) {
+    caps_.lower.reset();
+    if (isolate) caps_.lower.emplace(cfg_.lower_class_prefill_tokens);
+    caps_.batch.reset();
+    if (cfg_.batch_prefill_tokens > 0) caps_.batch.emplace(cfg_.batch_prefill_tokens);
     // Running sequences first: decodes, then unfinished prefills (chunks).
-    schedule_running(true, plan, budget, *top, cap);
-    schedule_running(false, plan, budget, *top, cap);
+    schedule_running(true, plan, budget);
+    schedule_running(false, plan, budget);
     // Admissions, unless memory was short this step (readmitting now would thrash).
     if (!plan.preempted.empty()) return;
     while (budget.left() > 0 && !waiting_.empty()) {
@@ -244,14 +263,20 @@ StepPlan Scheduler::schedule() {
       // Head-of-line blocking keeps class and FIFO order; one displaced this step waits.
       if (std::find(plan.preempted.begin(), plan.preempted.end(), head.id) != plan.preempted.end())
         break;
-      if (!admit(head, plan, budget, head.priority > *top ? cap : nullptr)) break;
+      if (!admit(head, plan, budget)) break;
     }
   };
-  if (top) {
-    fill(lower ? &*lower : nullptr);
-    // The cap never stalls the engine: with nothing else to run, lower classes go ahead.
-    if (plan.seqs.empty() && lower) fill(nullptr);
+  if (caps_.top) {
+    const bool isolate = cfg_.lower_class_prefill_tokens >= 0;
+    fill(isolate);
+    plan.isolated = isolate;
+    // Isolation never stalls the engine: with nothing else to run, lower classes go ahead.
+    if (plan.seqs.empty() && isolate) {
+      fill(false);
+      plan.isolated = false;
+    }
   }
+  caps_ = {};
 
   plan.block_copies = blocks_.take_pending_copies();
   for (const auto& x : plan.seqs) in_flight_.push_back(x.id);

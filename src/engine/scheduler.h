@@ -30,10 +30,14 @@ struct SchedulerConfig {
   int max_num_seqs = 64;  // running sequences at most
   int max_model_len = 0;  // prompt + max_tokens at most; 0 = only the cache limits
   // Priority isolation: while a sequence of a higher class is live (running or waiting), the
-  // prefill chunks of all lower classes together take at most this many tokens per step, so
-  // the higher class's steps stay short. Decodes are never capped. 0 pauses lower-class
-  // prefill while a higher class is live; -1 disables the cap.
-  int lower_class_prefill_tokens = 256;
+  // prefill chunks of all lower classes together take at most this many tokens per step and
+  // lower-class decodes wait (they keep their KV blocks), so the higher class's steps stay
+  // short and hold only its own work. 0 pauses lower-class prefill too; -1 turns isolation
+  // off (every class shares every step). With nothing else to run, lower classes go ahead.
+  int lower_class_prefill_tokens = 0;
+  // Batch-class prefill tokens per step, always (-1: no cap): a request of a higher class
+  // that arrives mid-step waits at most one such step before isolation applies.
+  int batch_prefill_tokens = 512;
 };
 
 // One sequence's share of a step.
@@ -60,6 +64,9 @@ struct StepPlan {
   std::vector<Rejection> rejected;      // never served: report the reason and forget them
   std::vector<Finished> finished;       // finished by the scheduler (max_tokens reached)
   std::vector<BlockCopy> block_copies;  // (src, dst) K/V block copies, in order, before forward
+  // Lower classes were held to the isolation caps (false: isolation is off, no class is
+  // above another, or nothing else could run and they went ahead).
+  bool isolated = false;
   int num_tokens() const;
   bool empty() const { return seqs.empty(); }
 };
@@ -123,16 +130,27 @@ class Scheduler {
   // Gives `s` slots for n more tokens, preempting unscheduled running sequences (possibly `s`
   // itself: then false).
   bool make_room(Sequence& s, int n, StepPlan& plan, TokenBudget& budget);
-  bool admit(Sequence& s, StepPlan& plan, TokenBudget& budget, TokenBudget* lower);
-  // Schedules running sequences' decodes (or prefill chunks) in service order; prefill chunks
-  // of classes below `top` also draw on `lower` when it is set.
-  void schedule_running(bool decodes, StepPlan& plan, TokenBudget& budget, Priority top,
-                        TokenBudget* lower);
+  bool admit(Sequence& s, StepPlan& plan, TokenBudget& budget);
+  // Schedules running sequences' decodes (or prefill chunks) in service order, within the
+  // step's isolation caps.
+  void schedule_running(bool decodes, StepPlan& plan, TokenBudget& budget);
+  // This step's isolation (set by schedule()): prefill tokens `s` may still take beyond the
+  // step budget's, and whether its decode waits for a higher class.
+  int prefill_cap_left(const Sequence& s) const;
+  void take_prefill_cap(const Sequence& s, int n);
+  bool decode_waits(const Sequence& s) const;
   // The highest class with a live sequence (nullopt when none is).
   std::optional<Priority> top_class() const;
   void preempt(Sequence& s, StepPlan& plan, TokenBudget& budget);
   void add_to_plan(Sequence& s, int n, StepPlan& plan);
   Sequence& live(SeqId id);
+
+  struct StepCaps {
+    std::optional<Priority> top;       // the highest live class
+    std::optional<TokenBudget> lower;  // lower classes' prefill, while isolation applies
+    std::optional<TokenBudget> batch;  // the batch class's prefill, always
+  };
+  StepCaps caps_;
 
   SchedulerConfig cfg_;
   BlockManager blocks_;

@@ -64,6 +64,8 @@ class Simulation {
     c.max_num_seqs = std::uniform_int_distribution<int>(3, 10)(rng);
     // Priority isolation: off, pausing (0) or a cap below and above typical chunks.
     c.lower_class_prefill_tokens = std::uniform_int_distribution<int>(-1, 12)(rng);
+    // The batch class's own per-step prefill budget: off, or from below a chunk to above.
+    c.batch_prefill_tokens = std::uniform_int_distribution<int>(-1, 16)(rng);
     return c;
   }
   static BlockManagerConfig make_blocks(AllocationMode mode, bool prefix_cache) {
@@ -179,25 +181,32 @@ class Simulation {
     return top;
   }
 
-  // Lower classes' prefill chunks stay within the isolation cap, unless they are all the plan
-  // holds (the cap yields rather than stall the engine).
+  // The batch class's prefill stays within its per-step budget in every plan. While the top
+  // class has work in the plan, lower classes' prefill chunks stay within the isolation cap
+  // and their decodes wait (a plan without top-class work is the fallback that never stalls).
   void verify_isolation(const StepPlan& plan, std::optional<Priority> top) {
-    const int cap = sched_.config().lower_class_prefill_tokens;
-    if (!top || cap < 0) return;
-    int lower = 0;
-    bool other = false;  // a decode or a top-class chunk
+    const int batch_cap = sched_.config().batch_prefill_tokens;
+    int batch = 0;
     for (const ScheduledSeq& x : plan.seqs) {
       const Sequence* s = sched_.find(x.id);
-      const bool prefill = s->num_uncomputed() > 1;
-      if (prefill && s->priority > *top)
-        lower += int(x.tokens.size());
-      else
-        other = true;
+      if (s->num_uncomputed() > 1 && s->priority == Priority::Batch) batch += int(x.tokens.size());
     }
-    if (other) {
-      ASSERT_LE(lower, cap) << "lower-class prefill over the isolation cap";
+    if (batch_cap > 0) {
+      ASSERT_LE(batch, batch_cap) << "batch-class prefill over its per-step budget";
     }
-    if (other && lower == cap && cap > 0) ++totals_.capped;
+    const int cap = sched_.config().lower_class_prefill_tokens;
+    if (!top || cap < 0) return;
+    // Under isolation every lower-class item counts against the cap: a decode would too (a
+    // one-token item may also be a prompt's last token, admitted on a prefix-cache hit), so
+    // with cap 0 no lower-class work may run at all (Scheduler.LowerClassPrefillIsCapped...
+    // checks that decodes wait while prefill goes on).
+    int lower = 0;
+    for (const ScheduledSeq& x : plan.seqs)
+      if (sched_.find(x.id)->priority != *top) lower += int(x.tokens.size());
+    if (plan.isolated) {
+      ASSERT_LE(lower, cap) << "lower-class work over the isolation cap";
+    }
+    if (plan.isolated && lower == cap && cap > 0) ++totals_.capped;
   }
 
   void verify_plan(const StepPlan& plan) {

@@ -161,7 +161,10 @@ TEST(Scheduler, AdmitsHigherClassesFirstFifoWithinAClass) {
 
 TEST(Scheduler, PreemptsLowerClassesFirstThenTheMostRecent) {
   // 4 blocks of 4 tokens; four 4-token prompts fill the cache; each first decode needs a block.
-  Scheduler s(sched(64), blocks(4, 4, /*prefix=*/false));
+  // Isolation off: every class shares the steps, so the cache runs short.
+  SchedulerConfig c = sched(64);
+  c.lower_class_prefill_tokens = -1;
+  Scheduler s(c, blocks(4, 4, /*prefix=*/false));
   Driver d(s);
   s.add(req(1, 4, 8, Priority::Batch));
   s.add(req(2, 4, 8, Priority::Standard));
@@ -224,13 +227,13 @@ TEST(Scheduler, LowerClassPrefillIsCappedWhileAHigherClassIsLive) {
   EXPECT_EQ(p.seqs[1].tokens.size(), 8u);
 
   s.add(req(3, 30, 8, Priority::LatencyCritical));
-  p = d.step();  // Standard's decode; Batch's chunk stays capped; the newcomer gets the rest
-  ASSERT_EQ(ids(p), (std::vector<SeqId>{2, 1, 3}));
-  EXPECT_EQ(p.seqs[1].tokens.size(), 8u);
-  EXPECT_EQ(p.seqs[2].tokens.size(), 30u);
-  p = d.step();  // two decodes and the capped chunk; the rest of the budget stays unused
-  ASSERT_EQ(ids(p), (std::vector<SeqId>{3, 2, 1}));
-  EXPECT_EQ(p.num_tokens(), 1 + 1 + 8);
+  p = d.step();  // Standard's decode waits; Batch's chunk stays capped; the newcomer's prompt
+  ASSERT_EQ(ids(p), (std::vector<SeqId>{1, 3}));
+  EXPECT_EQ(p.seqs[0].tokens.size(), 8u);
+  EXPECT_EQ(p.seqs[1].tokens.size(), 30u);
+  p = d.step();  // its decode and the capped chunk; the rest of the budget stays unused
+  ASSERT_EQ(ids(p), (std::vector<SeqId>{3, 1}));
+  EXPECT_EQ(p.num_tokens(), 1 + 8);
 
   s.abort(3);  // Standard is the top class again: Batch is still capped
   EXPECT_EQ(d.step().num_tokens(), 1 + 8);
@@ -258,6 +261,28 @@ TEST(Scheduler, ZeroCapPausesLowerClassPrefill) {
   EXPECT_EQ(ids(d.step()), (std::vector<SeqId>{1}));
   s.abort(1);
   EXPECT_EQ(ids(d.step()), (std::vector<SeqId>{2}));  // the only class left: uncapped
+}
+
+// The batch class's prefill has a per-step budget even when no other class is live, so a
+// request of a higher class that arrives mid-step waits for a short step at most.
+TEST(Scheduler, BatchPrefillHasAPerStepBudget) {
+  SchedulerConfig c = sched(64);
+  c.batch_prefill_tokens = 16;
+  c.lower_class_prefill_tokens = 0;
+  Scheduler s(c, blocks(256));
+  Driver d(s);
+  s.add(req(1, 40, 4, Priority::Batch));
+  s.add(req(2, 40, 4, Priority::Batch));
+  StepPlan p = d.step();  // two batch prompts share the 16 tokens
+  EXPECT_EQ(p.num_tokens(), 16);
+  s.add(req(3, 40, 4, Priority::Standard));
+  p = d.step();                   // the standard prompt is not held to the batch budget
+  EXPECT_EQ(p.num_tokens(), 40);  // and the batch class is below the top now: paused
+  c.batch_prefill_tokens = -1;
+  Scheduler t(c, blocks(256));
+  Driver e(t);
+  t.add(req(1, 100, 4, Priority::Batch));
+  EXPECT_EQ(e.step().num_tokens(), 64);  // no budget: the whole step
 }
 
 TEST(Scheduler, RejectsImpossibleRequestsWithAReason) {
