@@ -43,10 +43,7 @@ void set_kv_dtype(E& e, const std::string& kv_dtype) {
 }
 
 DType kv_dtype_of(const std::string& name, const std::string& device) {
-  const std::string d = name.empty() ? (device == "cuda" ? "bf16" : "f32") : name;
-  if (d == "f16") return DType::F16;
-  if (d == "bf16") return DType::BF16;
-  return DType::F32;
+  return kv_cache_dtype(name, device == "cuda" ? DeviceKind::CUDA : DeviceKind::CPU);
 }
 
 // The spec's bandwidth, else the device's documented default (docs/BENCH.md).

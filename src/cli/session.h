@@ -34,7 +34,7 @@ struct EngineOptions {
   bool prefix_cache = true;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 2048;
-  std::string kv_dtype;  // "f32", "f16", "bf16"; "" = f32 on the CPU, bf16 on CUDA
+  std::string kv_dtype;  // "f32", "f16", "bf16"; "" = kv_cache_dtype's default
 };
 
 struct Session {
@@ -53,5 +53,8 @@ Session open_session(const ModelOptions& m, const EngineOptions& e);
 // clear error for cuda without a GPU or in a build without CUDA. Logs the choice.
 std::unique_ptr<Backend> make_session_backend(const ModelOptions& m);
 std::string resolve_model_path(const std::string& model);
+// The KV cache dtype a name ("f32", "f16", "bf16") asks for; "" = the device's default:
+// F16 on the CPU (half the bytes of F32, as llama.cpp), BF16 on CUDA.
+DType kv_cache_dtype(const std::string& name, DeviceKind device);
 
 }  // namespace ds
