@@ -2,6 +2,7 @@
 #include "backend/cpu/attention.h"
 
 #include "backend/cpu/attention_kernel.h"
+#include "backend/cpu/isa_dispatch.h"
 
 namespace ds::cpu {
 
@@ -16,29 +17,13 @@ void kv_store_generic(const float* src, int64_t n, DType dtype, void* dst) {
 }  // namespace detail
 
 KvStoreKernel kv_store_kernel(Isa isa) {
-  switch (isa) {
-    case Isa::Scalar:
-      return detail::kv_store_generic;
-    case Isa::Avx2:
-      return detail::kv_store_avx2;
-    case Isa::Avx512Vnni:
-    case Isa::Amx:
-      return detail::kv_store_avx512;
-  }
-  return detail::kv_store_generic;
+  return by_isa<KvStoreKernel>(isa, detail::kv_store_generic, detail::kv_store_avx2,
+                               detail::kv_store_avx512);
 }
 
 AttentionKernel attention_kernel(Isa isa) {
-  switch (isa) {
-    case Isa::Scalar:
-      return detail::attention_generic;
-    case Isa::Avx2:
-      return detail::attention_avx2;
-    case Isa::Avx512Vnni:
-    case Isa::Amx:
-      return detail::attention_avx512;
-  }
-  return detail::attention_generic;
+  return by_isa<AttentionKernel>(isa, detail::attention_generic, detail::attention_avx2,
+                                 detail::attention_avx512);
 }
 
 }  // namespace ds::cpu
