@@ -25,8 +25,9 @@ namespace {
 
 }  // namespace
 
-DType kv_cache_dtype(const std::string& name, DeviceKind device) {
-  if (name.empty()) return device == DeviceKind::CUDA ? DType::BF16 : DType::F16;
+DType kv_cache_dtype(const std::string& name, DeviceKind device, const std::string& precision) {
+  if (name.empty())
+    return device == DeviceKind::CUDA ? DType::BF16 : precision == "f32" ? DType::F32 : DType::F16;
   if (name == "f32") return DType::F32;
   if (name == "f16") return DType::F16;
   if (name == "bf16") return DType::BF16;
@@ -122,7 +123,7 @@ Session open_session(const ModelOptions& m, const EngineOptions& e) {
   s.backend = make_session_backend(m);
   if (m.wrap_backend) s.wrapper = m.wrap_backend(*s.backend);
   const DeviceKind device = s.backend->device().kind;
-  const DType kv_dtype = kv_cache_dtype(e.kv_dtype, device);
+  const DType kv_dtype = kv_cache_dtype(e.kv_dtype, device, m.precision);
   LoadOptions lo;
   lo.threads = std::max(1, m.threads);
   lo.progress = true;

@@ -53,8 +53,9 @@ Session open_session(const ModelOptions& m, const EngineOptions& e);
 // clear error for cuda without a GPU or in a build without CUDA. Logs the choice.
 std::unique_ptr<Backend> make_session_backend(const ModelOptions& m);
 std::string resolve_model_path(const std::string& model);
-// The KV cache dtype a name ("f32", "f16", "bf16") asks for; "" = the device's default:
-// F16 on the CPU (half the bytes of F32, as llama.cpp), BF16 on CUDA.
-DType kv_cache_dtype(const std::string& name, DeviceKind device);
+// The KV cache dtype a name ("f32", "f16", "bf16") asks for; "" = the default: BF16 on CUDA;
+// on the CPU F32 with --precision f32 (which stays exact) and F16 with q8 (llama.cpp's cache
+// type, half the bytes).
+DType kv_cache_dtype(const std::string& name, DeviceKind device, const std::string& precision);
 
 }  // namespace ds
