@@ -176,6 +176,8 @@ def main():
     ap.add_argument("--timeout", type=float, default=600, help="seconds per deepserve run")
     ap.add_argument("--precision", choices=["f32", "q8"], default="f32",
                     help="deepserve's --precision (activations against quantized weights)")
+    ap.add_argument("--kv-cache-dtype", choices=["f32", "f16", "bf16"],
+                    help="deepserve's --kv-cache-dtype (default: deepserve's own, f16 on the CPU)")
     ap.add_argument("--output", help="default: bench/results/<date>-w4-cpu-<precision>.json")
     args = ap.parse_args()
 
@@ -209,6 +211,8 @@ def main():
         f.write(" ".join(str(t) for t in prompt_ids) + "\n")
     ds_cmd = [args.deepserve, "generate", "--json", "-n", str(output_len), "--ignore-eos",
               "--threads", str(threads), "--temperature", "0", "--precision", args.precision, "--prompt-ids-file", ids_file]
+    if args.kv_cache_dtype:
+        ds_cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     if deepserve_model:
         ds_cmd += ["--model", deepserve_model]
 
@@ -228,6 +232,7 @@ def main():
         except (RuntimeError, OSError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
             ds_error = f"warm-up failed: {e}"
 
+    load_before = os.getloadavg()
     llama_runs, ds_runs = [], []
     for r in range(args.repeats):
         run = llama.run(prompt_ids, output_len)
@@ -262,6 +267,9 @@ def main():
             "cpu_model": cpu_model(),
             "cores": os.cpu_count(),
             "commit": git_commit(),
+            # Other processes share the cores; both sides feel it, alternating runs.
+            "loadavg_1_5_15_before": list(load_before),
+            "loadavg_1_5_15_after": list(os.getloadavg()),
             "command": " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
         },
         "llama_cpp": {

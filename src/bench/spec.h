@@ -76,7 +76,7 @@ struct BenchSpec {
 
   // Derived figures.
   std::optional<double> bandwidth_gbps;  // memory bandwidth for the roofline
-  std::string kv_dtype;                  // KV cache dtype; "" = f32 on the CPU, bf16 on CUDA
+  std::string kv_dtype;                  // KV cache dtype; "" = kv_cache_dtype's default
   std::optional<double> gpu_hour_price;  // USD
 
   // Online mode.

@@ -42,11 +42,9 @@ void set_kv_dtype(E& e, const std::string& kv_dtype) {
   if constexpr (requires { e.kv_dtype = kv_dtype; }) e.kv_dtype = kv_dtype;
 }
 
-DType kv_dtype_of(const std::string& name, const std::string& device) {
-  const std::string d = name.empty() ? (device == "cuda" ? "bf16" : "f32") : name;
-  if (d == "f16") return DType::F16;
-  if (d == "bf16") return DType::BF16;
-  return DType::F32;
+DType kv_dtype_of(const BenchSpec& spec, const std::string& device) {
+  return kv_cache_dtype(spec.kv_dtype, device == "cuda" ? DeviceKind::CUDA : DeviceKind::CPU,
+                        spec.precision);
 }
 
 // The spec's bandwidth, else the device's documented default (docs/BENCH.md).
@@ -92,7 +90,7 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   resolve_bandwidth(spec, device, sys, ro, ctx);
   PromptMaker prompts({s.loaded.tokenizer.get(), s.loaded.config.vocab, spec.prompt == "text",
                        /*send_text=*/false});
-  OfflineTargetConfig tc{device, kv_dtype_of(spec.kv_dtype, device), {}, profiler};
+  OfflineTargetConfig tc{device, kv_dtype_of(spec, device), {}, profiler};
 #ifdef DEEPSERVE_HAVE_CUDA
   // The pool reserves most of the GPU up front: what its live buffers hold is the real use.
   if (device == "cuda")

@@ -43,6 +43,10 @@ void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
                   "dynamic (paged) or static (each sequence reserves its maximum up front)")
       ->check(CLI::IsMember({"dynamic", "static"}))
       ->capture_default_str();
+  app->add_option("--kv-cache-dtype", e.kv_dtype,
+                  "KV cache element type: f32, f16 or bf16 (default: on the CPU f32 with "
+                  "--precision f32, which stays exact, f16 with q8; bf16 on CUDA)")
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   app->add_flag("!--no-prefix-cache", e.prefix_cache, "do not reuse cached prompt prefixes");
   app->add_option("--max-num-seqs,--max-batch-size", e.max_num_seqs, "running sequences at most")
       ->check(CLI::PositiveNumber)

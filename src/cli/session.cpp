@@ -23,13 +23,18 @@ namespace {
   return buf;
 }
 
-DType kv_dtype_for(const std::string& name, DeviceKind device) {
-  if (name.empty()) return device == DeviceKind::CUDA ? DType::BF16 : DType::F32;
+}  // namespace
+
+DType kv_cache_dtype(const std::string& name, DeviceKind device, const std::string& precision) {
+  if (name.empty())
+    return device == DeviceKind::CUDA ? DType::BF16 : precision == "f32" ? DType::F32 : DType::F16;
   if (name == "f32") return DType::F32;
   if (name == "f16") return DType::F16;
   if (name == "bf16") return DType::BF16;
   throw Error("KV cache dtype must be f32, f16 or bf16, not '" + name + "'");
 }
+
+namespace {
 
 // KV capacity when the user gave none: on CUDA what fits in the pool after the weights.
 int64_t auto_kv_tokens(const Session& s, DType kv_dtype, int block_size) {
@@ -118,7 +123,7 @@ Session open_session(const ModelOptions& m, const EngineOptions& e) {
   s.backend = make_session_backend(m);
   if (m.wrap_backend) s.wrapper = m.wrap_backend(*s.backend);
   const DeviceKind device = s.backend->device().kind;
-  const DType kv_dtype = kv_dtype_for(e.kv_dtype, device);
+  const DType kv_dtype = kv_cache_dtype(e.kv_dtype, device, m.precision);
   LoadOptions lo;
   lo.threads = std::max(1, m.threads);
   lo.progress = true;

@@ -36,7 +36,7 @@ struct EngineOptions {
   int max_num_batched_tokens = 2048;
   int lower_class_prefill_tokens = 0;  // priority isolation (docs/ARCHITECTURE.md); -1: off
   int batch_prefill_tokens = 512;      // batch-class prefill tokens per step; -1: no cap
-  std::string kv_dtype;                // "f32", "f16", "bf16"; "" = f32 on the CPU, bf16 on CUDA
+  std::string kv_dtype;                // "f32", "f16", "bf16"; "" = kv_cache_dtype's default
 };
 
 struct Session {
@@ -55,5 +55,9 @@ Session open_session(const ModelOptions& m, const EngineOptions& e);
 // clear error for cuda without a GPU or in a build without CUDA. Logs the choice.
 std::unique_ptr<Backend> make_session_backend(const ModelOptions& m);
 std::string resolve_model_path(const std::string& model);
+// The KV cache dtype a name ("f32", "f16", "bf16") asks for; "" = the default: BF16 on CUDA;
+// on the CPU F32 with --precision f32 (which stays exact) and F16 with q8 (llama.cpp's cache
+// type, half the bytes).
+DType kv_cache_dtype(const std::string& name, DeviceKind device, const std::string& precision);
 
 }  // namespace ds

@@ -2,6 +2,7 @@
 #include "backend/cpu/attention.h"
 
 #include "backend/cpu/attention_kernel.h"
+#include "backend/cpu/isa_dispatch.h"
 
 namespace ds::cpu {
 
@@ -10,19 +11,19 @@ void attention_generic(const AttentionParams& p, const AttentionMeta& meta,
                        const AttentionItem& item, AttentionScratch& scratch) {
   attention_dispatch(p, meta, item, scratch);
 }
+void kv_store_generic(const float* src, int64_t n, DType dtype, void* dst) {
+  narrow_row(src, n, dtype, static_cast<uint8_t*>(dst));
+}
 }  // namespace detail
 
+KvStoreKernel kv_store_kernel(Isa isa) {
+  return by_isa<KvStoreKernel>(isa, detail::kv_store_generic, detail::kv_store_avx2,
+                               detail::kv_store_avx512);
+}
+
 AttentionKernel attention_kernel(Isa isa) {
-  switch (isa) {
-    case Isa::Scalar:
-      return detail::attention_generic;
-    case Isa::Avx2:
-      return detail::attention_avx2;
-    case Isa::Avx512Vnni:
-    case Isa::Amx:
-      return detail::attention_avx512;
-  }
-  return detail::attention_generic;
+  return by_isa<AttentionKernel>(isa, detail::attention_generic, detail::attention_avx2,
+                                 detail::attention_avx512);
 }
 
 }  // namespace ds::cpu

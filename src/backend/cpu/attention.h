@@ -36,7 +36,15 @@ using AttentionKernel = void (*)(const AttentionParams& p, const AttentionMeta& 
 // order, no fused multiply-add), so the ISA only changes speed.
 AttentionKernel attention_kernel(Isa isa);
 
+// Writes n F32 values into a cache row of `dtype` (F32, F16, BF16), rounding to nearest
+// even; every ISA stores the same bits (NaN payloads aside).
+using KvStoreKernel = void (*)(const float* src, int64_t n, DType dtype, void* dst);
+KvStoreKernel kv_store_kernel(Isa isa);
+
 namespace detail {
+void kv_store_generic(const float* src, int64_t n, DType dtype, void* dst);
+void kv_store_avx2(const float* src, int64_t n, DType dtype, void* dst);
+void kv_store_avx512(const float* src, int64_t n, DType dtype, void* dst);
 void attention_generic(const AttentionParams& p, const AttentionMeta& meta,
                        const AttentionItem& item, AttentionScratch& scratch);
 void attention_avx2(const AttentionParams& p, const AttentionMeta& meta, const AttentionItem& item,

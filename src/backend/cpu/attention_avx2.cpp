@@ -10,4 +10,8 @@ void attention_avx2(const AttentionParams& p, const AttentionMeta& meta, const A
   attention_dispatch(p, meta, item, scratch);
 }
 
+void kv_store_avx2(const float* src, int64_t n, DType dtype, void* dst) {
+  narrow_row(src, n, dtype, static_cast<uint8_t*>(dst));
+}
+
 }  // namespace ds::cpu::detail

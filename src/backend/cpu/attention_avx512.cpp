@@ -10,4 +10,8 @@ void attention_avx512(const AttentionParams& p, const AttentionMeta& meta,
   attention_dispatch(p, meta, item, scratch);
 }
 
+void kv_store_avx512(const float* src, int64_t n, DType dtype, void* dst) {
+  narrow_row(src, n, dtype, static_cast<uint8_t*>(dst));
+}
+
 }  // namespace ds::cpu::detail

@@ -16,11 +16,18 @@
 
 #include "backend/cpu/attention.h"
 #include "core/dtype.h"
+#if defined(__F16C__)
+#include "backend/cpu/simd_common.h"
+#endif
 
 // g++ contracts a * b + c into FMA by default in C++ (even -std=c++20) when the target has
 // it; keeping products and sums separate makes every ISA round identically.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+// GCC 12 claims the 16-bit widening tails below may run 2^62 times once inlined into the
+// head-size specializations (where they run zero times); a false positive.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Waggressive-loop-optimizations"
 
 namespace ds::cpu {
 namespace {
@@ -29,6 +36,9 @@ namespace {
 // crosses a call boundary whose ABI would depend on the ISA (GCC's -Wpsabi note).
 typedef float V16 __attribute__((vector_size(64)));
 typedef int32_t I16 __attribute__((vector_size(64)));
+typedef uint32_t U16 __attribute__((vector_size(64)));
+// Unaligned view of 16 16-bit values (F16 / BF16 bits) in memory.
+typedef uint16_t H16u __attribute__((vector_size(32), aligned(2), may_alias));
 // Unaligned view of 16 floats in memory, as the intrinsics headers' __m512_u.
 typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
 
@@ -118,6 +128,37 @@ inline void exp_nonpos(V16& x) {
   x = x < lo ? zero : y;
 }
 
+inline uint16_t bits16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
+// n F16 or BF16 values at src as F32 at dst. Exact (every 16-bit value is a float), so
+// the F16C / AVX-512 conversions give the scalar path's bits.
+inline void widen_16bit(const uint8_t* src, DType dtype, size_t n, float* dst) {
+  size_t i = 0;
+  if (dtype == DType::BF16) {
+    for (; i + kLanes <= n; i += kLanes) {
+      const U16 w = __builtin_convertvector(*reinterpret_cast<const H16u*>(src + 2 * i), U16);
+      at(dst + i) = (V16)(w << 16);
+    }
+    for (const uint8_t* h = src + 2 * i; i < n; ++i, h += 2) dst[i] = bf16_to_f32(bits16(h));
+    return;
+  }
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(
+        dst + i,
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(
+        dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i))));
+#endif
+  for (const uint8_t* h = src + 2 * i; i < n; ++i, h += 2) dst[i] = fp16_to_f32(bits16(h));
+}
+
 // Cached rows of one kv head of one sequence, as F32 (converting F16/BF16 into a buffer).
 struct KvRows {
   const uint8_t* base;
@@ -135,10 +176,7 @@ struct KvRows {
   const float* row(int j, float* buf) const {
     const uint8_t* r = raw(j);
     if (dtype == DType::F32) return reinterpret_cast<const float*>(r);
-    for (int i = 0; i < hd; ++i) {
-      const uint16_t h = uint16_t(r[2 * i] | r[2 * i + 1] << 8);
-      buf[i] = dtype == DType::F16 ? fp16_to_f32(h) : bf16_to_f32(h);
-    }
+    widen_16bit(r, dtype, size_t(hd), buf);
     return buf;
   }
 };
@@ -259,6 +297,44 @@ void attention_body(const AttentionParams& p, const AttentionMeta& meta, const A
   }
 }
 
+// dst[i] = src[i] in the cache's dtype: F16 rounds to nearest even (F16C where compiled in:
+// the same bits as f32_to_fp16 except NaN payloads), BF16 as f32_to_bf16 (integer rounding,
+// so denormals survive as they do there).
+inline void narrow_row(const float* src, int64_t n, DType dtype, uint8_t* dst) {
+  int64_t i = 0;
+  if (dtype == DType::F32) {
+    std::memcpy(dst, src, size_t(n) * 4);
+    return;
+  }
+  if (dtype == DType::BF16) {
+    for (; i + kLanes <= n; i += kLanes) {
+      const U16 x = (U16)at(src + i);
+      const U16 rounded = (x + (0x7fff + ((x >> 16) & 1))) >> 16;
+      const auto nan = (x & 0x7fffffff) > 0x7f800000;
+      *reinterpret_cast<H16u*>(dst + 2 * i) =
+          __builtin_convertvector(nan ? (x >> 16) | 0x40 : rounded, H16u);
+    }
+    for (; i < n; ++i) {
+      const uint16_t h = f32_to_bf16(src[i]);
+      std::memcpy(dst + 2 * i, &h, 2);
+    }
+    return;
+  }
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) {
+    const uint16_t h = f32_to_fp16(src[i]);
+    std::memcpy(dst + 2 * i, &h, 2);
+  }
+}
+
 // Specializes the common head sizes so their loops unroll into registers.
 inline void attention_dispatch(const AttentionParams& p, const AttentionMeta& meta,
                                const AttentionItem& it, AttentionScratch& scratch) {
@@ -275,4 +351,5 @@ inline void attention_dispatch(const AttentionParams& p, const AttentionMeta& me
 }  // namespace
 }  // namespace ds::cpu
 
+#pragma GCC diagnostic pop
 #pragma GCC pop_options

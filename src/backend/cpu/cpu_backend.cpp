@@ -34,15 +34,6 @@ class HostBuffer final : public Buffer {
   size_t size_;
 };
 
-void store_elem(uint8_t* p, DType t, float v) {
-  if (t == DType::F32) {
-    std::memcpy(p, &v, 4);
-  } else {
-    const uint16_t h = t == DType::F16 ? f32_to_fp16(v) : f32_to_bf16(v);
-    std::memcpy(p, &h, 2);
-  }
-}
-
 int default_threads() {
   const unsigned n = std::thread::hardware_concurrency();
   return n == 0 ? 1 : int(n);
@@ -181,6 +172,7 @@ class CpuBackend final : public Backend {
                "store_kv: " + src->shape_str() + " does not fit a cache of " +
                    std::to_string(kv.kv_heads) + " x " + std::to_string(kv.head_dim));
     }
+    const cpu::KvStoreKernel store = cpu::kv_store_kernel(isa_);
     for (int t = 0; t < meta.num_tokens; ++t) {
       const int64_t slot = meta.slot_mapping[t];
       if (slot == -1) continue;  // a padding token
@@ -191,8 +183,7 @@ class CpuBackend final : public Backend {
         for (int64_t h = 0; h < kv.kv_heads; ++h) {
           const float* s = reinterpret_cast<const float*>(static_cast<const uint8_t*>(src->data) +
                                                           t * src->stride[0] + h * src->stride[1]);
-          for (int64_t i = 0; i < kv.head_dim; ++i)
-            store_elem(d + (h * kv.head_dim + i) * es, kv.dtype, s[i]);
+          store(s, kv.head_dim, kv.dtype, d + h * kv.head_dim * es);
         }
       }
     }
@@ -201,25 +192,31 @@ class CpuBackend final : public Backend {
   void attention(const AttentionParams& p, const AttentionMeta& meta) override {
     const int heads = int(p.q.shape[1]), kv_heads = p.kv.kv_heads;
     const int group = heads / kv_heads;
-    std::vector<int> seq_of(size_t(meta.num_tokens));
+    std::vector<int>& seq_of = seq_of_;
+    seq_of.resize(size_t(meta.num_tokens));
     for (int s = 0; s < meta.num_seqs; ++s)
       for (int t = meta.query_start[s]; t < meta.query_start[s + 1]; ++t) seq_of[size_t(t)] = s;
-    // A work item is a whole kv group (each K/V row is loaded once for all its query heads)
-    // unless that leaves too few items to go round; a head's result is the same either way.
-    const int per_item = int64_t(meta.num_tokens) * kv_heads >= 4 * pool_.size() ? group : 1;
+    // A work item is a whole kv group (each K/V row is loaded and widened once for all its
+    // query heads) unless that leaves a thread idle; a head's result is the same either way.
+    const int per_item = int64_t(meta.num_tokens) * kv_heads >= pool_.size() ? group : 1;
     const int chunks = group / per_item;
     const int64_t per_token = int64_t(kv_heads) * chunks;
     const int64_t items = meta.num_tokens * per_token;
     const cpu::AttentionKernel kernel = cpu::attention_kernel(isa_);
-    if (attn_scratch_.size() < size_t(pool_.size())) attn_scratch_.resize(size_t(pool_.size()));
-    pool_.run([&](int ith, int nth) {
-      auto [begin, end] = ThreadPool::split(items, ith, nth);
-      for (int64_t i = begin; i < end; ++i) {
-        const int t = int(i / per_token), r = int(i % per_token);
-        const int kvh = r / chunks, h0 = kvh * group + r % chunks * per_item;
-        kernel(p, meta, {t, seq_of[size_t(t)], kvh, h0, h0 + per_item}, attn_scratch_[size_t(ith)]);
-      }
-    });
+    // A few tasks per thread (each with its own scratch), claimed by whichever thread is free.
+    const int tasks = int(std::min<int64_t>(items, 4 * pool_.size()));
+    if (attn_scratch_.size() < size_t(tasks)) attn_scratch_.resize(size_t(tasks));
+    pool_.run(
+        [&](int task, int n) {
+          auto [begin, end] = ThreadPool::split(items, task, n);
+          for (int64_t i = begin; i < end; ++i) {
+            const int t = int(i / per_token), r = int(i % per_token);
+            const int kvh = r / chunks, h0 = kvh * group + r % chunks * per_item;
+            kernel(p, meta, {t, seq_of[size_t(t)], kvh, h0, h0 + per_item},
+                   attn_scratch_[size_t(task)]);
+          }
+        },
+        tasks);
   }
 
   void silu_mul(const TensorView& gate_up, TensorView out) override {
@@ -382,7 +379,8 @@ class CpuBackend final : public Backend {
 
   ThreadPool pool_;
   cpu::Isa isa_;
-  std::vector<cpu::AttentionScratch> attn_scratch_;  // one per pool thread
+  std::vector<cpu::AttentionScratch> attn_scratch_;  // one per attention task
+  std::vector<int> seq_of_;                          // attention: each token's sequence
   ActivationPrecision precision_;
   std::vector<float> inv_freq_;  // rope_frequencies() cache
   std::optional<RopeParams> inv_freq_params_;

@@ -154,6 +154,8 @@ const Kernels& kernels_for(Isa isa) {
 constexpr int64_t kMinParallelWork = 1 << 16;
 // Threads split N in chunks of this many weight rows (a multiple of every kernel's tile).
 constexpr int64_t kNChunk = 16;
+// Tasks per pool thread in a parallel matmul.
+constexpr int64_t kTasksPerThread = 4;
 
 // Runs fn(m0, m1, n0, n1) over the output, split across the pool: over N when there are
 // enough weight rows to go round, else over M. The split never changes any element's
@@ -170,18 +172,25 @@ void parallel_for_output(ThreadPool& pool, int64_t M, int64_t N, int64_t K, cons
     const Fn& fn;
     int64_t M, N, chunks, tiles;
   } ctx{fn, M, N, (N + kNChunk - 1) / kNChunk, (M + 3) / 4};
+  // A few tasks per thread, so a thread that starts late (or is descheduled) leaves its
+  // share to the others.
+  const int64_t max_tasks = kTasksPerThread * nth;
   if (ctx.chunks >= nth || M < 2 * nth) {
-    pool.run([&ctx](int ith, int n) {
-      const auto [c0, c1] = ThreadPool::split(ctx.chunks, ith, n);
-      const int64_t n0 = std::min(ctx.N, c0 * kNChunk), n1 = std::min(ctx.N, c1 * kNChunk);
-      if (n0 < n1) ctx.fn(0, ctx.M, n0, n1);
-    });
+    pool.run(
+        [&ctx](int task, int tasks) {
+          const auto [c0, c1] = ThreadPool::split(ctx.chunks, task, tasks);
+          const int64_t n0 = std::min(ctx.N, c0 * kNChunk), n1 = std::min(ctx.N, c1 * kNChunk);
+          if (n0 < n1) ctx.fn(0, ctx.M, n0, n1);
+        },
+        int(std::min(ctx.chunks, max_tasks)));
   } else {
-    pool.run([&ctx](int ith, int n) {
-      const auto [t0, t1] = ThreadPool::split(ctx.tiles, ith, n);
-      const int64_t m0 = std::min(ctx.M, t0 * 4), m1 = std::min(ctx.M, t1 * 4);
-      if (m0 < m1) ctx.fn(m0, m1, 0, ctx.N);
-    });
+    pool.run(
+        [&ctx](int task, int tasks) {
+          const auto [t0, t1] = ThreadPool::split(ctx.tiles, task, tasks);
+          const int64_t m0 = std::min(ctx.M, t0 * 4), m1 = std::min(ctx.M, t1 * 4);
+          if (m0 < m1) ctx.fn(m0, m1, 0, ctx.N);
+        },
+        int(std::min(ctx.tiles, max_tasks)));
   }
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backend/cpu/isa_dispatch.h"
 #include "backend/cpu/mla_attention_kernel.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -20,16 +21,7 @@ void mla_generic(const MlaAttentionParams& p, const AttentionMeta& meta, const M
 
 namespace {
 detail::MlaKernel mla_kernel(Isa isa) {
-  switch (isa) {
-    case Isa::Scalar:
-      return detail::mla_generic;
-    case Isa::Avx2:
-      return detail::mla_avx2;
-    case Isa::Avx512Vnni:
-    case Isa::Amx:
-      return detail::mla_avx512;
-  }
-  return detail::mla_generic;
+  return by_isa<detail::MlaKernel>(isa, detail::mla_generic, detail::mla_avx2, detail::mla_avx512);
 }
 }  // namespace
 

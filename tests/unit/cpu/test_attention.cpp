@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <numeric>
 #include <random>
 
@@ -173,15 +174,23 @@ TEST(CpuAttention, LongContextWithLargeScores) {
 }
 
 TEST(CpuAttention, SameBitsOnEveryIsaAndThreadCount) {
-  for (int hd : {64, 128, 80, 17}) {
-    Problem pr(9, 3, hd, 16, DType::F32, {{70, 1}, {33, 33}, {90, 5}}, 11);
+  struct Case {
+    int hd;
+    DType dtype;
+  };
+  for (const Case c :
+       {Case{64, DType::F32}, Case{128, DType::F32}, Case{80, DType::F32}, Case{17, DType::F32},
+        Case{64, DType::F16}, Case{80, DType::F16}, Case{64, DType::BF16}, Case{17, DType::BF16}}) {
+    const int hd = c.hd;
+    Problem pr(9, 3, hd, 16, c.dtype, {{70, 1}, {33, 33}, {90, 5}}, 11);
     const auto base = pr.run(*backend(1, "scalar"), 0.125f);
     for (const char* isa : {"scalar", "avx2", "avx512-vnni"}) {
       if (!cpu::isa_supported(*cpu::isa_from_name(isa))) continue;
       for (int threads : {1, 2, 3}) {
         const auto out = pr.run(*backend(threads, isa), 0.125f);
         EXPECT_EQ(0, std::memcmp(out.data(), base.data(), out.size() * sizeof(float)))
-            << "head_dim " << hd << " isa " << isa << " threads " << threads;
+            << "head_dim " << hd << " " << dtype_info(c.dtype).name << " isa " << isa << " threads "
+            << threads;
       }
     }
   }
@@ -206,6 +215,46 @@ TEST(CpuAttention, SequenceAloneEqualsSequenceInBatch) {
     const auto a = alone.run(*be, 0.125f), b = batch.run(*be, 0.125f);
     EXPECT_EQ(0, std::memcmp(a.data(), b.data(), size_t(heads * hd) * sizeof(float)))
         << "threads " << threads;
+  }
+}
+
+// store_kv writes f32_to_fp16 / f32_to_bf16 of every value on every ISA: ties, subnormals,
+// overflow to infinity and values that round up into the next binade included.
+TEST(CpuAttention, StoreKvRoundsLikeTheScalarConversions) {
+  const int kvh = 3, hd = 40, T = 5;  // 40: two 16-lane vectors and a tail
+  std::vector<float> k(size_t(T * kvh * hd)), v(k.size());
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  const float specials[] = {0.0f,        -0.0f,      65504.0f,
+                            65520.0f,    -70000.0f,  6e-8f,
+                            3e-8f,       -1e-5f,     1.0009765625f + 0.00048828125f,
+                            1e-40f,      3.4e38f,    -2.5e-39f,
+                            1.00390625f, 0.99999994f};
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = i < std::size(specials) ? specials[i] : nd(rng) * 100.0f;
+    v[i] = i < std::size(specials) ? -specials[i] : nd(rng) * 1e-4f;
+  }
+  std::vector<int32_t> slots = {3, 0, 7, 1, 6};
+  AttentionMeta meta;
+  meta.num_tokens = T;
+  meta.slot_mapping = slots.data();
+  for (DType dt : {DType::F16, DType::BF16}) {
+    for (const char* isa : {"scalar", "avx2", "avx512-vnni"}) {
+      if (!cpu::isa_supported(*cpu::isa_from_name(isa))) continue;
+      std::vector<uint16_t> kc(size_t(8 * kvh * hd), 0xdead), vc = kc;
+      const PagedKv kv{kc.data(), vc.data(), dt, 1, 8, kvh, hd};
+      backend(2, isa)->store_kv(TensorView::contiguous(k.data(), DType::F32, {T, kvh, hd}),
+                                TensorView::contiguous(v.data(), DType::F32, {T, kvh, hd}), kv,
+                                meta);
+      for (int t = 0; t < T; ++t)
+        for (int i = 0; i < kvh * hd; ++i) {
+          const size_t src = size_t(t * kvh * hd + i),
+                       dst = size_t(slots[size_t(t)] * kvh * hd + i);
+          auto want = [&](float x) { return dt == DType::F16 ? f32_to_fp16(x) : f32_to_bf16(x); };
+          ASSERT_EQ(kc[dst], want(k[src])) << isa << " k " << k[src];
+          ASSERT_EQ(vc[dst], want(v[src])) << isa << " v " << v[src];
+        }
+    }
   }
 }
 

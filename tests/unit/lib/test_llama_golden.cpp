@@ -2,7 +2,9 @@
 //  - llama.cpp itself (tools/make_llamacpp_fixtures.py, llama-cpp-python built from source),
 //    compared with deepserve in Q8 mode, which quantizes activations as llama.cpp does;
 //  - an exact float64 numpy forward over gguf-py's dequantized weights
-//    (tools/reference_forward.py --fixture), compared with deepserve's default F32 mode.
+//    (tools/reference_forward.py --fixture), compared with deepserve's F32 mode.
+// Exactness needs the F32 KV cache, which these tests name explicitly; the CPU's default F16
+// cache is checked against the same fixtures with a 16-bit rounding allowance.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -33,7 +35,7 @@ nlohmann::json read_fixture(const std::string& name) {
 // Runs every fixture prompt once with logits at every position, compares them with the
 // fixture's top-16 at each position, then continues greedily for as many tokens as the
 // fixture holds.
-Stats compare(const nlohmann::json& fixture, ActivationPrecision precision) {
+Stats compare(const nlohmann::json& fixture, ActivationPrecision precision, DType kv_dtype) {
   Stats st;
   BackendOptions bo;
   bo.threads = 2;
@@ -43,8 +45,11 @@ Stats compare(const nlohmann::json& fixture, ActivationPrecision precision) {
   const int vocab = m.config.vocab;
   KvCacheConfig kvc;
   kvc.num_blocks = 128;
+  kvc.dtype = kv_dtype;
   KvCache cache(*be, m.config, kvc);
-  Engine engine(*m.model, *be, m.tokenizer.get(), EngineConfig{});
+  EngineConfig ec;
+  ec.kv_dtype = kv_dtype;
+  Engine engine(*m.model, *be, m.tokenizer.get(), ec);
   for (const auto& p : fixture["prompts"]) {
     ++st.prompts;
     const auto ids = p["ids"].get<std::vector<int32_t>>();
@@ -147,6 +152,7 @@ Noise llama_cpp_vs_exact(const nlohmann::json& lc, const nlohmann::json& exact) 
 // round differently, and llama.cpp's attention sums in a batch-size-dependent order that a
 // batch-invariant engine cannot copy. 8-bit noise on this model then amplifies one-ulp
 // differences to about a logit, so the bound is llama.cpp's own distance from exact math.
+// Both the F32 cache and the CPU's default F16 one (llama.cpp's own cache type) stay inside.
 TEST(LlamaGolden, Q8ModeMatchesLlamaCppWithinQuantizationNoise) {
   NEED_MODEL();
   const auto lc = read_fixture("llamacpp/smollm2_q4_1.json");
@@ -154,20 +160,34 @@ TEST(LlamaGolden, Q8ModeMatchesLlamaCppWithinQuantizationNoise) {
   std::printf(
       "llama.cpp vs exact arithmetic: largest logit difference %.4f, top-1 agreement %.4f\n",
       noise.max_diff, noise.top1_agreement);
-  const Stats st = compare(lc, ActivationPrecision::Q8);
-  EXPECT_TRUE(st.tokens_match);
-  EXPECT_GE(st.prompts, 20);
-  EXPECT_LE(st.max_diff, 2 * noise.max_diff);
-  EXPECT_GE(double(st.top1_agree) / st.positions, noise.top1_agreement - 0.02);
+  for (DType kv : {DType::F32, DType::F16}) {
+    SCOPED_TRACE("KV cache " + std::string(dtype_name(kv)));
+    const Stats st = compare(lc, ActivationPrecision::Q8, kv);
+    EXPECT_TRUE(st.tokens_match);
+    EXPECT_GE(st.prompts, 20);
+    EXPECT_LE(st.max_diff, 2 * noise.max_diff);
+    EXPECT_GE(double(st.top1_agree) / st.positions, noise.top1_agreement - 0.02);
+  }
 }
 
 TEST(LlamaGolden, F32ModeMatchesExactArithmetic) {
   NEED_MODEL();
-  const Stats st = compare(read_fixture("exact/smollm2_q4_1_exact.json"), ActivationPrecision::F32);
+  const Stats st =
+      compare(read_fixture("exact/smollm2_q4_1_exact.json"), ActivationPrecision::F32, DType::F32);
   EXPECT_TRUE(st.tokens_match);
   EXPECT_EQ(st.top1_agree, st.positions);
   EXPECT_EQ(st.same_continuations, st.prompts);
   EXPECT_LT(st.max_diff, 0.002);
+}
+
+// F32 activations over an F16 cache: K and V rounded to 11 significant bits move the logits
+// by far less than 8-bit activations do.
+TEST(LlamaGolden, F16CacheF32ModeStaysNearExactArithmetic) {
+  NEED_MODEL();
+  const Stats st =
+      compare(read_fixture("exact/smollm2_q4_1_exact.json"), ActivationPrecision::F32, DType::F16);
+  EXPECT_GE(double(st.top1_agree) / st.positions, 0.98);
+  EXPECT_LT(st.max_diff, 0.1);  // measured 0.024
 }
 
 }  // namespace
