@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attention_port.cuh"
+#include "backend/cuda/weight_stream.cuh"
 #include "backend/w4a16.h"
 #include "core/tensor.h"
 
@@ -39,41 +40,27 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 8;  // weight rows per warp (each loaded activation serves all of them)
 constexpr int kTm = 4;    // tokens per pass: kRows * kTm == 32 sums, one per lane to store
 
-// The 32 elements of 16-byte chunk c of a row as (code - 8), in k order: word i holds
-// elements 8i .. 8i + 7, low nibble first. Exact: 2^23 + code as float bits, minus 2^23 + 8.
-DS_KHD void decode_chunk(const uint4& v, float (&f)[32]) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-  DS_UNROLL
-  for (int i = 0; i < 4; ++i) {
-    DS_UNROLL
-    for (int j = 0; j < 8; ++j)
-      f[8 * i + j] = w4a16::bits_float(0x4b000000u | ((words[i] >> (4 * j)) & 15u)) - 8388616.0f;
-  }
-}
-
 // The BF16 scale of chunk c of a row of K elements.
 DS_KHD float chunk_scale(const uint8_t* row, int64_t K, int c) {
   const uint8_t* s = row + K / 2 + (c / 4) * 2;
   return w4a16::from_bf16(uint16_t(s[0] | (s[1] << 8)));
 }
 
-#if defined(__CUDACC__)
-// Warp-wide dot products of kRows weight rows (K elements, K % 128 == 0) with TM activation
-// rows: v[r * TM + j] = sum_k w[rows[r]][k] * xs[j][k], every lane ends with every sum;
-// xs[j] == nullptr: token j absent (its sums stay 0). One fixed order: per lane, chunks
-// ascending, within a chunk elements ascending, scaled once per chunk; then the butterfly.
+// Lane `lane`'s share of the dot products of kRows weight rows (K elements, K % 128 == 0)
+// with TM activation rows, before the warp sum: v[r * TM + j] = sum over the lane's chunks
+// c = lane, lane + 32, ... (ascending) of scale(c) * sum over the chunk's elements (in k
+// order) of (code - 8) * xs[j][k]. xs[j] == nullptr: token j absent (its sums stay 0).
+// Host-compilable, so the simulation test checks the addressing of the packed rows.
 template <int TM>
-__device__ __forceinline__ void warp_dot(const uint8_t* const (&rows)[kRows], int64_t K,
-                                         const float* const (&xs)[TM], int lane,
-                                         float (&v)[kRows * TM]) {
+DS_KDEV void lane_dot(const uint8_t* const (&rows)[kRows], int64_t K, const float* const (&xs)[TM],
+                      int lane, float (&v)[kRows * TM]) {
   DS_UNROLL
   for (int i = 0; i < kRows * TM; ++i) v[i] = 0.0f;
   const int chunks = int(K / 32);
   for (int c = lane; c < chunks; c += 32) {
     uint4 w[kRows];
     DS_UNROLL
-    for (int r = 0; r < kRows; ++r)
-      w[r] = __ldg(reinterpret_cast<const uint4*>(rows[r] + int64_t(c) * 16));
+    for (int r = 0; r < kRows; ++r) w[r] = wstream::load_chunk(rows[r] + int64_t(c) * 16);
     float s[kRows * TM];
     DS_UNROLL
     for (int i = 0; i < kRows * TM; ++i) s[i] = 0.0f;
@@ -83,8 +70,8 @@ __device__ __forceinline__ void warp_dot(const uint8_t* const (&rows)[kRows], in
       DS_UNROLL
       for (int j = 0; j < TM; ++j) {
         if (xs[j]) {
-          const float4* p = reinterpret_cast<const float4*>(xs[j] + int64_t(c) * 32 + 8 * q);
-          const float4 a = __ldg(p), b = __ldg(p + 1);
+          const float* p = xs[j] + int64_t(c) * 32 + 8 * q;
+          const float4 a = wstream::load_float4(p), b = wstream::load_float4(p + 4);
           xv[j][0] = a.x, xv[j][1] = a.y, xv[j][2] = a.z, xv[j][3] = a.w;
           xv[j][4] = b.x, xv[j][5] = b.y, xv[j][6] = b.z, xv[j][7] = b.w;
         } else {
@@ -97,7 +84,7 @@ __device__ __forceinline__ void warp_dot(const uint8_t* const (&rows)[kRows], in
         const uint32_t word = q == 0 ? w[r].x : q == 1 ? w[r].y : q == 2 ? w[r].z : w[r].w;
         DS_UNROLL
         for (int e = 0; e < 8; ++e) {
-          const float f = __uint_as_float(0x4b000000u | ((word >> (4 * e)) & 15u)) - 8388616.0f;
+          const float f = w4a16::bits_float(0x4b000000u | ((word >> (4 * e)) & 15u)) - 8388616.0f;
           DS_UNROLL
           for (int j = 0; j < TM; ++j) s[r * TM + j] = fmaf(f, xv[j][e], s[r * TM + j]);
         }
@@ -105,12 +92,20 @@ __device__ __forceinline__ void warp_dot(const uint8_t* const (&rows)[kRows], in
     }
     DS_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const uint16_t bits = __ldg(reinterpret_cast<const unsigned short*>(rows[r] + K / 2) + c / 4);
-      const float sc = w4a16::from_bf16(bits);
+      const float sc = chunk_scale(rows[r], K, c);
       DS_UNROLL
       for (int j = 0; j < TM; ++j) v[r * TM + j] = fmaf(s[r * TM + j], sc, v[r * TM + j]);
     }
   }
+}
+
+#if defined(__CUDACC__)
+// The warp's sums: lane_dot, then an xor butterfly, so every lane holds every sum.
+template <int TM>
+__device__ __forceinline__ void warp_dot(const uint8_t* const (&rows)[kRows], int64_t K,
+                                         const float* const (&xs)[TM], int lane,
+                                         float (&v)[kRows * TM]) {
+  lane_dot<TM>(rows, K, xs, lane, v);
   DS_UNROLL
   for (int i = 0; i < kRows * TM; ++i) {
     DS_UNROLL
