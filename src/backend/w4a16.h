@@ -16,9 +16,9 @@
 #define DS_W4_HD __host__ __device__ inline
 #else
 #include <cmath>
-#include <cstring>
 #define DS_W4_HD inline
 #endif
+#include <cstring>
 
 namespace ds::w4a16 {
 
@@ -32,23 +32,19 @@ DS_W4_HD int64_t row_stride(int64_t k) {
   return (k / 2 + k / 64 + 15) / 16 * 16;
 }
 
+// The bits of a value as another type of the same size (memcpy: fine in device code too).
+template <typename To, typename From>
+DS_W4_HD To bit_as(From v) {
+  static_assert(sizeof(To) == sizeof(From), "bit_as: sizes differ");
+  To t;
+  memcpy(&t, &v, sizeof t);
+  return t;
+}
 DS_W4_HD uint32_t float_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
+  return bit_as<uint32_t>(f);
 }
 DS_W4_HD float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
+  return bit_as<float>(u);
 }
 // Round to nearest even BF16 (finite inputs), as bits, and back.
 DS_W4_HD uint16_t to_bf16(float f) {

@@ -11,15 +11,33 @@ namespace {
 
 using namespace w4k;
 
+// Where a thread of an expert kernel is: expert blockIdx.y's sorted positions [begin, end) and
+// the warp's first weight row; run() is false when it has nothing to do.
+struct ExpertWarp {
+  int e, begin, end, lane;
+  int64_t row0;
+  __device__ ExpertWarp(const TokenLists& lists, int64_t rows) {
+    e = int(blockIdx.y);
+    begin = lists.offsets[e];
+    end = lists.offsets[e + 1];
+    lane = int(threadIdx.x) % 32;
+    row0 = (int64_t(blockIdx.x) * kWarps + int(threadIdx.x) / 32) * kRows;
+    run_ = begin < end && row0 < rows;
+  }
+  __device__ bool run() const { return run_; }
+
+ private:
+  bool run_;
+};
+
 // h[p, f] = silu(gate_f . x[token(p)]) * (up_f . x[token(p)]) for expert blockIdx.y's positions.
 __global__ void __launch_bounds__(kThreads)
     w4a16_gate_up_kernel(const ExpertPtrs* experts, TokenLists lists, const float* x,
                          int64_t x_stride, int hidden, int inter, float* h) {
-  const int e = int(blockIdx.y);
-  const int begin = lists.offsets[e], end = lists.offsets[e + 1];
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const int64_t row0 = (int64_t(blockIdx.x) * kWarps + warp) * kRows;
-  if (begin == end || row0 >= inter) return;
+  const ExpertWarp w(lists, inter);
+  if (!w.run()) return;
+  const int e = w.e, begin = w.begin, end = w.end, lane = w.lane;
+  const int64_t row0 = w.row0;
   const int64_t stride = w4a16::row_stride(hidden);
   const auto* gate = static_cast<const uint8_t*>(experts[e].gate);
   const auto* up = static_cast<const uint8_t*>(experts[e].up);
@@ -49,11 +67,10 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     w4a16_down_kernel(const ExpertPtrs* experts, TokenLists lists, const float* h, int hidden,
                       int inter, float* y) {
-  const int e = int(blockIdx.y);
-  const int begin = lists.offsets[e], end = lists.offsets[e + 1];
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const int64_t row0 = (int64_t(blockIdx.x) * kWarps + warp) * kRows;
-  if (begin == end || row0 >= hidden) return;
+  const ExpertWarp w(lists, hidden);
+  if (!w.run()) return;
+  const int e = w.e, begin = w.begin, end = w.end, lane = w.lane;
+  const int64_t row0 = w.row0;
   const int64_t stride = w4a16::row_stride(inter);
   const auto* down = static_cast<const uint8_t*>(experts[e].down);
   const uint8_t* rows[kRows];
