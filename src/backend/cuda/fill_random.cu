@@ -48,13 +48,12 @@ __global__ void fill_w4a16_kernel(FillArgs a, int64_t groups) {
     const int64_t row = g / per_row, gi = g % per_row;
     float x[w4a16::kGroup];
     for (int i = 0; i < w4a16::kGroup; ++i) x[i] = value(a, row * a.d2 + gi * w4a16::kGroup + i);
-    uint8_t codes[w4a16::kGroup / 2];
+    uint4 codes[w4a16::kGroup / 32];  // 64 bytes, 16-byte aligned for the stores below
     uint16_t scale = 0;
-    w4a16::quantize_group(x, codes, &scale);
+    w4a16::quantize_group(x, reinterpret_cast<uint8_t*>(codes), &scale);
     uint8_t* r = static_cast<uint8_t*>(a.dst) + row * a.row_stride;
     uint4* dst = reinterpret_cast<uint4*>(r + gi * (w4a16::kGroup / 2));
-    const uint4* src = reinterpret_cast<const uint4*>(codes);
-    for (int i = 0; i < 4; ++i) dst[i] = src[i];
+    for (int i = 0; i < 4; ++i) dst[i] = codes[i];
     reinterpret_cast<uint16_t*>(r + a.d2 / 2)[gi] = scale;
     if (gi == per_row - 1)
       for (int64_t i = a.d2 / 2 + a.d2 / 64; i < a.row_stride; ++i) r[i] = 0;
