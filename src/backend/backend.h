@@ -5,6 +5,7 @@
 // On the CPU every op runs to completion before it returns.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -171,6 +172,41 @@ struct MoeFfnParams {
   TensorView out;
 };
 
+// Deterministic pseudo-random contents for dummy weights (--load-format dummy): the element
+// with logical index i gets mean + std * r(seed, i), r roughly N(0, 1) (w4a16::random_value),
+// rounded through round_as (the dtype a checkpoint would hold), then stored as dst.dtype:
+// F32, F16, BF16, or W4A16 (quantized per group of 128, the same bits as quantizing the
+// values on the host). dst is 1-, 2- or 3-D and contiguous; the logical index of element
+// (a, b, c) of a 3-D dst is a * map[0] + b * map[1] + c * map[2] (all zero: row-major), so a
+// permuted copy of a generated tensor can be generated directly.
+struct RandomFill {
+  uint64_t seed = 0;
+  float mean = 0.0f;
+  float std = 1.0f;
+  DType round_as = DType::BF16;
+  std::array<int64_t, 3> map{};
+};
+
+// A [rows, cols] W4A16 view (backend/w4a16.h layout) and the bytes it takes.
+TensorView w4a16_view(void* data, int64_t rows, int64_t cols, Device device = {});
+size_t w4a16_bytes(int64_t rows, int64_t cols);
+// One row of K floats (K a multiple of 128) as a W4A16 row of w4a16::row_stride(K) bytes,
+// and back.
+void quantize_w4a16_row(const float* x, int64_t K, uint8_t* dst);
+void dequantize_w4a16_row(const uint8_t* row, int64_t K, float* out);
+
+// fill_random's view of dst as [dims[0], dims[1], dims[2]] with the effective index map and
+// the multiplier random_value takes; checks what the op accepts.
+struct RandomFillShape {
+  std::array<int64_t, 3> dims{};
+  std::array<int64_t, 3> map{};
+  float mul = 0.0f;
+};
+RandomFillShape random_fill_shape(const TensorView& dst, const RandomFill& p);
+// The value of element (a, b, c), rounded through p.round_as (before any quantization).
+float random_fill_value(const RandomFill& p, const RandomFillShape& s, int64_t a, int64_t b,
+                        int64_t c);
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -246,6 +282,9 @@ class Backend {
   virtual uint64_t alloc_epoch() const { return 0; }
   // dst = src, same dtype and shape; either may be strided in its outer dimensions.
   virtual void copy(const TensorView& src, TensorView dst) = 0;
+  // Fills dst with dummy-weight values (RandomFill). The base version generates them on the
+  // host and uploads them (right for the CPU; devices generate in place).
+  virtual void fill_random(TensorView dst, const RandomFill& p);
 
   // Timing marks (per-op profiling, ProfilingBackend): mark() records a point in the op
   // stream and returns its index without waiting; mark_times_ms() waits once and gives every

@@ -92,6 +92,8 @@ class ProfilingBackend final : public Backend {
   void argmax(const TensorView& logits, TensorView ids) override;
   void sample(const TensorView& logits, const SampleRow* rows, TensorView ids) override;
   void copy(const TensorView& src, TensorView dst) override;
+  // Load time, not a step op: passed through untimed (the device generates in place).
+  void fill_random(TensorView dst, const RandomFill& p) override { inner_.fill_random(dst, p); }
 
   // Eager only: a captured graph would hide the ops.
   bool supports_graphs() const override { return false; }

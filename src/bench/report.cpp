@@ -232,6 +232,12 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
           {"config",
            {{"device", ctx.device.empty() ? Json(spec.device) : Json(ctx.device)},
             {"kv_dtype", spec.kv_dtype.empty() ? Json() : Json(spec.kv_dtype)},
+            {"kv_cache_dtype", !spec.kv_dtype.empty() ? Json(spec.kv_dtype)
+                               : ctx.device == "cuda" ? Json("bf16")
+                               : ctx.device == "cpu"  ? Json("f32")
+                                                      : Json()},
+            {"load_format", spec.load_format},
+            {"quantize", spec.quantize == "none" ? "bf16" : spec.quantize},
             {"gpu_memory_utilization", spec.gpu_memory_utilization},
             {"threads", spec.threads},
             {"precision", spec.precision},

@@ -50,7 +50,9 @@ struct BenchScenario {
 struct BenchSpec {
   std::string name;
   std::string description;
-  std::string model;  // path after ${VAR} expansion; empty = the embedded default
+  std::string model;                 // path after ${VAR} expansion; empty = the embedded default
+  std::string load_format = "auto";  // "dummy": random weights from the model's config.json
+  std::string quantize = "none";     // load-time weight format: none or w4a16
 
   // Backend.
   std::string device = "auto";  // cpu, cuda, or auto (cuda when built with it and a GPU is seen)

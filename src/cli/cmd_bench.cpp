@@ -64,6 +64,8 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   m.threads = spec.threads;
   m.isa = spec.isa;
   m.precision = spec.precision;
+  m.load_format = spec.load_format;
+  m.quantize = spec.quantize;
   set_device_options(m, spec);
   ProfilingBackend* profiler = nullptr;  // owned by the session
   if (profile_ops)
@@ -104,7 +106,8 @@ BenchRun run_online(const BenchSpec& spec, BenchRunOptions ro, ReportContext& ct
   // The model's metadata (no weights) gives the tokenizer random prompts are drawn from.
   LoadedModel meta;
   try {
-    meta = open_model_metadata(resolve_model_path(spec.model));
+    meta =
+        open_model_metadata(resolve_model_path(spec.model), load_format_is_dummy(spec.load_format));
   } catch (const std::exception& e) {
     if (!spec.vocab_size || spec.prompt == "text")
       throw Error(std::string("online mode draws prompts from the model's vocabulary: ") +

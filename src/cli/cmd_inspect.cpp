@@ -1,4 +1,5 @@
 #include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -22,6 +23,7 @@ std::vector<TensorRow> tensor_rows(const LoadedModel& m) {
     for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
     return s + "]";
   };
+  if (m.format == "dummy") return rows;  // no file: only the bound formats below
   if (m.gguf) {
     for (const auto& t : m.gguf->tensors()) {
       std::vector<int64_t> d(t.dims.rbegin(), t.dims.rend());  // row-major, like safetensors
@@ -43,10 +45,46 @@ const char* topk_method_name(const ModelConfig& c) {
 
 }  // namespace
 
+// Per dtype of the file's tensors, or of the bound weights: (bytes, parameters).
+using Formats = std::map<std::string, std::pair<uint64_t, uint64_t>>;
+
+Formats file_formats(const std::vector<TensorRow>& rows) {
+  Formats f;
+  for (const auto& r : rows) {
+    uint64_t n = 1;
+    for (int64_t d : r.dims) n *= uint64_t(d);
+    f[r.dtype].first += r.bytes;
+    f[r.dtype].second += n;
+  }
+  return f;
+}
+
+nlohmann::json formats_json(const Formats& f) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [name, bp] : f)
+    j[name] = {{"bytes", bp.first},
+               {"params", bp.second},
+               {"bytes_per_param", bp.second ? double(bp.first) / double(bp.second) : 0.0}};
+  return j;
+}
+
+void print_formats(const char* title, const Formats& f) {
+  std::printf("%s\n", title);
+  for (const auto& [name, bp] : f)
+    std::printf("  %-8s %12.3f GB %16llu params %7.3f bytes/param\n", name.c_str(),
+                double(bp.first) / 1e9, static_cast<unsigned long long>(bp.second),
+                bp.second ? double(bp.first) / double(bp.second) : 0.0);
+}
+
 int run_inspect(const InspectOptions& o) {
-  LoadedModel m = open_model_metadata(o.path);
+  LoadOptions lo;
+  lo.dummy = load_format_is_dummy(o.load_format);
+  lo.quantize = weight_quant_from_name(o.quantize);
+  LoadedModel m = open_model_metadata(o.path, lo.dummy);
   const ModelConfig& c = m.config;
   const auto rows = tensor_rows(m);
+  const bool plan = lo.dummy || lo.quantize != WeightQuant::None;
+  const Formats bound = plan ? plan_weight_formats(o.path, lo) : Formats{};
   const Tokenizer* tok = m.tokenizer.get();
   if (o.json) {
     nlohmann::json j;
@@ -108,6 +146,11 @@ int run_inspect(const InspectOptions& o) {
     }
     j["tensors"] = ts;
     j["tensor_bytes"] = total;
+    j["file_formats"] = formats_json(file_formats(rows));
+    if (plan) {
+      j["bound_formats"] = formats_json(bound);
+      j["quantize"] = weight_quant_name(lo.quantize);
+    }
     std::printf("%s\n", j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
     return 0;
   }
@@ -155,6 +198,12 @@ int run_inspect(const InspectOptions& o) {
     total += r.bytes;
   }
   std::printf("total tensor bytes: %.1f MB\n", double(total) / 1e6);
+  if (!rows.empty()) print_formats("\nformats in the file:", file_formats(rows));
+  if (plan)
+    print_formats(("\nbound weights (--quantize " + std::string(weight_quant_name(lo.quantize)) +
+                   (lo.dummy ? ", dummy" : "") + "):")
+                      .c_str(),
+                  bound);
   return 0;
 }
 

@@ -62,6 +62,8 @@ struct BenchOptions {
 
 struct InspectOptions {
   std::string path;
+  std::string load_format = "auto";  // dummy: path is a config.json (or its folder)
+  std::string quantize = "none";     // report the formats a load with --quantize would bind
   bool json = false;
   bool all_metadata = false;
 };

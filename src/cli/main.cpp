@@ -30,6 +30,16 @@ void add_model_options(CLI::App* app, ds::ModelOptions& m) {
                   "scratch")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
+  app->add_option("--load-format", m.load_format,
+                  "auto (read the weights) or dummy (random weights from the config.json that "
+                  "-m names, or the folder's; generated on the device)")
+      ->check(CLI::IsMember({"auto", "dummy"}))
+      ->capture_default_str();
+  app->add_option("--quantize", m.quantize,
+                  "weight format of the big matmuls: none (the checkpoint's) or w4a16 (4-bit, "
+                  "group 128, made at load time)")
+      ->check(CLI::IsMember({"none", "bf16", "w4a16"}))
+      ->capture_default_str();
 }
 
 void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
@@ -190,6 +200,11 @@ int main(int argc, char** argv) {
   i->add_option("path", insp.path, "a .gguf file or a safetensors folder")->required();
   i->add_flag("--json", insp.json, "machine-readable output");
   i->add_flag("--all-metadata", insp.all_metadata, "print every metadata value in full");
+  i->add_option("--load-format", insp.load_format, "auto or dummy (path: a config.json)")
+      ->check(CLI::IsMember({"auto", "dummy"}));
+  i->add_option("--quantize", insp.quantize,
+                "also show the formats the weights would be bound in: none or w4a16")
+      ->check(CLI::IsMember({"none", "bf16", "w4a16"}));
 
   CLI11_PARSE(app, argc, argv);
   try {

@@ -127,6 +127,8 @@ Session open_session(const ModelOptions& m, const EngineOptions& e) {
   LoadOptions lo;
   lo.threads = std::max(1, m.threads);
   lo.progress = true;
+  lo.dummy = load_format_is_dummy(m.load_format);
+  lo.quantize = weight_quant_from_name(m.quantize);
   s.loaded = load_model(resolve_model_path(m.model), s.ops(), lo);
   EngineConfig ec;
   ec.kv_cache_tokens =

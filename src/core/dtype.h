@@ -35,6 +35,9 @@ enum class DType : uint8_t {
   Q5_K,
   Q6_K,
   Q8_K,
+  // deepserve's 4-bit weights (backend/w4a16.h): 128 codes + a BF16 scale per block; rows are
+  // padded to 16 bytes, so make views with w4a16 helpers, not TensorView::contiguous.
+  W4A16,
 };
 
 struct DTypeInfo {

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
+#include "backend/w4a16.h"
 #include "core/error.h"
+#include "core/log.h"
 
 namespace ds {
 
@@ -61,8 +64,41 @@ float host_element(const TensorView& t, int64_t i) {
   }
 }
 
+void WeightBinder::count(const TensorView& t) {
+  const uint64_t b = t.dtype == DType::W4A16 ? uint64_t(t.rows()) * uint64_t(t.row_stride())
+                                             : uint64_t(t.nbytes());
+  bytes_ += b;
+  auto& f = formats_[std::string(dtype_name(t.dtype))];
+  f.first += b;
+  f.second += uint64_t(t.numel());
+}
+
+void* WeightBinder::alloc_placed(size_t bytes) {
+  owned_.push_back(be_.alloc(bytes));
+  placed_.push_back(owned_.back()->data());
+  return owned_.back()->data();
+}
+
+void WeightBinder::release(const void* data) {
+  std::erase(placed_, data);
+  std::erase_if(owned_, [&](const std::unique_ptr<Buffer>& b) { return b->data() == data; });
+}
+
+namespace {
+// The dummy recipe of a weight as fill_random parameters, rounded through its dtype.
+RandomFill fill_of(const DummyInit& init, DType round_as) {
+  RandomFill f;
+  f.seed = init.seed;
+  f.mean = init.mean;
+  f.std = init.std;
+  f.round_as = round_as;
+  return f;
+}
+}  // namespace
+
 TensorView WeightBinder::place(const TensorView& host) {
-  bytes_ += host.nbytes();
+  if (std::find(placed_.begin(), placed_.end(), host.data) != placed_.end()) return host;
+  count(host);
   if (be_.device().kind == DeviceKind::CPU) return host;  // the mapped file itself
   DS_CHECK(host.is_contiguous(), "weights must be contiguous to upload");
   owned_.push_back(be_.alloc(host.nbytes()));
@@ -82,13 +118,75 @@ TensorView WeightBinder::upload(const void* host, DType dtype,
   return d;
 }
 
-TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t cols, Op op) {
+TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t cols, Op op,
+                                 Quantizable q) {
   TensorView t = w_.get(name);
   check_shape(t, rows, cols, name);
-  if (!be_.supports(op, t.dtype))
+  const bool plain = t.dtype == DType::F32 || t.dtype == DType::F16 || t.dtype == DType::BF16;
+  const bool quant = quant_ == WeightQuant::W4A16 && q == Quantizable::Yes && plain &&
+                     (op == Op::MatMul || op == Op::MoeFfn) && cols % w4a16::kGroup == 0;
+  if (quant_ == WeightQuant::W4A16 && q == Quantizable::Yes && plain && !quant)
+    log_info(name + " stays " + std::string(dtype_name(t.dtype)) + ": K = " + std::to_string(cols) +
+             " is not a multiple of 128");
+  const DType dt = quant ? DType::W4A16 : t.dtype;
+  if (!be_.supports(op, dt))
     throw UnsupportedError(be_.name() + " has no " + std::string(op_name(op)) + " for " +
-                           std::string(dtype_name(t.dtype)) + " weights (" + name + ")");
-  return t;
+                           std::string(dtype_name(dt)) + " weights (" + name + ")");
+  const auto init = w_.dummy_init(name);
+  if (!init && !quant) return t;
+  const TensorView d =
+      quant ? w4a16_view(alloc_placed(w4a16_bytes(rows, cols)), rows, cols, be_.device())
+            : TensorView::contiguous(alloc_placed(t.nbytes()), dt, {rows, cols}, be_.device());
+  if (init) {
+    be_.fill_random(d, fill_of(*init, t.dtype));
+  } else {  // quantize the checkpoint's rows on the host, one upload
+    DS_CHECK(t.is_contiguous(), "tensor '" + name + "' is not contiguous");
+    std::vector<uint8_t> packed(w4a16_bytes(rows, cols));
+    auto rows_from = [&](int64_t r0, int64_t step) {
+      std::vector<float> row(static_cast<size_t>(cols));
+      for (int64_t r = r0; r < rows; r += step) {
+        for (int64_t c = 0; c < cols; ++c) row[size_t(c)] = host_element(t, r * cols + c);
+        quantize_w4a16_row(row.data(), cols, packed.data() + r * d.row_stride());
+      }
+    };
+    // Big checkpoints: the cores share the rows (each row's bytes depend on that row alone).
+    const int64_t threads = rows * cols >= (int64_t(1) << 22)
+                                ? std::max<int64_t>(1, std::thread::hardware_concurrency())
+                                : 1;
+    std::vector<std::thread> pool;
+    for (int64_t i = 1; i < threads; ++i) pool.emplace_back(rows_from, i, threads);
+    rows_from(0, threads);
+    for (auto& th : pool) th.join();
+    be_.upload(d, packed.data(), packed.size());
+  }
+  count(d);
+  return d;
+}
+
+TensorView WeightBinder::permuted(const std::string& name, std::array<int64_t, 3> dims,
+                                  std::array<int64_t, 3> strides) {
+  const TensorView t = w_.get(name);
+  const size_t es = dtype_info(t.dtype).type_size;
+  DS_CHECK(dtype_info(t.dtype).block_size == 1, "permuted: a block-quantized tensor");
+  const size_t bytes = size_t(dims[0] * dims[1] * dims[2]) * es;
+  if (const auto init = w_.dummy_init(name)) {
+    owned_.push_back(be_.alloc(bytes));
+    TensorView d = owned_.back()->view(t.dtype, {dims[0], dims[1], dims[2]});
+    RandomFill f = fill_of(*init, t.dtype);
+    f.map = strides;
+    be_.fill_random(d, f);
+    return d;
+  }
+  std::vector<uint8_t> out(bytes);
+  const int64_t C = t.cols();
+  size_t o = 0;
+  for (int64_t a = 0; a < dims[0]; ++a)
+    for (int64_t b = 0; b < dims[1]; ++b)
+      for (int64_t c = 0; c < dims[2]; ++c, o += es) {
+        const int64_t i = a * strides[0] + b * strides[1] + c * strides[2];
+        std::memcpy(&out[o], t.row(i / C) + (i % C) * int64_t(es), es);
+      }
+  return upload(out.data(), t.dtype, {dims[0], dims[1], dims[2]});
 }
 
 TensorView WeightBinder::table(const std::string& name, int64_t rows, int64_t cols) {
@@ -96,17 +194,37 @@ TensorView WeightBinder::table(const std::string& name, int64_t rows, int64_t co
   check_shape(t, rows, cols, name);
   if (!be_.supports(Op::Embed, t.dtype))
     throw UnsupportedError(be_.name() + ": embedding of " + std::string(dtype_name(t.dtype)));
+  if (const auto init = w_.dummy_init(name)) {
+    TensorView d =
+        TensorView::contiguous(alloc_placed(t.nbytes()), t.dtype, {rows, cols}, be_.device());
+    be_.fill_random(d, fill_of(*init, t.dtype));
+    count(d);
+    return d;
+  }
   return place(t);
+}
+
+// A dummy weight generated straight into F32 backend memory (rounded through its dtype).
+TensorView WeightBinder::dummy_f32(const std::string& name, const TensorView& t,
+                                   const DummyInit& init) {
+  owned_.push_back(be_.alloc(size_t(t.numel()) * 4));
+  TensorView d = t.ndim == 1 ? owned_.back()->view(DType::F32, {t.shape[0]})
+                             : owned_.back()->view(DType::F32, {t.shape[0], t.shape[1]});
+  be_.fill_random(d, fill_of(init, t.dtype));
+  count(d);
+  return d;
 }
 
 TensorView WeightBinder::linear_f32(const std::string& name, int64_t rows, int64_t cols) {
   const TensorView t = w_.get(name);
   check_shape(t, rows, cols, name);
+  if (const auto init = w_.dummy_init(name)) return dummy_f32(name, t, *init);
   if (!t.is_contiguous()) throw Error("tensor '" + name + "' is not contiguous");
   std::vector<float> host(static_cast<size_t>(rows * cols));
   for (int64_t i = 0; i < rows * cols; ++i) host[size_t(i)] = host_element(t, i);
-  bytes_ += t.nbytes();
-  return upload(host.data(), DType::F32, {rows, cols});
+  const TensorView d = upload(host.data(), DType::F32, {rows, cols});
+  count(d);
+  return d;
 }
 
 TensorView WeightBinder::norm(const std::string& name, int64_t n) {
@@ -114,6 +232,7 @@ TensorView WeightBinder::norm(const std::string& name, int64_t n) {
   if (t.ndim != 1 || t.shape[0] != n)
     throw Error("tensor '" + name + "' has shape " + t.shape_str() + ", expected [" +
                 std::to_string(n) + "]");
+  if (const auto init = w_.dummy_init(name)) return dummy_f32(name, t, *init);
   std::vector<float> host(size_t(t.shape[0]));
   try {
     for (int64_t i = 0; i < n; ++i) host[size_t(i)] = host_element(t, i);
@@ -121,24 +240,41 @@ TensorView WeightBinder::norm(const std::string& name, int64_t n) {
     throw UnsupportedError("tensor '" + name + "' has dtype " + std::string(dtype_name(t.dtype)) +
                            "; norms must be F32/F16/BF16");
   }
-  bytes_ += t.nbytes();
-  return upload(host.data(), DType::F32, {n});
+  const TensorView d = upload(host.data(), DType::F32, {n});
+  count(d);
+  return d;
 }
 
 std::optional<TensorView> WeightBinder::fuse_rows(std::initializer_list<TensorView> parts) {
   const TensorView& first = *parts.begin();
+  auto is_placed = [&](const TensorView& t) {
+    return std::find(placed_.begin(), placed_.end(), t.data) != placed_.end();
+  };
+  const bool placed = is_placed(first);
   int64_t rows = 0;
   for (const auto& t : parts) {
-    if (t.dtype != first.dtype || t.cols() != first.cols() || !t.is_contiguous())
+    if (t.dtype != first.dtype || t.cols() != first.cols() || is_placed(t) != placed ||
+        (!placed && !t.is_contiguous()))
       return std::nullopt;
     rows += t.rows();
   }
-  owned_.push_back(be_.alloc(size_t(rows) * first.row_bytes()));
-  TensorView fused = owned_.back()->view(first.dtype, {rows, first.cols()});
+  const bool w4 = first.dtype == DType::W4A16;
+  owned_.push_back(
+      be_.alloc(w4 ? w4a16_bytes(rows, first.cols()) : size_t(rows) * first.row_bytes()));
+  TensorView fused = w4 ? w4a16_view(owned_.back()->data(), rows, first.cols(), be_.device())
+                        : owned_.back()->view(first.dtype, {rows, first.cols()});
   int64_t at = 0;
   for (const auto& t : parts) {
-    be_.upload(fused.slice_rows(at, at + t.rows()), t.data, t.nbytes());
-    bytes_ += t.nbytes();
+    TensorView dst = fused.slice_rows(at, at + t.rows());
+    if (placed) {  // made in backend memory: a device copy of its bytes, then freed
+      const int64_t n = t.rows() * t.row_stride();
+      be_.copy(TensorView::contiguous(t.data, DType::U8, {n}, be_.device()),
+               TensorView::contiguous(dst.data, DType::U8, {n}, be_.device()));
+      release(t.data);
+    } else {
+      be_.upload(dst, t.data, t.nbytes());
+      count(t);
+    }
     at += t.rows();
   }
   return fused;

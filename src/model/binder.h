@@ -2,7 +2,9 @@
 // moving weights into backend memory, and the F32 views a forward slices its scratch into.
 #pragma once
 
+#include <array>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,16 +22,33 @@ TensorView heads_view(const TensorView& t, int heads, int hd);
 // A [rows, heads, hd] view as [heads, rows, hd] (heads become batches of batched_matmul).
 TensorView heads_first(const TensorView& t);
 
+// Whether a linear weight may be converted to the load-time quantized format (--quantize):
+// the big projections may; the output projection and weights used in other ways (MLA's
+// kv_b_proj) keep the checkpoint's dtype.
+enum class Quantizable : uint8_t { No, Yes };
+
+// Generated (dummy) and quantized weights are made in backend memory as they are bound
+// (on a GPU: generated in place, never materialized on the host); `checked` then returns
+// that placed view, which place() passes through and fuse_rows() copies on the device.
 class WeightBinder {
  public:
-  WeightBinder(const WeightSource& w, Backend& be) : w_(w), be_(be) {}
+  WeightBinder(const WeightSource& w, Backend& be, WeightQuant quant = WeightQuant::None)
+      : w_(w), be_(be), quant_(quant) {}
 
   // A [rows, cols] weight in backend memory that the backend can run `op` on.
-  TensorView linear(const std::string& name, int64_t rows, int64_t cols, Op op = Op::MatMul) {
-    return place(checked(name, rows, cols, op));
+  TensorView linear(const std::string& name, int64_t rows, int64_t cols, Op op = Op::MatMul,
+                    Quantizable q = Quantizable::Yes) {
+    return place(checked(name, rows, cols, op, q));
   }
-  // The same checks, but the host view (for fuse_rows or load-time transforms).
-  TensorView checked(const std::string& name, int64_t rows, int64_t cols, Op op = Op::MatMul);
+  // The same checks, but the host view (for fuse_rows or load-time transforms), or the placed
+  // view of a generated or quantized weight.
+  TensorView checked(const std::string& name, int64_t rows, int64_t cols, Op op = Op::MatMul,
+                     Quantizable q = Quantizable::Yes);
+  // A [d0, d1, d2] copy of the weight `name` ([rows, cols], F32/F16/BF16, its own dtype) in
+  // backend memory whose element (a, b, c) is the weight's flat element a*s0 + b*s1 + c*s2
+  // (load-time transposes); generated directly for dummy weights.
+  TensorView permuted(const std::string& name, std::array<int64_t, 3> dims,
+                      std::array<int64_t, 3> strides);
   // An embedding table [rows, cols] the backend can embed from.
   TensorView table(const std::string& name, int64_t rows, int64_t cols);
   // A [rows, cols] weight converted to F32 in backend memory (small weights whose products
@@ -52,12 +71,24 @@ class WeightBinder {
   // Buffers the bound weights live in; the model keeps them.
   std::vector<std::unique_ptr<Buffer>>& buffers() { return owned_; }
   uint64_t bytes() const { return bytes_; }  // bytes of the bound weights
+  // Bytes and parameters bound per format ("BF16", "W4A16", ...), for logs and inspect.
+  const std::map<std::string, std::pair<uint64_t, uint64_t>>& formats() const { return formats_; }
 
  private:
+  TensorView dummy_f32(const std::string& name, const TensorView& t, const DummyInit& init);
+  // A new buffer of `bytes`, kept; marked placed.
+  void* alloc_placed(size_t bytes);
+  // Drops an owned placed buffer (a part copied into a fused weight).
+  void release(const void* data);
+
   const WeightSource& w_;
   Backend& be_;
+  WeightQuant quant_;
   std::vector<std::unique_ptr<Buffer>> owned_;
+  std::vector<const void*> placed_;  // data pointers of weights made in backend memory
   uint64_t bytes_ = 0;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> formats_;  // dtype -> (bytes, params)
+  void count(const TensorView& t);                                // adds t to bytes_, formats_
 };
 
 // Makes `buf` hold at least `elems` 4-byte elements (F32 / I32 scratch), reallocating only

@@ -51,7 +51,7 @@ class DeepseekV2 final : public Model {
   DeepseekV2(const ModelConfig& cfg, const WeightSource& w, Backend& be,
              const DeepseekOptions& opts)
       : cfg_(cfg), be_(be), opts_(opts) {
-    WeightBinder b(w, be);
+    WeightBinder b(w, be, opts.quantize);
     const int64_t hidden = cfg.hidden, H = cfg.heads, R = cfg.kv_lora_rank, P = cfg.qk_rope_dim;
     const int64_t nope = cfg.qk_nope_dim, v = cfg.v_head_dim, qk = nope + P;
     tok_embd_ = b.table("model.embed_tokens.weight", cfg.vocab, hidden);
@@ -62,7 +62,7 @@ class DeepseekV2 final : public Model {
         throw UnsupportedError(be.name() + " has no matmul for tied embeddings of " +
                                std::string(dtype_name(output_.dtype)));
     } else {
-      output_ = b.linear("lm_head.weight", cfg.vocab, hidden);
+      output_ = b.linear("lm_head.weight", cfg.vocab, hidden, Op::MatMul, Quantizable::No);
     }
     for (int l = 0; l < cfg.layers; ++l) {
       const std::string p = "model.layers." + std::to_string(l) + ".";
@@ -85,9 +85,10 @@ class DeepseekV2 final : public Model {
         L.wkv_a = b.place(kv_a);
       }
       L.kv_a_norm = b.norm(a + "kv_a_layernorm.weight", R);
-      const TensorView kv_b = b.checked(a + "kv_b_proj.weight", H * (nope + v), R);
+      const TensorView kv_b =
+          b.checked(a + "kv_b_proj.weight", H * (nope + v), R, Op::MatMul, Quantizable::No);
       L.wkv_b = b.place(kv_b);
-      bind_absorbed(b, kv_b, L);
+      bind_absorbed(b, a + "kv_b_proj.weight", L);
       L.wo = b.linear(a + "o_proj.weight", hidden, H * v);
       L.moe = cfg.is_moe_layer(l);
       if (L.moe) {
@@ -115,6 +116,7 @@ class DeepseekV2 final : public Model {
     }
     owned_ = std::move(b.buffers());
     total_bytes_ = b.bytes();
+    formats_ = b.formats();
     if (num_moe_layers_ > 0) {
       const size_t n = size_t(num_moe_layers_) * size_t(cfg.moe_experts);
       counts_buf_ = be.alloc(n * 8);
@@ -246,10 +248,10 @@ class DeepseekV2 final : public Model {
   // The absorbed-form weights: W_uk^T per head ([H, R, nope], a transposed copy in the
   // checkpoint's dtype, so q_nope . k_nope = (q_nope W_uk) . c) and W_uv as a strided view
   // of kv_b_proj's value rows ([H, v, R]).
-  void bind_absorbed(WeightBinder& b, const TensorView& kv_b, DsLayer& L) {
+  void bind_absorbed(WeightBinder& b, const std::string& kv_b_name, DsLayer& L) {
     const int64_t H = cfg_.heads, R = cfg_.kv_lora_rank, nope = cfg_.qk_nope_dim;
     const int64_t v = cfg_.v_head_dim;
-    const DType dt = kv_b.dtype;
+    const DType dt = L.wkv_b.dtype;
     if (dt != DType::F32 && dt != DType::F16 && dt != DType::BF16)
       throw UnsupportedError("kv_b_proj must be F32, F16 or BF16 for MLA, not " +
                              std::string(dtype_name(dt)));
@@ -257,15 +259,8 @@ class DeepseekV2 final : public Model {
       throw UnsupportedError(be_.name() + " has no batched matmul for " +
                              std::string(dtype_name(dt)));
     const size_t es = dtype_info(dt).type_size;
-    std::vector<uint8_t> t(size_t(H * R * nope) * es);
-    const auto* src = static_cast<const uint8_t*>(kv_b.data);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < nope; ++i) {
-        const uint8_t* row = src + (h * (nope + v) + i) * kv_b.row_stride();
-        for (int64_t c = 0; c < R; ++c)
-          std::memcpy(&t[size_t((h * R + c) * nope + i) * es], row + c * int64_t(es), es);
-      }
-    L.w_uk_t = b.upload(t.data(), dt, {H, R, nope});
+    // w_uk_t[h, c, i] = kv_b[h * (nope + v) + i, c]
+    L.w_uk_t = b.permuted(kv_b_name, {H, R, nope}, {(nope + v) * R, 1, R});
     TensorView uv = L.wkv_b;
     uv.data = static_cast<uint8_t*>(L.wkv_b.data) + nope * L.wkv_b.row_stride();
     uv.ndim = 3;

@@ -22,11 +22,14 @@ struct LlamaLayer {
 
 class Llama final : public Model {
  public:
-  Llama(const ModelConfig& cfg, const WeightSource& w, Backend& be) : cfg_(cfg), be_(be) {
-    WeightBinder b(w, be);
+  Llama(const ModelConfig& cfg, const WeightSource& w, Backend& be, WeightQuant quantize)
+      : cfg_(cfg), be_(be) {
+    WeightBinder b(w, be, quantize);
     tok_embd_ = b.table("token_embd.weight", cfg.vocab, cfg.hidden);
     output_norm_ = b.norm("output_norm.weight", cfg.hidden);
-    output_ = cfg.tied_embeddings ? tok_embd_ : b.linear("output.weight", cfg.vocab, cfg.hidden);
+    output_ = cfg.tied_embeddings
+                  ? tok_embd_
+                  : b.linear("output.weight", cfg.vocab, cfg.hidden, Op::MatMul, Quantizable::No);
     if (cfg.tied_embeddings && !be.supports(Op::MatMul, tok_embd_.dtype))
       throw UnsupportedError(be.name() + " has no matmul for " +
                              std::string(dtype_name(tok_embd_.dtype)) + " (tied output)");
@@ -59,6 +62,7 @@ class Llama final : public Model {
     }
     owned_ = std::move(b.buffers());
     weight_bytes_ = b.bytes();
+    formats_ = b.formats();
   }
 
   const ModelConfig& config() const override { return cfg_; }
@@ -169,8 +173,8 @@ class Llama final : public Model {
 }  // namespace
 
 std::unique_ptr<Model> make_llama(const ModelConfig& cfg, const WeightSource& weights,
-                                  Backend& backend) {
-  return std::make_unique<Llama>(cfg, weights, backend);
+                                  Backend& backend, WeightQuant quantize) {
+  return std::make_unique<Llama>(cfg, weights, backend, quantize);
 }
 
 }  // namespace ds

@@ -42,12 +42,45 @@ double now() {
 
 }  // namespace
 
-LoadedModel open_model_metadata(const std::filesystem::path& path) {
+bool load_format_is_dummy(const std::string& load_format) {
+  if (load_format.empty() || load_format == "auto") return false;
+  if (load_format == "dummy") return true;
+  throw Error("--load-format must be auto or dummy, not '" + load_format + "'");
+}
+
+std::string describe_weight_formats(const Model& model) {
+  std::string out;
+  for (const auto& [name, bp] : model.weight_formats()) {
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "%s%s %.3f GB (%.3f bytes/param)", out.empty() ? "" : ", ",
+                  name.c_str(), double(bp.first) / 1e9,
+                  bp.second ? double(bp.first) / double(bp.second) : 0.0);
+    out += buf;
+  }
+  return out;
+}
+
+LoadedModel open_model_metadata(const std::filesystem::path& path, bool dummy,
+                                uint64_t dummy_seed) {
   LoadedModel m;
   m.path = path.string();
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) throw Error(m.path + ": no such file or directory");
-  if (std::filesystem::is_directory(path, ec)) {
+  if (dummy) {
+    const bool dir = std::filesystem::is_directory(path, ec);
+    const auto cfg = dir ? path / "config.json" : path;
+    const auto folder = dir ? path : path.parent_path();
+    if (!std::filesystem::exists(cfg, ec))
+      throw Error(m.path + ": --load-format dummy needs a config.json (or a folder with one)");
+    m.format = "dummy";
+    m.config = config_from_hf_json(cfg.string());
+    m.weights = dummy_weights(m.config, dummy_seed);
+    const auto tj = folder / "tokenizer.json";
+    if (std::filesystem::exists(tj, ec)) {
+      m.tokenizer = Tokenizer::from_hf_json(tj, folder / "tokenizer_config.json");
+      m.chat_template = m.tokenizer->chat_template();
+    }
+  } else if (std::filesystem::is_directory(path, ec)) {
     m.format = "safetensors";
     const auto cfg = path / "config.json";
     if (!std::filesystem::exists(cfg, ec))
@@ -78,7 +111,7 @@ LoadedModel open_model_metadata(const std::filesystem::path& path) {
 LoadedModel load_model(const std::filesystem::path& path, Backend& backend,
                        const LoadOptions& opts) {
   const double t0 = now();
-  LoadedModel m = open_model_metadata(path);
+  LoadedModel m = open_model_metadata(path, opts.dummy, opts.dummy_seed);
   // Before reading the weights in: an unsupported model should not cost a full read.
   if (m.config.arch != "llama" && m.config.arch != "deepseek_v2")
     throw UnsupportedError(m.path + ": architecture '" + m.config.arch + "' is not supported");
@@ -88,17 +121,21 @@ LoadedModel load_model(const std::filesystem::path& path, Backend& backend,
     if (bar) progress.update(done, total);
   });
   if (m.config.arch == "deepseek_v2")
-    m.model = make_deepseek_v2(m.config, *m.weights, backend, {.mla_expanded = opts.mla_expanded});
+    m.model = make_deepseek_v2(m.config, *m.weights, backend,
+                               {.mla_expanded = opts.mla_expanded, .quantize = opts.quantize});
   else
-    m.model = make_llama(m.config, *m.weights, backend);
+    m.model = make_llama(m.config, *m.weights, backend, opts.quantize);
+  if (opts.dummy || opts.quantize != WeightQuant::None) m.bytes = m.model->weight_bytes().total;
   m.load_seconds = now() - t0;
   char speed[64];
   std::snprintf(speed, sizeof speed, "%.2f GB/s", double(m.bytes) / m.load_seconds / 1e9);
   log_info("loaded " + m.path + " (" + m.config.summary() + ") in " +
            std::to_string(m.load_seconds) + " s, " + speed + " on " + backend.name());
+  log_info("weights: " + describe_weight_formats(*m.model));
   if (opts.progress)  // the one line a user sees even without a terminal or -v
-    std::fprintf(stderr, "loaded %.2f GB in %.2f s (%s) on %s\n", double(m.bytes) / 1e9,
-                 m.load_seconds, speed, backend.name().c_str());
+    std::fprintf(stderr, "loaded %.2f GB in %.2f s (%s) on %s\nweights: %s\n",
+                 double(m.bytes) / 1e9, m.load_seconds, speed, backend.name().c_str(),
+                 describe_weight_formats(*m.model).c_str());
   return m;
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -82,8 +83,13 @@ class Model {
   // logits: [logit_rows.size(), vocab] F32 on the backend.
   virtual void forward(const ForwardInput& in, KvCache& cache, TensorView logits) = 0;
   void set_debug_hook(DebugHook hook) { debug_ = std::move(hook); }
+  // Bound weights per format ("BF16", "W4A16", "F32" norms, ...): (bytes, parameters).
+  const std::map<std::string, std::pair<uint64_t, uint64_t>>& weight_formats() const {
+    return formats_;
+  }
 
  protected:
+  std::map<std::string, std::pair<uint64_t, uint64_t>> formats_;
   void dump(const char* name, const TensorView& t) const {
     if (debug_) debug_(name, t);
   }
@@ -99,10 +105,11 @@ class Model {
 };
 
 std::unique_ptr<Model> make_llama(const ModelConfig& cfg, const WeightSource& weights,
-                                  Backend& backend);
+                                  Backend& backend, WeightQuant quantize = WeightQuant::None);
 
 struct DeepseekOptions {
   bool mla_expanded = false;  // attention through expanded per-head K/V instead of absorbed
+  WeightQuant quantize = WeightQuant::None;  // load-time format of the big matmul weights
 };
 std::unique_ptr<Model> make_deepseek_v2(const ModelConfig& cfg, const WeightSource& weights,
                                         Backend& backend, const DeepseekOptions& opts = {});

@@ -8,6 +8,16 @@
 
 namespace ds {
 
+WeightQuant weight_quant_from_name(const std::string& name) {
+  if (name.empty() || name == "none" || name == "bf16") return WeightQuant::None;
+  if (name == "w4a16") return WeightQuant::W4A16;
+  throw Error("--quantize must be none or w4a16, not '" + name + "'");
+}
+
+const char* weight_quant_name(WeightQuant q) {
+  return q == WeightQuant::W4A16 ? "w4a16" : "none";
+}
+
 TensorView WeightSource::get(const std::string& name) const {
   auto t = find(name);
   if (!t) throw Error(describe() + ": missing tensor '" + name + "'");

@@ -16,9 +16,28 @@ namespace ds {
 class GgufFile;
 struct ModelConfig;
 
+// Weight formats the binder may convert the big matmul weights to at load time (--quantize).
+enum class WeightQuant : uint8_t { None, W4A16 };
+// "none"/"bf16" (keep the checkpoint's dtype) or "w4a16"; throws for anything else.
+WeightQuant weight_quant_from_name(const std::string& name);
+const char* weight_quant_name(WeightQuant q);
+
+// How a dummy weight is generated (--load-format dummy): Backend::fill_random's seed and
+// distribution; the source's views of such weights have shapes and dtypes but no data.
+struct DummyInit {
+  uint64_t seed = 0;
+  float mean = 0.0f;
+  float std = 1.0f;
+};
+
 class WeightSource {
  public:
   virtual ~WeightSource() = default;
+  // Set for generated (dummy) weights, whose views carry no data: WeightBinder generates them
+  // in backend memory instead of reading them.
+  virtual std::optional<DummyInit> dummy_init(const std::string& /*name*/) const {
+    return std::nullopt;
+  }
   virtual std::optional<TensorView> find(const std::string& name) const = 0;
   // Throws Error naming the tensor and the file when absent.
   TensorView get(const std::string& name) const;
@@ -34,6 +53,11 @@ std::unique_ptr<WeightSource> gguf_weights(std::shared_ptr<const GgufFile> file)
 // kv_b_proj rebuilt from attn_k_b / attn_v_b (weights_deepseek2.cpp).
 std::unique_ptr<WeightSource> gguf_deepseek2_weights(std::shared_ptr<const GgufFile> file,
                                                      const ModelConfig& cfg);
+// Random weights with the shapes `cfg` implies, under the names the architecture binds
+// (llama: GGUF names; deepseek_v2: Hugging Face names), BF16, deterministic for a seed:
+// linears ~ N(0, (0.6 / sqrt(fan_in))^2), embeddings N(0, 1), norms 1 + N(0, 0.1^2), the
+// output projection and the MoE router with larger gains so logits and routing are sharp.
+std::unique_ptr<WeightSource> dummy_weights(const ModelConfig& cfg, uint64_t seed);
 // Hugging Face llama names (model.layers.N.self_attn.q_proj.weight, ...).
 std::unique_ptr<WeightSource> safetensors_llama_weights(const std::filesystem::path& dir);
 

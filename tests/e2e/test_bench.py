@@ -281,3 +281,28 @@ def test_bad_config_is_reported(run, tmp_path):
     p = run("bench", "--config", cfg, check=False)
     assert p.returncode == 1
     assert "bad2.yaml:1: 'input_len' must be an integer" in p.stderr
+
+
+def test_offline_dummy_w4a16_records_formats(run, tmp_path):
+    """A dummy, 4-bit model from a config.json alone (the shape of bench/w5.yaml, tiny)."""
+    import pathlib
+    model = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "dummy" / "deepseek_v2_w4"
+    cfg = write_config(tmp_path, "w5tiny", f"""
+model: {model}
+load_format: dummy
+quantize: w4a16
+device: cpu
+threads: 2
+concurrency: 2
+input_len: 12
+output_len: 4
+warmup: 0
+""")
+    out = tmp_path / "r.json"
+    p = run("bench", "--config", cfg, "--output", out)
+    doc = json.loads(out.read_text())
+    c = doc["config"]
+    assert c["quantize"] == "w4a16" and c["load_format"] == "dummy"
+    assert c["kv_cache_dtype"] == "f32"
+    assert doc["scenarios"][0]["completed"] == 2, doc["scenarios"][0]
+    assert "W4A16" in p.stderr

@@ -147,3 +147,39 @@ def test_version_names_the_commit_built(run):
     assert out.startswith("deepserve "), out
     if head:
         assert f"(commit {head}" in out, (out, head)
+
+
+DUMMY = os.path.join(os.path.dirname(__file__), "..", "fixtures", "dummy", "deepseek_v2_w4")
+
+
+def test_dummy_load_format_and_w4a16_generate(run, tmp_path):
+    """--load-format dummy from a folder with only config.json, plain and --quantize w4a16."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(os.path.join(DUMMY, "config.json"), folder / "config.json")
+    ids = tmp_path / "ids.txt"
+    ids.write_text("5 17 300 42 99 7 250 11")
+    outs = {}
+    for quant in ("none", "w4a16"):
+        p = run("generate", "-m", folder, "--load-format", "dummy", "--quantize", quant,
+                "--device", "cpu", "--prompt-ids-file", ids, "-n", "6", "--temperature", "0",
+                "--ignore-eos", "--json", "--threads", "2")
+        o = json.loads(p.stdout)
+        assert len(o["tokens"]) == 6
+        assert "weights: " in p.stderr and ("W4A16" in p.stderr) == (quant == "w4a16"), p.stderr
+        outs[quant] = o["tokens"]
+    # The same dummy model twice gives the same tokens (the seed is fixed).
+    p = run("generate", "-m", folder / "config.json", "--load-format", "dummy", "--device", "cpu",
+            "--prompt-ids-file", ids, "-n", "6", "--temperature", "0", "--ignore-eos", "--json",
+            "--threads", "2")
+    assert json.loads(p.stdout)["tokens"] == outs["none"]
+
+
+def test_inspect_reports_bound_formats(run):
+    p = run("inspect", "--load-format", "dummy", "--quantize", "w4a16", "--json",
+            os.path.join(DUMMY, "config.json"))
+    j = json.loads(p.stdout)
+    bound = j["bound_formats"]
+    assert set(bound) >= {"W4A16", "BF16", "F32"}
+    assert 0.515 <= bound["W4A16"]["bytes_per_param"] < 0.6
+    assert bound["BF16"]["bytes_per_param"] == 2

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
+#include "backend/backend.h"
 #include "backend/cpu/matmul_kernels.h"
 #include "backend/cpu/quants.h"
 #include "core/error.h"
@@ -298,6 +300,30 @@ void matmul_precise(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
   });
 }
 
+// W4A16 (the reference path, not a fast kernel): panels of weight rows dequantized to F32,
+// then the F32 kernels. Each output element is still one fixed-order sum over its row.
+constexpr int64_t kW4PanelRows = 64;
+thread_local std::vector<float> t_w4_panel;
+
+void matmul_w4a16(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
+  if (a.K % 128 != 0) throw Error("matmul: W4A16 needs K a multiple of 128");
+  std::vector<float>& panel = t_w4_panel;
+  panel.resize(size_t(kW4PanelRows * a.K));
+  for (int64_t n0 = 0; n0 < a.N; n0 += kW4PanelRows) {
+    const int64_t rows = std::min(kW4PanelRows, a.N - n0);
+    const auto* w = static_cast<const uint8_t*>(a.w) + size_t(n0) * a.w_row_bytes;
+    for (int64_t r = 0; r < rows; ++r)
+      dequantize_w4a16_row(w + size_t(r) * a.w_row_bytes, a.K, panel.data() + r * a.K);
+    MatmulArgs sub = a;
+    sub.w = panel.data();
+    sub.wtype = DType::F32;
+    sub.N = rows;
+    sub.w_row_bytes = size_t(a.K) * 4;
+    sub.out = a.out + n0;
+    matmul_float(sub, pool, k);
+  }
+}
+
 }  // namespace
 
 namespace detail {
@@ -325,6 +351,7 @@ bool matmul_supports(DType t, ActPrecision act) {
     case DType::F32:
     case DType::F16:
     case DType::BF16:
+    case DType::W4A16:
       return true;
     case DType::Q4_0:
     case DType::Q4_1:
@@ -350,6 +377,7 @@ void matmul(const MatmulArgs& a, ThreadPool& pool, Isa isa) {
            "matmul weight row is shorter than K");
   if (a.M == 0 || a.N == 0) return;
   const Kernels& k = kernels_for(isa);
+  if (a.wtype == DType::W4A16) return matmul_w4a16(a, pool, k);
   if (dtype_info(a.wtype).quantized && a.act == ActPrecision::F32)
     return matmul_precise(a, pool, k);
   switch (a.wtype) {
@@ -366,6 +394,7 @@ void matmul(const MatmulArgs& a, ThreadPool& pool, Isa isa) {
 }
 
 void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
+  if (t == DType::W4A16) return dequantize_w4a16_row(static_cast<const uint8_t*>(src), n, dst);
   dequantize_row_ref(t, src, dst, n);
 }
 

@@ -18,8 +18,10 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/elementwise.cuh"
 #include "backend/cuda/embed.cuh"
+#include "backend/cuda/fill_random.cuh"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/gemm_skinny.cuh"
+#include "backend/cuda/gemm_w4a16.cuh"
 #include "backend/cuda/kv_store.cuh"
 #include "backend/cuda/memory_pool.h"
 #include "backend/cuda/moe.cuh"
@@ -127,12 +129,13 @@ class CudaBackend final : public Backend {
   bool supports(Op op, DType t) const override {
     switch (op) {
       case Op::MatMul:
+      case Op::MoeFfn:
+        return plain_float(t) || t == DType::W4A16;  // W4A16: gemm_w4a16.cu, moe_w4a16.cu
       case Op::BatchedMatMul:
       case Op::Embed:
       case Op::StoreKv:
       case Op::Attention:
       case Op::MlaAttention:
-      case Op::MoeFfn:
         return plain_float(t);  // no GGML block-quantized weights on CUDA yet
       default:
         return t == DType::F32;
@@ -254,6 +257,12 @@ class CudaBackend final : public Backend {
   void matmul(const TensorView& x, const TensorView& w, TensorView out) override {
     require(Op::MatMul, w.dtype);
     DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "matmul takes F32 activations");
+    if (w.dtype == DType::W4A16) {
+      DS_CHECK(x.cols() == w.cols() && out.cols() == w.rows() && out.rows() == x.rows(),
+               "matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " + out.shape_str());
+      cuda::launch_w4a16_gemm(cuda::w4a16_matmul_args(x, w, out), stream_);
+      return;
+    }
     DS_CHECK(x.cols() == w.cols() && out.cols() == w.rows() && out.rows() == x.rows(),
              "matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " + out.shape_str());
     DS_CHECK(cuda::rows_uniform(x) && cuda::rows_uniform(w) && cuda::rows_uniform(out),
@@ -356,6 +365,10 @@ class CudaBackend final : public Backend {
     cuda::launch_silu_mul(gate_up, out, stream_);
   }
   void add(TensorView x, const TensorView& y) override { cuda::launch_add(x, y, stream_); }
+  void fill_random(TensorView dst, const RandomFill& p) override {
+    cuda::launch_fill_random(dst, p, stream_);
+  }
+
   void copy(const TensorView& src, TensorView dst) override {
     cuda::launch_copy(src, dst, stream_);
   }

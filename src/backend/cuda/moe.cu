@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/cuda/moe.cuh"
+#include "backend/w4a16.h"
 #include "core/error.h"
 
 namespace ds::cuda {
@@ -214,8 +215,9 @@ bool capturing(cudaStream_t s) {
 }
 
 moe::ExpertPtrs expert_ptrs(const ExpertWeights& w) {
-  const auto ld = [](const TensorView& t) {
-    return t.row_stride() / int64_t(dtype_info(t.dtype).type_size);
+  const auto ld = [](const TensorView& t) {  // W4A16: bytes
+    return t.dtype == DType::W4A16 ? t.row_stride()
+                                   : t.row_stride() / int64_t(dtype_info(t.dtype).type_size);
   };
   return {w.gate.data, w.up.data, w.down.data, ld(w.gate), ld(w.up), ld(w.down)};
 }
@@ -225,16 +227,21 @@ void validate_experts(std::span<const ExpertWeights> experts, ExpertTable& t) {
   t.dtype = e0.gate.dtype;
   t.inter = int(e0.gate.shape[0]);
   t.hidden = int(e0.gate.cols());
-  if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32)
-    throw UnsupportedError("cuda moe_ffn: expert weights must be BF16, F16 or F32, not " +
+  const bool w4 = t.dtype == DType::W4A16;
+  if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32 && !w4)
+    throw UnsupportedError("cuda moe_ffn: expert weights must be BF16, F16, F32 or W4A16, not " +
                            std::string(dtype_name(t.dtype)));
-  const int esize = int(dtype_info(t.dtype).type_size);
+  if (w4 && (t.hidden % w4a16::kGroup != 0 || t.inter % w4a16::kGroup != 0))
+    throw UnsupportedError("cuda moe_ffn: W4A16 experts need hidden and F multiples of 128");
+  const int esize = w4 ? 1 : int(dtype_info(t.dtype).type_size);
   for (const ExpertWeights& w : experts) {
     for (const TensorView* m : {&w.gate, &w.up, &w.down}) {
       DS_CHECK(m->ndim == 2 && m->dtype == t.dtype, "moe_ffn: experts differ in dtype or rank");
       if (reinterpret_cast<uintptr_t>(m->data) % 16 != 0 || m->row_stride() % 16 != 0)
         throw UnsupportedError("cuda moe_ffn: expert rows must be 16-byte aligned");
       DS_CHECK(m->row_stride() % esize == 0, "moe_ffn: odd expert row stride");
+      DS_CHECK(!w4 || m->row_stride() == w4a16::row_stride(m->cols()),
+               "moe_ffn: W4A16 expert rows must be packed (w4a16_view)");
     }
     DS_CHECK(w.gate.shape[0] == t.inter && w.gate.shape[1] == t.hidden &&
                  w.up.shape[0] == t.inter && w.up.shape[1] == t.hidden &&
@@ -389,6 +396,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   const int64_t n = T * ks;
 
   const bool bf16 = table.dtype == DType::BF16;
+  const bool w4 = table.dtype == DType::W4A16;
   if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped) {
     if (!bf16)
       throw UnsupportedError(std::string("cuda moe_ffn: the ") +
@@ -448,7 +456,10 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     static_cast<moe::FfnProblem&>(a) = problem;
     a.h = s.h;
     a.y = s.y;
-    moe::launch_decode_ffn(a, ctx.stream);
+    if (w4)
+      moe::launch_w4a16_ffn(a, ctx.stream);
+    else
+      moe::launch_decode_ffn(a, ctx.stream);
     y = s.y;
   }
   moe::launch_combine(y, s.lists.pos, p.weights.ptr<float>(), T, k, S, H, p.out.ptr<float>(),

@@ -32,7 +32,8 @@ void moe_route(const Context& ctx, const TensorView& logits, const MoeRouteParam
 // outside graph capture.
 void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 
-// Which moe_ffn implementation runs. Auto, for BF16 experts: Decode below
+// Which moe_ffn implementation runs (W4A16 experts: always their own kernels, moe_w4a16.cu,
+// on the Decode path's scratch). Auto, for BF16 experts: Decode below
 // kMoeGroupedMinAssignments (token, expert) pairs, Prefill from kMoePrefillMinAssignments
 // while the stream is not being captured, Grouped in between (and above, when capturing);
 // F16 / F32 experts always take Decode. Tests and benchmarks force one.
@@ -123,6 +124,8 @@ struct DecodeFfnArgs : FfnProblem {
 
 // Gate/up then down over the token lists. Grid sizes depend only on T, top_k, E and shapes.
 void launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
+// The same for W4A16 experts (moe_w4a16.cu; `kind` unused, hidden and F multiples of 128).
+void launch_w4a16_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
 // Raises the dynamic shared-memory limit of every decode kernel (once per device).
 void prepare_decode_kernels();
 // Shared-memory bytes the decode kernels stage activations in; K (hidden or F) must fit

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attention_port.cuh"
+#include "backend/w4a16.h"
 
 #if !defined(__CUDACC__)
 #include <cstring>
@@ -41,13 +42,7 @@ DS_KDEV void word_to_float2(uint32_t w, float& lo, float& hi) {
 }
 
 DS_KDEV float bits_to_float(uint32_t u) {
-#if defined(__CUDACC__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
+  return w4a16::bits_float(u);
 }
 
 // A chunk's elements in memory order.

@@ -238,5 +238,17 @@ TEST(BenchSpec, EnvironmentVariables) {
             std::string::npos);
 }
 
+TEST(BenchSpec, ReadsLoadFormatAndQuantize) {
+  const BenchSpec s =
+      parse("model: m\nload_format: dummy\nquantize: w4a16\ninput_len: 1\noutput_len: 1\n");
+  EXPECT_EQ(s.load_format, "dummy");
+  EXPECT_EQ(s.quantize, "w4a16");
+  const BenchSpec d = parse("input_len: 1\noutput_len: 1\n");
+  EXPECT_EQ(d.load_format, "auto");
+  EXPECT_EQ(d.quantize, "none");
+  EXPECT_NE(error_of("quantize: int3\ninput_len: 1\noutput_len: 1\n").find("quantize"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace ds

@@ -1,0 +1,103 @@
+// Host side of dummy weights and W4A16 quantization: the reference the devices match.
+#include <cstring>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/w4a16.h"
+#include "core/error.h"
+
+namespace ds {
+
+TensorView w4a16_view(void* data, int64_t rows, int64_t cols, Device device) {
+  if (cols % w4a16::kGroup != 0)
+    throw UnsupportedError("W4A16 weights need K (" + std::to_string(cols) +
+                           ") to be a multiple of " + std::to_string(w4a16::kGroup));
+  TensorView t = TensorView::contiguous(data, DType::W4A16, {rows, cols}, device);
+  t.stride[0] = w4a16::row_stride(cols);
+  return t;
+}
+
+size_t w4a16_bytes(int64_t rows, int64_t cols) {
+  return size_t(rows) * size_t(w4a16::row_stride(cols));
+}
+
+RandomFillShape random_fill_shape(const TensorView& dst, const RandomFill& p) {
+  DS_CHECK(dst.ndim >= 1 && dst.ndim <= 3, "fill_random takes a 1-, 2- or 3-D tensor");
+  RandomFillShape s;
+  s.dims = {1, 1, dst.shape[dst.ndim - 1]};
+  if (dst.ndim >= 2) s.dims[1] = dst.shape[dst.ndim - 2];
+  if (dst.ndim == 3) s.dims[0] = dst.shape[0];
+  s.map = p.map;
+  if (s.map == std::array<int64_t, 3>{}) s.map = {s.dims[1] * s.dims[2], s.dims[2], 1};
+  s.mul = p.std / w4a16::kSumStd;
+  DS_CHECK(p.round_as == DType::F32 || p.round_as == DType::F16 || p.round_as == DType::BF16,
+           "fill_random rounds through F32, F16 or BF16");
+  if (dst.dtype == DType::W4A16) {
+    DS_CHECK(dst.ndim == 2 && dst.row_stride() == w4a16::row_stride(dst.cols()),
+             "fill_random: a W4A16 tensor must be a whole [rows, cols] W4A16 view");
+  } else {
+    DS_CHECK(dst.dtype == DType::F32 || dst.dtype == DType::F16 || dst.dtype == DType::BF16,
+             "fill_random fills F32, F16, BF16 or W4A16 tensors");
+    DS_CHECK(dst.is_contiguous(), "fill_random needs a contiguous tensor");
+  }
+  return s;
+}
+
+float random_fill_value(const RandomFill& p, const RandomFillShape& s, int64_t a, int64_t b,
+                        int64_t c) {
+  const float v = w4a16::random_value(p.seed, uint64_t(a * s.map[0] + b * s.map[1] + c * s.map[2]),
+                                      p.mean, s.mul);
+  switch (p.round_as) {
+    case DType::BF16:
+      return w4a16::from_bf16(w4a16::to_bf16(v));
+    case DType::F16:
+      return fp16_to_f32(f32_to_fp16(v));
+    default:
+      return v;
+  }
+}
+
+void quantize_w4a16_row(const float* x, int64_t K, uint8_t* dst) {
+  DS_CHECK(K % w4a16::kGroup == 0, "W4A16 rows are whole groups of 128");
+  auto* scales = dst + K / 2;
+  for (int64_t g = 0; g < K / w4a16::kGroup; ++g) {
+    uint16_t s = 0;
+    w4a16::quantize_group(x + g * w4a16::kGroup, dst + g * (w4a16::kGroup / 2), &s);
+    scales[2 * g] = uint8_t(s & 0xff);
+    scales[2 * g + 1] = uint8_t(s >> 8);
+  }
+  for (int64_t i = K / 2 + K / 64; i < w4a16::row_stride(K); ++i) dst[i] = 0;
+}
+
+void dequantize_w4a16_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k) out[k] = w4a16::element(row, K, k);
+}
+
+void Backend::fill_random(TensorView dst, const RandomFill& p) {
+  const RandomFillShape s = random_fill_shape(dst, p);
+  const int64_t rows = s.dims[0] * s.dims[1], C = s.dims[2];
+  const size_t row_bytes = size_t(dst.row_stride());
+  std::vector<uint8_t> host(size_t(rows) * row_bytes);
+  std::vector<float> vals(static_cast<size_t>(C));
+  for (int64_t a = 0; a < s.dims[0]; ++a)
+    for (int64_t b = 0; b < s.dims[1]; ++b) {
+      for (int64_t c = 0; c < C; ++c) vals[size_t(c)] = random_fill_value(p, s, a, b, c);
+      uint8_t* out = host.data() + size_t(a * s.dims[1] + b) * row_bytes;
+      if (dst.dtype == DType::W4A16) {
+        quantize_w4a16_row(vals.data(), C, out);
+      } else {
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = vals[size_t(c)];
+          if (dst.dtype == DType::F32) {
+            std::memcpy(out + c * 4, &v, 4);
+          } else {
+            const uint16_t h = dst.dtype == DType::BF16 ? f32_to_bf16(v) : f32_to_fp16(v);
+            std::memcpy(out + c * 2, &h, 2);
+          }
+        }
+      }
+    }
+  upload(dst, host.data(), host.size());
+}
+
+}  // namespace ds
