@@ -132,30 +132,30 @@ if has_stage padded; then
 fi
 
 if has_stage http; then
-  # One server on the Lite checkpoint, then bench --url: W2 (compare with the offline W2 of the
-  # same run), 1,024 streams, the mixed-priority load and its idle probes.
+  # bench --url against a fresh server per workload (a warm prefix cache from the last one
+  # would flatter the next: the workloads draw the same seeded prompts): mixed-idle, mixed, W2
+  # (compare with the offline W2 of the same run) and 1,024 streams.
   port=8011
-  log "serve (W2 engine settings, KV for 1,024 x 1,152 tokens)"
-  "$BUILD/deepserve" serve -m "$LITE_DIR" --device cuda --port $port --max-num-seqs 256 \
-    --kv-cache-tokens 1300000 --max-num-batched-tokens 8192 >"$OUT/serve.log" 2>&1 &
-  spid=$!
-  for _ in $(seq 240); do
-    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1)" \
-      2>/dev/null && break
-    sleep 0.5
-  done
   for w in ${HTTP_WORKLOADS:-mixed-idle mixed w2 http-1024}; do
+    "$BUILD/deepserve" serve -m "$LITE_DIR" --device cuda --port $port --max-num-seqs 256 \
+      --kv-cache-tokens 1300000 --max-num-batched-tokens 8192 >"$OUT/serve-$w.log" 2>&1 &
+    spid=$!
+    for _ in $(seq 240); do
+      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1)" \
+        2>/dev/null && break
+      sleep 0.5
+    done
     log "bench $w --url"
     DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
       --url "http://127.0.0.1:$port" --output "$OUT/bench-http-$w.json" \
       --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" >"$OUT/bench-http-$w.log" 2>&1
     log "bench $w --url rc=$?"
     tail -8 "$OUT/bench-http-$w.log"
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
+      >"$OUT/serve-metrics-$w.txt" 2>&1
+    kill -TERM $spid; wait $spid
+    log "server exit rc=$?"
   done
-  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
-    >"$OUT/serve-metrics.txt" 2>&1
-  kill -TERM $spid; wait $spid
-  log "server exit rc=$?"
 fi
 
 if has_stage profile; then
