@@ -1,9 +1,7 @@
 // Failures that are the server's fault reach clients as 5xx (or an error event in a stream),
 // never as 400, and end only the request they hit: the real API server on the SmolLM2 model,
 // with a fault injected into one request's output (EngineConfig::fault_hook).
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -13,6 +11,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "loopback.h"
 #include "server/server.h"
 
 namespace ds {
@@ -20,14 +19,7 @@ namespace {
 
 // One HTTP/1.1 request on a fresh connection; the whole answer (the server closes it).
 std::string post(int port, const std::string& path, const std::string& body) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(uint16_t(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  timeval tv{60, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  const int fd = test::connect_to(port, 60);
   const std::string req = "POST " + path +
                           " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                           "Content-Type: application/json\r\nContent-Length: " +

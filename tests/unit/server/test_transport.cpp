@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "loopback.h"
 #include "server/http_transport.h"
 
 namespace ds {
@@ -42,17 +43,7 @@ class Served {
   std::thread thread_;
 };
 
-int connect_to(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(uint16_t(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  return fd;
-}
+using test::connect_to;
 
 void send_all(int fd, const std::string& s) {
   ASSERT_EQ(send(fd, s.data(), s.size(), MSG_NOSIGNAL), ssize_t(s.size()));
