@@ -149,8 +149,9 @@ TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t 
         quantize_w4a16_row(row.data(), cols, packed.data() + r * d.row_stride());
       }
     };
-    // Big checkpoints: the cores share the rows (each row's bytes depend on that row alone).
-    const int64_t threads = rows * cols >= (int64_t(1) << 22)
+    // The cores share the rows (each row's bytes depend on that row alone); experts are
+    // small (2048 x 1408 in DeepSeek-V2-Lite) but thousands: one thread each took 203 s.
+    const int64_t threads = rows * cols >= (int64_t(1) << 18)
                                 ? std::max<int64_t>(1, std::thread::hardware_concurrency())
                                 : 1;
     std::vector<std::thread> pool;
