@@ -39,8 +39,8 @@ TEST(CudaDifferential, GreedyMatchesTransformersWhereMarginExceeds3Percent) {
     double case_worst = 0;
     try {
       for (const auto& p : c.prompts) {
-        case_worst = std::max(case_worst, test::max_diff_over_range(test::gpu_prefill(g, p.ids),
-                                                                    p.logits, c.vocab));
+        case_worst = std::max(
+            case_worst, test::max_diff_over_range(test::gpu_prefill(g, p.ids), p.logits, c.vocab));
         prompts.push_back(p.ids);
       }
     } catch (const UnsupportedError& e) {
