@@ -96,19 +96,22 @@ inline std::vector<float> prefill_rows(CpuModel& l, const std::vector<int32_t>& 
   return forward_rows(l, ids, 0, int(ids.size()));
 }
 
+// A greedy request for `max_tokens` tokens that ignores EOS.
+inline EngineRequest greedy_request(const std::vector<int32_t>& prompt, int max_tokens) {
+  EngineRequest r;
+  r.prompt = prompt;
+  r.max_tokens = max_tokens;
+  r.sampling.temperature = 0;
+  r.ignore_eos = true;
+  return r;
+}
+
 // Greedy continuations (EOS ignored) of `prompts` on `engine`: submitted all at once
 // (concurrent) or one after another.
 inline std::vector<std::vector<int32_t>> greedy_generate(
     Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_tokens,
     bool concurrent) {
-  auto request = [&](const std::vector<int32_t>& p) {
-    EngineRequest r;
-    r.prompt = p;
-    r.max_tokens = max_tokens;
-    r.sampling.temperature = 0;
-    r.ignore_eos = true;
-    return r;
-  };
+  auto request = [&](const std::vector<int32_t>& p) { return greedy_request(p, max_tokens); };
   std::vector<std::vector<int32_t>> out(prompts.size());
   if (concurrent) {
     std::vector<std::shared_ptr<RequestHandle>> hs;

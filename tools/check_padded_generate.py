@@ -32,6 +32,7 @@ def main():
         r = subprocess.run([a.deepserve, "generate", "-m", str(FIXTURE), "--device", a.device,
                             "--prompt-ids-file", f.name, "-n", str(len(want)), "--temperature",
                             "0", "--ignore-eos", "--json"], capture_output=True, text=True)
+        pathlib.Path(f.name).unlink()
         if r.returncode != 0:
             print(r.stderr, file=sys.stderr)
             ok = False

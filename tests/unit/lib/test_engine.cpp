@@ -154,13 +154,8 @@ TEST(Engine, OneRequestsFailureEndsOnlyThatRequest) {
   Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), cfg);
   std::vector<std::shared_ptr<RequestHandle>> hs;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    EngineRequest r;
-    r.prompt = prompts[i];
-    r.max_tokens = 10;
-    r.sampling.temperature = 0;
-    r.ignore_eos = true;
     if (i == 2) victim = 3;  // ids are handed out from 1 in submission order
-    hs.push_back(engine.submit(r));
+    hs.push_back(engine.submit(test::greedy_request(prompts[i], 10)));
   }
   ASSERT_EQ(hs[2]->id(), victim);
   for (size_t i = 0; i < hs.size(); ++i) {
@@ -198,11 +193,7 @@ TEST(Engine, IdsPastTheTokenizerAreOutputsWithoutText) {
   Engine engine(*f->m.model, *f->backend, bytes_only.get(), cfg);
   std::vector<std::shared_ptr<RequestHandle>> hs;
   for (const auto& p : prompts) {
-    EngineRequest r;
-    r.prompt = p;
-    r.max_tokens = 16;
-    r.sampling.temperature = 0;
-    r.ignore_eos = true;
+    EngineRequest r = test::greedy_request(p, 16);
     r.logprobs = 2;
     hs.push_back(engine.submit(r));
   }
