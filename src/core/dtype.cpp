@@ -8,7 +8,7 @@
 namespace ds {
 namespace {
 
-constexpr std::array<DTypeInfo, 25> kInfo = {{
+constexpr std::array<DTypeInfo, 26> kInfo = {{
     {"F32", 1, 4, false},     {"F16", 1, 2, false},     {"BF16", 1, 2, false},
     {"F64", 1, 8, false},     {"F8_E4M3", 1, 1, false}, {"F8_E5M2", 1, 1, false},
     {"I8", 1, 1, false},      {"U8", 1, 1, false},      {"I16", 1, 2, false},
@@ -17,7 +17,7 @@ constexpr std::array<DTypeInfo, 25> kInfo = {{
     {"Q5_1", 32, 24, true},   {"Q8_0", 32, 34, true},   {"Q8_1", 32, 36, true},
     {"Q2_K", 256, 84, true},  {"Q3_K", 256, 110, true}, {"Q4_K", 256, 144, true},
     {"Q5_K", 256, 176, true}, {"Q6_K", 256, 210, true}, {"Q8_K", 256, 292, true},
-    {"W4A16", 128, 66, true},
+    {"W4A16", 128, 66, true}, {"FP8W", 1, 1, true},
 }};
 
 struct GgmlId {

@@ -38,6 +38,9 @@ enum class DType : uint8_t {
   // deepserve's 4-bit weights (backend/w4a16.h): 128 codes + a BF16 scale per block; rows are
   // padded to 16 bytes, so make views with w4a16 helpers, not TensorView::contiguous.
   W4A16,
+  // deepserve's FP8 weights (backend/fp8w.h): e4m3 codes + an F32 scale per row and 128-group;
+  // rows padded to 16 bytes (make views with fp8w helpers). block_size 1: any K.
+  FP8W,
 };
 
 struct DTypeInfo {
