@@ -11,7 +11,8 @@
 #   bench   deepserve bench for bench/w{1,2,3}.yaml on that checkpoint
 #   http    deepserve serve on that checkpoint, then bench --url: mixed-idle, mixed, w2, http-1024
 #   profile the same with --profile-ops (eager, per-op times of the steady decode step)
-#   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks
+#   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks (with WqBench.*:
+#           W4A16 / FP8W tensor-core kernels, TB/s of weights and TFLOP/s)
 #   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
 #   w5      bench/w5.yaml: DeepSeek-V2.5 shapes, dummy W4A16 weights made on the GPU (no files)
 #   w1q     bench/w1q.yaml: W1 on the lite checkpoint quantized to W4A16 at load (needs lite)
@@ -170,16 +171,16 @@ fi
 
 if has_stage gemmbench; then
   log "skinny GEMM micro-benchmark"
-  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='GemmBench.*' \
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='GemmBench.*:WqBench.*Dense' \
     >"$OUT/gemm-bench.log" 2>&1
-  grep -vE "^\[|^$" "$OUT/gemm-bench.log" | tail -60
+  grep -vE "^\[|^$" "$OUT/gemm-bench.log" | tail -90
 fi
 
 if has_stage moebench; then
   log "MoE kernel micro-benchmark"
-  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='MoeBench.*' \
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='MoeBench.*:WqBench.*Moe' \
     >"$OUT/moe-bench.log" 2>&1
-  grep -vE "^\[|^$" "$OUT/moe-bench.log" | tail -20
+  grep -vE "^\[|^$" "$OUT/moe-bench.log" | tail -60
 fi
 
 for w in w5 w1q; do

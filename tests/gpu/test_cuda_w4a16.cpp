@@ -1,7 +1,7 @@
 // W4A16 weights and dummy loading on CUDA against the CPU reference: fill_random bit for bit,
-// the W4A16 GEMM and MoE experts against the dequantize-then-F32 products over awkward shapes
-// (M = 1..256, odd N, strided activations, experts without tokens), and a dummy DeepSeek-V2
-// model (BF16 and W4A16) on the GPU against the same weights on the CPU.
+// the W4A16 MoE experts against the CPU backend's (test_cuda_wq.cpp checks the kernels in
+// detail), and a dummy DeepSeek-V2 model (BF16 and W4A16) on the GPU against the same weights
+// on the CPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -90,61 +90,6 @@ TEST(CudaW4a16, FillRandomMatchesTheHostBitForBit) {
   }
 }
 
-// sum_k deq(w[n, k]) * x[m, k] in double, and the sum of the magnitudes (for the tolerance).
-void reference(const TensorView& w, const float* x, int64_t ldx, int64_t m, int64_t n, double& sum,
-               double& mag) {
-  const int64_t K = w.cols();
-  sum = mag = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    const double t = double(w4a16::element(w.row(n), K, k)) * x[m * ldx + k];
-    sum += t;
-    mag += std::fabs(t);
-  }
-}
-
-TEST(CudaW4a16, MatmulMatchesTheDequantizedProduct) {
-  DS_REQUIRE_GPU();
-  Backend& be = cuda_backend();
-  for (int64_t K : {128, 384, 1536, 5120}) {
-    for (int64_t N : {1, 7, 33, 257, 1000}) {
-      const Twin w = w4_twin(N, K, uint64_t(K * 7 + N));
-      for (int64_t M : {1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 256}) {
-        if (K == 5120 && N == 1000 && M > 64) continue;  // keep the host reference quick
-        const int64_t ldx = K + 4, ldo = N + 3;          // strided rows
-        const auto x = test::random_floats(size_t(M * ldx), uint32_t(M + K + N));
-        auto xd = be.alloc(x.size() * 4), od = be.alloc(size_t(M * ldo) * 4);
-        be.upload(test::make_view(xd->data(), DType::F32, {M * ldx}, be.device()), x.data(),
-                  x.size() * 4);
-        TensorView xv = test::make_view(xd->data(), DType::F32, {M, K}, be.device());
-        xv.stride[0] = ldx * 4;
-        TensorView ov = test::make_view(od->data(), DType::F32, {M, N}, be.device());
-        ov.stride[0] = ldo * 4;
-        be.matmul(xv, w.dev, ov);
-        std::vector<float> out(size_t(M * ldo));
-        be.synchronize();
-        be.download(out.data(), test::make_view(od->data(), DType::F32, {M * ldo}, be.device()),
-                    out.size() * 4);
-        int bad = 0;
-        for (int64_t m = 0; m < M && bad < 5; ++m)
-          for (int64_t n = 0; n < N && bad < 5; ++n) {
-            double s, mag;
-            reference(w.host, x.data(), ldx, m, n, s, mag);
-            const double got = out[size_t(m * ldo + n)];
-            if (std::fabs(got - s) > 2e-5 * mag + 1e-6) {
-              ADD_FAILURE() << "M " << M << " N " << N << " K " << K << " at (" << m << ", " << n
-                            << "): " << got << " vs " << s;
-              ++bad;
-            }
-          }
-      }
-    }
-  }
-}
-
-TEST(CudaW4a16, RejectsKThatIsNotWholeGroups) {
-  EXPECT_THROW(w4a16_view(nullptr, 4, 200), UnsupportedError);
-}
-
 // Routed experts (and shared ones) with W4A16 weights on both backends.
 struct MoeTwin {
   std::vector<Twin> mats;
@@ -206,7 +151,7 @@ TEST(CudaW4a16, MoeFfnMatchesTheCpu) {
       double mx = 0;
       for (float v : want) mx = std::max(mx, double(std::fabs(v)));
       test::Tolerance tol;
-      tol.abs = 1e-4 * std::max(1.0, mx);
+      tol.abs = 1e-2 * std::max(1.0, mx);  // BF16 activations on the GPU (gemm_wq.cu)
       tol.rel = 0;
       EXPECT_TRUE(test::all_close(
           got, want, tol, "moe T " + std::to_string(T) + " shared " + std::to_string(shared),

@@ -21,7 +21,7 @@
 #include "backend/cuda/fill_random.cuh"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/gemm_skinny.cuh"
-#include "backend/cuda/gemm_w4a16.cuh"
+#include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/kv_store.cuh"
 #include "backend/cuda/memory_pool.h"
 #include "backend/cuda/moe.cuh"
@@ -130,7 +130,7 @@ class CudaBackend final : public Backend {
     switch (op) {
       case Op::MatMul:
       case Op::MoeFfn:
-        return plain_float(t) || t == DType::W4A16;  // W4A16: gemm_w4a16.cu, moe_w4a16.cu
+        return plain_float(t) || cuda::wq_dtype(t);  // W4A16, FP8W: gemm_wq.cu
       case Op::BatchedMatMul:
       case Op::Embed:
       case Op::StoreKv:
@@ -257,10 +257,8 @@ class CudaBackend final : public Backend {
   void matmul(const TensorView& x, const TensorView& w, TensorView out) override {
     require(Op::MatMul, w.dtype);
     DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "matmul takes F32 activations");
-    if (w.dtype == DType::W4A16) {
-      DS_CHECK(x.cols() == w.cols() && out.cols() == w.rows() && out.rows() == x.rows(),
-               "matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " + out.shape_str());
-      cuda::launch_w4a16_gemm(cuda::w4a16_matmul_args(x, w, out), stream_);
+    if (cuda::wq_dtype(w.dtype)) {
+      cuda::wq_matmul(ctx_, x, w, out);
       return;
     }
     DS_CHECK(x.cols() == w.cols() && out.cols() == w.rows() && out.rows() == x.rows(),

@@ -8,7 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/moe.cuh"
+#include "backend/fp8w.h"
 #include "backend/w4a16.h"
 #include "core/error.h"
 
@@ -215,9 +217,9 @@ bool capturing(cudaStream_t s) {
 }
 
 moe::ExpertPtrs expert_ptrs(const ExpertWeights& w) {
-  const auto ld = [](const TensorView& t) {  // W4A16: bytes
-    return t.dtype == DType::W4A16 ? t.row_stride()
-                                   : t.row_stride() / int64_t(dtype_info(t.dtype).type_size);
+  const auto ld = [](const TensorView& t) {  // W4A16, FP8W: bytes
+    return wq_dtype(t.dtype) ? t.row_stride()
+                             : t.row_stride() / int64_t(dtype_info(t.dtype).type_size);
   };
   return {w.gate.data, w.up.data, w.down.data, ld(w.gate), ld(w.up), ld(w.down)};
 }
@@ -227,21 +229,25 @@ void validate_experts(std::span<const ExpertWeights> experts, ExpertTable& t) {
   t.dtype = e0.gate.dtype;
   t.inter = int(e0.gate.shape[0]);
   t.hidden = int(e0.gate.cols());
-  const bool w4 = t.dtype == DType::W4A16;
-  if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32 && !w4)
-    throw UnsupportedError("cuda moe_ffn: expert weights must be BF16, F16, F32 or W4A16, not " +
-                           std::string(dtype_name(t.dtype)));
+  const bool w4 = t.dtype == DType::W4A16, q = wq_dtype(t.dtype);
+  if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32 && !q)
+    throw UnsupportedError(
+        "cuda moe_ffn: expert weights must be BF16, F16, F32, W4A16 or FP8W, not " +
+        std::string(dtype_name(t.dtype)));
   if (w4 && (t.hidden % w4a16::kGroup != 0 || t.inter % w4a16::kGroup != 0))
     throw UnsupportedError("cuda moe_ffn: W4A16 experts need hidden and F multiples of 128");
-  const int esize = w4 ? 1 : int(dtype_info(t.dtype).type_size);
+  if (q && (t.hidden % 8 != 0 || t.inter % 8 != 0))
+    throw UnsupportedError("cuda moe_ffn: quantized experts need hidden and F multiples of 8");
+  const int esize = q ? 1 : int(dtype_info(t.dtype).type_size);
   for (const ExpertWeights& w : experts) {
     for (const TensorView* m : {&w.gate, &w.up, &w.down}) {
       DS_CHECK(m->ndim == 2 && m->dtype == t.dtype, "moe_ffn: experts differ in dtype or rank");
       if (reinterpret_cast<uintptr_t>(m->data) % 16 != 0 || m->row_stride() % 16 != 0)
         throw UnsupportedError("cuda moe_ffn: expert rows must be 16-byte aligned");
       DS_CHECK(m->row_stride() % esize == 0, "moe_ffn: odd expert row stride");
-      DS_CHECK(!w4 || m->row_stride() == w4a16::row_stride(m->cols()),
-               "moe_ffn: W4A16 expert rows must be packed (w4a16_view)");
+      DS_CHECK(!q || m->row_stride() ==
+                         (w4 ? w4a16::row_stride(m->cols()) : fp8w::row_stride(m->cols())),
+               "moe_ffn: quantized expert rows must be packed (w4a16 / fp8w layout)");
     }
     DS_CHECK(w.gate.shape[0] == t.inter && w.gate.shape[1] == t.hidden &&
                  w.up.shape[0] == t.inter && w.up.shape[1] == t.hidden &&
@@ -396,8 +402,10 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   const int64_t n = T * ks;
 
   const bool bf16 = table.dtype == DType::BF16;
-  const bool w4 = table.dtype == DType::W4A16;
-  if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped) {
+  const bool quant = wq_dtype(table.dtype);  // always the tensor-core kernels of gemm_wq.cu
+  if (quant) {
+    path = MoeFfnPath::Grouped;
+  } else if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped) {
     if (!bf16)
       throw UnsupportedError(std::string("cuda moe_ffn: the ") +
                              (path == MoeFfnPath::Prefill ? "prefill" : "grouped") +
@@ -436,7 +444,10 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.xa = s.act;
     a.h = s.h16;
     a.y = s.y;
-    moe::launch_grouped_ffn(a, ctx.stream);
+    if (quant)
+      moe::launch_wq_ffn(a, table.dtype, ctx.stream);
+    else
+      moe::launch_grouped_ffn(a, ctx.stream);
     y = s.y;
   } else if (prefill) {
     moe::PrefillFfnArgs a;
@@ -456,10 +467,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     static_cast<moe::FfnProblem&>(a) = problem;
     a.h = s.h;
     a.y = s.y;
-    if (w4)
-      moe::launch_w4a16_ffn(a, ctx.stream);
-    else
-      moe::launch_decode_ffn(a, ctx.stream);
+    moe::launch_decode_ffn(a, ctx.stream);
     y = s.y;
   }
   moe::launch_combine(y, s.lists.pos, p.weights.ptr<float>(), T, k, S, H, p.out.ptr<float>(),

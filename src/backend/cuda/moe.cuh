@@ -32,11 +32,11 @@ void moe_route(const Context& ctx, const TensorView& logits, const MoeRouteParam
 // outside graph capture.
 void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 
-// Which moe_ffn implementation runs (W4A16 experts: always their own kernels, moe_w4a16.cu,
-// on the Decode path's scratch). Auto, for BF16 experts: Decode below
-// kMoeGroupedMinAssignments (token, expert) pairs, Prefill from kMoePrefillMinAssignments
-// while the stream is not being captured, Grouped in between (and above, when capturing);
-// F16 / F32 experts always take Decode. Tests and benchmarks force one.
+// Which moe_ffn implementation runs (W4A16 / FP8W experts: always their own tensor-core
+// kernels, gemm_wq.cu, on the Grouped path's scratch, whatever the path asked). Auto, for BF16
+// experts: Decode below kMoeGroupedMinAssignments (token, expert) pairs, Prefill from
+// kMoePrefillMinAssignments while the stream is not being captured, Grouped in between (and above,
+// when capturing); F16 / F32 experts always take Decode. Tests and benchmarks force one.
 enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped };
 // From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
 // grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
@@ -124,8 +124,6 @@ struct DecodeFfnArgs : FfnProblem {
 
 // Gate/up then down over the token lists. Grid sizes depend only on T, top_k, E and shapes.
 void launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
-// The same for W4A16 experts (moe_w4a16.cu; `kind` unused, hidden and F multiples of 128).
-void launch_w4a16_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
 // Raises the dynamic shared-memory limit of every decode kernel (once per device).
 void prepare_decode_kernels();
 // Shared-memory bytes the decode kernels stage activations in; K (hidden or F) must fit
@@ -148,6 +146,8 @@ struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
 
 // Gather, then the gate/up and down tensor-core kernels; no host sync.
 void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream);
+// The same for W4A16 / FP8W experts (gemm_wq.cu): weights dequantized in registers.
+void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream);
 void prepare_grouped_kernels();
 
 // act[p, :] = bf16(x[sorted_token[p], :]) for p < *assigned (grid n rows).

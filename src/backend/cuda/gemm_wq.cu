@@ -1,0 +1,280 @@
+// Quantized-weight tensor-core GEMMs (wq_kernel.cuh): the dense launcher behind
+// Backend::matmul and the MoE experts (gate + up fused with SiLU * up, then down) over the
+// grouped token lists. Activations are converted to BF16 rows first (the only rounding beyond
+// F32 sums: relative error ~2^-9 per product, so ~2^-9 of the row's sum of |x * w|).
+#include <algorithm>
+#include <string>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/gemm_wq.cuh"
+#include "backend/cuda/moe.cuh"
+#include "backend/cuda/wq_kernel.cuh"
+#include "core/error.h"
+
+namespace ds::cuda {
+namespace {
+
+using namespace wqk;
+
+struct DenseArgs {
+  const uint8_t* w = nullptr;
+  int64_t w_stride = 0, n = 0, k = 0, m = 0;
+  const __nv_bfloat16* xb = nullptr;  // [m, kp] BF16, zero past k
+  int kp = 0;
+  float* out = nullptr;  // [m, n] ld ldo, or partial sums [splits, m, n] when splits > 1
+  int64_t ldo = 0;
+  int groups_per_split = 0;
+  int splits = 1;
+};
+
+// Grid (row blocks, token blocks, splits).
+template <WqFormat F>
+__global__ void __launch_bounds__(kThreads) dense_kernel(DenseArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * kBT;
+  const int G = int((a.k + kGroup - 1) / kGroup);
+  CtaJob jb;
+  jb.w0 = a.w + n0 * a.w_stride;
+  jb.w1 = nullptr;
+  jb.w_stride = a.w_stride;
+  jb.rows = int(min(int64_t(kBN), a.n - n0));
+  jb.x = a.xb + t0 * a.kp;
+  jb.ldx = a.kp;
+  jb.kp = a.kp;
+  jb.tokens = int(min(int64_t(kBT), a.m - t0));
+  jb.K = a.k;
+  jb.g_begin = int(blockIdx.z) * a.groups_per_split;
+  jb.g_end = min(G, jb.g_begin + a.groups_per_split);
+  float acc[kRM][kTN][4];
+  run_cta<F>(jb, smem, acc);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  float* out = a.splits > 1 ? a.out + int64_t(blockIdx.z) * a.m * a.n : a.out;
+  const int64_t ld = a.splits > 1 ? a.n : a.ldo;
+#pragma unroll
+  for (int i = 0; i < kRM; ++i)
+#pragma unroll
+    for (int j = 0; j < kTN; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int64_t row = n0 + warp_row<F>(false, warp, i) + g + 8 * (q >> 1);
+        const int64_t tok = t0 + j * 8 + 2 * t + (q & 1);
+        if (row < a.n && tok < a.m) out[tok * ld + row] = acc[i][j][q];
+      }
+}
+
+// out[m, n] = sum over s (ascending) of part[s, m, n].
+__global__ void reduce_kernel(const float* part, int splits, int64_t m, int64_t n, float* out,
+                              int64_t ldo) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= m * n) return;
+  float s = part[i];
+  for (int p = 1; p < splits; ++p) s += part[int64_t(p) * m * n + i];
+  out[(i / n) * ldo + i % n] = s;
+}
+
+// xb[r, k] = bf16(x[r, k]) for k < K, 0 up to kp.
+__global__ void to_bf16_kernel(const float* x, int64_t ldx, int64_t K, int kp, __nv_bfloat16* xb) {
+  const int64_t r = blockIdx.y;
+  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < kp;
+       k += int64_t(gridDim.x) * blockDim.x)
+    xb[r * kp + k] = __float2bfloat16_rn(k < K ? x[r * ldx + k] : 0.0f);
+}
+
+template <WqFormat F>
+void launch_dense(const DenseArgs& a, cudaStream_t stream) {
+  static const bool ready = [] {  // once per process (same smem need on every device)
+    check_cuda(cudaFuncSetAttribute(dense_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(kSmem<F>)),
+               "wq gemm smem limit");
+    return true;
+  }();
+  (void)ready;
+  const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, kBT), unsigned(a.splits));
+  DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x");
+  dense_kernel<F><<<grid, kThreads, kSmem<F>, stream>>>(a);
+  check_cuda(cudaGetLastError(), "wq gemm launch");
+}
+
+int ctas_per_sm(WqFormat f) {
+  return f == WqFormat::W4A16 ? 2 : 1;
+}
+
+}  // namespace
+
+int wq_splits(int64_t n, int64_t k, int sm_count) {
+  const int64_t blocks = (n + kBN - 1) / kBN, groups = (k + kGroup - 1) / kGroup;
+  const int64_t want = (2 * int64_t(std::max(sm_count, 1)) + blocks - 1) / blocks;
+  const int64_t s =
+      std::clamp<int64_t>(want, 1, std::min<int64_t>(16, std::max<int64_t>(1, groups / 2)));
+  const int64_t per = (groups + s - 1) / s;
+  return int((groups + per - 1) / per);  // no empty split
+}
+
+void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
+               const TensorView& out) {
+  DS_CHECK(wq_dtype(w.dtype) && w.ndim == 2, "wq matmul: a 2-D W4A16 / FP8W weight");
+  const bool w4 = w.dtype == DType::W4A16;
+  const int64_t M = x.rows(), N = w.rows(), K = w.cols();
+  DS_CHECK(x.cols() == K && out.cols() == N && out.rows() == M,
+           "matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " + out.shape_str());
+  if (w4 && K % w4a16::kGroup != 0)
+    throw UnsupportedError("cuda W4A16 matmul: K = " + std::to_string(K) +
+                           " is not a multiple of 128");
+  DS_CHECK(w.row_stride() == (w4 ? w4a16::row_stride(K) : fp8w::row_stride(K)) &&
+               reinterpret_cast<uintptr_t>(w.data) % 16 == 0,
+           "wq matmul: weight rows must be packed and 16-byte aligned");
+  DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "wq matmul: F32 x and out");
+  DS_CHECK(rows_uniform(x) && rows_uniform(out), "wq matmul: rows must be evenly spaced");
+  DS_CHECK(x.stride[x.ndim - 1] == 4 && out.stride[out.ndim - 1] == 4, "wq matmul: dense rows");
+  if (M == 0 || N == 0) return;
+  DS_CHECK(K > 0 && K < (int64_t(1) << 30), "wq matmul: K out of range");
+  const WqFormat f = w4 ? WqFormat::W4A16 : WqFormat::FP8W;
+  DenseArgs a;
+  a.w = static_cast<const uint8_t*>(w.data);
+  a.w_stride = w.row_stride();
+  a.n = N;
+  a.k = K;
+  a.m = M;
+  a.kp = int((K + 7) / 8 * 8);
+  a.splits = M <= kWqSplitMaxM ? wq_splits(N, K, ctx.sm_count * ctas_per_sm(f)) : 1;
+  const int64_t groups = (K + kGroup - 1) / kGroup;
+  a.groups_per_split = int((groups + a.splits - 1) / a.splits);
+  const size_t xb_bytes = (size_t(M) * size_t(a.kp) * 2 + 255) / 256 * 256;
+  const size_t part_bytes = a.splits > 1 ? size_t(a.splits) * size_t(M * N) * 4 : 0;
+  auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMatmul, xb_bytes + part_bytes));
+  auto* xb = reinterpret_cast<__nv_bfloat16*>(base);
+  const int64_t ldx = M > 1 ? x.row_stride() / 4 : K;
+  to_bf16_kernel<<<dim3(ceil_div(a.kp, 256 * 4), unsigned(M)), 256, 0, ctx.stream>>>(
+      x.ptr<float>(), ldx, K, a.kp, xb);
+  check_cuda(cudaGetLastError(), "wq gemm convert");
+  a.xb = xb;
+  a.out = a.splits > 1 ? reinterpret_cast<float*>(base + xb_bytes) : out.ptr<float>();
+  a.ldo = M > 1 ? out.row_stride() / 4 : N;
+  if (f == WqFormat::W4A16)
+    launch_dense<WqFormat::W4A16>(a, ctx.stream);
+  else
+    launch_dense<WqFormat::FP8W>(a, ctx.stream);
+  if (a.splits > 1) {
+    reduce_kernel<<<ceil_div(M * N, 256), 256, 0, ctx.stream>>>(a.out, a.splits, M, N,
+                                                                out.ptr<float>(), a.ldo);
+    check_cuda(cudaGetLastError(), "wq gemm reduce");
+  }
+}
+
+// ---- MoE experts -----------------------------------------------------------------------------
+namespace moe {
+namespace {
+
+struct Tile {
+  int e, begin, rows;  // e < 0: no tile in this slot
+};
+__device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
+  if (slot >= *l.n_tiles) return {-1, 0, 0};
+  const int e = l.tile_expert[slot];
+  const int begin = l.tile_begin[slot];
+  return {e, begin, min(kTileM, l.offsets[e + 1] - begin)};
+}
+
+// Grid (ceil(F / 64), tiles): h[p, f] = bf16(silu(gate_f . x_p) * (up_f . x_p)).
+template <WqFormat F>
+__global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const Tile tl = tile_of(a.lists, blockIdx.y);
+  if (tl.e < 0) return;
+  const ExpertPtrs ex = a.experts[tl.e];
+  const int H = a.hidden, Fi = a.inter, f0 = blockIdx.x * (kBN / 2);
+  CtaJob jb;
+  jb.w0 = static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * ex.gate_ld;
+  jb.w1 = static_cast<const uint8_t*>(ex.up) + int64_t(f0) * ex.up_ld;
+  jb.w_stride = ex.gate_ld;
+  jb.rows = min(kBN / 2, Fi - f0);
+  jb.x = static_cast<const __nv_bfloat16*>(a.xa) + int64_t(tl.begin) * H;
+  jb.ldx = H;
+  jb.kp = H;
+  jb.tokens = tl.rows;
+  jb.K = H;
+  jb.g_begin = 0;
+  jb.g_end = (H + kGroup - 1) / kGroup;
+  float acc[kRM][kTN][4];
+  run_cta<F>(jb, smem, acc);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  auto* h = static_cast<__nv_bfloat16*>(a.h);
+#pragma unroll
+  for (int j = 0; j < kTN; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int f = f0 + warp * 16 + g + 8 * (q >> 1), tok = j * 8 + 2 * t + (q & 1);
+      if (f >= Fi || tok >= tl.rows) continue;
+      const float gv = acc[0][j][q], uv = acc[1][j][q];
+      h[int64_t(tl.begin + tok) * Fi + f] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv);
+    }
+}
+
+// Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p.
+template <WqFormat F>
+__global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const Tile tl = tile_of(a.lists, blockIdx.y);
+  if (tl.e < 0) return;
+  const ExpertPtrs ex = a.experts[tl.e];
+  const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
+  CtaJob jb;
+  jb.w0 = static_cast<const uint8_t*>(ex.down) + int64_t(n0) * ex.down_ld;
+  jb.w1 = nullptr;
+  jb.w_stride = ex.down_ld;
+  jb.rows = min(kBN, H - n0);
+  jb.x = static_cast<const __nv_bfloat16*>(a.h) + int64_t(tl.begin) * Fi;
+  jb.ldx = Fi;
+  jb.kp = Fi;
+  jb.tokens = tl.rows;
+  jb.K = Fi;
+  jb.g_begin = 0;
+  jb.g_end = (Fi + kGroup - 1) / kGroup;
+  float acc[kRM][kTN][4];
+  run_cta<F>(jb, smem, acc);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < kRM; ++i)
+#pragma unroll
+    for (int j = 0; j < kTN; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int row = n0 + warp_row<F>(false, warp, i) + g + 8 * (q >> 1);
+        const int tok = j * 8 + 2 * t + (q & 1);
+        if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = acc[i][j][q];
+      }
+}
+
+template <WqFormat F>
+void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
+  static const bool ready = [] {
+    const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    check_cuda(cudaFuncSetAttribute(gate_up_kernel<F>, attr, int(kSmem<F>)), "wq moe smem");
+    check_cuda(cudaFuncSetAttribute(down_kernel<F>, attr, int(kSmem<F>)), "wq moe smem");
+    return true;
+  }();
+  (void)ready;
+  const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
+  gate_up_kernel<F><<<dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads, kSmem<F>, stream>>>(a);
+  check_cuda(cudaGetLastError(), "wq moe gate/up");
+  down_kernel<F><<<dim3(ceil_div(a.hidden, kBN), tiles), kThreads, kSmem<F>, stream>>>(a);
+  check_cuda(cudaGetLastError(), "wq moe down");
+}
+
+}  // namespace
+
+void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
+  const int64_t n = a.num_tokens * a.top_k;
+  if (a.hidden % 8 != 0 || a.inter % 8 != 0)
+    throw UnsupportedError("cuda moe_ffn: quantized experts need hidden and F multiples of 8");
+  if (n == 0) return;
+  launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts, n,
+                     a.hidden, a.xa, stream);
+  if (dtype == DType::W4A16)
+    launch_ffn<WqFormat::W4A16>(a, stream);
+  else
+    launch_ffn<WqFormat::FP8W>(a, stream);
+}
+
+}  // namespace moe
+}  // namespace ds::cuda

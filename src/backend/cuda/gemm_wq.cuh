@@ -1,0 +1,36 @@
+// Tensor-core GEMMs for quantized weights (W4A16: backend/w4a16.h, FP8W: backend/fp8w.h),
+// dense (Backend::matmul) and over the MoE token lists (moe.cuh). Weights are the mma's A
+// operand (16 weight rows per m16 block), tokens the B operand (8 per n8 block), so a decode
+// step with a few tokens wastes no weight bytes. Packed weight tiles move global -> shared
+// with cp.async, are dequantized in registers (int4 / e4m3 -> exact BF16 codes) and multiplied
+// with BF16 activations (mma.sync m16n8k16, F32 accumulators); each 128-group's sum is scaled
+// once (out += scale * sum), so the only rounding beyond F32 sums is the activations' BF16.
+// Deterministic; a token's output depends on its own row only for a fixed split count.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/context.cuh"
+#include "core/tensor.h"
+
+namespace ds::cuda {
+
+enum class WqFormat : uint8_t { W4A16, FP8W };
+
+// Whether Backend::matmul / moe_ffn take weights of this dtype through the kernels here.
+inline bool wq_dtype(DType t) {
+  return t == DType::W4A16 || t == DType::FP8W;
+}
+
+// out = x . w^T for F32 x [M, K], quantized w [N, K], F32 out [M, N]. Uses the matmul scratch
+// slot for BF16 activations and (M <= kWqSplitMaxM) split-K partial sums.
+void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& out);
+
+// Split-K (chosen from N, K and the SM count alone, so batch-invariant) only up to this M:
+// above it one pass over K, so a token's bits can differ between M <= 64 and M > 64.
+constexpr int64_t kWqSplitMaxM = 64;
+int wq_splits(int64_t n, int64_t k, int sm_count);
+
+}  // namespace ds::cuda

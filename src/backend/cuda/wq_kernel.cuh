@@ -1,0 +1,268 @@
+// The tensor-core kernel behind gemm_wq.cuh (dense) and moe_wq.cu (experts); device code only.
+//
+// A CTA (4 warps) owns kBN = 128 weight rows (gate + up: 64 rows of each) and up to kBT = 64
+// tokens, and walks K one 128-group per pipeline stage (kStages deep, cp.async). Warp w holds
+// row blocks of 16; lane (g = lane / 4, t = lane % 4) of a group reads 16-byte chunk t of its
+// rows (real k 32t .. 32t + 31) and, for k32 step p, feeds real k 32t + 8p .. + 7 into two
+// mmas. The token side uses the same permutation of k, so the products are the true ones.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "backend/cuda/gemm_wq.cuh"
+#include "backend/cuda/mma_ptx.cuh"
+#include "backend/fp8w.h"
+#include "backend/w4a16.h"
+
+namespace ds::cuda::wqk {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = 4;
+constexpr int kBN = 128;  // weight rows per CTA
+constexpr int kRM = 2;    // 16-row blocks per warp
+constexpr int kBT = 64;   // tokens per CTA
+constexpr int kTN = kBT / 8;
+constexpr int kStages = 4;
+constexpr int kGroup = 128;
+constexpr int kTokRow = kGroup * 2;  // staged bytes per token row (BF16)
+
+template <WqFormat F>
+struct Fmt;
+template <>
+struct Fmt<WqFormat::W4A16> {
+  static constexpr int kRowBytes = 64;  // codes of one group
+  static __device__ __forceinline__ int64_t code_off(int64_t g) { return g * 64; }
+  static __device__ __forceinline__ int64_t code_limit(int64_t K) { return K / 2; }
+  // The 4-byte word holding group g's BF16 scale (group pairs share one; in-bounds by padding).
+  static __device__ __forceinline__ int64_t scale_off(int64_t K, int64_t g) {
+    return K / 2 + 4 * (g / 2);
+  }
+  static __device__ __forceinline__ float scale(uint32_t word, int64_t g) {
+    return __uint_as_float(((g & 1) ? (word >> 16) : (word & 0xffffu)) << 16);
+  }
+};
+template <>
+struct Fmt<WqFormat::FP8W> {
+  static constexpr int kRowBytes = 128;
+  static __device__ __forceinline__ int64_t code_off(int64_t g) { return g * 128; }
+  static __device__ __forceinline__ int64_t code_limit(int64_t K) { return fp8w::code_bytes(K); }
+  static __device__ __forceinline__ int64_t scale_off(int64_t K, int64_t g) {
+    return fp8w::code_bytes(K) + 4 * g;
+  }
+  static __device__ __forceinline__ float scale(uint32_t word, int64_t) {
+    return __uint_as_float(word);
+  }
+};
+
+template <WqFormat F>
+constexpr uint32_t kStageA = uint32_t(kBN) * Fmt<F>::kRowBytes;
+constexpr uint32_t kStageS = uint32_t(kBN) * 4;
+constexpr uint32_t kStageB = uint32_t(kBT) * kTokRow;
+template <WqFormat F>
+constexpr uint32_t kStageBytes = kStageA<F> + kStageS + kStageB;
+template <WqFormat F>
+constexpr size_t kSmem = size_t(kStages) * kStageBytes<F>;
+
+// Physical 16-byte chunk of weight-row chunk c (FP8W rows are 8 chunks: flip by row parity so
+// the two rows one ldmatrix-free phase reads sit in different banks).
+template <WqFormat F>
+__device__ __forceinline__ int a_chunk(int r, int c) {
+  return F == WqFormat::FP8W ? (c ^ (r & 1)) : c;
+}
+// Token rows are 16 chunks; lanes (g, t) of step p read chunk 4t + p of row g.
+__device__ __forceinline__ int b_chunk(int r, int c) {
+  return c ^ (((c >> 3) & 1) << 1) ^ (r & 1);
+}
+
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+
+// Eight int4 codes (k order, low nibble first) -> four BF16x2 of (code - 8), exact.
+__device__ __forceinline__ void dequant8_w4(uint32_t w, uint32_t (&o)[4]) {
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t v = w >> (8 * q);
+    const uint32_t x = (v & 0xfu) | ((v & 0xf0u) << 12) | 0x43004300u;  // bf16 128 + code
+    __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&x);
+    h = __hsub2(h, bias);
+    o[q] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+// Eight e4m3 codes (two words, k order) -> four BF16x2, exact (e4m3 fits f16 and bf16).
+__device__ __forceinline__ void dequant8_f8(uint32_t lo, uint32_t hi, uint32_t (&o)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t w = q < 2 ? lo : hi;
+    const auto pair = static_cast<__nv_fp8x2_storage_t>((w >> (16 * (q & 1))) & 0xffffu);
+    const __half2 h(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
+    const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(h));
+    o[q] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+}
+
+// What a CTA works on: weight rows (A) and token rows (B, BF16, ld elements, k >= kp zero).
+struct CtaJob {
+  const uint8_t* w0;  // rows [0, rows0) of the first matrix
+  const uint8_t* w1;  // gate/up: up's rows (CTA rows kBN/2..), else nullptr
+  int64_t w_stride;   // bytes
+  int rows;           // valid rows in each matrix from the CTA's first
+  const __nv_bfloat16* x;
+  int64_t ldx;
+  int kp;      // valid (padded) activation columns
+  int tokens;  // valid tokens (<= kBT)
+  int64_t K;   // weight columns
+  int g_begin, g_end;
+};
+
+// Accumulates acc[i][j][*] (row block i of the warp, token block j) for one CtaJob. Rows of the
+// CTA: gate/up (w1 != nullptr) puts 64 rows of w0 then 64 of w1, and warp w's block i is rows
+// (i * 64 + w * 16) so both live in the same thread; otherwise warp w owns rows w * 32 + 16 i.
+template <WqFormat F>
+__device__ __forceinline__ int warp_row(bool gate_up, int warp, int i) {
+  return gate_up ? i * (kBN / 2) + warp * 16 : warp * 32 + i * 16;
+}
+
+template <WqFormat F>
+__device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][kTN][4]) {
+  using Fm = Fmt<F>;
+  constexpr int kCa = Fm::kRowBytes / 16;  // weight chunks per row and group
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const bool gate_up = jb.w1 != nullptr;
+  const uint32_t s0 = ptx::smem_u32(smem);
+  const int64_t climit = Fm::code_limit(jb.K);
+  auto load = [&](int stage, int kt) {
+    const int64_t gi = jb.g_begin + kt;
+    const uint32_t sa = s0 + stage * kStageBytes<F>, ss = sa + kStageA<F>, sb = ss + kStageS;
+    for (int i = tid; i < kBN * kCa; i += kThreads) {
+      const int r = i / kCa, c = i % kCa;
+      const int rr = gate_up ? r % (kBN / 2) : r;
+      const uint8_t* base = gate_up && r >= kBN / 2 ? jb.w1 : jb.w0;
+      const int64_t off = Fm::code_off(gi) + 16 * c;
+      const bool ok = rr < jb.rows && off < climit;
+      const uint8_t* src = ok ? base + rr * jb.w_stride + off : base;
+      ptx::cp_async16(sa + r * Fm::kRowBytes + a_chunk<F>(r, c) * 16, src, ok);
+    }
+    for (int r = tid; r < kBN; r += kThreads) {
+      const int rr = gate_up ? r % (kBN / 2) : r;
+      const uint8_t* base = gate_up && r >= kBN / 2 ? jb.w1 : jb.w0;
+      const bool ok = rr < jb.rows;
+      cp_async4(ss + r * 4, ok ? base + rr * jb.w_stride + Fm::scale_off(jb.K, gi) : base, ok);
+    }
+    for (int i = tid; i < jb.tokens * 16; i += kThreads) {
+      const int r = i / 16, c = i % 16;
+      const int64_t k = gi * kGroup + 8 * c;
+      const bool ok = k < jb.kp;
+      const __nv_bfloat16* src = ok ? jb.x + r * jb.ldx + k : jb.x;
+      ptx::cp_async16(sb + r * kTokRow + b_chunk(r, c) * 16, src, ok);
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < kRM; ++i)
+#pragma unroll
+    for (int j = 0; j < kTN; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+  const int KT = jb.g_end - jb.g_begin;
+  const int tn = (jb.tokens + 7) / 8;  // token blocks with work
+#pragma unroll 1
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) load(s, s);
+    ptx::cp_async_commit();
+  }
+#pragma unroll 1
+  for (int kt = 0; kt < KT; ++kt) {
+    ptx::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    ptx::cp_async_commit();
+    const int stage = kt % kStages;
+    const uint8_t* sa = smem + stage * kStageBytes<F>;
+    const auto* ss = reinterpret_cast<const uint32_t*>(sa + kStageA<F>);
+    const uint8_t* sb = sa + kStageA<F> + kStageS;
+    const int64_t gi = jb.g_begin + kt;
+    // Raw codes of rows (block i, half h: row g + 8h): W4 one chunk, FP8 two.
+    uint4 raw[kRM][2][F == WqFormat::FP8W ? 2 : 1];
+    float sc[kRM][2];
+#pragma unroll
+    for (int i = 0; i < kRM; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_row<F>(gate_up, warp, i) + g + 8 * h;
+        if constexpr (F == WqFormat::FP8W) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            raw[i][h][c] = *reinterpret_cast<const uint4*>(sa + r * Fm::kRowBytes +
+                                                           a_chunk<F>(r, 2 * t + c) * 16);
+        } else {
+          raw[i][h][0] =
+              *reinterpret_cast<const uint4*>(sa + r * Fm::kRowBytes + a_chunk<F>(r, t) * 16);
+        }
+        sc[i][h] = Fm::scale(ss[r], gi);
+      }
+    float part[kRM][kTN][4];  // this group's sums; token blocks >= tn stay untouched
+#pragma unroll
+    for (int i = 0; i < kRM; ++i)
+#pragma unroll
+      for (int j = 0; j < kTN; ++j)
+        if (j < tn) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) part[i][j][q] = 0.0f;
+        }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      uint32_t a[kRM][2][4];  // [block][mma of the pair][fragment]
+#pragma unroll
+      for (int i = 0; i < kRM; ++i) {
+        uint32_t d[2][4];  // rows g and g + 8: real k 32t + 8p + 2q, + 1 in d[h][q]
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (F == WqFormat::FP8W) {
+            const uint4 v = raw[i][h][p / 2];
+            dequant8_f8((p & 1) ? v.z : v.x, (p & 1) ? v.w : v.y, d[h]);
+          } else {
+            const uint4 v = raw[i][h][0];
+            dequant8_w4(p == 0 ? v.x : p == 1 ? v.y : p == 2 ? v.z : v.w, d[h]);
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          a[i][m][0] = d[0][2 * m];
+          a[i][m][1] = d[1][2 * m];
+          a[i][m][2] = d[0][2 * m + 1];
+          a[i][m][3] = d[1][2 * m + 1];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) {
+        if (j >= tn) break;
+        const int r = j * 8 + g;
+        const uint4 b =
+            *reinterpret_cast<const uint4*>(sb + r * kTokRow + b_chunk(r, 4 * t + p) * 16);
+#pragma unroll
+        for (int i = 0; i < kRM; ++i) {
+          ptx::mma_bf16(part[i][j], a[i][0], b.x, b.y);
+          ptx::mma_bf16(part[i][j], a[i][1], b.z, b.w);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRM; ++i)
+#pragma unroll
+      for (int j = 0; j < kTN; ++j)
+        if (j < tn) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            acc[i][j][q] = fmaf(part[i][j][q], sc[i][q >> 1], acc[i][j][q]);
+        }
+  }
+  ptx::cp_async_wait<0>();
+}
+
+}  // namespace ds::cuda::wqk

@@ -1,0 +1,238 @@
+// The tensor-core kernels for quantized weights (gemm_wq.cu), W4A16 and FP8W, against a
+// dequantize-then-double reference on the host: the dense matmul over awkward M / N / K
+// (N not a multiple of the 128-row tile, odd group counts, FP8W K not a multiple of 16,
+// strided rows), its batch invariance over the decode range, and the MoE experts with top-6,
+// shared experts, an expert without tokens and one with more tokens than a tile.
+// Tolerances: the kernels round activations (and the MoE's SiLU * up) to BF16, so the sharp
+// check uses a reference with the same BF16 inputs (1e-4 of the row's sum of |w * x|), and
+// the loose one the F32 inputs (2^-8 of it: a BF16 rounding is at most 2^-9 relative).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/gemm_wq.cuh"
+#include "wq_test_util.h"
+
+namespace ds {
+namespace {
+
+using test::cuda_backend;
+
+const char* fmt_name(DType t) {
+  return t == DType::W4A16 ? "W4A16" : "FP8W";
+}
+
+// out [M, N] (row stride ldo floats) of x [M, K] (row stride ldx) times w on the GPU.
+std::vector<float> gpu_matmul(const TensorView& w, const std::vector<float>& x, int64_t M,
+                              int64_t K, int64_t ldx, int64_t N, int64_t ldo) {
+  Backend& be = cuda_backend();
+  auto xd = be.alloc(size_t(M * ldx) * 4), od = be.alloc(size_t(M * ldo) * 4);
+  be.upload(test::make_view(xd->data(), DType::F32, {M * ldx}, be.device()), x.data(),
+            size_t(M * ldx) * 4);
+  TensorView xv = test::make_view(xd->data(), DType::F32, {M, K}, be.device());
+  xv.stride[0] = ldx * 4;
+  TensorView ov = test::make_view(od->data(), DType::F32, {M, N}, be.device());
+  ov.stride[0] = ldo * 4;
+  be.matmul(xv, w, ov);
+  std::vector<float> out(size_t(M * ldo));
+  be.synchronize();
+  be.download(out.data(), test::make_view(od->data(), DType::F32, {M * ldo}, be.device()),
+              out.size() * 4);
+  return out;
+}
+
+TEST(CudaWq, MatmulMatchesTheDequantizedProduct) {
+  DS_REQUIRE_GPU();
+  for (DType t : {DType::W4A16, DType::FP8W}) {
+    std::vector<int64_t> ks = {128, 384, 5120};
+    if (t == DType::FP8W) ks = {100, 384, 1408, 5120};
+    for (int64_t K : ks) {
+      for (int64_t N : {1, 200, 1000}) {
+        const test::QWeight w =
+            test::make_qweight(cuda_backend(), t, N, K, uint32_t(K * 7 + N + int(t)));
+        for (int64_t M : {1, 3, 8, 17, 64, 200, 1000}) {
+          if (M * N * K > int64_t(70) << 20) continue;  // keep the host reference quick
+          const int64_t ldx = K + 4, ldo = N + 3;       // strided rows
+          const auto x = test::random_floats(size_t(M * ldx), uint32_t(M + K + N));
+          const auto out = gpu_matmul(w.dev, x, M, K, ldx, N, ldo);
+          int bad = 0;
+          for (int64_t m = 0; m < M && bad < 5; ++m) {
+            std::vector<double> xb(static_cast<size_t>(K));
+            for (int64_t k = 0; k < K; ++k)
+              xb[size_t(k)] = test::bf16_round(x[size_t(m * ldx + k)]);
+            for (int64_t n = 0; n < N && bad < 5; ++n) {
+              const float* wr = w.deq.data() + n * K;
+              double s = 0, s32 = 0, mag = 0;
+              for (int64_t k = 0; k < K; ++k) {
+                s += double(wr[k]) * xb[size_t(k)];
+                s32 += double(wr[k]) * x[size_t(m * ldx + k)];
+                mag += std::fabs(double(wr[k]) * x[size_t(m * ldx + k)]);
+              }
+              const double got = out[size_t(m * ldo + n)];
+              if (std::fabs(got - s) > 1e-4 * mag + 1e-6 ||
+                  std::fabs(got - s32) > mag / 256 + 1e-6) {
+                ADD_FAILURE() << fmt_name(t) << " M " << M << " N " << N << " K " << K << " at ("
+                              << m << ", " << n << "): " << got << " vs " << s << " (F32 x " << s32
+                              << ", magnitude " << mag << ")";
+                ++bad;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// A token's output is the same bits alone and in any batch of the decode range (M <= 64,
+// where the split count depends on N and K only).
+TEST(CudaWq, MatmulIsBatchInvariantUpTo64Rows) {
+  DS_REQUIRE_GPU();
+  for (DType t : {DType::W4A16, DType::FP8W}) {
+    const int64_t K = 5120, N = 1000;
+    const test::QWeight w = test::make_qweight(cuda_backend(), t, N, K, 77, false);
+    const auto x = test::random_floats(size_t(64 * K), 78);
+    const auto batch = gpu_matmul(w.dev, x, 64, K, K, N, N);
+    for (int64_t m : {0, 5, 63}) {
+      const std::vector<float> one(x.begin() + m * K, x.begin() + (m + 1) * K);
+      const auto alone = gpu_matmul(w.dev, one, 1, K, K, N, N);
+      for (int64_t M : {int64_t(8), m + 1}) {
+        const auto part = gpu_matmul(w.dev, x, M, K, K, N, N);
+        if (m < M) {
+          EXPECT_EQ(0, std::memcmp(part.data() + m * N, alone.data(), size_t(N) * 4))
+              << fmt_name(t) << " row " << m << " in a batch of " << M;
+        }
+      }
+      EXPECT_EQ(0, std::memcmp(batch.data() + m * N, alone.data(), size_t(N) * 4))
+          << fmt_name(t) << " row " << m << " in a batch of 64";
+    }
+  }
+}
+
+TEST(CudaWq, MatmulRejectsW4a16KThatIsNotWholeGroups) {
+  EXPECT_THROW(w4a16_view(nullptr, 4, 200), UnsupportedError);
+}
+
+// ---- MoE ---------------------------------------------------------------------------------
+
+struct QExperts {
+  std::vector<test::QWeight> mats;  // gate, up, down per expert
+  std::vector<ExpertWeights> dev;
+};
+
+QExperts make_experts(DType t, int E, int64_t H, int64_t F) {
+  QExperts q;
+  for (int e = 0; e < E; ++e)
+    for (int i = 0; i < 3; ++i)
+      q.mats.push_back(
+          i < 2 ? test::make_qweight(cuda_backend(), t, F, H, uint32_t(100 + 3 * e + i))
+                : test::make_qweight(cuda_backend(), t, H, F, uint32_t(100 + 3 * e + i)));
+  for (int e = 0; e < E; ++e) {
+    const test::QWeight* m = &q.mats[size_t(3 * e)];
+    q.dev.push_back({m[0].dev, m[1].dev, m[2].dev});
+  }
+  return q;
+}
+
+// y = down . bf16(silu(gate . x) * (up . x)) for one expert, with x already BF16-rounded; mag
+// gets sum_n-wise |down| . |h| (the scale of each output's rounding).
+void expert_ref(const QExperts& q, int e, const std::vector<double>& x, int64_t H, int64_t F,
+                std::vector<double>& y, std::vector<double>& mag) {
+  const test::QWeight& g = q.mats[size_t(3 * e)];
+  const test::QWeight& u = q.mats[size_t(3 * e + 1)];
+  const test::QWeight& d = q.mats[size_t(3 * e + 2)];
+  std::vector<double> h(static_cast<size_t>(F));
+  for (int64_t f = 0; f < F; ++f) {
+    double gv = 0, uv = 0;
+    for (int64_t k = 0; k < H; ++k) {
+      gv += double(g.deq[size_t(f * H + k)]) * x[size_t(k)];
+      uv += double(u.deq[size_t(f * H + k)]) * x[size_t(k)];
+    }
+    h[size_t(f)] = test::bf16_round(float(gv / (1.0 + std::exp(-gv)) * uv));
+  }
+  y.assign(size_t(H), 0.0);
+  mag.assign(size_t(H), 0.0);
+  for (int64_t n = 0; n < H; ++n)
+    for (int64_t f = 0; f < F; ++f) {
+      y[size_t(n)] += double(d.deq[size_t(n * F + f)]) * h[size_t(f)];
+      mag[size_t(n)] += std::fabs(double(d.deq[size_t(n * F + f)]) * h[size_t(f)]);
+    }
+}
+
+TEST(CudaWq, MoeFfnMatchesTheDequantizedExperts) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  const int E = 12, k = 6;
+  for (DType t : {DType::W4A16, DType::FP8W}) {
+    // W4A16: 3 and 5 groups; FP8W: DeepSeek-V2-Lite's F = 1408 (11 groups) and H = 264.
+    const int64_t H = t == DType::W4A16 ? 384 : 264, F = t == DType::W4A16 ? 640 : 1408;
+    const QExperts q = make_experts(t, E, H, F);
+    for (int shared : {0, 2}) {
+      for (int64_t T : {1, 3, 8, 17, 64, 150}) {
+        // Slot 0: expert 0 for every token (more than two 64-token tiles at T = 150); the rest
+        // spread over the routed experts except expert 3, which never gets a token.
+        const int routed = E - shared;
+        std::vector<int32_t> ids(size_t(T * k));
+        std::vector<float> wts(size_t(T * k));
+        for (int64_t i = 0; i < T; ++i) {
+          std::vector<int> pick = {0};
+          for (int j = 1; int(pick.size()) < k; ++j) {
+            const int e = int((i * 7 + j) % routed);
+            if (e != 3 && std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+          }
+          for (int j = 0; j < k; ++j) {
+            ids[size_t(i * k + j)] = pick[size_t(j)];
+            wts[size_t(i * k + j)] = 0.3f + 0.1f * float(j) - 0.001f * float(i % 7);
+          }
+        }
+        const auto x = test::random_floats(size_t(T * H), uint32_t(T + 11 * shared));
+        auto xb = test::upload_floats(be, DType::F32, {T, H}, x);
+        auto ib = test::upload_bytes(be, DType::I32, {T, k}, ids.data(), ids.size() * 4);
+        auto wb = test::upload_floats(be, DType::F32, {T, k}, wts);
+        auto ob = test::zeros(be, DType::F32, {T, H});
+        MoeFfnParams p;
+        p.x = xb.view;
+        p.ids = ib.view;
+        p.weights = wb.view;
+        p.experts = q.dev;
+        p.num_shared = shared;
+        p.out = ob.view;
+        be.moe_ffn(p);
+        const auto got = test::download_floats(be, ob);
+        int bad = 0;
+        for (int64_t i = 0; i < T && bad < 5; ++i) {
+          if (T > 17 && i % 5 != 0 && i != T - 1) continue;  // a sample keeps the host quick
+          std::vector<double> xr(static_cast<size_t>(H)), want(size_t(H), 0.0), mag(size_t(H), 0.0),
+              y, ym;
+          for (int64_t c = 0; c < H; ++c) xr[size_t(c)] = test::bf16_round(x[size_t(i * H + c)]);
+          for (int j = 0; j < k + shared; ++j) {
+            const int e = j < k ? ids[size_t(i * k + j)] : E - shared + (j - k);
+            const double wj = j < k ? wts[size_t(i * k + j)] : 1.0;
+            expert_ref(q, e, xr, H, F, y, ym);
+            for (int64_t c = 0; c < H; ++c) {
+              want[size_t(c)] += wj * y[size_t(c)];
+              mag[size_t(c)] += std::fabs(wj) * ym[size_t(c)];
+            }
+          }
+          for (int64_t c = 0; c < H && bad < 5; ++c) {
+            const double g = got[size_t(i * H + c)];
+            // h may round to the other BF16 neighbour: 2^-8 of the magnitude covers it.
+            if (!(std::fabs(g - want[size_t(c)]) <= mag[size_t(c)] / 256 + 1e-6)) {
+              ADD_FAILURE() << fmt_name(t) << " T " << T << " shared " << shared << " token " << i
+                            << " col " << c << ": " << g << " vs " << want[size_t(c)]
+                            << " (magnitude " << mag[size_t(c)] << ")";
+              ++bad;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ds
