@@ -107,7 +107,7 @@ std::vector<double> reference_expanded(const Case& c, const Inputs& in) {
     const int q0 = in.h.query_start[size_t(s)], n = in.h.query_start[size_t(s) + 1] - q0;
     const int ctx = in.h.context_lens[size_t(s)], t = q0 + i;
     const int nk = test::visible_keys(ctx, n, i, c.causal);
-    std::vector<double> sc(size_t(nk)), w(size_t(nk));
+    std::vector<double> sc(static_cast<size_t>(nk)), w(static_cast<size_t>(nk));
     for (size_t hh = 0; hh < H; ++hh) {
       const float* q = &in.q[(size_t(t) * H + hh) * size_t(kQk)];
       double mx = -INFINITY;
