@@ -2,7 +2,7 @@
 # The one GPU job: run on the H200 machine (through the device tool) from the repo root.
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded,
-# bench, http, profile, moebench, gemmbench, hfbase, w5, w1q.
+# bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, long.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -12,9 +12,11 @@
 #   http    deepserve serve on that checkpoint, then bench --url: mixed-idle, mixed, w2, http-1024
 #   profile the same with --profile-ops (eager, per-op times of the steady decode step)
 #   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks
+#   attnbench  MLA prefill attention TFLOP/s (expanded path; 8 x 1024 and 1 x 32768, 16/128 heads)
 #   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
 #   w5      bench/w5.yaml: DeepSeek-V2.5 shapes, dummy W4A16 weights made on the GPU (no files)
 #   w1q     bench/w1q.yaml: W1 on the lite checkpoint quantized to W4A16 at load (needs lite)
+#   long    bench/long.yaml: one 32,768-token prompt, 128 output tokens (TTFT, TPOT; needs lite)
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
@@ -182,7 +184,14 @@ if has_stage moebench; then
   grep -vE "^\[|^$" "$OUT/moe-bench.log" | tail -20
 fi
 
-for w in w5 w1q; do
+if has_stage attnbench; then
+  log "MLA prefill attention micro-benchmark"
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='MlaPrefillBench.*' \
+    >"$OUT/attn-bench.log" 2>&1
+  grep -vE "^\[|^$" "$OUT/attn-bench.log" | tail -20
+fi
+
+for w in w5 w1q long; do
   has_stage $w || continue
   log "bench $w"
   DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \

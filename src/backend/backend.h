@@ -133,6 +133,23 @@ struct MlaAttentionParams {
   bool causal = true;
 };
 
+// The same attention in the expanded form, for prefill: every cached latent c_j of a step's
+// sequences is up-projected per head, [k_nope | v] = kv_b c_j, then plain attention runs with
+// head dims nope + P (keys [k_nope | r_j]) and v:
+//   s_j = scale * (q_nope[t,h] . k_nope[j,h] + q_rope[t,h] . r_j)
+//   out[t,h] = sum_j softmax(s)_j * v[j,h]
+// out is the value-space result (what mla_attention's out times W_uv gives).
+struct MlaPrefillParams {
+  TensorView q_nope;  // [num_tokens, heads, nope] F32
+  TensorView q_rope;  // [num_tokens, heads, P] F32, rotated
+  TensorView kv_b;    // [heads * (nope + v), R]: kv_b_proj, per head nope key rows then v rows
+  TensorView out;     // [num_tokens, heads, v] F32
+  PagedKv cache;      // latent cache, head_dim == R + P
+  int kv_lora_rank = 0;
+  float scale = 1.0f;
+  bool causal = true;
+};
+
 // DeepSeek-V2 MoE routing (MoEGate): scores = softmax(logits) over experts, then top_k.
 // GroupLimitedGreedy first keeps the topk_group groups (experts split into n_group equal
 // consecutive groups) with the highest max score and takes top_k among their experts.
@@ -252,6 +269,13 @@ class Backend {
   // [H, T, d] view. Each (b, m) result depends on that row alone.
   virtual void batched_matmul(const TensorView& x, const TensorView& w, TensorView out) = 0;
   virtual void mla_attention(const MlaAttentionParams& p, const AttentionMeta& meta) = 0;
+  // MLA in the expanded form when the backend has a fast path for this step (prefill-sized
+  // queries): returns true once it has written p.out. False means nothing was done and the
+  // caller runs the absorbed form (mla_attention); the base version always says false, so
+  // the CPU keeps one reference path.
+  virtual bool mla_prefill(const MlaPrefillParams& /*p*/, const AttentionMeta& /*meta*/) {
+    return false;
+  }
   // logits: [T, num_experts] F32 -> ids [T, top_k] I32, weights [T, top_k] F32. Ties go to
   // the lower expert index. The order of the k chosen experts within a row is unspecified.
   virtual void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,

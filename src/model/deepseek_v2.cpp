@@ -311,8 +311,18 @@ class DeepseekV2 final : public Model {
 
     TensorView o = o_->view(DType::F32, {T, H * v});
     TensorView oh = heads_view(o, int(H), int(v));
+    MlaPrefillParams pp;
+    pp.q_nope = q_nope;
+    pp.q_rope = q_pe;
+    pp.kv_b = W.wkv_b;
+    pp.out = oh;
+    pp.cache = cache.layer(l);
+    pp.kv_lora_rank = int(R);
+    pp.scale = cfg_.attn_scale;
     if (opts_.mla_expanded) {
       expanded_attention(l, W, in, cache, qh, oh);
+    } else if (be_.mla_prefill(pp, in.meta)) {
+      // The backend's expanded prefill path wrote oh (value space) directly.
     } else {
       TensorView q_lat = heads_view(q_lat_->view(DType::F32, {T, H * R}), int(H), int(R));
       TensorView o_lat = heads_view(o_lat_->view(DType::F32, {T, H * R}), int(H), int(R));

@@ -24,6 +24,7 @@
 #include "backend/cuda/gemm_w4a16.cuh"
 #include "backend/cuda/kv_store.cuh"
 #include "backend/cuda/memory_pool.h"
+#include "backend/cuda/mla_prefill.cuh"
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/rope.cuh"
@@ -352,6 +353,15 @@ class CudaBackend final : public Backend {
     require(Op::MlaAttention, p.cache.dtype);
     cuda::mla_attention(ctx_, p, meta);
   }
+  bool mla_prefill(const MlaPrefillParams& p, const AttentionMeta& meta) override {
+    if (!cuda::mla_prefill_wanted(p, meta)) return false;
+    if (!logged_mla_prefill_) {
+      log_info("mla: expanded BF16 prefill path (flash attention, mma.sync) for prefill steps");
+      logged_mla_prefill_ = true;
+    }
+    cuda::mla_prefill(ctx_, *gemm_, p, meta);
+    return true;
+  }
   void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
                  TensorView weights) override {
     cuda::moe_route(ctx_, logits, p, ids, weights);
@@ -455,6 +465,7 @@ class CudaBackend final : public Backend {
   cuda::DeviceErrors* errors_dev_ = nullptr;
   std::unique_ptr<Buffer> workspace_;  // cuBLAS's
   std::unique_ptr<cuda::CublasGemm> gemm_;
+  bool logged_mla_prefill_ = false;
   std::vector<std::unique_ptr<Buffer>> scratch_;  // by ScratchSlot
   std::vector<std::pair<RopeParams, std::unique_ptr<Buffer>>> rope_tables_;
   cuda::Context ctx_;
