@@ -176,9 +176,9 @@ struct MoeFfnParams {
 // with logical index i gets mean + std * r(seed, i), r roughly N(0, 1) (w4a16::random_value),
 // rounded through round_as (the dtype a checkpoint would hold), then stored as dst.dtype:
 // F32, F16, BF16, W4A16 or FP8W (quantized per row and group of 128, the same bits as
-// quantizing the values on the host). dst is 1-, 2- or 3-D and contiguous; the logical index of element
-// (a, b, c) of a 3-D dst is a * map[0] + b * map[1] + c * map[2] (all zero: row-major), so a
-// permuted copy of a generated tensor can be generated directly.
+// quantizing the values on the host). dst is 1-, 2- or 3-D and contiguous; the logical index of
+// element (a, b, c) of a 3-D dst is a * map[0] + b * map[1] + c * map[2] (all zero: row-major), so
+// a permuted copy of a generated tensor can be generated directly.
 struct RandomFill {
   uint64_t seed = 0;
   float mean = 0.0f;

@@ -76,7 +76,8 @@ int run_accuracy(const AccuracyOptions& o) {
     } else {  // token ids only: fixed pseudo-random ids below the vocabulary
       for (int p = 0; p < 4; ++p) {
         std::vector<int32_t> ids;
-        for (int j = 0; j < 12; ++j) ids.push_back(int32_t((p * 7919 + j * 104729 + 13) % cfg.vocab));
+        for (int j = 0; j < 12; ++j)
+          ids.push_back(int32_t((p * 7919 + j * 104729 + 13) % cfg.vocab));
         prompts.push_back(ids);
       }
     }

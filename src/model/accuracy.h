@@ -19,8 +19,8 @@ std::vector<int32_t> greedy_sequence(Model& model, Backend& be, const ModelConfi
                                      std::vector<int32_t> prompt, int n, DType kv_dtype);
 
 struct AccuracyStats {
-  int64_t positions = 0;  // rows compared
-  int64_t agree = 0;      // rows whose argmax equals the reference's
+  int64_t positions = 0;    // rows compared
+  int64_t agree = 0;        // rows whose argmax equals the reference's
   double max_abs_diff = 0;  // largest |variant - reference| logit
   double max_rel_diff = 0;  // largest (row's max |diff|) / (row's reference max - min)
   double top1() const { return positions ? double(agree) / double(positions) : 0.0; }

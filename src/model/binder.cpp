@@ -124,8 +124,7 @@ Fp8Checkpoint Fp8Checkpoint::of(const WeightSource& w, const std::string& name,
   Fp8Checkpoint f;
   f.codes = t;
   const int64_t N = t.rows(), K = t.cols();
-  if (!t.is_contiguous())
-    throw UnsupportedError("FP8 tensor '" + name + "' is not contiguous");
+  if (!t.is_contiguous()) throw UnsupportedError("FP8 tensor '" + name + "' is not contiguous");
   if (const auto s = w.find(name + "_scale_inv")) {  // DeepSeek-V3: [ceil(N/128), ceil(K/128)]
     if (s->ndim != 2 || s->shape[0] != (N + 127) / 128 || s->shape[1] != (K + 127) / 128)
       throw UnsupportedError("FP8 tensor '" + name + "': " + name + "_scale_inv has shape " +
@@ -174,9 +173,9 @@ namespace {
 // thousands: one thread each took 203 s.
 template <typename Fn>
 void parallel_rows(int64_t rows, int64_t cols, Fn fn) {
-  const int64_t threads =
-      rows * cols >= (int64_t(1) << 18) ? std::max<int64_t>(1, std::thread::hardware_concurrency())
-                                        : 1;
+  const int64_t threads = rows * cols >= (int64_t(1) << 18)
+                              ? std::max<int64_t>(1, std::thread::hardware_concurrency())
+                              : 1;
   auto from = [&](int64_t r0) {
     for (int64_t r = r0; r < rows; r += threads) fn(r);
   };
@@ -218,8 +217,8 @@ TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t 
   else if (dt == DType::FP8W)
     d = fp8w_view(alloc_placed(fp8w_bytes(rows, cols)), rows, cols, be_.device());
   else
-    d = TensorView::contiguous(alloc_placed(size_t(rows) * dtype_bytes(dt, cols)), dt,
-                               {rows, cols}, be_.device());
+    d = TensorView::contiguous(alloc_placed(size_t(rows) * dtype_bytes(dt, cols)), dt, {rows, cols},
+                               be_.device());
   if (init) {
     be_.fill_random(d, fill_of(*init, t.dtype));
   } else {  // convert the checkpoint's rows on the host, one upload

@@ -36,8 +36,8 @@ struct Fp8Checkpoint {
   int64_t block_rows = 0;  // rows per scale row: 128 (blocks), 1 (per channel), 0 (one scale)
   // Finds the scales beside `name`; throws UnsupportedError naming other layouts.
   static Fp8Checkpoint of(const WeightSource& w, const std::string& name, const TensorView& t);
-  float scale(int64_t n, int64_t group) const;  // of row n, 128-group `group`
-  void row(int64_t n, float* out) const;        // row n dequantized
+  float scale(int64_t n, int64_t group) const;   // of row n, 128-group `group`
+  void row(int64_t n, float* out) const;         // row n dequantized
   void fp8w_row(int64_t n, uint8_t* dst) const;  // row n as an FP8W row, exactly
 };
 

@@ -68,7 +68,8 @@ __global__ void fill_fp8w_kernel(FillArgs a, int64_t groups) {
   for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
        g += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = g / per_row, gi = g % per_row;
-    const int64_t k0 = gi * fp8w::kGroup, n = min<int64_t>(fp8w::kGroup, a.d2 - k0);
+    const int64_t k0 = gi * fp8w::kGroup, rest = a.d2 - k0;
+    const int64_t n = rest < fp8w::kGroup ? rest : int64_t(fp8w::kGroup);
     float x[fp8w::kGroup];
     float amax = 0.0f;
     for (int64_t i = 0; i < n; ++i) {
