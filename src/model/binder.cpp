@@ -13,7 +13,8 @@ namespace ds {
 
 TensorView cols(const TensorView& t, int64_t begin, int64_t n) {
   const DTypeInfo& info = dtype_info(t.dtype);
-  DS_CHECK(info.block_size == 1, "cols: a column range of a block-quantized tensor");
+  DS_CHECK(info.block_size == 1 && t.dtype != DType::FP8W,
+           "cols: a column range of a block-quantized tensor");
   TensorView v = t;
   v.data = static_cast<uint8_t*>(t.data) + begin * info.type_size;
   v.shape[1] = n;
