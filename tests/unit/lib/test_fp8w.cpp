@@ -194,20 +194,28 @@ TEST(FP8W, QuantizeFp8AtLoadAndDummyTrackBf16) {
     l.m = load_model(dir, *l.backend, lo);
     return l;
   };
-  auto q = load(WeightQuant::FP8), f = load(WeightQuant::None);
+  auto q = load(WeightQuant::FP8), w4 = load(WeightQuant::W4A16), f = load(WeightQuant::None);
   const auto& fm = q.m.model->weight_formats();
   ASSERT_TRUE(fm.count("FP8W"));
   const auto& [bytes, params] = fm.at("FP8W");
   EXPECT_GE(double(bytes) / double(params), 1.03);
   EXPECT_LT(double(bytes) / double(params), 1.2);  // small K pads rows
   const std::vector<int32_t> prompt = {5, 17, 300, 42, 99, 7, 250, 11};
-  AccuracyStats s;
-  compare_logits(prefill_logits(*f.m.model, *f.backend, f.m.config, prompt, DType::F32),
-                 prefill_logits(*q.m.model, *q.backend, q.m.config, prompt, DType::F32),
+  const auto ref = prefill_logits(*f.m.model, *f.backend, f.m.config, prompt, DType::F32);
+  AccuracyStats s, s4;
+  compare_logits(ref, prefill_logits(*q.m.model, *q.backend, q.m.config, prompt, DType::F32),
                  f.m.config.vocab, s);
+  compare_logits(ref, prefill_logits(*w4.m.model, *w4.backend, w4.m.config, prompt, DType::F32),
+                 f.m.config.vocab, s4);
+  std::printf("fp8: top1 %.3f max diff %.4f (%.4f of range); w4a16: top1 %.3f, %.4f (%.4f)\n",
+              s.top1(), s.max_abs_diff, s.max_rel_diff, s4.top1(), s4.max_abs_diff,
+              s4.max_rel_diff);
   EXPECT_EQ(s.positions, 8);
   EXPECT_GT(s.max_abs_diff, 1e-5) << "quantization changed nothing?";
-  EXPECT_LT(s.max_rel_diff, 0.1);
+  // 8-bit weights track the reference more closely than 4-bit ones (sharp router: a flipped
+  // expert moves a row by a large part of its range).
+  EXPECT_LT(s.max_rel_diff, s4.max_rel_diff);
+  EXPECT_LT(s.max_rel_diff, 0.3);
   EXPECT_GE(s.top1(), 0.75);
 }
 
