@@ -2,7 +2,7 @@
 # The one GPU job: run on the H200 machine (through the device tool) from the repo root.
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded,
-# bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, long.
+# bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -17,6 +17,9 @@
 #   w5      bench/w5.yaml: DeepSeek-V2.5 shapes, dummy W4A16 weights made on the GPU (no files)
 #   w1q     bench/w1q.yaml: W1 on the lite checkpoint quantized to W4A16 at load (needs lite)
 #   long    bench/long.yaml: one 32,768-token prompt, 128 output tokens (TTFT, TPOT; needs lite)
+#   w1f     bench/w1f.yaml: the same quantized to FP8 (FP8W) at load (needs lite)
+#   accuracy deepserve accuracy (top-1 agreement, largest logit difference vs the model as
+#           stored) on the lite checkpoint (w4a16, fp8, fp8 KV) and on SmolLM2, JSON in $OUT
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
@@ -191,7 +194,7 @@ if has_stage attnbench; then
   grep -vE "^\[|^$" "$OUT/attn-bench.log" | tail -20
 fi
 
-for w in w5 w1q long; do
+for w in w5 w1q w1f long; do
   has_stage $w || continue
   log "bench $w"
   DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
@@ -201,6 +204,26 @@ for w in w5 w1q long; do
   grep -E "^weights:|loaded |error" "$OUT/bench-$w.log" | head -5
   tail -6 "$OUT/bench-$w.log"
 done
+
+if has_stage accuracy; then
+  # fp8 KV only where this build's --kv-cache-dtype accepts it (another change adds it).
+  kv_fp8=()
+  "$BUILD/deepserve" generate --help 2>&1 | grep -A3 -- "--kv-cache-dtype" | grep -q fp8 &&
+    kv_fp8=(--variant kv=fp8 --variant quantize=fp8,kv=fp8)
+  log "accuracy on the lite checkpoint (w4a16, fp8 ${kv_fp8[*]})"
+  "$BUILD/deepserve" accuracy -m "$LITE_DIR" --device cuda --variant quantize=w4a16 \
+    --variant quantize=fp8 "${kv_fp8[@]}" -n 32 -o "$OUT/accuracy-lite.json" \
+    >"$OUT/accuracy-lite.log" 2>&1
+  log "accuracy lite rc=$?"
+  tail -40 "$OUT/accuracy-lite.log"
+  log "accuracy on SmolLM2 (GGUF Q4_1; the default model)"
+  smol_variants=(--variant quantize=fp8)
+  [ ${#kv_fp8[@]} -gt 0 ] && smol_variants+=(--variant kv=fp8)
+  "$BUILD/deepserve" accuracy --device cuda "${smol_variants[@]}" -n 32 \
+    -o "$OUT/accuracy-smollm2.json" >"$OUT/accuracy-smollm2.log" 2>&1
+  log "accuracy smollm2 rc=$?"
+  tail -30 "$OUT/accuracy-smollm2.log"
+fi
 
 if has_stage hfbase; then
   log "HF transformers baseline"

@@ -192,10 +192,10 @@ struct MoeFfnParams {
 // Deterministic pseudo-random contents for dummy weights (--load-format dummy): the element
 // with logical index i gets mean + std * r(seed, i), r roughly N(0, 1) (w4a16::random_value),
 // rounded through round_as (the dtype a checkpoint would hold), then stored as dst.dtype:
-// F32, F16, BF16, or W4A16 (quantized per group of 128, the same bits as quantizing the
-// values on the host). dst is 1-, 2- or 3-D and contiguous; the logical index of element
-// (a, b, c) of a 3-D dst is a * map[0] + b * map[1] + c * map[2] (all zero: row-major), so a
-// permuted copy of a generated tensor can be generated directly.
+// F32, F16, BF16, W4A16 or FP8W (quantized per row and group of 128, the same bits as
+// quantizing the values on the host). dst is 1-, 2- or 3-D and contiguous; the logical index of
+// element (a, b, c) of a 3-D dst is a * map[0] + b * map[1] + c * map[2] (all zero: row-major), so
+// a permuted copy of a generated tensor can be generated directly.
 struct RandomFill {
   uint64_t seed = 0;
   float mean = 0.0f;
@@ -211,6 +211,12 @@ size_t w4a16_bytes(int64_t rows, int64_t cols);
 // and back.
 void quantize_w4a16_row(const float* x, int64_t K, uint8_t* dst);
 void dequantize_w4a16_row(const uint8_t* row, int64_t K, float* out);
+// A [rows, cols] FP8W view (backend/fp8w.h layout, any cols) and the bytes it takes; one row
+// of K floats as an FP8W row of fp8w::row_stride(K) bytes, and back.
+TensorView fp8w_view(void* data, int64_t rows, int64_t cols, Device device = {});
+size_t fp8w_bytes(int64_t rows, int64_t cols);
+void quantize_fp8w_row(const float* x, int64_t K, uint8_t* dst);
+void dequantize_fp8w_row(const uint8_t* row, int64_t K, float* out);
 
 // fill_random's view of dst as [dims[0], dims[1], dims[2]] with the effective index map and
 // the multiplier random_value takes; checks what the op accepts.

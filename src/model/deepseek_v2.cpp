@@ -218,7 +218,8 @@ class DeepseekV2 final : public Model {
     const TensorView g = m.gate_up ? *m.gate_up : m.gate;
     if (g.dtype != t || m.down.dtype != t || (m.gate_up ? false : m.up.dtype != t)) return 0;
     const int64_t esize = int64_t(dtype_info(t).type_size);
-    if (dtype_info(t).block_size != 1 || (F * esize) % 16 != 0) return 0;
+    // FP8W rows end in their scales: a column range is not an FP8W tensor.
+    if (dtype_info(t).block_size != 1 || t == DType::FP8W || (F * esize) % 16 != 0) return 0;
     for (int i = 0; i < n; ++i) {
       ExpertWeights w;
       w.gate = g.slice_rows(i * F, (i + 1) * F);
