@@ -1,4 +1,4 @@
-// GGUF dense GEMM and embedding: one warp per kRows weight rows, one CTA row per pass of kTm
+// GGUF dense GEMM and embedding: one warp per kRows weight rows, one CTA row per pass of TM
 // tokens (gguf_blocks.cuh's lane_dot, then an xor butterfly).
 #include <algorithm>
 #include <string>
@@ -12,44 +12,49 @@ namespace {
 using namespace gguf;
 
 // The warp's sums: lane_dot, then an xor butterfly, so every lane holds every sum.
-template <DType T>
+template <DType T, int TM>
 __device__ __forceinline__ void warp_dot(const uint8_t* const (&rows)[kRows], int64_t K,
-                                         const float* const (&xs)[kTm], int lane,
-                                         float (&v)[kRows * kTm]) {
-  lane_dot<T, kTm>(rows, K, xs, lane, v);
+                                         const float* const (&xs)[TM], int lane,
+                                         float (&v)[kRows * TM]) {
+  lane_dot<T, TM>(rows, K, xs, lane, v);
   DS_UNROLL
-  for (int i = 0; i < kRows * kTm; ++i) {
+  for (int i = 0; i < kRows * TM; ++i) {
     DS_UNROLL
     for (int o = 16; o > 0; o /= 2) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
   }
 }
 
-// v[lane] without indexing the register array at run time.
-__device__ __forceinline__ float pick(const float (&v)[kRows * kTm], int lane) {
+// v[i] without indexing the register array at run time (0 past the end).
+template <int N>
+__device__ __forceinline__ float pick(const float (&v)[N], int i) {
   float r = 0.0f;
   DS_UNROLL
-  for (int k = 0; k < kRows * kTm; ++k)
-    if (k == lane) r = v[k];
+  for (int k = 0; k < N; ++k)
+    if (k == i) r = v[k];
   return r;
 }
 
-template <DType T>
+// TM tokens per pass: 8 in general (kRows * 8 == 32 sums, one per lane), 1 for decode of a
+// single token (fewer registers, more warps in flight).
+template <DType T, int TM>
 __global__ void __launch_bounds__(kThreads) gguf_gemm_kernel(GgufGemmArgs a) {
+  static_assert(kRows * TM <= 32, "one sum per lane at most");
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int64_t row0 = (int64_t(blockIdx.x) * kWarps + warp) * kRows;
   if (row0 >= a.n) return;
   const uint8_t* rows[kRows];
   DS_UNROLL
   for (int r = 0; r < kRows; ++r) rows[r] = a.w + (row0 + r < a.n ? row0 + r : a.n - 1) * a.w_row;
-  const int r = lane / kTm, j = lane % kTm;
-  for (int64_t m0 = int64_t(blockIdx.y) * kTm; m0 < a.m; m0 += int64_t(gridDim.y) * kTm) {
-    const float* xs[kTm];
+  const int r = lane / TM, j = lane % TM;
+  for (int64_t m0 = int64_t(blockIdx.y) * TM; m0 < a.m; m0 += int64_t(gridDim.y) * TM) {
+    const float* xs[TM];
     DS_UNROLL
-    for (int t = 0; t < kTm; ++t) xs[t] = m0 + t < a.m ? a.x + (m0 + t) * a.x_row : nullptr;
-    float v[kRows * kTm];
-    warp_dot<T>(rows, a.k, xs, lane, v);
+    for (int t = 0; t < TM; ++t) xs[t] = m0 + t < a.m ? a.x + (m0 + t) * a.x_row : nullptr;
+    float v[kRows * TM];
+    warp_dot<T, TM>(rows, a.k, xs, lane, v);
     const float out = pick(v, lane);
-    if (row0 + r < a.n && m0 + j < a.m) a.out[(m0 + j) * a.out_row + row0 + r] = out;
+    if (lane < kRows * TM && row0 + r < a.n && m0 + j < a.m)
+      a.out[(m0 + j) * a.out_row + row0 + r] = out;
   }
 }
 
@@ -123,11 +128,15 @@ void launch_gguf_gemm(const GgufGemmArgs& a, cudaStream_t stream) {
   DS_CHECK(a.k > 0 && a.k % dtype_info(a.dtype).block_size == 0,
            "gguf gemm: K must be a whole number of blocks");
   const int64_t per_cta = int64_t(kWarps) * kRows;
+  const int tm = a.m == 1 ? 1 : kTm;
   const dim3 grid(unsigned((a.n + per_cta - 1) / per_cta),
-                  unsigned(std::min<int64_t>((a.m + kTm - 1) / kTm, 65535)));
+                  unsigned(std::min<int64_t>((a.m + tm - 1) / tm, 65535)));
   bool launched = false;
   gguf::dispatch(a.dtype, [&](auto t) {
-    gguf_gemm_kernel<decltype(t)::value><<<grid, kThreads, 0, stream>>>(a);
+    if (tm == 1)
+      gguf_gemm_kernel<decltype(t)::value, 1><<<grid, kThreads, 0, stream>>>(a);
+    else
+      gguf_gemm_kernel<decltype(t)::value, kTm><<<grid, kThreads, 0, stream>>>(a);
     launched = true;
   });
   if (!launched)
