@@ -1,9 +1,9 @@
 // Rewrites a GGUF file with its float weight matrices re-quantized to a GGML block type
 // (quants.cpp's reference quantizers: Q4_0, Q4_1, Q8_0): header and metadata copied byte for
-// byte, tensor infos rewritten, data re-laid out at the file's alignment. Tensors whose rows
-// are not whole blocks, 1-D tensors and the attn_k_b / attn_v_b halves (the binder permutes
-// those element-wise) keep their type, and a block's experts change only if all of them can. For
-// the GPU tests' quantized DeepSeek-V2 fixtures.
+// byte, tensor infos rewritten, data re-laid out at the file's alignment. Kept as they are:
+// tensors whose rows are not whole blocks, 1-D tensors, the routers, the attn_k_b / attn_v_b
+// halves (the binder permutes those element-wise), and a block's experts unless all of them
+// can change. For the GPU tests' quantized DeepSeek-V2 fixtures.
 #pragma once
 
 #include <algorithm>
@@ -107,6 +107,7 @@ inline void requantize_gguf(const std::filesystem::path& src, const std::filesys
     return t.dims.size() >= 2 && t.dims[0] % uint64_t(bs) == 0 &&
            (from == DType::F32 || from == DType::F16 || from == DType::BF16) &&
            t.name.find("attn_k_b") == std::string::npos &&
+           t.name.find("ffn_gate_inp") == std::string::npos &&  // the router: F32 in llama.cpp
            t.name.find("attn_v_b") == std::string::npos;
   };
   // A block's routed and shared experts go to one moe_ffn, which needs one dtype: all or none.
