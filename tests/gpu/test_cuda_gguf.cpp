@@ -136,7 +136,7 @@ std::vector<float> moe_reference(const GgufExperts& ex, int64_t H, int64_t F, in
                                  const std::vector<float>& x, const std::vector<int32_t>& ids,
                                  const std::vector<float>& wts, int64_t T, int k) {
   std::vector<float> out(size_t(T * H), 0.0f);
-  std::vector<double> h(size_t(F));
+  std::vector<double> h(static_cast<size_t>(F));
   auto apply = [&](int e, int64_t t, double weight) {
     for (int64_t f = 0; f < F; ++f) {
       double g = 0, u = 0;

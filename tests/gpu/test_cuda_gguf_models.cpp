@@ -19,6 +19,7 @@
 #include "../hf_fixtures.h"
 #include "gguf_requant.h"
 #include "gpu_models.h"
+#include "gpu_test_util.h"
 
 namespace ds {
 namespace {
