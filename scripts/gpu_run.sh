@@ -216,7 +216,7 @@ if has_stage gguf; then
   fi
   log "GGUF GEMM micro-benchmark"
   "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests \
-    --gtest_filter='GemmBench.DISABLED_GgufDecode:CudaGguf*' >"$OUT/gguf-gemm.log" 2>&1
+    --gtest_filter='GemmBench.DISABLED_GgufDecode:*CudaGguf*' >"$OUT/gguf-gemm.log" 2>&1
   grep -vE "^\[ |^$" "$OUT/gguf-gemm.log" | tail -50
 fi
 
