@@ -98,7 +98,7 @@ TEST_P(CudaGgufDeepseek, RequantizedFixtureMatchesTheCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Types, CudaGgufDeepseek,
                          ::testing::Values(DType::Q8_0, DType::Q4_0, DType::Q4_1),
-                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+                         [](const auto& p) { return std::string(dtype_name(p.param)); });
 
 TEST(CudaGgufModels, SmolLm2Q41MatchesTheCpu) {
   DS_REQUIRE_GPU();
