@@ -79,6 +79,18 @@ TEST(CudaGgufSim, WarpDotMatchesTheDequantizedProduct) {
           EXPECT_NEAR(sum[r * TM + j], want, 1e-5 * mag + 1e-7)
               << dtype_name(t) << " K " << k << " row " << r << " token " << j;
         }
+      // The one-token variant (M = 1 decode) gives the same sums for token 0.
+      float one[g::kRows] = {};
+      const float* x0[1] = {xs[0]};
+      g::dispatch(t, [&](auto tc) {
+        for (int lane = 0; lane < 32; ++lane) {
+          float v[g::kRows];
+          g::lane_dot<decltype(tc)::value, 1>(rows, k, x0, lane, v);
+          for (int i = 0; i < g::kRows; ++i) one[i] += v[i];
+        }
+      });
+      for (int r = 0; r < g::kRows; ++r)
+        EXPECT_FLOAT_EQ(one[r], sum[r * TM]) << dtype_name(t) << " K " << k << " row " << r;
     }
   }
 }
