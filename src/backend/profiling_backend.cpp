@@ -230,6 +230,15 @@ void ProfilingBackend::mla_attention(const MlaAttentionParams& p, const Attentio
   });
 }
 
+bool ProfilingBackend::mla_prefill(const MlaPrefillParams& p, const AttentionMeta& meta) {
+  bool done = false;
+  timed("mla_prefill", "mla_prefill " + dims(p.q_nope) + " " + dt(p.cache.dtype), [&] {
+    note_meta(meta);
+    done = inner_.mla_prefill(p, meta);
+  });
+  return done;
+}
+
 void ProfilingBackend::moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
                                  TensorView weights) {
   timed("moe_route", "moe_route " + dims(logits) + " k=" + std::to_string(p.top_k),

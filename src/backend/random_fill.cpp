@@ -1,8 +1,9 @@
-// Host side of dummy weights and W4A16 quantization: the reference the devices match.
+// Host side of dummy weights and W4A16 / FP8W quantization: the reference the devices match.
 #include <cstring>
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/fp8w.h"
 #include "backend/w4a16.h"
 #include "core/error.h"
 
@@ -21,6 +22,24 @@ size_t w4a16_bytes(int64_t rows, int64_t cols) {
   return size_t(rows) * size_t(w4a16::row_stride(cols));
 }
 
+TensorView fp8w_view(void* data, int64_t rows, int64_t cols, Device device) {
+  TensorView t = TensorView::contiguous(data, DType::FP8W, {rows, cols}, device);
+  t.stride[0] = fp8w::row_stride(cols);
+  return t;
+}
+
+size_t fp8w_bytes(int64_t rows, int64_t cols) {
+  return size_t(rows) * size_t(fp8w::row_stride(cols));
+}
+
+void quantize_fp8w_row(const float* x, int64_t K, uint8_t* dst) {
+  fp8w::quantize_row(x, K, dst);
+}
+
+void dequantize_fp8w_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k) out[k] = fp8w::element(row, K, k);
+}
+
 RandomFillShape random_fill_shape(const TensorView& dst, const RandomFill& p) {
   DS_CHECK(dst.ndim >= 1 && dst.ndim <= 3, "fill_random takes a 1-, 2- or 3-D tensor");
   RandomFillShape s;
@@ -35,9 +54,12 @@ RandomFillShape random_fill_shape(const TensorView& dst, const RandomFill& p) {
   if (dst.dtype == DType::W4A16) {
     DS_CHECK(dst.ndim == 2 && dst.row_stride() == w4a16::row_stride(dst.cols()),
              "fill_random: a W4A16 tensor must be a whole [rows, cols] W4A16 view");
+  } else if (dst.dtype == DType::FP8W) {
+    DS_CHECK(dst.ndim == 2 && dst.row_stride() == fp8w::row_stride(dst.cols()),
+             "fill_random: an FP8W tensor must be a whole [rows, cols] FP8W view");
   } else {
     DS_CHECK(dst.dtype == DType::F32 || dst.dtype == DType::F16 || dst.dtype == DType::BF16,
-             "fill_random fills F32, F16, BF16 or W4A16 tensors");
+             "fill_random fills F32, F16, BF16, W4A16 or FP8W tensors");
     DS_CHECK(dst.is_contiguous(), "fill_random needs a contiguous tensor");
   }
   return s;
@@ -85,6 +107,8 @@ void Backend::fill_random(TensorView dst, const RandomFill& p) {
       uint8_t* out = host.data() + size_t(a * s.dims[1] + b) * row_bytes;
       if (dst.dtype == DType::W4A16) {
         quantize_w4a16_row(vals.data(), C, out);
+      } else if (dst.dtype == DType::FP8W) {
+        quantize_fp8w_row(vals.data(), C, out);
       } else {
         for (int64_t c = 0; c < C; ++c) {
           const float v = vals[size_t(c)];

@@ -274,7 +274,7 @@ BenchSpec parse_bench_spec(const std::string& yaml, const std::string& source,
   }
 
   if (auto v = r.choice({"load_format"}, {"auto", "dummy"})) s.load_format = *v;
-  if (auto v = r.choice({"quantize"}, {"none", "bf16", "w4a16"})) s.quantize = *v;
+  if (auto v = r.choice({"quantize"}, {"none", "bf16", "w4a16", "fp8"})) s.quantize = *v;
   if (auto v = r.choice({"device"}, {"auto", "cpu", "cuda"})) s.device = *v;
   if (auto v = r.number({"gpu_memory_utilization"}, 1e-3, 1)) s.gpu_memory_utilization = *v;
   if (auto v = r.integer({"threads"}, 0, 4096)) s.threads = int(*v);

@@ -52,7 +52,7 @@ struct BenchSpec {
   std::string description;
   std::string model;                 // path after ${VAR} expansion; empty = the embedded default
   std::string load_format = "auto";  // "dummy": random weights from the model's config.json
-  std::string quantize = "none";     // load-time weight format: none or w4a16
+  std::string quantize = "none";     // load-time weight format: none, w4a16 or fp8
 
   // Backend.
   std::string device = "auto";  // cpu, cuda, or auto (cuda when built with it and a GPU is seen)

@@ -68,7 +68,18 @@ struct InspectOptions {
   bool all_metadata = false;
 };
 
+// `deepserve accuracy` (hidden): a model as stored vs the same model in other formats.
+struct AccuracyOptions {
+  ModelOptions model;                 // the reference (its --quantize, usually none)
+  std::string kv_dtype;               // the reference's KV cache dtype ("" = default)
+  std::vector<std::string> variants;  // "quantize=fp8", "quantize=w4a16,kv=fp8", "kv=fp8"
+  std::vector<std::string> prompts;   // text; none: built-in prompts (or ids without tokenizer)
+  int gen_tokens = 32;
+  std::string output;  // JSON file; "" = stdout only
+};
+
 int run_generate(const GenerateOptions& o);
+int run_accuracy(const AccuracyOptions& o);
 int run_chat(const ChatOptions& o);
 int run_inspect(const InspectOptions& o);
 int run_serve(const ServeOptions& o);

@@ -36,9 +36,9 @@ void add_model_options(CLI::App* app, ds::ModelOptions& m) {
       ->check(CLI::IsMember({"auto", "dummy"}))
       ->capture_default_str();
   app->add_option("--quantize", m.quantize,
-                  "weight format of the big matmuls: none (the checkpoint's) or w4a16 (4-bit, "
-                  "group 128, made at load time)")
-      ->check(CLI::IsMember({"none", "bf16", "w4a16"}))
+                  "weight format of the big matmuls: none (the checkpoint's), w4a16 (4-bit, "
+                  "group 128) or fp8 (e4m3, a scale per row and 128-group), made at load time")
+      ->check(CLI::IsMember({"none", "bf16", "w4a16", "fp8"}))
       ->capture_default_str();
 }
 
@@ -203,8 +203,25 @@ int main(int argc, char** argv) {
   i->add_option("--load-format", insp.load_format, "auto or dummy (path: a config.json)")
       ->check(CLI::IsMember({"auto", "dummy"}));
   i->add_option("--quantize", insp.quantize,
-                "also show the formats the weights would be bound in: none or w4a16")
-      ->check(CLI::IsMember({"none", "bf16", "w4a16"}));
+                "also show the formats the weights would be bound in: none, w4a16 or fp8")
+      ->check(CLI::IsMember({"none", "bf16", "w4a16", "fp8"}));
+
+  ds::AccuracyOptions acc;
+  auto* ac = app.add_subcommand("accuracy",
+                                "top-1 agreement and logit differences of weight / KV formats "
+                                "against the model as stored");
+  ac->group("");  // hidden: a measurement tool (issue 14), not a user command
+  add_model_options(ac, acc.model);
+  ac->add_option("--kv-cache-dtype", acc.kv_dtype, "the reference's KV cache dtype");
+  ac->add_option("--variant", acc.variants,
+                 "a variant to compare: quantize=none|w4a16|fp8 and/or kv=DTYPE, comma-separated "
+                 "(repeatable)")
+      ->required();
+  ac->add_option("-p,--prompt", acc.prompts, "prompt text (repeatable; default: built-in)");
+  ac->add_option("-n,--gen-tokens", acc.gen_tokens, "reference greedy tokens per prompt")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  ac->add_option("-o,--output", acc.output, "write the JSON here too");
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -225,6 +242,10 @@ int main(int argc, char** argv) {
       return ds::run_benchmark(bench);
     }
     if (i->parsed()) return ds::run_inspect(insp);
+    if (ac->parsed()) {
+      ds::set_log_level(acc.model.verbose ? ds::LogLevel::Info : ds::LogLevel::Warn);
+      return ds::run_accuracy(acc);
+    }
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "deepserve: error: %s\n", e.what());

@@ -21,7 +21,7 @@ struct ModelOptions {
       device;  // "cpu", "cuda", or ""/"auto": cuda when built with CUDA and a GPU is present
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of free GPU memory the backend reserves
   std::string load_format = "auto";     // "auto" (read the checkpoint) or "dummy" (config only)
-  std::string quantize = "none";        // load-time weight format: none or w4a16
+  std::string quantize = "none";        // load-time weight format: none, w4a16 or fp8
   // Wraps the device backend (e.g. in a ProfilingBackend); the model and engine run on the
   // wrapper. Unset: no wrapper.
   std::function<std::unique_ptr<Backend>(Backend&)> wrap_backend;

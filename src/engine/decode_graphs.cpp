@@ -19,7 +19,7 @@ bool DecodeGraphs::eligible(const StepBatch& b) {
 }
 
 int DecodeGraphs::bucket_for(int n) const {
-  for (int B : {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256})
+  for (int B : {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512})
     if (B >= n) return B <= cfg_.max_batch ? B : 0;
   return 0;
 }

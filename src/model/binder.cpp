@@ -4,6 +4,7 @@
 #include <cstring>
 #include <thread>
 
+#include "backend/fp8w.h"
 #include "backend/w4a16.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -12,7 +13,8 @@ namespace ds {
 
 TensorView cols(const TensorView& t, int64_t begin, int64_t n) {
   const DTypeInfo& info = dtype_info(t.dtype);
-  DS_CHECK(info.block_size == 1, "cols: a column range of a block-quantized tensor");
+  DS_CHECK(info.block_size == 1 && t.dtype != DType::FP8W,
+           "cols: a column range of a block-quantized tensor");
   TensorView v = t;
   v.data = static_cast<uint8_t*>(t.data) + begin * info.type_size;
   v.shape[1] = n;
@@ -65,8 +67,8 @@ float host_element(const TensorView& t, int64_t i) {
 }
 
 void WeightBinder::count(const TensorView& t) {
-  const uint64_t b = t.dtype == DType::W4A16 ? uint64_t(t.rows()) * uint64_t(t.row_stride())
-                                             : uint64_t(t.nbytes());
+  const bool padded = t.dtype == DType::W4A16 || t.dtype == DType::FP8W;
+  const uint64_t b = padded ? uint64_t(t.rows()) * uint64_t(t.row_stride()) : uint64_t(t.nbytes());
   bytes_ += b;
   auto& f = formats_[std::string(dtype_name(t.dtype))];
   f.first += b;
@@ -118,55 +120,148 @@ TensorView WeightBinder::upload(const void* host, DType dtype,
   return d;
 }
 
+Fp8Checkpoint Fp8Checkpoint::of(const WeightSource& w, const std::string& name,
+                                const TensorView& t) {
+  Fp8Checkpoint f;
+  f.codes = t;
+  const int64_t N = t.rows(), K = t.cols();
+  if (!t.is_contiguous()) throw UnsupportedError("FP8 tensor '" + name + "' is not contiguous");
+  if (const auto s = w.find(name + "_scale_inv")) {  // DeepSeek-V3: [ceil(N/128), ceil(K/128)]
+    if (s->ndim != 2 || s->shape[0] != (N + 127) / 128 || s->shape[1] != (K + 127) / 128)
+      throw UnsupportedError("FP8 tensor '" + name + "': " + name + "_scale_inv has shape " +
+                             s->shape_str() + "; only 128 x 128 block scales are supported");
+    f.scales = *s;
+    f.block_rows = 128;
+  } else if (const auto c = w.find(name + "_scale")) {  // per channel [N] / [N, 1], per tensor
+    if (c->numel() != N && c->numel() != 1)
+      throw UnsupportedError("FP8 tensor '" + name + "': " + name + "_scale has shape " +
+                             c->shape_str() + "; per-channel ([N] or [N, 1]) or per-tensor only");
+    f.scales = *c;
+    f.block_rows = c->numel() == 1 ? 0 : 1;
+  } else {
+    throw UnsupportedError("FP8 tensor '" + name + "' has no " + name + "_scale_inv (128 x 128 " +
+                           "blocks) or " + name + "_scale (per channel) beside it");
+  }
+  return f;
+}
+
+float Fp8Checkpoint::scale(int64_t n, int64_t g) const {
+  if (block_rows == 0) return host_element(scales, 0);
+  if (block_rows == 1) return host_element(scales, n);
+  return host_element(scales, (n / block_rows) * scales.shape[1] + g);
+}
+
+void Fp8Checkpoint::row(int64_t n, float* out) const {
+  const int64_t K = codes.cols();
+  const uint8_t* c = codes.row(n);
+  for (int64_t g = 0; g * fp8w::kGroup < K; ++g) {
+    const float s = scale(n, g);
+    for (int64_t k = g * fp8w::kGroup; k < std::min<int64_t>(K, (g + 1) * fp8w::kGroup); ++k)
+      out[k] = fp8w::decode(c[k]) * s;
+  }
+}
+
+void Fp8Checkpoint::fp8w_row(int64_t n, uint8_t* dst) const {
+  const int64_t K = codes.cols();
+  std::memset(dst, 0, size_t(fp8w::row_stride(K)));
+  std::memcpy(dst, codes.row(n), size_t(K));
+  for (int64_t g = 0; g < fp8w::groups(K); ++g) fp8w::set_scale(dst, K, g, scale(n, g));
+}
+
+namespace {
+// Calls fn(r) for every r in [0, rows), on all cores when the tensor is big (each row's bytes
+// depend on that row alone); experts are small (2048 x 1408 in DeepSeek-V2-Lite) but
+// thousands: one thread each took 203 s.
+template <typename Fn>
+void parallel_rows(int64_t rows, int64_t cols, Fn fn) {
+  const int64_t threads = rows * cols >= (int64_t(1) << 18)
+                              ? std::max<int64_t>(1, std::thread::hardware_concurrency())
+                              : 1;
+  auto from = [&](int64_t r0) {
+    for (int64_t r = r0; r < rows; r += threads) fn(r);
+  };
+  std::vector<std::thread> pool;
+  for (int64_t i = 1; i < threads; ++i) pool.emplace_back(from, i);
+  from(0);
+  for (auto& th : pool) th.join();
+}
+}  // namespace
+
 TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t cols, Op op,
                                  Quantizable q) {
   TensorView t = w_.get(name);
   check_shape(t, rows, cols, name);
+  const bool f8 = t.dtype == DType::F8_E4M3;  // an FP8 checkpoint's weight (with its scales)
   const bool plain = t.dtype == DType::F32 || t.dtype == DType::F16 || t.dtype == DType::BF16;
-  const bool quant = quant_ == WeightQuant::W4A16 && q == Quantizable::Yes && plain &&
-                     (op == Op::MatMul || op == Op::MoeFfn) && cols % w4a16::kGroup == 0;
-  if (quant_ == WeightQuant::W4A16 && q == Quantizable::Yes && plain && !quant)
-    log_info(name + " stays " + std::string(dtype_name(t.dtype)) + ": K = " + std::to_string(cols) +
-             " is not a multiple of 128");
-  const DType dt = quant ? DType::W4A16 : t.dtype;
+  const bool big = q == Quantizable::Yes && (op == Op::MatMul || op == Op::MoeFfn);
+  const bool w4_fits = cols % w4a16::kGroup == 0;
+  if (quant_ == WeightQuant::W4A16 && big && (plain || f8) && !w4_fits)
+    log_info(name + " stays " + std::string(f8 ? "FP8W" : dtype_name(t.dtype)) +
+             ": K = " + std::to_string(cols) + " is not a multiple of 128");
+  // FP8 checkpoint weights bind as FP8W (or W4A16 when asked); those used otherwise (MLA's
+  // kv_b_proj, an FP8 output projection) are dequantized to F32.
+  DType dt = t.dtype;
+  if (big && (plain || f8) && quant_ == WeightQuant::W4A16 && w4_fits)
+    dt = DType::W4A16;
+  else if (big && (f8 || (plain && quant_ == WeightQuant::FP8)))
+    dt = DType::FP8W;
+  else if (f8)
+    dt = DType::F32;
   if (!be_.supports(op, dt))
     throw UnsupportedError(be_.name() + " has no " + std::string(op_name(op)) + " for " +
                            std::string(dtype_name(dt)) + " weights (" + name + ")");
   const auto init = w_.dummy_init(name);
-  if (!init && !quant) return t;
-  const TensorView d =
-      quant ? w4a16_view(alloc_placed(w4a16_bytes(rows, cols)), rows, cols, be_.device())
-            : TensorView::contiguous(alloc_placed(t.nbytes()), dt, {rows, cols}, be_.device());
+  if (!init && dt == t.dtype) return t;
+  TensorView d;
+  if (dt == DType::W4A16)
+    d = w4a16_view(alloc_placed(w4a16_bytes(rows, cols)), rows, cols, be_.device());
+  else if (dt == DType::FP8W)
+    d = fp8w_view(alloc_placed(fp8w_bytes(rows, cols)), rows, cols, be_.device());
+  else
+    d = TensorView::contiguous(alloc_placed(size_t(rows) * dtype_bytes(dt, cols)), dt, {rows, cols},
+                               be_.device());
   if (init) {
     be_.fill_random(d, fill_of(*init, t.dtype));
-  } else {  // quantize the checkpoint's rows on the host, one upload
+  } else {  // convert the checkpoint's rows on the host, one upload
     DS_CHECK(t.is_contiguous(), "tensor '" + name + "' is not contiguous");
-    std::vector<uint8_t> packed(w4a16_bytes(rows, cols));
-    auto rows_from = [&](int64_t r0, int64_t step) {
-      std::vector<float> row(static_cast<size_t>(cols));
-      for (int64_t r = r0; r < rows; r += step) {
+    std::optional<Fp8Checkpoint> f8s;
+    if (f8) f8s = Fp8Checkpoint::of(w_, name, t);
+    std::vector<uint8_t> packed(size_t(rows) * size_t(d.row_stride()));
+    parallel_rows(rows, cols, [&](int64_t r) {
+      uint8_t* out = packed.data() + r * d.row_stride();
+      if (f8 && dt == DType::FP8W) return f8s->fp8w_row(r, out);  // exact: codes and scales
+      thread_local std::vector<float> row;
+      row.resize(size_t(cols));
+      if (f8)
+        f8s->row(r, row.data());
+      else
         for (int64_t c = 0; c < cols; ++c) row[size_t(c)] = host_element(t, r * cols + c);
-        quantize_w4a16_row(row.data(), cols, packed.data() + r * d.row_stride());
-      }
-    };
-    // The cores share the rows (each row's bytes depend on that row alone); experts are
-    // small (2048 x 1408 in DeepSeek-V2-Lite) but thousands: one thread each took 203 s.
-    const int64_t threads = rows * cols >= (int64_t(1) << 18)
-                                ? std::max<int64_t>(1, std::thread::hardware_concurrency())
-                                : 1;
-    std::vector<std::thread> pool;
-    for (int64_t i = 1; i < threads; ++i) pool.emplace_back(rows_from, i, threads);
-    rows_from(0, threads);
-    for (auto& th : pool) th.join();
+      if (dt == DType::W4A16)
+        quantize_w4a16_row(row.data(), cols, out);
+      else if (dt == DType::FP8W)
+        quantize_fp8w_row(row.data(), cols, out);
+      else
+        std::memcpy(out, row.data(), size_t(cols) * 4);
+    });
     be_.upload(d, packed.data(), packed.size());
   }
   count(d);
   return d;
 }
 
+TensorView WeightBinder::host_plain(const std::string& name, std::vector<float>& keep) const {
+  const TensorView t = w_.get(name);
+  if (t.dtype != DType::F8_E4M3) return t;
+  const Fp8Checkpoint f = Fp8Checkpoint::of(w_, name, t);
+  keep.resize(size_t(t.numel()));
+  for (int64_t r = 0; r < t.rows(); ++r) f.row(r, keep.data() + r * t.cols());
+  return TensorView::contiguous(keep.data(), DType::F32, {t.rows(), t.cols()});
+}
+
 TensorView WeightBinder::permuted(const std::string& name, std::array<int64_t, 3> dims,
                                   std::array<int64_t, 3> strides) {
-  const TensorView t = w_.get(name);
+  std::vector<float> keep;
+  const TensorView t = host_plain(name, keep);
   const size_t es = dtype_info(t.dtype).type_size;
   DS_CHECK(dtype_info(t.dtype).block_size == 1, "permuted: a block-quantized tensor");
   const size_t bytes = size_t(dims[0] * dims[1] * dims[2]) * es;
@@ -217,7 +312,8 @@ TensorView WeightBinder::dummy_f32(const std::string& name, const TensorView& t,
 }
 
 TensorView WeightBinder::linear_f32(const std::string& name, int64_t rows, int64_t cols) {
-  const TensorView t = w_.get(name);
+  std::vector<float> keep;
+  const TensorView t = host_plain(name, keep);
   check_shape(t, rows, cols, name);
   if (const auto init = w_.dummy_init(name)) return dummy_f32(name, t, *init);
   if (!t.is_contiguous()) throw Error("tensor '" + name + "' is not contiguous");
@@ -259,11 +355,13 @@ std::optional<TensorView> WeightBinder::fuse_rows(std::initializer_list<TensorVi
       return std::nullopt;
     rows += t.rows();
   }
-  const bool w4 = first.dtype == DType::W4A16;
-  owned_.push_back(
-      be_.alloc(w4 ? w4a16_bytes(rows, first.cols()) : size_t(rows) * first.row_bytes()));
-  TensorView fused = w4 ? w4a16_view(owned_.back()->data(), rows, first.cols(), be_.device())
-                        : owned_.back()->view(first.dtype, {rows, first.cols()});
+  const bool w4 = first.dtype == DType::W4A16, f8 = first.dtype == DType::FP8W;
+  owned_.push_back(be_.alloc(w4   ? w4a16_bytes(rows, first.cols())
+                             : f8 ? fp8w_bytes(rows, first.cols())
+                                  : size_t(rows) * first.row_bytes()));
+  TensorView fused = w4   ? w4a16_view(owned_.back()->data(), rows, first.cols(), be_.device())
+                     : f8 ? fp8w_view(owned_.back()->data(), rows, first.cols(), be_.device())
+                          : owned_.back()->view(first.dtype, {rows, first.cols()});
   int64_t at = 0;
   for (const auto& t : parts) {
     TensorView dst = fused.slice_rows(at, at + t.rows());

@@ -27,6 +27,20 @@ TensorView heads_first(const TensorView& t);
 // kv_b_proj) keep the checkpoint's dtype.
 enum class Quantizable : uint8_t { No, Yes };
 
+// An FP8 checkpoint's weight (F8_E4M3 codes) with its scales: `<name>_scale_inv` (DeepSeek-V3,
+// F32 [ceil(N/128), ceil(K/128)] blocks) or `<name>_scale` (compressed-tensors: per channel
+// [N] / [N, 1], or per tensor); element = code * scale.
+struct Fp8Checkpoint {
+  TensorView codes;
+  TensorView scales;
+  int64_t block_rows = 0;  // rows per scale row: 128 (blocks), 1 (per channel), 0 (one scale)
+  // Finds the scales beside `name`; throws UnsupportedError naming other layouts.
+  static Fp8Checkpoint of(const WeightSource& w, const std::string& name, const TensorView& t);
+  float scale(int64_t n, int64_t group) const;   // of row n, 128-group `group`
+  void row(int64_t n, float* out) const;         // row n dequantized
+  void fp8w_row(int64_t n, uint8_t* dst) const;  // row n as an FP8W row, exactly
+};
+
 // Generated (dummy) and quantized weights are made in backend memory as they are bound
 // (on a GPU: generated in place, never materialized on the host); `checked` then returns
 // that placed view, which place() passes through and fuse_rows() copies on the device.
@@ -76,6 +90,8 @@ class WeightBinder {
 
  private:
   TensorView dummy_f32(const std::string& name, const TensorView& t, const DummyInit& init);
+  // The weight `name` as stored, or dequantized to F32 into `keep` when it is FP8.
+  TensorView host_plain(const std::string& name, std::vector<float>& keep) const;
   // A new buffer of `bytes`, kept; marked placed.
   void* alloc_placed(size_t bytes);
   // Drops an owned placed buffer (a part copied into a fused weight).

@@ -24,6 +24,7 @@ std::string ModelConfig::summary() const {
          " ffn=" + std::to_string(moe_intermediate) +
          " dense_layers=" + std::to_string(first_k_dense) + ")";
   if (rope.yarn_factor > 0) s += " yarn(x" + std::to_string(rope.yarn_factor) + ")";
+  if (!quant_method.empty()) s += " quant=" + quant_method;
   return s;
 }
 
@@ -323,6 +324,15 @@ ModelConfig config_from_hf_json(const std::string& path) {
     c.rope.rotary_dim = c.head_dim;
   }
   read_rope(j, path, c);
+  if (auto q = j.find("quantization_config"); q != j.end() && q->is_object()) {
+    if (auto m = q->find("quant_method"); m != q->end() && m->is_string()) c.quant_method = *m;
+    // FP8 block scales must be 128 x 128 (FP8W's groups); per-channel checkpoints name none.
+    if (auto b = q->find("weight_block_size"); c.quant_method == "fp8" && b != q->end() &&
+                                               !b->is_null() &&
+                                               *b != nlohmann::json::array({128, 128}))
+      throw UnsupportedError(path + ": FP8 weight_block_size " + b->dump() +
+                             " is not supported (only [128, 128] block scales or per-channel)");
+  }
   if (auto b = j.find("bos_token_id"); b != j.end() && b->is_number_integer()) c.bos_id = *b;
   if (auto e = j.find("eos_token_id"); e != j.end()) {
     if (e->is_number_integer())

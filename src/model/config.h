@@ -58,6 +58,10 @@ struct ModelConfig {
   int cache_head_dim() const { return is_mla() ? kv_lora_rank + qk_rope_dim : head_dim; }
   bool cache_has_v() const { return !is_mla(); }
 
+  // config.json's quantization_config.quant_method ("fp8" for an FP8 checkpoint, whose F8_E4M3
+  // weights carry `weight_scale_inv` or `weight_scale` tensors); "" when absent.
+  std::string quant_method;
+
   std::string summary() const;  // one line for logs
 };
 

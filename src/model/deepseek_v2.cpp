@@ -218,7 +218,8 @@ class DeepseekV2 final : public Model {
     const TensorView g = m.gate_up ? *m.gate_up : m.gate;
     if (g.dtype != t || m.down.dtype != t || (m.gate_up ? false : m.up.dtype != t)) return 0;
     const int64_t esize = int64_t(dtype_info(t).type_size);
-    if (dtype_info(t).block_size != 1 || (F * esize) % 16 != 0) return 0;
+    // FP8W rows end in their scales: a column range is not an FP8W tensor.
+    if (dtype_info(t).block_size != 1 || t == DType::FP8W || (F * esize) % 16 != 0) return 0;
     for (int i = 0; i < n; ++i) {
       ExpertWeights w;
       w.gate = g.slice_rows(i * F, (i + 1) * F);
@@ -311,8 +312,18 @@ class DeepseekV2 final : public Model {
 
     TensorView o = o_->view(DType::F32, {T, H * v});
     TensorView oh = heads_view(o, int(H), int(v));
+    MlaPrefillParams pp;
+    pp.q_nope = q_nope;
+    pp.q_rope = q_pe;
+    pp.kv_b = W.wkv_b;
+    pp.out = oh;
+    pp.cache = cache.layer(l);
+    pp.kv_lora_rank = int(R);
+    pp.scale = cfg_.attn_scale;
     if (opts_.mla_expanded) {
       expanded_attention(l, W, in, cache, qh, oh);
+    } else if (be_.mla_prefill(pp, in.meta)) {
+      // The backend's expanded prefill path wrote oh (value space) directly.
     } else {
       TensorView q_lat = heads_view(q_lat_->view(DType::F32, {T, H * R}), int(H), int(R));
       TensorView o_lat = heads_view(o_lat_->view(DType::F32, {T, H * R}), int(H), int(R));

@@ -11,11 +11,20 @@ namespace ds {
 WeightQuant weight_quant_from_name(const std::string& name) {
   if (name.empty() || name == "none" || name == "bf16") return WeightQuant::None;
   if (name == "w4a16") return WeightQuant::W4A16;
-  throw Error("--quantize must be none or w4a16, not '" + name + "'");
+  if (name == "fp8") return WeightQuant::FP8;
+  throw Error("--quantize must be none, w4a16 or fp8, not '" + name + "'");
 }
 
 const char* weight_quant_name(WeightQuant q) {
-  return q == WeightQuant::W4A16 ? "w4a16" : "none";
+  switch (q) {
+    case WeightQuant::W4A16:
+      return "w4a16";
+    case WeightQuant::FP8:
+      return "fp8";
+    case WeightQuant::None:
+      break;
+  }
+  return "none";
 }
 
 TensorView WeightSource::get(const std::string& name) const {
@@ -44,7 +53,8 @@ class GgufWeights final : public WeightSource {
   std::shared_ptr<const GgufFile> f_;
 };
 
-// GGUF-style name -> Hugging Face llama name.
+// GGUF-style name -> Hugging Face llama name; a suffix after ".weight" (an FP8 checkpoint's
+// "weight_scale_inv" / "weight_scale") carries over.
 std::string hf_llama_name(const std::string& name) {
   static const std::pair<const char*, const char*> kTop[] = {
       {"token_embd.weight", "model.embed_tokens.weight"},
@@ -52,7 +62,7 @@ std::string hf_llama_name(const std::string& name) {
       {"output.weight", "lm_head.weight"},
   };
   for (const auto& [g, h] : kTop)
-    if (name == g) return h;
+    if (name.starts_with(g)) return h + name.substr(std::string_view(g).size());
   static const std::pair<const char*, const char*> kBlock[] = {
       {"attn_norm", "input_layernorm"},    {"attn_q", "self_attn.q_proj"},
       {"attn_k", "self_attn.k_proj"},      {"attn_v", "self_attn.v_proj"},
@@ -60,11 +70,11 @@ std::string hf_llama_name(const std::string& name) {
       {"ffn_gate", "mlp.gate_proj"},       {"ffn_up", "mlp.up_proj"},
       {"ffn_down", "mlp.down_proj"},
   };
-  static const std::regex kBlk(R"(blk\.(\d+)\.(\w+)\.weight)");
+  static const std::regex kBlk(R"(blk\.(\d+)\.(\w+)\.weight(_scale_inv|_scale)?)");
   std::smatch m;
   if (std::regex_match(name, m, kBlk))
     for (const auto& [g, h] : kBlock)
-      if (m[2] == g) return "model.layers." + m[1].str() + "." + h + ".weight";
+      if (m[2] == g) return "model.layers." + m[1].str() + "." + h + ".weight" + m[3].str();
   return name;
 }
 

@@ -17,8 +17,8 @@ class GgufFile;
 struct ModelConfig;
 
 // Weight formats the binder may convert the big matmul weights to at load time (--quantize).
-enum class WeightQuant : uint8_t { None, W4A16 };
-// "none"/"bf16" (keep the checkpoint's dtype) or "w4a16"; throws for anything else.
+enum class WeightQuant : uint8_t { None, W4A16, FP8 };
+// "none"/"bf16" (keep the checkpoint's dtype), "w4a16" or "fp8" (FP8W); throws for anything else.
 WeightQuant weight_quant_from_name(const std::string& name);
 const char* weight_quant_name(WeightQuant q);
 

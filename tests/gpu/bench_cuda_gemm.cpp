@@ -3,6 +3,8 @@
 // cublasGemmEx / strided-batched), on DeepSeek-V2-Lite's decode shapes. Both are replayed from
 // CUDA graphs (launch overhead excluded) over enough weight copies that every call reads its
 // weights from HBM, not L2. Prints us per call and GB/s of weights read, and the skinny plan.
+// GemmBench.GgufDecode: the GGUF block-weight GEMM (gemm_gguf.cu) on the same shapes, TB/s of
+// blocks read at M = 1 and 8.
 //   deepserve_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='GemmBench.*'
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -10,10 +12,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/elementwise.cuh"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gemm_skinny.cuh"
 #include "gpu_test_util.h"
 
@@ -173,6 +177,60 @@ TEST(GemmBench, DISABLED_DeepSeekV2LiteDecodeShapes) {
   }
   cudaStreamDestroy(s);
   cudaFree(ws);
+}
+
+TEST(GemmBench, DISABLED_GgufDecode) {
+  DS_REQUIRE_GPU();
+  cudaStream_t s = nullptr;
+  BENCH_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  struct GgufShape {
+    const char* name;
+    int64_t k, n;
+  };
+  const GgufShape shapes[] = {{"q_proj", 2048, 3072},
+                              {"shared gate+up", 2048, 5632},
+                              {"dense gate+up", 2048, 21888},
+                              {"lm_head", 2048, 102400}};
+  std::printf("%-16s %-5s %4s %10s %9s\n", "op (K -> N)", "type", "M", "us", "TB/s");
+  for (DType t : {DType::Q4_K, DType::Q8_0, DType::Q6_K, DType::Q4_0}) {
+    for (const GgufShape& sh : shapes) {
+      const size_t w_bytes =
+          size_t(sh.n) * size_t(sh.k / dtype_info(t).block_size) * size_t(dtype_info(t).type_size);
+      const int copies = int(std::clamp<size_t>(kRotateBytes / w_bytes, 2, kMaxCopies));
+      void* w = nullptr;
+      BENCH_CUDA_OK(cudaMalloc(&w, w_bytes * size_t(copies)));
+      BENCH_CUDA_OK(cudaMemset(w, 0x3c, w_bytes * size_t(copies)));  // finite fp16 scales
+      for (int64_t m : {1, 8}) {
+        const std::vector<float> xh = test::random_floats(size_t(m * sh.k), 7);
+        void *x = nullptr, *out = nullptr;
+        BENCH_CUDA_OK(cudaMalloc(&x, xh.size() * 4));
+        BENCH_CUDA_OK(cudaMalloc(&out, size_t(m * sh.n) * 4));
+        BENCH_CUDA_OK(cudaMemcpy(x, xh.data(), xh.size() * 4, cudaMemcpyHostToDevice));
+        cuda::GgufGemmArgs a;
+        a.dtype = t;
+        a.m = m;
+        a.n = sh.n;
+        a.k = sh.k;
+        a.x = static_cast<const float*>(x);
+        a.x_row = sh.k;
+        a.w_row = int64_t(w_bytes) / sh.n;
+        a.out = static_cast<float*>(out);
+        a.out_row = sh.n;
+        const double us = time_graph(s, copies, [&](int i) {
+          cuda::GgufGemmArgs ai = a;
+          ai.w = static_cast<const uint8_t*>(w) + size_t(i) * w_bytes;
+          cuda::launch_gguf_gemm(ai, s);
+        });
+        std::printf("%-16s %-5s %4lld %10.2f %9.3f\n", sh.name, std::string(dtype_name(t)).c_str(),
+                    static_cast<long long>(m), us, double(w_bytes) / (us * 1e6));
+        std::fflush(stdout);
+        cudaFree(x);
+        cudaFree(out);
+      }
+      cudaFree(w);
+    }
+  }
+  cudaStreamDestroy(s);
 }
 
 }  // namespace

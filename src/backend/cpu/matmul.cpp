@@ -305,15 +305,18 @@ void matmul_precise(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
 constexpr int64_t kW4PanelRows = 64;
 thread_local std::vector<float> t_w4_panel;
 
-void matmul_w4a16(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
-  if (a.K % 128 != 0) throw Error("matmul: W4A16 needs K a multiple of 128");
+// FP8W takes the same path (dequantize_fp8w_row).
+void matmul_panels(const MatmulArgs& a, ThreadPool& pool, const Kernels& k) {
+  if (a.wtype == DType::W4A16 && a.K % 128 != 0)
+    throw Error("matmul: W4A16 needs K a multiple of 128");
+  const auto dequantize = a.wtype == DType::W4A16 ? dequantize_w4a16_row : dequantize_fp8w_row;
   std::vector<float>& panel = t_w4_panel;
   panel.resize(size_t(kW4PanelRows * a.K));
   for (int64_t n0 = 0; n0 < a.N; n0 += kW4PanelRows) {
     const int64_t rows = std::min(kW4PanelRows, a.N - n0);
     const auto* w = static_cast<const uint8_t*>(a.w) + size_t(n0) * a.w_row_bytes;
     for (int64_t r = 0; r < rows; ++r)
-      dequantize_w4a16_row(w + size_t(r) * a.w_row_bytes, a.K, panel.data() + r * a.K);
+      dequantize(w + size_t(r) * a.w_row_bytes, a.K, panel.data() + r * a.K);
     MatmulArgs sub = a;
     sub.w = panel.data();
     sub.wtype = DType::F32;
@@ -352,6 +355,7 @@ bool matmul_supports(DType t, ActPrecision act) {
     case DType::F16:
     case DType::BF16:
     case DType::W4A16:
+    case DType::FP8W:
       return true;
     case DType::Q4_0:
     case DType::Q4_1:
@@ -377,7 +381,7 @@ void matmul(const MatmulArgs& a, ThreadPool& pool, Isa isa) {
            "matmul weight row is shorter than K");
   if (a.M == 0 || a.N == 0) return;
   const Kernels& k = kernels_for(isa);
-  if (a.wtype == DType::W4A16) return matmul_w4a16(a, pool, k);
+  if (a.wtype == DType::W4A16 || a.wtype == DType::FP8W) return matmul_panels(a, pool, k);
   if (dtype_info(a.wtype).quantized && a.act == ActPrecision::F32)
     return matmul_precise(a, pool, k);
   switch (a.wtype) {
@@ -395,6 +399,7 @@ void matmul(const MatmulArgs& a, ThreadPool& pool, Isa isa) {
 
 void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
   if (t == DType::W4A16) return dequantize_w4a16_row(static_cast<const uint8_t*>(src), n, dst);
+  if (t == DType::FP8W) return dequantize_fp8w_row(static_cast<const uint8_t*>(src), n, dst);
   dequantize_row_ref(t, src, dst, n);
 }
 

@@ -23,7 +23,8 @@ enum ScratchSlot : int {
   kScratchAttention = 1,
   kScratchMla = 2,
   kScratchMoe = 3,
-  kScratchCount = 4,
+  kScratchMlaPrefill = 4,
+  kScratchCount = 5,
 };
 
 }  // namespace ds::cuda

@@ -20,10 +20,12 @@
 #include "backend/cuda/embed.cuh"
 #include "backend/cuda/fill_random.cuh"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gemm_skinny.cuh"
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/kv_store.cuh"
 #include "backend/cuda/memory_pool.h"
+#include "backend/cuda/mla_prefill.cuh"
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/rope.cuh"
@@ -130,9 +132,11 @@ class CudaBackend final : public Backend {
     switch (op) {
       case Op::MatMul:
       case Op::MoeFfn:
-        return plain_float(t) || cuda::wq_dtype(t);  // W4A16, FP8W: gemm_wq.cu
-      case Op::BatchedMatMul:
+        return plain_float(t) || cuda::wq_dtype(t) ||  // W4A16, FP8W: gemm_wq.cu
+               cuda::is_gguf_block_type(t);            // GGUF: gemm_gguf.cu, moe_gguf.cu
       case Op::Embed:
+        return plain_float(t) || cuda::is_gguf_block_type(t);
+      case Op::BatchedMatMul:
       case Op::StoreKv:
       case Op::Attention:
       case Op::MlaAttention:
@@ -241,6 +245,8 @@ class CudaBackend final : public Backend {
 
   void embed(const TensorView& table, const int32_t* ids, int n, TensorView out) override {
     require(Op::Embed, table.dtype);
+    if (cuda::is_gguf_block_type(table.dtype))
+      return cuda::launch_gguf_embed(table, ids, n, out, errors_dev_, stream_);
     cuda::launch_embed({table, ids, n, out, errors_dev_}, stream_);
   }
 
@@ -257,6 +263,8 @@ class CudaBackend final : public Backend {
   void matmul(const TensorView& x, const TensorView& w, TensorView out) override {
     require(Op::MatMul, w.dtype);
     DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "matmul takes F32 activations");
+    if (cuda::is_gguf_block_type(w.dtype))
+      return cuda::launch_gguf_gemm(cuda::gguf_matmul_args(x, w, out), stream_);
     if (cuda::wq_dtype(w.dtype)) {
       cuda::wq_matmul(ctx_, x, w, out);
       return;
@@ -350,6 +358,15 @@ class CudaBackend final : public Backend {
     require(Op::MlaAttention, p.cache.dtype);
     cuda::mla_attention(ctx_, p, meta);
   }
+  bool mla_prefill(const MlaPrefillParams& p, const AttentionMeta& meta) override {
+    if (!cuda::mla_prefill_wanted(p, meta)) return false;
+    if (!logged_mla_prefill_) {
+      log_info("mla: expanded BF16 prefill path (flash attention, mma.sync) for prefill steps");
+      logged_mla_prefill_ = true;
+    }
+    cuda::mla_prefill(ctx_, *gemm_, p, meta);
+    return true;
+  }
   void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
                  TensorView weights) override {
     cuda::moe_route(ctx_, logits, p, ids, weights);
@@ -377,8 +394,7 @@ class CudaBackend final : public Backend {
   void require(Op op, DType t) const {
     if (!supports(op, t))
       throw UnsupportedError(name_ + ": " + std::string(op_name(op)) + " with " +
-                             std::string(dtype_name(t)) +
-                             " is not supported on CUDA (F32, F16 and BF16 only)");
+                             std::string(dtype_name(t)) + " is not supported on CUDA");
   }
 
   // x as cuBLAS's B operand, its rows ld_bytes apart and batches batch_bytes apart: F32 x
@@ -453,6 +469,7 @@ class CudaBackend final : public Backend {
   cuda::DeviceErrors* errors_dev_ = nullptr;
   std::unique_ptr<Buffer> workspace_;  // cuBLAS's
   std::unique_ptr<cuda::CublasGemm> gemm_;
+  bool logged_mla_prefill_ = false;
   std::vector<std::unique_ptr<Buffer>> scratch_;  // by ScratchSlot
   std::vector<std::pair<RopeParams, std::unique_ptr<Buffer>>> rope_tables_;
   cuda::Context ctx_;

@@ -2,6 +2,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fill_random.cuh"
+#include "backend/fp8w.h"
 #include "backend/w4a16.h"
 
 namespace ds::cuda {
@@ -11,10 +12,10 @@ struct FillArgs {
   uint64_t seed = 0;
   float mean = 0.0f, mul = 0.0f;
   int round_as = 0;        // 0 F32, 1 F16, 2 BF16
-  int out = 0;             // 0 F32, 1 F16, 2 BF16, 3 W4A16
+  int out = 0;             // 0 F32, 1 F16, 2 BF16, 3 W4A16, 4 FP8W
   int64_t d1 = 1, d2 = 1;  // dims[1], dims[2] (dims[0] follows from the count)
   int64_t m0 = 0, m1 = 0, m2 = 0;
-  int64_t row_stride = 0;  // W4A16 bytes per row
+  int64_t row_stride = 0;  // W4A16 / FP8W bytes per row
   void* dst = nullptr;
 };
 
@@ -60,6 +61,32 @@ __global__ void fill_w4a16_kernel(FillArgs a, int64_t groups) {
   }
 }
 
+// One thread per 128-group of a [rows, K = d2] FP8W tensor (any K): the values, then the same
+// scale and codes as fp8w::quantize_row on the host; the group ending the row zeroes its padding.
+__global__ void fill_fp8w_kernel(FillArgs a, int64_t groups) {
+  const int64_t per_row = fp8w::groups(a.d2);
+  for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = g / per_row, gi = g % per_row;
+    const int64_t k0 = gi * fp8w::kGroup, rest = a.d2 - k0;
+    const int64_t n = rest < fp8w::kGroup ? rest : int64_t(fp8w::kGroup);
+    float x[fp8w::kGroup];
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      x[i] = value(a, row * a.d2 + k0 + i);
+      amax = fmaxf(amax, fabsf(x[i]));
+    }
+    const float s = amax > 0.0f ? amax / fp8w::kMax : 1.0f;
+    uint8_t* r = static_cast<uint8_t*>(a.dst) + row * a.row_stride;
+    for (int64_t i = 0; i < n; ++i) r[k0 + i] = fp8w::encode(x[i] / s);
+    fp8w::set_scale(r, a.d2, gi, s);
+    if (gi == per_row - 1) {
+      for (int64_t i = a.d2; i < fp8w::code_bytes(a.d2); ++i) r[i] = 0;
+      for (int64_t i = fp8w::code_bytes(a.d2) + per_row * 4; i < a.row_stride; ++i) r[i] = 0;
+    }
+  }
+}
+
 int code_of(DType t) {
   switch (t) {
     case DType::F32:
@@ -68,6 +95,8 @@ int code_of(DType t) {
       return 1;
     case DType::BF16:
       return 2;
+    case DType::FP8W:
+      return 4;
     default:
       return 3;
   }
@@ -97,6 +126,10 @@ void launch_fill_random(const TensorView& dst, const RandomFill& p, cudaStream_t
     const int64_t groups = n / w4a16::kGroup;
     const int64_t blocks = std::min<int64_t>((groups + kThreads - 1) / kThreads, 1 << 20);
     fill_w4a16_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(a, groups);
+  } else if (dst.dtype == DType::FP8W) {
+    const int64_t groups = s.dims[0] * s.dims[1] * fp8w::groups(a.d2);
+    const int64_t blocks = std::min<int64_t>((groups + kThreads - 1) / kThreads, 1 << 20);
+    fill_fp8w_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(a, groups);
   } else {
     const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 1 << 20);
     fill_plain_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(a, n);

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/moe.cuh"
 #include "backend/fp8w.h"
@@ -217,11 +218,27 @@ bool capturing(cudaStream_t s) {
 }
 
 moe::ExpertPtrs expert_ptrs(const ExpertWeights& w) {
-  const auto ld = [](const TensorView& t) {  // W4A16, FP8W: bytes
-    return wq_dtype(t.dtype) ? t.row_stride()
-                             : t.row_stride() / int64_t(dtype_info(t.dtype).type_size);
+  const auto ld = [](const TensorView& t) {  // W4A16, FP8W and GGUF blocks: bytes
+    return wq_dtype(t.dtype) || is_gguf_block_type(t.dtype)
+               ? t.row_stride()
+               : t.row_stride() / int64_t(dtype_info(t.dtype).type_size);
   };
   return {w.gate.data, w.up.data, w.down.data, ld(w.gate), ld(w.up), ld(w.down)};
+}
+
+// GGUF blocks: rows only 2-byte aligned (18- and 34-byte blocks), every expert one shape.
+void validate_gguf_experts(std::span<const ExpertWeights> experts, const ExpertTable& t) {
+  for (const ExpertWeights& w : experts) {
+    for (const TensorView* m : {&w.gate, &w.up, &w.down}) {
+      DS_CHECK(m->ndim == 2 && m->dtype == t.dtype, "moe_ffn: experts differ in dtype or rank");
+      DS_CHECK(reinterpret_cast<uintptr_t>(m->data) % 2 == 0 && m->row_stride() % 2 == 0,
+               "moe_ffn: GGUF expert rows must be 2-byte aligned");
+    }
+    DS_CHECK(w.gate.shape[0] == t.inter && w.gate.shape[1] == t.hidden &&
+                 w.up.shape[0] == t.inter && w.up.shape[1] == t.hidden &&
+                 w.down.shape[0] == t.hidden && w.down.shape[1] == t.inter,
+             "moe_ffn: experts differ in shape");
+  }
 }
 
 void validate_experts(std::span<const ExpertWeights> experts, ExpertTable& t) {
@@ -230,6 +247,7 @@ void validate_experts(std::span<const ExpertWeights> experts, ExpertTable& t) {
   t.inter = int(e0.gate.shape[0]);
   t.hidden = int(e0.gate.cols());
   const bool w4 = t.dtype == DType::W4A16, q = wq_dtype(t.dtype);
+  if (is_gguf_block_type(t.dtype)) return validate_gguf_experts(experts, t);
   if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32 && !q)
     throw UnsupportedError(
         "cuda moe_ffn: expert weights must be BF16, F16, F32, W4A16 or FP8W, not " +
@@ -467,7 +485,10 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     static_cast<moe::FfnProblem&>(a) = problem;
     a.h = s.h;
     a.y = s.y;
-    moe::launch_decode_ffn(a, ctx.stream);
+    if (is_gguf_block_type(table.dtype))
+      moe::launch_gguf_ffn(a, table.dtype, ctx.stream);
+    else
+      moe::launch_decode_ffn(a, ctx.stream);
     y = s.y;
   }
   moe::launch_combine(y, s.lists.pos, p.weights.ptr<float>(), T, k, S, H, p.out.ptr<float>(),

@@ -124,6 +124,9 @@ struct DecodeFfnArgs : FfnProblem {
 
 // Gate/up then down over the token lists. Grid sizes depend only on T, top_k, E and shapes.
 void launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
+// The same for GGUF block-quantized experts (moe_gguf.cu; leading dimensions in bytes, hidden
+// and F whole numbers of blocks).
+void launch_gguf_ffn(const DecodeFfnArgs& a, DType dtype, cudaStream_t stream);
 // Raises the dynamic shared-memory limit of every decode kernel (once per device).
 void prepare_decode_kernels();
 // Shared-memory bytes the decode kernels stage activations in; K (hidden or F) must fit

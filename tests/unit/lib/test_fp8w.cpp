@@ -1,0 +1,239 @@
+// FP8W (--quantize fp8, FP8 checkpoints) on the CPU: the e4m3 codec against the format's
+// table, quantize_row error bounds, the dequantize-then-F32 matmul, FP8 checkpoint tensors
+// (128 x 128 block scales, per channel) bound exactly, dummy + fp8, and the accuracy harness.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "../../hf_fixtures.h"
+#include "backend/fp8w.h"
+#include "model/accuracy.h"
+#include "model/binder.h"
+
+namespace ds {
+namespace {
+
+TEST(FP8W, DecodeMatchesTheTableAndEncodeRoundTrips) {
+  for (int c = 0; c < 256; ++c) {
+    const float v = fp8w::decode(uint8_t(c)), ref = fp8_e4m3_to_f32(uint8_t(c));
+    if (std::isnan(ref)) {
+      EXPECT_TRUE(std::isnan(v)) << c;
+      EXPECT_EQ(fp8w::encode(v) & 0x7f, 0x7f);
+      continue;
+    }
+    EXPECT_EQ(v, ref) << c;
+    EXPECT_EQ(fp8w::encode(v), uint8_t(c)) << c;
+  }
+  EXPECT_EQ(fp8w::encode(1000.0f), 0x7e);
+  EXPECT_EQ(fp8w::encode(-1e30f), 0xfe);
+  EXPECT_EQ(fp8w::encode(INFINITY), 0x7e);
+}
+
+TEST(FP8W, EncodeRoundsToNearestEven) {
+  // Every midpoint of two adjacent positive codes goes to the even one; just off it, to the
+  // nearer one.
+  for (int c = 0; c < 0x7e; ++c) {
+    const float a = fp8w::decode(uint8_t(c)), b = fp8w::decode(uint8_t(c + 1));
+    const float mid = 0.5f * (a + b);
+    EXPECT_EQ(fp8w::encode(mid), uint8_t(c % 2 == 0 ? c : c + 1)) << c;
+    EXPECT_EQ(fp8w::encode(-mid), uint8_t(0x80 | (c % 2 == 0 ? c : c + 1))) << c;
+    EXPECT_EQ(fp8w::encode(std::nextafter(mid, 0.0f)), uint8_t(c)) << c;
+    EXPECT_EQ(fp8w::encode(std::nextafter(mid, 1e9f)), uint8_t(c + 1)) << c;
+  }
+}
+
+TEST(FP8W, QuantizeRowErrorBoundAndLayout) {
+  for (int64_t K : {1, 100, 128, 129, 1408}) {
+    std::vector<float> x(static_cast<size_t>(K)), back(static_cast<size_t>(K));
+    for (int64_t k = 0; k < K; ++k) x[size_t(k)] = std::sin(0.7f * float(k)) * (k % 5 + 1);
+    if (K > 200) std::fill(x.begin() + 128, x.begin() + 256, 0.0f);  // an all-zero group
+    std::vector<uint8_t> row(size_t(fp8w::row_stride(K)), 0xee);
+    EXPECT_EQ(fp8w::row_stride(K) % 16, 0);
+    quantize_fp8w_row(x.data(), K, row.data());
+    dequantize_fp8w_row(row.data(), K, back.data());
+    for (int64_t g = 0; g < fp8w::groups(K); ++g) {
+      const float s = fp8w::scale(row.data(), K, g);
+      for (int64_t k = g * 128; k < std::min<int64_t>(K, g * 128 + 128); ++k) {
+        // half a step: 2^-4 relative for normals, 2^-10 * scale below 2^-6 * scale
+        const double bound = std::max(std::fabs(x[size_t(k)]) / 16.0, double(s) / 1024.0);
+        EXPECT_LE(std::fabs(back[size_t(k)] - x[size_t(k)]), bound * 1.0001) << K << " " << k;
+      }
+    }
+    for (int64_t i = K; i < fp8w::code_bytes(K); ++i) EXPECT_EQ(row[size_t(i)], 0);
+    for (int64_t i = fp8w::code_bytes(K) + fp8w::groups(K) * 4; i < fp8w::row_stride(K); ++i)
+      EXPECT_EQ(row[size_t(i)], 0);
+  }
+}
+
+TEST(FP8W, CpuMatmulIsTheDequantizedProduct) {
+  BackendOptions bo;
+  bo.threads = 2;
+  auto be = make_cpu_backend(bo);
+  ASSERT_TRUE(be->supports(Op::MatMul, DType::FP8W));
+  ASSERT_TRUE(be->supports(Op::MoeFfn, DType::FP8W));
+  for (int64_t K : {1, 100, 128, 1408})
+    for (int64_t N : {1, 7, 130}) {
+      const int64_t M = 3;
+      auto wb = be->alloc(fp8w_bytes(N, K));
+      TensorView w = fp8w_view(wb->data(), N, K);
+      RandomFill f;
+      f.seed = uint64_t(N * 7 + K);
+      be->fill_random(w, f);
+      std::vector<float> x(size_t(M * K)), out(size_t(M * N));
+      for (size_t i = 0; i < x.size(); ++i) x[i] = std::cos(0.1f * float(i));
+      be->matmul(TensorView::contiguous(x.data(), DType::F32, {M, K}), w,
+                 TensorView::contiguous(out.data(), DType::F32, {M, N}));
+      std::vector<float> wr(static_cast<size_t>(K));
+      for (int64_t n = 0; n < N; ++n) {
+        for (int64_t k = 0; k < K; ++k)
+          wr[size_t(k)] = fp8_e4m3_to_f32(w.row(n)[k]) * fp8w::scale(w.row(n), K, k / 128);
+        for (int64_t m = 0; m < M; ++m) {
+          double s = 0;
+          for (int64_t k = 0; k < K; ++k) s += double(wr[size_t(k)]) * x[size_t(m * K + k)];
+          EXPECT_NEAR(out[size_t(m * N + n)], s, 1e-3 * (1 + std::fabs(s))) << K << " " << N;
+        }
+      }
+    }
+}
+
+TEST(FP8W, FillRandomQuantizesTheBf16Values) {
+  BackendOptions bo;
+  auto be = make_cpu_backend(bo);
+  const int64_t N = 5, K = 300;
+  auto packed = be->alloc(fp8w_bytes(N, K)), plain = be->alloc(size_t(N * K) * 4);
+  TensorView w = fp8w_view(packed->data(), N, K);
+  RandomFill f;
+  f.seed = 3;
+  f.std = 0.05f;
+  be->fill_random(w, f);
+  f.round_as = DType::BF16;
+  be->fill_random(plain->view(DType::F32, {N, K}), f);
+  std::vector<uint8_t> expect(size_t(fp8w::row_stride(K)));
+  for (int64_t r = 0; r < N; ++r) {
+    quantize_fp8w_row(static_cast<const float*>(plain->data()) + r * K, K, expect.data());
+    EXPECT_EQ(0, std::memcmp(expect.data(), w.row(r), expect.size())) << r;
+  }
+}
+
+// An FP8 checkpoint in memory: F8_E4M3 weights with scale tensors beside them, and a BF16 one.
+class Fp8Source final : public WeightSource {
+ public:
+  void add(const std::string& name, DType dt, std::vector<int64_t> shape,
+           std::vector<uint8_t> bytes) {
+    store_[name] = std::move(bytes);
+    TensorView v = shape.size() == 1
+                       ? TensorView::contiguous(store_[name].data(), dt, {shape[0]})
+                       : TensorView::contiguous(store_[name].data(), dt, {shape[0], shape[1]});
+    views_[name] = v;
+  }
+  std::optional<TensorView> find(const std::string& n) const override {
+    const auto it = views_.find(n);
+    return it == views_.end() ? std::nullopt : std::optional(it->second);
+  }
+  std::string describe() const override { return "fp8 source"; }
+  uint64_t total_bytes() const override { return 0; }
+  void prefetch(int, const std::function<void(size_t, size_t)>&) const override {}
+
+ private:
+  std::map<std::string, std::vector<uint8_t>> store_;
+  std::map<std::string, TensorView> views_;
+};
+
+std::vector<uint8_t> f32_bytes(const std::vector<float>& v) {
+  std::vector<uint8_t> b(v.size() * 4);
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+TEST(FP8W, BinderBindsFp8CheckpointTensorsExactly) {
+  const int64_t N = 200, K = 300;  // 2 x 3 blocks of 128, partial at both ends
+  std::vector<uint8_t> codes(size_t(N * K));
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = uint8_t((i * 37 + 11) % 256) & 0xf7;
+  Fp8Source src;
+  src.add("blk.weight", DType::F8_E4M3, {N, K}, codes);
+  src.add("blk.weight_scale_inv", DType::F32, {2, 3}, f32_bytes({1, 2, 3, 0.5f, 0.25f, 4}));
+  src.add("ch.weight", DType::F8_E4M3, {N, K}, codes);
+  std::vector<float> ch(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) ch[size_t(n)] = 0.01f * float(n + 1);
+  src.add("ch.weight_scale", DType::F32, {N, 1}, f32_bytes(ch));
+  src.add("bad.weight", DType::F8_E4M3, {N, K}, codes);
+  BackendOptions bo;
+  auto be = make_cpu_backend(bo);
+  WeightBinder b(src, *be);
+  const TensorView blk = b.linear("blk.weight", N, K), cw = b.linear("ch.weight", N, K);
+  ASSERT_EQ(blk.dtype, DType::FP8W);
+  ASSERT_EQ(cw.dtype, DType::FP8W);
+  const float block[2][3] = {{1, 2, 3}, {0.5f, 0.25f, 4}};
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = fp8_e4m3_to_f32(codes[size_t(n * K + k)]);
+      ASSERT_EQ(fp8w::element(blk.row(n), K, k), v * block[n / 128][k / 128]) << n << " " << k;
+      ASSERT_EQ(fp8w::element(cw.row(n), K, k), v * ch[size_t(n)]) << n << " " << k;
+    }
+  // Used other than as a big matmul: dequantized to F32.
+  const TensorView f = b.linear("blk.weight", N, K, Op::MatMul, Quantizable::No);
+  ASSERT_EQ(f.dtype, DType::F32);
+  EXPECT_EQ(f.ptr<float>()[1 * K + 260], fp8_e4m3_to_f32(codes[size_t(K + 260)]) * 3.0f);
+  EXPECT_THROW(b.linear("bad.weight", N, K), UnsupportedError);  // no scales
+  EXPECT_GT(b.formats().at("FP8W").second, 0u);
+}
+
+TEST(FP8W, QuantizeFp8AtLoadAndDummyTrackBf16) {
+  const auto dir = std::filesystem::path(DS_FIXTURES_DIR) / "dummy" / "deepseek_v2_w4";
+  auto load = [&](WeightQuant q) {
+    test::CpuModel l;
+    BackendOptions bo;
+    bo.threads = 2;
+    l.backend = make_cpu_backend(bo);
+    LoadOptions lo;
+    lo.dummy = true;
+    lo.dummy_seed = 11;
+    lo.quantize = q;
+    l.m = load_model(dir, *l.backend, lo);
+    return l;
+  };
+  auto q = load(WeightQuant::FP8), w4 = load(WeightQuant::W4A16), f = load(WeightQuant::None);
+  const auto& fm = q.m.model->weight_formats();
+  ASSERT_TRUE(fm.count("FP8W"));
+  const auto& [bytes, params] = fm.at("FP8W");
+  EXPECT_GE(double(bytes) / double(params), 1.03);
+  EXPECT_LT(double(bytes) / double(params), 1.2);  // small K pads rows
+  const std::vector<int32_t> prompt = {5, 17, 300, 42, 99, 7, 250, 11};
+  const auto ref = prefill_logits(*f.m.model, *f.backend, f.m.config, prompt, DType::F32);
+  AccuracyStats s, s4;
+  compare_logits(ref, prefill_logits(*q.m.model, *q.backend, q.m.config, prompt, DType::F32),
+                 f.m.config.vocab, s);
+  compare_logits(ref, prefill_logits(*w4.m.model, *w4.backend, w4.m.config, prompt, DType::F32),
+                 f.m.config.vocab, s4);
+  std::printf("fp8: top1 %.3f max diff %.4f (%.4f of range); w4a16: top1 %.3f, %.4f (%.4f)\n",
+              s.top1(), s.max_abs_diff, s.max_rel_diff, s4.top1(), s4.max_abs_diff,
+              s4.max_rel_diff);
+  EXPECT_EQ(s.positions, 8);
+  EXPECT_GT(s.max_abs_diff, 1e-5) << "quantization changed nothing?";
+  // 8-bit weights track the reference more closely than 4-bit ones (sharp router: a flipped
+  // expert moves a row by a large part of its range).
+  EXPECT_LT(s.max_rel_diff, s4.max_rel_diff);
+  EXPECT_LT(s.max_rel_diff, 0.3);
+  EXPECT_GE(s.top1(), 0.75);
+}
+
+TEST(Accuracy, IdenticalModelsAgreeAndDifferencesCount) {
+  const std::vector<float> ref = {0, 1, 5, 2, 3, 9, 0, 1};  // 2 rows of 4
+  std::vector<float> var = ref;
+  AccuracyStats same;
+  compare_logits(ref, var, 4, same);
+  EXPECT_EQ(same.top1(), 1.0);
+  EXPECT_EQ(same.max_abs_diff, 0.0);
+  var[1] = 6;  // row 0's argmax moves; diff 5 over range 5
+  AccuracyStats s;
+  compare_logits(ref, var, 4, s);
+  EXPECT_EQ(s.positions, 2);
+  EXPECT_EQ(s.agree, 1);
+  EXPECT_DOUBLE_EQ(s.max_abs_diff, 5.0);
+  EXPECT_DOUBLE_EQ(s.max_rel_diff, 1.0);
+}
+
+}  // namespace
+}  // namespace ds
