@@ -160,8 +160,7 @@ Engine::Engine(Model& model, Backend& backend, const Tokenizer* tokenizer, const
   // Graph buckets may pad a batch past max_num_seqs; without graphs a step has at most one
   // logit row per running sequence.
   // Several ranks: the graphs would hold rank 0's launches only (per-rank capture: not yet).
-  const bool graphs =
-      backend.supports_graphs() && cfg.graph_max_batch > 0 && model.ranks() == 1;
+  const bool graphs = backend.supports_graphs() && cfg.graph_max_batch > 0 && model.ranks() == 1;
   const int64_t logit_rows =
       graphs ? std::max(cfg.max_num_seqs, cfg.graph_max_batch) : int64_t(cfg.max_num_seqs);
   logits_buf_ =

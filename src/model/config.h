@@ -52,8 +52,9 @@ struct ModelConfig {
   int tp_size = 1;
   int tp_rank = 0;
   int moe_expert_begin = 0;
-  int moe_local_experts = 0;        // 0: all moe_experts
-  int moe_shared_intermediate = 0;  // shared experts' MLP width; 0: shared experts * moe_intermediate
+  int moe_local_experts = 0;  // 0: all moe_experts
+  int moe_shared_intermediate =
+      0;  // shared experts' MLP width; 0: shared experts * moe_intermediate
 
   bool is_mla() const { return kv_lora_rank > 0; }
   bool is_moe_layer(int l) const {

@@ -128,8 +128,9 @@ LoadedModel load_model(const std::filesystem::path& path, Backend& backend,
     return make_llama(cfg, w, be, opts.quantize);
   };
   if (opts.expert_parallel && opts.tensor_parallel_size < 2)
-    throw Error("--enable-expert-parallel splits experts over the tensor-parallel ranks: it "
-                "needs --tensor-parallel-size of 2 or more");
+    throw Error(
+        "--enable-expert-parallel splits experts over the tensor-parallel ranks: it "
+        "needs --tensor-parallel-size of 2 or more");
   if (opts.tensor_parallel_size > 1) {
     ParallelLoad pl;
     pl.parallel.tensor_parallel_size = opts.tensor_parallel_size;

@@ -20,9 +20,9 @@ struct Rendezvous {
   int arrived = 0;
   uint64_t generation = 0;
   bool aborted = false;
-  std::vector<const void*> in;                // each rank's posted buffer
+  std::vector<const void*> in;                   // each rank's posted buffer
   std::vector<std::span<const int64_t>> counts;  // all_to_all: each rank's send counts
-  std::vector<float> sum;                     // all_reduce: the reduced values
+  std::vector<float> sum;                        // all_reduce: the reduced values
 
   void wait() {
     std::unique_lock lock(mu);
@@ -112,8 +112,8 @@ class LocalCommunicator final : public Communicator {
       for (int j = 0; j < rank_; ++j) off += c[size_t(j)];
       DS_CHECK(c[size_t(rank_)] == recv_counts[size_t(q)],
                "all_to_all: rank " + std::to_string(q) + " sends " +
-                   std::to_string(c[size_t(rank_)]) + " elements, rank " +
-                   std::to_string(rank_) + " expects " + std::to_string(recv_counts[size_t(q)]));
+                   std::to_string(c[size_t(rank_)]) + " elements, rank " + std::to_string(rank_) +
+                   " expects " + std::to_string(recv_counts[size_t(q)]));
       std::memcpy(static_cast<uint8_t*>(recv) + at,
                   static_cast<const uint8_t*>(r_->in[size_t(q)]) + size_t(off) * es,
                   size_t(c[size_t(rank_)]) * es);

@@ -22,9 +22,9 @@ struct Rank {
   Backend* backend = nullptr;
   std::unique_ptr<WeightSource> weights;  // the rank's slices; outlives its model
   std::unique_ptr<Model> model;
-  std::unique_ptr<KvCache> cache;         // ranks >= 1
-  std::unique_ptr<Buffer> meta;           // ranks >= 1 on a device: the step's int32 arrays
-  std::unique_ptr<Buffer> no_logits;      // a [0, vocab] view's storage
+  std::unique_ptr<KvCache> cache;     // ranks >= 1
+  std::unique_ptr<Buffer> meta;       // ranks >= 1 on a device: the step's int32 arrays
+  std::unique_ptr<Buffer> no_logits;  // a [0, vocab] view's storage
   std::exception_ptr error;
 };
 
@@ -149,9 +149,8 @@ class ParallelModel final : public Model {
     mine.logit_rows = {};
     if (k.backend->device().kind != DeviceKind::CPU) place_meta(k, in, mine);
     if (!k.no_logits) k.no_logits = k.backend->alloc(4);
-    const TensorView none =
-        TensorView::contiguous(k.no_logits->data(), DType::F32, {0, config().vocab},
-                               k.backend->device());
+    const TensorView none = TensorView::contiguous(k.no_logits->data(), DType::F32,
+                                                   {0, config().vocab}, k.backend->device());
     k.model->forward(mine, *k.cache, none);
     k.backend->synchronize();
   }

@@ -21,8 +21,8 @@ bool contains(const std::string& s, const char* part) {
 
 void require_divides(int n, int size, const char* what) {
   if (n % size != 0)
-    throw Error("tensor parallel size " + std::to_string(size) + " does not divide " + what +
-                " (" + std::to_string(n) + ")");
+    throw Error("tensor parallel size " + std::to_string(size) + " does not divide " + what + " (" +
+                std::to_string(n) + ")");
 }
 
 }  // namespace
@@ -35,8 +35,8 @@ Split split_of(const std::string& name, const ParallelConfig& p) {
                         ".ffn_up.weight", "self_attn.q_proj.weight", "self_attn.q_b_proj.weight",
                         "self_attn.kv_b_proj.weight", "gate_proj.weight", "up_proj.weight"})
     if (ends_with(name, t)) return Split::Rows;
-  for (const char* t : {".attn_output.weight", ".ffn_down.weight", "self_attn.o_proj.weight",
-                        "down_proj.weight"})
+  for (const char* t :
+       {".attn_output.weight", ".ffn_down.weight", "self_attn.o_proj.weight", "down_proj.weight"})
     if (ends_with(name, t)) return Split::Cols;
   return Split::Replicate;
 }

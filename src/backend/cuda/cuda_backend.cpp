@@ -492,8 +492,12 @@ const CudaBackend& cuda_of(const Backend& backend) {
 }
 }  // namespace
 
-void* cuda_stream_of(const Backend& backend) { return cuda_of(backend).stream_handle(); }
-int cuda_device_of(const Backend& backend) { return cuda_of(backend).device().index; }
+void* cuda_stream_of(const Backend& backend) {
+  return cuda_of(backend).stream_handle();
+}
+int cuda_device_of(const Backend& backend) {
+  return cuda_of(backend).device().index;
+}
 void cuda_bind_thread(const Backend& backend) {
   check_cuda(cudaSetDevice(cuda_of(backend).device().index), "cudaSetDevice");
 }

@@ -50,8 +50,7 @@ class NcclCommunicator final : public Communicator {
     DS_CHECK(in.is_contiguous() && out.is_contiguous() && in.dtype == out.dtype &&
                  out.numel() == in.numel() * size_,
              "all_gather: out must hold size() contiguous copies of in");
-    check(ncclAllGather(in.data, out.data, size_t(in.numel()), nccl_type(in.dtype), comm_,
-                        stream_),
+    check(ncclAllGather(in.data, out.data, size_t(in.numel()), nccl_type(in.dtype), comm_, stream_),
           "all_gather");
   }
   // Grouped point-to-point: every pair's part in one launch group.
@@ -66,10 +65,13 @@ class NcclCommunicator final : public Communicator {
     size_t so = 0, ro = 0;
     for (int q = 0; q < size_; ++q) {
       const size_t sn = size_t(send_counts[size_t(q)]), rn = size_t(recv_counts[size_t(q)]);
-      if (sn) check(ncclSend(static_cast<const uint8_t*>(send) + so * es, sn * unit, t, q, comm_,
-                             stream_), "send");
-      if (rn) check(ncclRecv(static_cast<uint8_t*>(recv) + ro * es, rn * unit, t, q, comm_,
-                             stream_), "recv");
+      if (sn)
+        check(
+            ncclSend(static_cast<const uint8_t*>(send) + so * es, sn * unit, t, q, comm_, stream_),
+            "send");
+      if (rn)
+        check(ncclRecv(static_cast<uint8_t*>(recv) + ro * es, rn * unit, t, q, comm_, stream_),
+              "recv");
       so += sn;
       ro += rn;
     }
@@ -103,7 +105,7 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(
   const int n = int(ranks.size());
   std::vector<int> devices;
   for (const Backend* b : ranks) devices.push_back(cuda_device_of(*b));
-  std::vector<ncclComm_t> comms(size_t(n));
+  std::vector<ncclComm_t> comms(static_cast<size_t>(n));
   check(ncclCommInitAll(comms.data(), n, devices.data()), "ncclCommInitAll");
   std::vector<std::unique_ptr<Communicator>> out;
   for (int r = 0; r < n; ++r)
