@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include "../../hf_fixtures.h"
@@ -98,7 +99,7 @@ TEST(LocalCommunicator, AbortReleasesRanksWaitingInACollective) {
 
 // ---- models ----------------------------------------------------------------------------
 
-test::CpuModel load_split(const std::string& fixture, int tp, bool ep) {
+test::CpuModel load_path(const std::filesystem::path& path, int tp, bool ep) {
   test::CpuModel l;
   BackendOptions bo;
   bo.threads = 1;
@@ -107,11 +108,15 @@ test::CpuModel load_split(const std::string& fixture, int tp, bool ep) {
   lo.tensor_parallel_size = tp;
   lo.expert_parallel = ep;
   lo.rank_backend = [bo](int) { return make_cpu_backend(bo); };
-  l.m = load_model(test::hf_root() / fixture, *l.backend, lo);
+  l.m = load_model(path, *l.backend, lo);
   KvCacheConfig kvc;
   kvc.num_blocks = test::kHarnessBlocks;
   l.cache = std::make_unique<KvCache>(*l.backend, l.m.model->config(), kvc);  // rank 0's
   return l;
+}
+
+test::CpuModel load_split(const std::string& fixture, int tp, bool ep) {
+  return load_path(test::hf_root() / fixture, tp, ep);
 }
 
 std::vector<std::vector<int32_t>> prompts(int vocab) {
@@ -192,6 +197,23 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ParallelFixture,
                                            SplitCase{"deepseek_v2_yarn_mscale_f16", 2, false},
                                            SplitCase{"deepseek_v2_yarn_mscale_f16", 2, true}),
                          case_name);
+
+// A real checkpoint with block-quantized weights: SmolLM2-135M Q4_1 (9 heads, 3 KV heads) over
+// 3 ranks, so o_proj / down_proj column shards cut whole Q4_1 blocks.
+TEST(ParallelGguf, SmolLm2Q4OverThreeRanksGivesTheSameGreedyTokens) {
+  const char* path = std::getenv("DS_SMOLLM2_GGUF");
+  if (!path || !std::filesystem::exists(path)) GTEST_SKIP() << "DS_SMOLLM2_GGUF not set";
+  auto run = [&](int tp) {
+    test::CpuModel l = load_path(path, tp, false);
+    EXPECT_EQ(l.m.model->ranks(), tp);
+    EngineConfig ec;
+    ec.kv_cache_tokens = 512;
+    ec.max_num_seqs = 4;
+    Engine engine(*l.m.model, *l.backend, nullptr, ec);
+    return test::greedy_generate(engine, prompts(l.m.config.vocab), 12, /*concurrent=*/true);
+  };
+  EXPECT_EQ(run(3), run(1));
+}
 
 TEST(ParallelLoad, UnevenSplitsAreClearErrorsAtLoad) {
   struct Bad {
