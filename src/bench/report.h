@@ -13,6 +13,7 @@ namespace ds {
 
 struct SystemInfo {
   std::optional<std::string> gpu, driver;  // from nvidia-smi when there is one
+  int gpu_count = 0;                       // GPUs nvidia-smi lists
   std::optional<std::string> cpu;          // /proc/cpuinfo's model name
   int cpu_cores = 0;
   std::optional<std::string> commit;  // build_commit() of this binary

@@ -278,6 +278,8 @@ BenchSpec parse_bench_spec(const std::string& yaml, const std::string& source,
   if (auto v = r.choice({"device"}, {"auto", "cpu", "cuda"})) s.device = *v;
   if (auto v = r.number({"gpu_memory_utilization"}, 1e-3, 1)) s.gpu_memory_utilization = *v;
   if (auto v = r.integer({"threads"}, 0, 4096)) s.threads = int(*v);
+  if (auto v = r.integer({"tensor_parallel_size"}, 1, 64)) s.tensor_parallel_size = int(*v);
+  if (auto v = r.boolean({"enable_expert_parallel"})) s.expert_parallel = *v;
   if (auto v = r.choice({"precision"}, {"f32", "q8"})) s.precision = *v;
   if (auto v = r.choice({"isa"}, {"auto", "scalar", "avx2", "avx512-vnni"})) s.isa = *v;
 

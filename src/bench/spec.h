@@ -57,7 +57,9 @@ struct BenchSpec {
   // Backend.
   std::string device = "auto";  // cpu, cuda, or auto (cuda when built with it and a GPU is seen)
   double gpu_memory_utilization = 0.9;
-  int threads = 0;  // 0 = all cores
+  int threads = 0;               // 0 = all cores
+  int tensor_parallel_size = 1;  // ranks (GPUs) the model is split over
+  bool expert_parallel = false;  // routed experts split by id over those ranks
   std::string precision = "f32";
   std::string isa = "auto";
   BenchEngineSpec engine;

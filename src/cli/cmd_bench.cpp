@@ -66,6 +66,8 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   m.precision = spec.precision;
   m.load_format = spec.load_format;
   m.quantize = spec.quantize;
+  m.tensor_parallel_size = spec.tensor_parallel_size;
+  m.expert_parallel = spec.expert_parallel;
   set_device_options(m, spec);
   ProfilingBackend* profiler = nullptr;  // owned by the session
   if (profile_ops)
@@ -139,6 +141,8 @@ int run_benchmark(const BenchOptions& o) {
   if (o.gpu_hour_price) spec.gpu_hour_price = o.gpu_hour_price;
   if (o.lower_class_prefill_tokens)
     spec.engine.lower_class_prefill_tokens = *o.lower_class_prefill_tokens;
+  if (o.tensor_parallel_size) spec.tensor_parallel_size = *o.tensor_parallel_size;
+  if (o.expert_parallel) spec.expert_parallel = true;
   if (o.profile_ops && !spec.url.empty())
     throw Error(
         "--profile-ops times the ops of an in-process engine: offline mode only "

@@ -40,6 +40,14 @@ void add_model_options(CLI::App* app, ds::ModelOptions& m) {
                   "group 128) or fp8 (e4m3, a scale per row and 128-group), made at load time")
       ->check(CLI::IsMember({"none", "bf16", "w4a16", "fp8"}))
       ->capture_default_str();
+  app->add_option("--tensor-parallel-size,--tp", m.tensor_parallel_size,
+                  "split the model over this many ranks (GPUs 0..N-1; on the CPU, in-process "
+                  "ranks sharing the threads)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app->add_flag("--enable-expert-parallel", m.expert_parallel,
+                "MoE: routed experts split by id over the tensor-parallel ranks instead of by "
+                "columns");
 }
 
 void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
@@ -189,6 +197,12 @@ int main(int argc, char** argv) {
        "--lower-class-prefill-tokens", [&bench](int v) { bench.lower_class_prefill_tokens = v; },
        "offline: override the YAML's engine.lower_class_prefill_tokens (-1 = isolation off)")
       ->check(CLI::Range(-1, 1 << 24));
+  b->add_option_function<int>(
+       "--tensor-parallel-size,--tp", [&bench](int v) { bench.tensor_parallel_size = v; },
+       "offline: override the YAML's tensor_parallel_size")
+      ->check(CLI::Range(1, 64));
+  b->add_flag("--enable-expert-parallel", bench.expert_parallel,
+              "offline: routed experts split by id over the tensor-parallel ranks");
   b->add_flag("--profile-ops", bench.profile_ops,
               "offline: time each op of every engine step (eager, no graphs) and report the "
               "most common decode step per op");

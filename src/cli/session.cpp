@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <thread>
 
 #include "cli/default_model.h"
 #include "core/error.h"
@@ -77,9 +78,18 @@ std::string resolve_model_path(const std::string& model) {
   return found->string();
 }
 
-std::unique_ptr<Backend> make_session_backend(const ModelOptions& m) {
+namespace {
+// The CPU threads one rank gets: tensor-parallel ranks split the machine's (or --threads).
+int rank_threads(const ModelOptions& m) {
+  if (m.tensor_parallel_size <= 1) return m.threads;
+  const int all = m.threads > 0 ? m.threads : int(std::thread::hardware_concurrency());
+  return std::max(1, all / m.tensor_parallel_size);
+}
+}  // namespace
+
+std::unique_ptr<Backend> make_session_backend(const ModelOptions& m, int device_index) {
   BackendOptions bo;
-  bo.threads = m.threads;
+  bo.threads = rank_threads(m);
   bo.isa = m.isa;
   bo.gpu_memory_utilization = m.gpu_memory_utilization;
   if (m.precision == "q8")
@@ -96,9 +106,14 @@ std::unique_ptr<Backend> make_session_backend(const ModelOptions& m) {
       if (!(m.gpu_memory_utilization > 0.0 && m.gpu_memory_utilization <= 1.0))
         throw Error("--gpu-memory-utilization must be in (0, 1], not " +
                     std::to_string(m.gpu_memory_utilization));
-      log_info(std::string("device cuda") + (auto_device ? " (auto: " : " (") +
-               std::to_string(gpus) + " CUDA device(s) found, using 0)");
-      return make_cuda_backend(bo, 0);
+      if (m.tensor_parallel_size > gpus)
+        throw Error("--tensor-parallel-size " + std::to_string(m.tensor_parallel_size) +
+                    " needs as many CUDA devices; " + std::to_string(gpus) + " visible");
+      if (device_index == 0)
+        log_info(std::string("device cuda") + (auto_device ? " (auto: " : " (") +
+                 std::to_string(gpus) + " CUDA device(s) found, using " +
+                 std::to_string(std::max(1, m.tensor_parallel_size)) + ")");
+      return make_cuda_backend(bo, device_index);
     }
     if (!auto_device)
       throw Error(
@@ -109,6 +124,7 @@ std::unique_ptr<Backend> make_session_backend(const ModelOptions& m) {
     log_info("device cpu");
   }
 #else
+  (void)device_index;
   if (m.device == "cuda")
     throw Error(
         "--device cuda: this deepserve was built without the CUDA backend "
@@ -129,6 +145,9 @@ Session open_session(const ModelOptions& m, const EngineOptions& e) {
   lo.progress = true;
   lo.dummy = load_format_is_dummy(m.load_format);
   lo.quantize = weight_quant_from_name(m.quantize);
+  lo.tensor_parallel_size = m.tensor_parallel_size;
+  lo.expert_parallel = m.expert_parallel;
+  lo.rank_backend = [&m](int rank) { return make_session_backend(m, rank); };
   s.loaded = load_model(resolve_model_path(m.model), s.ops(), lo);
   EngineConfig ec;
   ec.kv_cache_tokens =

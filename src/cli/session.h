@@ -22,6 +22,10 @@ struct ModelOptions {
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of free GPU memory the backend reserves
   std::string load_format = "auto";     // "auto" (read the checkpoint) or "dummy" (config only)
   std::string quantize = "none";        // load-time weight format: none, w4a16 or fp8
+  // Ranks the model is split over (src/parallel): GPUs 0..N-1 on CUDA, N in-process ranks
+  // sharing the threads on the CPU; expert_parallel splits routed experts by id (EP = N).
+  int tensor_parallel_size = 1;
+  bool expert_parallel = false;
   // Wraps the device backend (e.g. in a ProfilingBackend); the model and engine run on the
   // wrapper. Unset: no wrapper.
   std::function<std::unique_ptr<Backend>(Backend&)> wrap_backend;
@@ -55,7 +59,8 @@ struct Session {
 Session open_session(const ModelOptions& m, const EngineOptions& e);
 // The backend --device and --gpu-memory-utilization (and the CPU options) ask for; throws a
 // clear error for cuda without a GPU or in a build without CUDA. Logs the choice.
-std::unique_ptr<Backend> make_session_backend(const ModelOptions& m);
+// device_index: the GPU of a tensor-parallel rank (its CPU backend gets its share of threads).
+std::unique_ptr<Backend> make_session_backend(const ModelOptions& m, int device_index = 0);
 std::string resolve_model_path(const std::string& model);
 // The KV cache dtype a name ("f32", "f16", "bf16") asks for; "" = the default: BF16 on CUDA;
 // on the CPU F32 with --precision f32 (which stays exact) and F16 with q8 (llama.cpp's cache

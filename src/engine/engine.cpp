@@ -159,7 +159,8 @@ Engine::Engine(Model& model, Backend& backend, const Tokenizer* tokenizer, const
   // Logits live at one address for the engine's lifetime (captured graphs write there).
   // Graph buckets may pad a batch past max_num_seqs; without graphs a step has at most one
   // logit row per running sequence.
-  const bool graphs = backend.supports_graphs() && cfg.graph_max_batch > 0;
+  // Several ranks: the graphs would hold rank 0's launches only (per-rank capture: not yet).
+  const bool graphs = backend.supports_graphs() && cfg.graph_max_batch > 0 && model.ranks() == 1;
   const int64_t logit_rows =
       graphs ? std::max(cfg.max_num_seqs, cfg.graph_max_batch) : int64_t(cfg.max_num_seqs);
   logits_buf_ =
@@ -310,6 +311,7 @@ void Engine::copy_blocks(const std::vector<BlockCopy>& copies) {
         backend_.copy(all.slice_rows(src, src + 1), all.slice_rows(dst, dst + 1));
       }
     }
+  for (const auto& [src, dst] : copies) model_.mirror_block_copy(int(src), int(dst));
 }
 
 ForwardInput Engine::place_inputs(const StepBatch& b) {

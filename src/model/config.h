@@ -46,6 +46,15 @@ struct ModelConfig {
   int moe_topk_group = 1;
   bool moe_norm_topk_prob = false;
   float moe_routed_scaling = 1.0f;
+  // Tensor / expert parallelism (src/parallel/shard.h): a rank's config holds its share of
+  // heads and MLP widths above; under expert parallelism it binds routed experts
+  // [moe_expert_begin, moe_expert_begin + moe_local_experts) only.
+  int tp_size = 1;
+  int tp_rank = 0;
+  int moe_expert_begin = 0;
+  int moe_local_experts = 0;  // 0: all moe_experts
+  int moe_shared_intermediate =
+      0;  // shared experts' MLP width; 0: shared experts * moe_intermediate
 
   bool is_mla() const { return kv_lora_rank > 0; }
   bool is_moe_layer(int l) const {
@@ -57,6 +66,11 @@ struct ModelConfig {
   int cache_heads() const { return is_mla() ? 1 : kv_heads; }
   int cache_head_dim() const { return is_mla() ? kv_lora_rank + qk_rope_dim : head_dim; }
   bool cache_has_v() const { return !is_mla(); }
+  int local_experts() const { return moe_local_experts > 0 ? moe_local_experts : moe_experts; }
+  int64_t shared_ffn() const {
+    return moe_shared_intermediate > 0 ? moe_shared_intermediate
+                                       : int64_t(moe_shared_experts) * moe_intermediate;
+  }
 
   // config.json's quantization_config.quant_method ("fp8" for an FP8 checkpoint, whose F8_E4M3
   // weights carry `weight_scale_inv` or `weight_scale` tensors); "" when absent.

@@ -96,7 +96,8 @@ class DeepseekV2 final : public Model {
         // F32 like the reference's gate (F.linear on float32 copies): on a GPU the router's
         // choices must not depend on BF16 rounding of the activations.
         L.router = b.linear_f32(p + "mlp.gate.weight", cfg.moe_experts, hidden);
-        for (int e = 0; e < cfg.moe_experts; ++e) {
+        // Expert parallel: this rank's routed experts only (all of them otherwise).
+        for (int e = cfg.moe_expert_begin; e < cfg.moe_expert_begin + cfg.local_experts(); ++e) {
           const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
           ExpertWeights ew;
           ew.gate = b.linear(x + "gate_proj.weight", cfg.moe_intermediate, hidden, Op::MoeFfn);
@@ -105,9 +106,10 @@ class DeepseekV2 final : public Model {
           L.experts.push_back(ew);
         }
         if (cfg.moe_shared_experts > 0) {
-          L.mlp = bind_mlp(b, p + "mlp.shared_experts.",
-                           int64_t(cfg.moe_shared_experts) * cfg.moe_intermediate);
-          L.num_shared = fold_shared(L, cfg.moe_shared_experts, cfg.moe_intermediate);
+          const int64_t F = cfg.moe_intermediate, shared = cfg.shared_ffn();
+          L.mlp = bind_mlp(b, p + "mlp.shared_experts.", shared);
+          // Slices of the routed width (a tensor-parallel rank may hold a fraction of one).
+          if (shared % F == 0) L.num_shared = fold_shared(L, int(shared / F), F);
         }
       } else {
         L.mlp = bind_mlp(b, p + "mlp.", cfg.intermediate);
@@ -131,7 +133,7 @@ class DeepseekV2 final : public Model {
     WeightBytes w;
     w.total = total_bytes_;
     w.moe_layers = num_moe_layers_;
-    w.experts = cfg_.moe_experts;
+    w.experts = cfg_.local_experts();
     w.top_k = cfg_.moe_top_k;
     if (num_moe_layers_ > 0) {
       const auto& e = layers_[size_t(first_moe_layer())].experts[0];
@@ -182,6 +184,7 @@ class DeepseekV2 final : public Model {
       const DsLayer& W = layers_[size_t(l)];
       dump(l, "attn_norm", xn);
       attention(l, W, in, cache, xn);  // xn <- attention output
+      all_reduce(xn);                  // tensor parallel: o_proj is row-split
       be_.add_rms_norm(x, xn, W.ffn_norm, cfg_.rms_eps, xn);
       dump(l, "ffn_norm", xn);
       TensorView y = tmp_->view(DType::F32, {T, hidden});
@@ -190,6 +193,7 @@ class DeepseekV2 final : public Model {
       } else {
         mlp(W.mlp, xn, y);
       }
+      all_reduce(y);  // tensor parallel: down_proj row-split; expert parallel: experts by rank
       // The residual add, fused with the next layer's input norm.
       if (l + 1 < cfg_.layers) {
         be_.add_rms_norm(x, y, layers_[size_t(l) + 1].attn_norm, cfg_.rms_eps, xn);
@@ -462,6 +466,8 @@ class DeepseekV2 final : public Model {
     fp.weights = wts;
     fp.experts = W.experts;
     fp.num_shared = W.num_shared;
+    fp.expert_base = cfg_.moe_expert_begin;
+    fp.skip_foreign = cfg_.local_experts() != cfg_.moe_experts;
     fp.out = out;
     be_.moe_ffn(fp);
     if (cfg_.moe_shared_experts > 0 && W.num_shared == 0) {
@@ -474,8 +480,7 @@ class DeepseekV2 final : public Model {
   void reserve(int64_t T, int64_t NL) {
     const int64_t H = cfg_.heads, R = cfg_.kv_lora_rank, P = cfg_.qk_rope_dim;
     const int64_t qk = cfg_.qk_nope_dim + P, v = cfg_.v_head_dim;
-    const int64_t ffn = std::max<int64_t>(cfg_.intermediate,
-                                          int64_t(cfg_.moe_shared_experts) * cfg_.moe_intermediate);
+    const int64_t ffn = std::max<int64_t>(cfg_.intermediate, cfg_.shared_ffn());
     auto grow = [&](std::unique_ptr<Buffer>& b, int64_t n) { ensure_scratch(be_, b, n); };
     grow(x_, T * cfg_.hidden);
     grow(xn_, T * cfg_.hidden);

@@ -126,6 +126,7 @@ class Llama final : public Model {
       be_.attention(ap, in.meta);
       dump(l, "attn_out", attn);
       be_.matmul(attn, W.wo, xn);
+      all_reduce(xn);  // tensor parallel: o_proj is row-split
       be_.add_rms_norm(x, xn, W.ffn_norm, cfg_.rms_eps, xn);
       dump(l, "ffn_norm", xn);
       if (W.w_gate_up) {
@@ -136,6 +137,7 @@ class Llama final : public Model {
       }
       be_.silu_mul(gate_up, act);
       be_.matmul(act, W.w_down, xn);
+      all_reduce(xn);  // tensor parallel: down_proj is row-split
       // The residual add, fused with the next layer's input norm.
       if (l + 1 < cfg_.layers) {
         be_.add_rms_norm(x, xn, layers_[size_t(l) + 1].attn_norm, cfg_.rms_eps, xn);

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "formats/gguf.h"
+#include "parallel/parallel_model.h"
 
 namespace ds {
 namespace {
@@ -120,11 +121,31 @@ LoadedModel load_model(const std::filesystem::path& path, Backend& backend,
   m.weights->prefetch(opts.threads, [&](size_t done, size_t total) {
     if (bar) progress.update(done, total);
   });
-  if (m.config.arch == "deepseek_v2")
-    m.model = make_deepseek_v2(m.config, *m.weights, backend,
-                               {.mla_expanded = opts.mla_expanded, .quantize = opts.quantize});
-  else
-    m.model = make_llama(m.config, *m.weights, backend, opts.quantize);
+  auto make = [&](const ModelConfig& cfg, const WeightSource& w, Backend& be) {
+    if (cfg.arch == "deepseek_v2")
+      return make_deepseek_v2(cfg, w, be,
+                              {.mla_expanded = opts.mla_expanded, .quantize = opts.quantize});
+    return make_llama(cfg, w, be, opts.quantize);
+  };
+  if (opts.expert_parallel && opts.tensor_parallel_size < 2)
+    throw Error(
+        "--enable-expert-parallel splits experts over the tensor-parallel ranks: it "
+        "needs --tensor-parallel-size of 2 or more");
+  if (opts.tensor_parallel_size > 1) {
+    ParallelLoad pl;
+    pl.parallel.tensor_parallel_size = opts.tensor_parallel_size;
+    pl.parallel.expert_parallel = opts.expert_parallel;
+    pl.make_model = make;
+    pl.make_backend = opts.rank_backend;
+    if (!pl.make_backend) {
+      if (backend.device().kind != DeviceKind::CPU)
+        throw Error("tensor parallelism on " + backend.name() + " needs a backend per rank");
+      pl.make_backend = [](int) { return make_cpu_backend(BackendOptions{}); };
+    }
+    m.model = make_parallel_model(m.config, *m.weights, backend, pl);
+  } else {
+    m.model = make(m.config, *m.weights, backend);
+  }
   if (opts.dummy || opts.quantize != WeightQuant::None) m.bytes = m.model->weight_bytes().total;
   m.load_seconds = now() - t0;
   char speed[64];

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -23,6 +24,12 @@ struct LoadOptions {
   bool dummy = false;
   uint64_t dummy_seed = 0;
   WeightQuant quantize = WeightQuant::None;  // --quantize
+  // --tensor-parallel-size / --enable-expert-parallel (src/parallel): with N > 1 the model is
+  // a ParallelModel whose rank 0 runs on the given backend and ranks 1..N-1 on rank_backend(r)
+  // (unset on the CPU: a default CPU backend each).
+  int tensor_parallel_size = 1;
+  bool expert_parallel = false;
+  std::function<std::unique_ptr<Backend>(int rank)> rank_backend;
 };
 
 struct LoadedModel {

@@ -3,12 +3,14 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "parallel/communicator.h"
 
 namespace ds {
 
 void Model::output_logits(Backend& be, const TensorView& x, std::span<const int32_t> rows,
                           TensorView h, const TensorView& norm, float eps, const TensorView& w_out,
                           TensorView logits) const {
+  if (rows.empty()) return;  // other tensor-parallel ranks: rank 0 alone makes the logits
   for (size_t r = 0; r < rows.size(); ++r) {
     const int32_t row = rows[r];
     DS_CHECK(row >= 0 && row < x.shape[0], "logit row out of range");
@@ -17,6 +19,10 @@ void Model::output_logits(Backend& be, const TensorView& x, std::span<const int3
   be.rms_norm(h, norm, eps, h);
   dump("output_norm", h);
   be.matmul(h, w_out, logits);
+}
+
+void Model::all_reduce(const TensorView& t) const {
+  if (comm_) comm_->all_reduce_sum(t);
 }
 
 double WeightBytes::decode_step(int batch) const {

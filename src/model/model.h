@@ -14,6 +14,8 @@
 
 namespace ds {
 
+class Communicator;
+
 struct KvCacheConfig {
   int num_blocks = 0;
   int block_size = 16;
@@ -82,7 +84,15 @@ class Model {
   virtual std::vector<ExpertLoad> expert_load() { return {}; }
   // logits: [logit_rows.size(), vocab] F32 on the backend.
   virtual void forward(const ForwardInput& in, KvCache& cache, TensorView logits) = 0;
-  void set_debug_hook(DebugHook hook) { debug_ = std::move(hook); }
+  virtual void set_debug_hook(DebugHook hook) { debug_ = std::move(hook); }
+  // Tensor parallelism: this rank's partial sums (row-split projections) are summed over the
+  // group through `comm`; null (the default) for a single rank.
+  void set_communicator(Communicator* comm) { comm_ = comm; }
+  // Ranks the model runs on; the engine captures decode graphs only for one.
+  virtual int ranks() const { return 1; }
+  // The engine copied KV block src to dst in its cache (copy-on-write); a model that keeps
+  // more caches (other ranks') copies there too.
+  virtual void mirror_block_copy(int /*src*/, int /*dst*/) {}
   // Bound weights per format ("BF16", "W4A16", "F32" norms, ...): (bytes, parameters).
   const std::map<std::string, std::pair<uint64_t, uint64_t>>& weight_formats() const {
     return formats_;
@@ -101,7 +111,10 @@ class Model {
   void dump(int layer, const char* name, const TensorView& t) const {
     if (debug_) debug_("blk." + std::to_string(layer) + "." + name, t);
   }
+  // Sums t (contiguous F32, this rank's partial result) over the tensor-parallel group.
+  void all_reduce(const TensorView& t) const;
   DebugHook debug_;
+  Communicator* comm_ = nullptr;
 };
 
 std::unique_ptr<Model> make_llama(const ModelConfig& cfg, const WeightSource& weights,

@@ -160,13 +160,19 @@ void moe_ffn(const MoeFfnParams& p, const MatmulContext& mm, MoeScratch& s) {
 
   // Assignments grouped by expert (a counting sort: increasing token and slot within each).
   s.offsets.assign(size_t(E) + 1, 0);
+  // Expert parallel: global id -> local slot; -1 for another rank's expert (skipped).
+  auto local = [&](int32_t id) {
+    const int32_t e = id - p.expert_base;
+    if (e >= 0 && e < E - S) return e;
+    DS_CHECK(p.skip_foreign, "moe_ffn: expert id " + std::to_string(id) + " out of range [" +
+                                 std::to_string(p.expert_base) + ", " +
+                                 std::to_string(p.expert_base + E - S) + ")");
+    return -1;
+  };
   for (int64_t t = 0; t < T; ++t) {
     const auto* id = reinterpret_cast<const int32_t*>(ids.row(t));
-    for (int64_t k = 0; k < K; ++k) {
-      DS_CHECK(id[k] >= 0 && id[k] < E - S, "moe_ffn: expert id " + std::to_string(id[k]) +
-                                                " out of range [0, " + std::to_string(E - S) + ")");
-      ++s.offsets[size_t(id[k]) + 1];
-    }
+    for (int64_t k = 0; k < K; ++k)
+      if (const int e = local(id[k]); e >= 0) ++s.offsets[size_t(e) + 1];
     for (int j = 0; j < S; ++j) ++s.offsets[size_t(E - S + j) + 1];
   }
   for (int e = 0; e < E; ++e) s.offsets[size_t(e) + 1] += s.offsets[size_t(e)];
@@ -175,7 +181,8 @@ void moe_ffn(const MoeFfnParams& p, const MatmulContext& mm, MoeScratch& s) {
   for (int64_t t = 0; t < T; ++t) {
     const auto* id = reinterpret_cast<const int32_t*>(ids.row(t));
     for (int64_t k = 0; k < slots; ++k) {
-      const int e = k < K ? id[k] : E - S + int(k - K);
+      const int e = k < K ? local(id[k]) : E - S + int(k - K);
+      if (e < 0) continue;
       s.assign[size_t(cursor[size_t(e)]++)] = int32_t(t * slots + k);
     }
   }

@@ -127,6 +127,7 @@ class CudaBackend final : public Backend {
 
   Device device() const override { return {DeviceKind::CUDA, device_}; }
   std::string name() const override { return name_; }
+  void* stream_handle() const { return stream_; }
 
   bool supports(Op op, DType t) const override {
     switch (op) {
@@ -496,6 +497,24 @@ CudaPoolInfo cuda_pool_info(const Backend& backend) {
   const auto* b = dynamic_cast<const CudaBackend*>(&backend);
   if (!b) throw Error("cuda_pool_info: backend " + backend.name() + " is not a CUDA backend");
   return b->pool_info();
+}
+
+namespace {
+const CudaBackend& cuda_of(const Backend& backend) {
+  const auto* b = dynamic_cast<const CudaBackend*>(&backend);
+  if (!b) throw Error("backend " + backend.name() + " is not a CUDA backend");
+  return *b;
+}
+}  // namespace
+
+void* cuda_stream_of(const Backend& backend) {
+  return cuda_of(backend).stream_handle();
+}
+int cuda_device_of(const Backend& backend) {
+  return cuda_of(backend).device().index;
+}
+void cuda_bind_thread(const Backend& backend) {
+  check_cuda(cudaSetDevice(cuda_of(backend).device().index), "cudaSetDevice");
 }
 
 std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& opts, int device_index) {

@@ -22,5 +22,10 @@ struct CudaPoolInfo {
 
 // Throws ds::Error when `backend` is not a CUDA backend.
 CudaPoolInfo cuda_pool_info(const Backend& backend);
+// A CUDA backend's stream (a cudaStream_t) and device, for collectives enqueued on it (NCCL).
+void* cuda_stream_of(const Backend& backend);
+int cuda_device_of(const Backend& backend);
+// Makes `backend`'s device current on the calling thread (each rank's worker thread).
+void cuda_bind_thread(const Backend& backend);
 
 }  // namespace ds

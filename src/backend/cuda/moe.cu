@@ -53,12 +53,12 @@ __device__ int block_exclusive_scan(int v, int* sums /* [33] */, int* total) {
 // Expert of assignment i = t * (top_k + shared) + j: routed slots read ids [T, top_k]; the
 // shared slots are the last `shared` experts; -1 for ids out of the routed range.
 __device__ __forceinline__ int expert_of(const int32_t* ids, int64_t i, int top_k, int shared,
-                                         int E) {
+                                         int E, int base) {
   const int slots = top_k + shared;
   const int64_t t = i / slots;
   const int j = int(i - t * slots);
   if (j >= top_k) return E - shared + (j - top_k);
-  const int e = ids[t * top_k + j];
+  const int e = ids[t * top_k + j] - base;
   return e >= 0 && e < E - shared ? e : -1;
 }
 
@@ -67,7 +67,7 @@ __device__ __forceinline__ int expert_of(const int32_t* ids, int64_t i, int top_
 // chunk + earlier lanes of this warp with the same expert (__match_any_sync).
 __global__ void __launch_bounds__(kListThreads)
     token_lists_kernel(const int32_t* __restrict__ ids, int64_t n, int top_k, int shared, int E,
-                       TokenLists l) {
+                       int base, TokenLists l) {
   __shared__ int cnt[kMaxExperts];
   __shared__ int running[kMaxExperts];
   __shared__ int warp_cnt[32][kMaxExperts];
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kListThreads)
   for (int i = tid; i < 32 * kMaxExperts; i += kListThreads) (&warp_cnt[0][0])[i] = 0;
   __syncthreads();
   for (int64_t i = tid; i < n; i += kListThreads) {
-    const int e = expert_of(ids, i, top_k, shared, E);
+    const int e = expert_of(ids, i, top_k, shared, E, base);
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kListThreads)
 
   for (int64_t base = 0; base < n; base += kListThreads) {
     const int64_t i = base + tid;
-    const int e = i < n ? expert_of(ids, i, top_k, shared, E) : -1;
+    const int e = i < n ? expert_of(ids, i, top_k, shared, E, base) : -1;
     const unsigned peers = __match_any_sync(kFull, e);
     const int rank = __popc(peers & ((1u << lane) - 1u));
     if (e >= 0 && rank == 0) warp_cnt[warp][e] = __popc(peers);
@@ -165,9 +165,11 @@ void check(cudaError_t e, const char* what) {
 }  // namespace
 
 void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int shared,
-                        int num_experts, const TokenLists& lists, cudaStream_t stream) {
+                        int num_experts, const TokenLists& lists, cudaStream_t stream,
+                        int expert_base) {
   const int64_t n = num_tokens * (top_k + shared);
-  token_lists_kernel<<<1, kListThreads, 0, stream>>>(ids, n, top_k, shared, num_experts, lists);
+  token_lists_kernel<<<1, kListThreads, 0, stream>>>(ids, n, top_k, shared, num_experts,
+                                                     expert_base, lists);
   check(cudaGetLastError(), "token lists");
 }
 
@@ -444,7 +446,8 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));
   layout(base, n, int(E), H, F, path, s);
 
-  moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream);
+  moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream,
+                          p.expert_base);
   moe::FfnProblem problem;
   problem.x = p.x.ptr<float>();
   problem.x_stride = p.x.row_stride() / 4;

@@ -90,9 +90,11 @@ constexpr int kTileM = 64;
 int64_t max_tiles(int64_t assignments, int num_experts);
 
 // Builds the lists from ids [T, top_k] and `shared` always-on experts (the last ones of
-// num_experts) in one CTA; deterministic (no order races).
+// num_experts) in one CTA; deterministic (no order races). Routed id e is local expert
+// e - expert_base (expert parallelism); ids outside the local range are skipped.
 void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int shared,
-                        int num_experts, const TokenLists& lists, cudaStream_t stream);
+                        int num_experts, const TokenLists& lists, cudaStream_t stream,
+                        int expert_base = 0);
 
 // out[t, :] = sum_{j < top_k, ascending} weights[t, j] * y[pos[t * slots + j], :], then
 // + y[pos[t * slots + j], :] for the shared slots j in [top_k, slots).
