@@ -131,11 +131,12 @@ class CudaBackend final : public Backend {
       case Op::MatMul:
       case Op::MoeFfn:
         return plain_float(t) || t == DType::W4A16;  // W4A16: gemm_w4a16.cu, moe_w4a16.cu
-      case Op::BatchedMatMul:
-      case Op::Embed:
       case Op::StoreKv:
       case Op::Attention:
       case Op::MlaAttention:
+        return plain_float(t) || t == DType::F8_E4M3;  // F8_E4M3: the FP8 KV cache
+      case Op::BatchedMatMul:
+      case Op::Embed:
         return plain_float(t);  // no GGML block-quantized weights on CUDA yet
       default:
         return t == DType::F32;
