@@ -3,8 +3,8 @@
 namespace ds {
 
 uint64_t kv_bytes_per_token_layer(const ModelConfig& cfg, DType dtype) {
-  return paged_kv_bytes_per_token(dtype, cfg.cache_heads(), cfg.cache_head_dim(),
-                                  cfg.cache_has_v(), cfg.is_mla() ? cfg.kv_lora_rank : 0);
+  return paged_kv_bytes_per_token(dtype, cfg.cache_heads(), cfg.cache_head_dim(), cfg.cache_has_v(),
+                                  cfg.is_mla() ? cfg.kv_lora_rank : 0);
 }
 
 KvCache::KvCache(Backend& backend, const ModelConfig& cfg, const KvCacheConfig& kv) : cfg_(kv) {

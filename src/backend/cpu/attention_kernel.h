@@ -203,12 +203,12 @@ void attention_body(const AttentionParams& p, const AttentionMeta& meta, const A
   const int64_t es = int64_t(dtype_info(p.kv.dtype).type_size);
   const int32_t* table = meta.block_tables + int64_t(s) * meta.max_blocks_per_seq;
   KvRows krows{static_cast<const uint8_t*>(p.kv.k),
-                     table,
-                     p.kv.block_size,
-                     p.kv.slot_stride() * es,
-                     it.kvh * hd * es,
-                     p.kv.dtype,
-                     hd};
+               table,
+               p.kv.block_size,
+               p.kv.slot_stride() * es,
+               it.kvh * hd * es,
+               p.kv.dtype,
+               hd};
   KvRows vrows = krows;
   vrows.base = static_cast<const uint8_t*>(p.kv.v);
   if (p.kv.fp8()) {

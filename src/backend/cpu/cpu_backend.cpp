@@ -174,7 +174,8 @@ class CpuBackend final : public Backend {
                "store_kv: " + src->shape_str() + " does not fit a cache of " +
                    std::to_string(kv.kv_heads) + " x " + std::to_string(kv.head_dim));
     }
-    DS_CHECK(!kv.fp8() || (kv.k_scale && (latent || kv.v_scale)), "store_kv: FP8 cache without scales");
+    DS_CHECK(!kv.fp8() || (kv.k_scale && (latent || kv.v_scale)),
+             "store_kv: FP8 cache without scales");
     const cpu::KvStoreKernel store = cpu::kv_store_kernel(isa_);
     for (int t = 0; t < meta.num_tokens; ++t) {
       const int64_t slot = meta.slot_mapping[t];

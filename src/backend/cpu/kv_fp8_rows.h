@@ -5,7 +5,6 @@
 #include <array>
 #include <cstdint>
 
-
 namespace ds::cpu {
 
 // Where one head's scales are: scales[slot * stride + offset] (+1 for dims >= split > 0).
@@ -23,8 +22,7 @@ const std::array<float, 256>& fp8_decode_table();
 namespace {
 // n values of the head row at codes (slot `slot`) as F32 (or wider) into dst.
 template <typename Out>
-void dequant_fp8_row(const uint8_t* codes, const Fp8Scales& f, int64_t slot, int n,
-                            Out* dst) {
+void dequant_fp8_row(const uint8_t* codes, const Fp8Scales& f, int64_t slot, int n, Out* dst) {
   const std::array<float, 256>& lut = fp8_decode_table();
   const float* s = f.scales + slot * f.stride + f.offset;
   const int split = f.split > 0 ? f.split : n;

@@ -131,11 +131,11 @@ void mla_body(const MlaAttentionParams& p, const AttentionMeta& meta, const deta
   double* sums = qd + size_t(ng) * wp;  // [ng]
   double* conv = sums + ng;             // [kKeyBlock, wp]
   LatentRows rows{static_cast<const uint8_t*>(p.cache.k),
-                        meta.block_tables + int64_t(s) * meta.max_blocks_per_seq,
-                        p.cache.block_size,
-                        p.cache.slot_stride() * int64_t(dtype_info(p.cache.dtype).type_size),
-                        p.cache.dtype,
-                        width};
+                  meta.block_tables + int64_t(s) * meta.max_blocks_per_seq,
+                  p.cache.block_size,
+                  p.cache.slot_stride() * int64_t(dtype_info(p.cache.dtype).type_size),
+                  p.cache.dtype,
+                  width};
   if (p.cache.fp8()) rows.fp8 = {p.cache.k_scale, p.cache.k_scale_parts(), 0, p.cache.rope_split};
   for (int g = 0; g < ng; ++g) {
     const float* ql = mla_head_row(p.q_latent, it.token, it.head_begin + g);

@@ -276,8 +276,8 @@ DS_KDEV void load4(const uint8_t* row, int d, int n, int type, bool vec, float (
 // Elements [d, d + 4) of an FP8 cache head row of n codes as F32 (0 past n): decode(code) *
 // scales[0] below split, scales[1] from split on (split <= 0: one scale). vec: the codes are
 // 4-byte aligned. The same products as kvfp8::dequant (and the CPU reference).
-DS_KDEV void load4_fp8(const uint8_t* codes, const float* scales, int split, int d, int n,
-                       bool vec, float (&x)[4]) {
+DS_KDEV void load4_fp8(const uint8_t* codes, const float* scales, int split, int d, int n, bool vec,
+                       float (&x)[4]) {
   uint8_t c[4] = {0, 0, 0, 0};
   if (vec && d + 4 <= n) {
     check_aligned(codes + d, 4);

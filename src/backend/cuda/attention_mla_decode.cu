@@ -114,7 +114,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
         slot = j < key_end ? kern::slot_of(p, seq, j) : -1;
       }
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (slot >= 0) v = fp8x8_to_bf16x8(*reinterpret_cast<const uint2*>(p.k + slot * p.slot_bytes + c * 8));
+      if (slot >= 0)
+        v = fp8x8_to_bf16x8(*reinterpret_cast<const uint2*>(p.k + slot * p.slot_bytes + c * 8));
       *reinterpret_cast<uint4*>(base + swz(r, c, kRowBytes)) = v;
     }
     if (tid < kKeys) {

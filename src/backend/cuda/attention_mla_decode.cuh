@@ -1,5 +1,5 @@
-// MLA decode attention on tensor cores for a BF16 or FP8 latent cache (attention_mla_decode.cu): one
-// query per sequence, 16 heads per CTA sharing every cache row, split-K over the context.
+// MLA decode attention on tensor cores for a BF16 or FP8 latent cache (attention_mla_decode.cu):
+// one query per sequence, 16 heads per CTA sharing every cache row, split-K over the context.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -8,7 +8,8 @@
 //     registers across tiles; V comes from the key tile itself for MLA (the latent).
 // Accuracy: each F32 operand x is split x = hi + lo into two BF16 values (lo = x - hi, exact
 // for F16 and BF16 inputs), and products are summed as hi*hi + lo*hi (+ hi*lo when the cache
-// is not BF16; an FP8 cache row dequantizes to F32 on load, so it takes the lo part too), so results match F32 arithmetic to ~1e-5 relative rather than BF16's ~1e-3.
+// is not BF16; an FP8 cache row dequantizes to F32 on load, so it takes the lo part too), so
+// results match F32 arithmetic to ~1e-5 relative rather than BF16's ~1e-3.
 #pragma once
 
 #include "backend/cuda/attention_common.cuh"

@@ -29,8 +29,8 @@ struct HostKv {
   PagedKv kv;
 };
 
-HostKv make_kv(DType dtype, int num_blocks, int block_size, int kv_heads, int head_dim,
-               bool latent, int rope_split) {
+HostKv make_kv(DType dtype, int num_blocks, int block_size, int kv_heads, int head_dim, bool latent,
+               int rope_split) {
   HostKv h;
   const int64_t slots = int64_t(num_blocks) * block_size;
   h.k.assign(dtype_bytes(dtype, slots * kv_heads * head_dim), 0xee);
@@ -57,8 +57,8 @@ HostKv make_kv(DType dtype, int num_blocks, int block_size, int kv_heads, int he
 // F32 copy of an FP8 cache: every element as kvfp8::dequant gives it.
 HostKv dequantized(const HostKv& f) {
   const PagedKv& q = f.kv;
-  HostKv d = make_kv(DType::F32, q.num_blocks, q.block_size, q.kv_heads, q.head_dim,
-                     q.v == nullptr, 0);
+  HostKv d =
+      make_kv(DType::F32, q.num_blocks, q.block_size, q.kv_heads, q.head_dim, q.v == nullptr, 0);
   const int64_t slots = int64_t(q.num_blocks) * q.block_size;
   for (int64_t s = 0; s < slots; ++s)
     for (int h = 0; h < q.kv_heads; ++h)
@@ -229,8 +229,8 @@ TEST_F(KvFp8, StoreWritesCodesAndPerTokenScales) {
           ASSERT_EQ(stored, sc[part]);
           EXPECT_FLOAT_EQ(stored, amax / 448.0f);
           for (int i = i0; i < i1; ++i)
-            worst = std::max(worst, std::fabs(double(kvfp8::dequant(got[i], stored)) - x[i]) /
-                                        double(amax));
+            worst = std::max(
+                worst, std::fabs(double(kvfp8::dequant(got[i], stored)) - x[i]) / double(amax));
         }
         if (kv.v) {
           const uint8_t* gv = &f8.v[size_t(slot) * row + size_t(h) * size_t(s.head_dim)];
@@ -262,8 +262,8 @@ TEST_F(KvFp8, AttentionEqualsTheDequantizedF32Cache) {
     const int split = s.rope > 0 ? s.head_dim - s.rope : 0;
     HostKv f8 = make_kv(DType::F8_E4M3, pr.num_blocks, s.block_size, s.kv_heads, s.head_dim,
                         s.rope > 0, split);
-    HostKv f32 = make_kv(DType::F32, pr.num_blocks, s.block_size, s.kv_heads, s.head_dim,
-                         s.rope > 0, 0);
+    HostKv f32 =
+        make_kv(DType::F32, pr.num_blocks, s.block_size, s.kv_heads, s.head_dim, s.rope > 0, 0);
     pr.fill(*be, f8);
     pr.fill(*be, f32);
     const HostKv deq = dequantized(f8);
