@@ -19,62 +19,18 @@ namespace {
 
 using cuda::AttentionPath;
 
-// An FP8 paged cache on a backend, from seeded rows quantized on the host (kvfp8), plus its
-// dequantized contents [slots, kv_heads, head_dim] for the references.
-struct Fp8Kv {
-  test::BackendTensor k, v, ks, vs;
-  PagedKv kv;
-  std::vector<uint8_t> k_codes, v_codes;
-  std::vector<float> k_scales, v_scales, k_host, v_host;
-};
-
-Fp8Kv make_fp8_kv(Backend& b, int num_blocks, int block_size, int kv_heads, int head_dim,
-                  bool latent, int split, uint32_t seed) {
-  Fp8Kv r;
-  const int64_t slots = int64_t(num_blocks) * block_size, n = slots * kv_heads * head_dim;
-  const int parts = split > 0 ? 2 : 1;
-  for (int which = 0; which < (latent ? 1 : 2); ++which) {
-    std::vector<float> x = test::random_floats(size_t(n), seed + 101 * which);
-    // Row magnitudes vary, so each row's scale matters.
-    for (int64_t row = 0; row < slots * kv_heads; ++row) {
-      const float mag = 0.25f + float(row % 7);
-      for (int d = 0; d < head_dim; ++d) x[size_t(row * head_dim + d)] *= mag;
-    }
-    std::vector<uint8_t> codes(size_t(n));
-    std::vector<float> scales(size_t(slots * kv_heads * (which == 0 ? parts : 1)));
-    std::vector<float> deq(size_t(n));
-    for (int64_t row = 0; row < slots * kv_heads; ++row) {
-      const int sp = which == 0 ? split : 0;
-      float* sc = &scales[size_t(row * (sp > 0 ? 2 : 1))];
-      kvfp8::quantize_head(&x[size_t(row * head_dim)], head_dim, sp, &codes[size_t(row * head_dim)],
-                           sc);
-      for (int d = 0; d < head_dim; ++d)
-        deq[size_t(row * head_dim + d)] =
-            kvfp8::dequant(codes[size_t(row * head_dim + d)], sc[sp > 0 && d >= sp ? 1 : 0]);
-    }
-    test::BackendTensor ct = test::upload_bytes(b, DType::U8, {n}, codes.data(), codes.size());
-    test::BackendTensor st = test::upload_floats(b, DType::F32, {int64_t(scales.size())}, scales);
-    if (which == 0) {
-      r.k = std::move(ct), r.ks = std::move(st), r.k_codes = codes, r.k_scales = scales;
-      r.k_host = deq;
-    } else {
-      r.v = std::move(ct), r.vs = std::move(st), r.v_codes = codes, r.v_scales = scales;
-      r.v_host = deq;
-    }
-  }
-  r.kv.dtype = DType::F8_E4M3;
-  r.kv.num_blocks = num_blocks;
-  r.kv.block_size = block_size;
-  r.kv.kv_heads = kv_heads;
-  r.kv.head_dim = head_dim;
-  r.kv.rope_split = split;
-  r.kv.k = r.k.view.data;
-  r.kv.k_scale = r.ks.ptr<float>();
-  if (!latent) {
-    r.kv.v = r.v.view.data;
-    r.kv.v_scale = r.vs.ptr<float>();
-  }
-  return r;
+// An FP8 paged cache on a backend (gpu_test_util's random_paged_kv: rows quantized on the host
+// by kvfp8), with its dequantized contents for the references.
+test::BackendKv make_fp8_kv(Backend& b, int num_blocks, int block_size, int kv_heads, int head_dim,
+                            bool latent, int split, uint32_t seed) {
+  test::KvSpec spec;
+  spec.dtype = DType::F8_E4M3;
+  spec.num_blocks = num_blocks;
+  spec.block_size = block_size;
+  spec.kv_heads = kv_heads;
+  spec.head_dim = head_dim;
+  spec.latent = latent;
+  return test::random_paged_kv(b, spec, seed, split);
 }
 
 struct Case {
@@ -105,8 +61,10 @@ void check_case(const Case& c, uint32_t seed) {
   for (const auto& q : c.seqs) blocks += (q.context_len + c.block_size - 1) / c.block_size;
   const test::HostStep h = test::make_step(c.seqs, c.block_size, blocks, seed);
   const int kvh = mla ? 1 : c.kv_heads, dim = c.hd + c.rope;
-  const Fp8Kv g = make_fp8_kv(gpu, blocks, c.block_size, kvh, dim, mla, mla ? c.hd : 0, seed + 1);
-  const Fp8Kv hc = make_fp8_kv(cpu, blocks, c.block_size, kvh, dim, mla, mla ? c.hd : 0, seed + 1);
+  const test::BackendKv g =
+      make_fp8_kv(gpu, blocks, c.block_size, kvh, dim, mla, mla ? c.hd : 0, seed + 1);
+  const test::BackendKv hc =
+      make_fp8_kv(cpu, blocks, c.block_size, kvh, dim, mla, mla ? c.hd : 0, seed + 1);
   const int64_t T = h.num_tokens, H = c.heads;
   const float scale = 2.0f / std::sqrt(float(dim));
   const std::vector<float> q = test::random_floats(size_t(T * H * c.hd), seed + 2);
@@ -116,7 +74,7 @@ void check_case(const Case& c, uint32_t seed) {
   std::vector<float> results[2];
   for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
     Backend& b = on_gpu ? gpu : cpu;
-    const Fp8Kv& kv = on_gpu ? g : hc;
+    const test::BackendKv& kv = on_gpu ? g : hc;
     const test::BackendStep step = test::upload_step(b, h);
     test::BackendTensor tq = test::upload_floats(b, DType::F32, shape, q);
     test::BackendTensor tr;
@@ -247,7 +205,7 @@ TEST(CudaKvFp8, StoreMatchesCpuBits) {
     std::vector<float> scales[2], vscales[2];
     for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
       Backend& b = on_gpu ? test::cuda_backend() : test::cpu_backend();
-      Fp8Kv kv = make_fp8_kv(b, blocks, bs, s.kv_heads, s.hd, latent, s.split, 1);
+      test::BackendKv kv = make_fp8_kv(b, blocks, bs, s.kv_heads, s.hd, latent, s.split, 1);
       test::BackendTensor tk = test::upload_floats(b, DType::F32, dims, k);
       test::BackendTensor tv = test::upload_floats(b, DType::F32, dims, v);
       test::BackendTensor ts = test::upload_ints(b, slots);
