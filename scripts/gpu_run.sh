@@ -2,7 +2,7 @@
 # The one GPU job: run on the H200 machine (through the device tool) from the repo root.
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded,
-# bench, http, profile, moebench, gemmbench, hfbase, w5, w1q.
+# bench, http, profile, moebench, gemmbench, hfbase, w5, w1q, w1kv8.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -15,6 +15,7 @@
 #   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
 #   w5      bench/w5.yaml: DeepSeek-V2.5 shapes, dummy W4A16 weights made on the GPU (no files)
 #   w1q     bench/w1q.yaml: W1 on the lite checkpoint quantized to W4A16 at load (needs lite)
+#   w1kv8   bench/w1kv8.yaml: W1 (BF16 weights) with an FP8 KV cache (needs lite)
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
@@ -182,14 +183,14 @@ if has_stage moebench; then
   grep -vE "^\[|^$" "$OUT/moe-bench.log" | tail -20
 fi
 
-for w in w5 w1q; do
+for w in w5 w1q w1kv8; do
   has_stage $w || continue
   log "bench $w"
   DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
     --output "$OUT/bench-$w.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
     >"$OUT/bench-$w.log" 2>&1
   log "bench $w rc=$?"
-  grep -E "^weights:|loaded |error" "$OUT/bench-$w.log" | head -5
+  grep -E "^weights:|loaded |KV cache|error" "$OUT/bench-$w.log" | head -6
   tail -6 "$OUT/bench-$w.log"
 done
 
