@@ -148,6 +148,37 @@ TEST_P(KvFp8Fixture, GreedyGenerationStaysCloseToBf16) {
   EXPECT_GE(double(same_prefix), 0.3 * total);
 }
 
+// Per-token scales make a cached row independent of its neighbours, so a prompt continued
+// from prefix-cached blocks gives exactly the tokens of one computed from scratch.
+TEST_P(KvFp8Fixture, PrefixCacheReuseIsExact) {
+  test::CpuModel l = test::load_cpu_model(test::hf_root() / GetParam());
+  const std::vector<PromptIds> ps = read_prompts(GetParam());
+  const PromptIds& p = *std::max_element(ps.begin(), ps.end(), [](const auto& a, const auto& b) {
+    return a.ids.size() < b.ids.size();
+  });
+  std::vector<int32_t> longer = p.ids;
+  longer.insert(longer.end(), p.generated.begin(), p.generated.end());
+  auto run = [&](bool prefix_cache) {
+    EngineConfig cfg;
+    cfg.kv_dtype = DType::F8_E4M3;
+    cfg.kv_cache_tokens = 1024;
+    cfg.prefix_cache = prefix_cache;
+    cfg.block_size = 4;  // many whole blocks to share
+    Engine engine(*l.m.model, *l.backend, l.m.tokenizer.get(), cfg);
+    test::greedy_generate(engine, {p.ids}, 4, false);  // fills the prefix cache
+    std::vector<int32_t> toks;
+    int cached = 0;
+    auto h = engine.submit(test::greedy_request(longer, 12));
+    while (auto ev = h->next()) {
+      if (ev->token >= 0) toks.push_back(ev->token);
+      if (ev->final) cached = ev->usage.cached_prompt_tokens;
+    }
+    EXPECT_EQ(cached > 0, prefix_cache);
+    return toks;
+  };
+  EXPECT_EQ(run(true), run(false));
+}
+
 INSTANTIATE_TEST_SUITE_P(Hf, KvFp8Fixture, ::testing::ValuesIn(test::hf_fixture_names()),
                          [](const auto& info) { return info.param; });
 
