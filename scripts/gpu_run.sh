@@ -3,7 +3,7 @@
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded,
 # bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
-# multigpu.
+# multigpu, w1kv8.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -26,6 +26,7 @@
 #           generate tokens/s, bench/gguf-smollm2.yaml, and the GGUF GEMM micro-benchmark
 #   multigpu  (2+ GPUs) the TP/EP GPU tests, the collective micro-benchmark, and W1/W2 on the
 #           lite checkpoint at --tensor-parallel-size 2, with and without expert parallelism
+#   w1kv8   bench/w1kv8.yaml: W1 (BF16 weights) with an FP8 KV cache (needs lite)
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
@@ -200,14 +201,14 @@ if has_stage attnbench; then
   grep -vE "^\[|^$" "$OUT/attn-bench.log" | tail -20
 fi
 
-for w in w5 w1q w1f long; do
+for w in w5 w1q w1f w1kv8 long; do
   has_stage $w || continue
   log "bench $w"
   DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
     --output "$OUT/bench-$w.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
     >"$OUT/bench-$w.log" 2>&1
   log "bench $w rc=$?"
-  grep -E "^weights:|loaded |error" "$OUT/bench-$w.log" | head -5
+  grep -E "^weights:|loaded |KV cache|error" "$OUT/bench-$w.log" | head -6
   tail -6 "$OUT/bench-$w.log"
 done
 

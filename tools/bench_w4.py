@@ -176,7 +176,7 @@ def main():
     ap.add_argument("--timeout", type=float, default=600, help="seconds per deepserve run")
     ap.add_argument("--precision", choices=["f32", "q8"], default="f32",
                     help="deepserve's --precision (activations against quantized weights)")
-    ap.add_argument("--kv-cache-dtype", choices=["f32", "f16", "bf16"],
+    ap.add_argument("--kv-cache-dtype", choices=["f32", "f16", "bf16", "fp8"],
                     help="deepserve's --kv-cache-dtype (default: deepserve's own, f16 on the CPU)")
     ap.add_argument("--output", help="default: bench/results/<date>-w4-cpu-<precision>.json")
     args = ap.parse_args()

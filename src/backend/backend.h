@@ -86,8 +86,32 @@ struct PagedKv {
   int block_size = 16;
   int kv_heads = 0;
   int head_dim = 0;
+  // FP8 cache (dtype F8_E4M3): k / v hold e4m3 codes (fp8w::encode of x / scale) and every
+  // slot has F32 scales apart from the codes, indexed like the slots (so paging moves them
+  // together): k_scale[slot * k_scale_parts() + part], v_scale[slot * kv_heads + head].
+  // Parts are per kv head; with rope_split > 0 (MLA) head dims [0, rope_split) (the latent)
+  // and [rope_split, head_dim) (the rope key) have a scale each. scale = absmax / 448.
+  float* k_scale = nullptr;
+  float* v_scale = nullptr;
+  int rope_split = 0;
   int64_t slot_stride() const { return int64_t(kv_heads) * head_dim; }  // elements
+  bool fp8() const { return dtype == DType::F8_E4M3; }
+  int k_scale_parts() const { return kv_heads * (rope_split > 0 ? 2 : 1); }
+  // Index into k_scale of element i of head h in a slot.
+  int64_t k_scale_index(int64_t slot, int h, int i) const {
+    return slot * k_scale_parts() + (rope_split > 0 ? 2 * h + (i >= rope_split ? 1 : 0) : h);
+  }
 };
+
+// Bytes one token takes in one layer's cache (codes plus FP8 scales).
+inline uint64_t paged_kv_bytes_per_token(DType dtype, int kv_heads, int head_dim, bool has_v,
+                                         int rope_split) {
+  const uint64_t row = dtype_bytes(dtype, int64_t(kv_heads) * head_dim);
+  uint64_t bytes = row * (has_v ? 2 : 1);
+  if (dtype == DType::F8_E4M3)
+    bytes += 4 * uint64_t(kv_heads) * ((rope_split > 0 ? 2 : 1) + (has_v ? 1 : 0));
+  return bytes;
+}
 
 // Step metadata shared by all layers: which tokens belong to which sequence, where each
 // sequence's cache lives. Built once per step (pointers in the backend's memory space).

@@ -330,7 +330,8 @@ BenchSpec parse_bench_spec(const std::string& yaml, const std::string& source,
   if (auto v = r.integer({"seed"}, 0, INT64_MAX)) s.seed = uint64_t(*v);
 
   if (auto v = r.number({"bandwidth_gbps"}, 1e-3, 1e7)) s.bandwidth_gbps = *v;
-  if (auto v = r.choice({"kv_dtype"}, {"f32", "f16", "bf16"})) s.kv_dtype = *v;
+  if (auto v = r.choice({"kv_dtype", "kv_cache_dtype"}, {"f32", "f16", "bf16", "fp8"}))
+    s.kv_dtype = *v;
   if (auto v = r.number({"gpu_hour_price"}, 0, 1e6)) s.gpu_hour_price = *v;
 
   if (auto v = r.string({"url"})) s.url = expand_env(*v, env, source + ": url");

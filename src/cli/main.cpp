@@ -62,9 +62,10 @@ void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
       ->check(CLI::IsMember({"dynamic", "static"}))
       ->capture_default_str();
   app->add_option("--kv-cache-dtype", e.kv_dtype,
-                  "KV cache element type: f32, f16 or bf16 (default: on the CPU f32 with "
+                  "KV cache element type: f32, f16, bf16 or fp8 (e4m3 codes with a scale per "
+                  "token and part, about half bf16's bytes; default: on the CPU f32 with "
                   "--precision f32, which stays exact, f16 with q8; bf16 on CUDA)")
-      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+      ->check(CLI::IsMember({"f32", "f16", "bf16", "fp8"}));
   app->add_flag("!--no-prefix-cache", e.prefix_cache, "do not reuse cached prompt prefixes");
   app->add_option("--max-num-seqs,--max-batch-size", e.max_num_seqs, "running sequences at most")
       ->check(CLI::PositiveNumber)

@@ -32,7 +32,8 @@ DType kv_cache_dtype(const std::string& name, DeviceKind device, const std::stri
   if (name == "f32") return DType::F32;
   if (name == "f16") return DType::F16;
   if (name == "bf16") return DType::BF16;
-  throw Error("KV cache dtype must be f32, f16 or bf16, not '" + name + "'");
+  if (name == "fp8") return DType::F8_E4M3;
+  throw Error("KV cache dtype must be f32, f16, bf16 or fp8, not '" + name + "'");
 }
 
 namespace {

@@ -310,6 +310,14 @@ void Engine::copy_blocks(const std::vector<BlockCopy>& copies) {
             TensorView::contiguous(base, kv.dtype, {kv.num_blocks, row}, backend_.device());
         backend_.copy(all.slice_rows(src, src + 1), all.slice_rows(dst, dst + 1));
       }
+      // An FP8 cache's scales are paged like its codes.
+      const int64_t k_parts = kv.k_scale_parts(), v_parts = kv.kv_heads;
+      for (const auto& [scales, parts] : {std::pair{kv.k_scale, k_parts}, {kv.v_scale, v_parts}}) {
+        if (!scales) continue;
+        TensorView all = TensorView::contiguous(
+            scales, DType::F32, {kv.num_blocks, int64_t(kv.block_size) * parts}, backend_.device());
+        backend_.copy(all.slice_rows(src, src + 1), all.slice_rows(dst, dst + 1));
+      }
     }
   for (const auto& [src, dst] : copies) model_.mirror_block_copy(int(src), int(dst));
 }

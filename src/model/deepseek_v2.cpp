@@ -146,7 +146,7 @@ class DeepseekV2 final : public Model {
   }
 
   uint64_t kv_bytes_per_token(DType kv_dtype) const override {
-    return uint64_t(cfg_.layers) * dtype_bytes(kv_dtype, cfg_.cache_head_dim());
+    return uint64_t(cfg_.layers) * kv_bytes_per_token_layer(cfg_, kv_dtype);
   }
 
   std::vector<ExpertLoad> expert_load() override {

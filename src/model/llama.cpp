@@ -75,8 +75,7 @@ class Llama final : public Model {
     return b;
   }
   uint64_t kv_bytes_per_token(DType kv_dtype) const override {
-    return uint64_t(cfg_.layers) * 2 *
-           dtype_bytes(kv_dtype, int64_t(cfg_.kv_heads) * cfg_.head_dim);
+    return uint64_t(cfg_.layers) * kv_bytes_per_token_layer(cfg_, kv_dtype);
   }
 
   void forward(const ForwardInput& in, KvCache& cache, TensorView logits) override {

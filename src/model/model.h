@@ -22,6 +22,9 @@ struct KvCacheConfig {
   DType dtype = DType::F32;
 };
 
+// Bytes one token takes in one layer's KV cache of `dtype` (FP8: codes plus scales).
+uint64_t kv_bytes_per_token_layer(const ModelConfig& cfg, DType dtype);
+
 // Per-layer paged K/V storage, allocated on the model's backend.
 class KvCache {
  public:

@@ -30,6 +30,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/kv_fp8.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
@@ -529,25 +530,56 @@ struct KvSpec {
 };
 
 // A paged cache on a backend. k_host / v_host hold what the cache holds (rounded to the cache
-// dtype), flat [num_blocks * block_size, kv_heads, head_dim], for building references.
+// dtype; FP8: dequantized), flat [num_blocks * block_size, kv_heads, head_dim], for building
+// references. An FP8 cache (dtype F8_E4M3) gets codes and per-token scales made by kvfp8 on the
+// host, split at rope_split for a latent cache.
 struct BackendKv {
-  BackendTensor k, v;  // v empty when latent
+  BackendTensor k, v;    // v empty when latent
+  BackendTensor ks, vs;  // FP8 scales
   PagedKv kv;
   std::vector<float> k_host, v_host;
 };
 
-// Filled with seeded uniform values in [-1, 1); the same spec and seed give the same contents
-// on every backend.
-inline BackendKv random_paged_kv(Backend& b, const KvSpec& s, uint32_t seed) {
+// FP8 rows of x ([rows, head_dim]): codes, scales ([rows, parts]) and the dequantized values.
+inline void quantize_fp8_rows(std::vector<float>& x, int head_dim, int split,
+                              std::vector<uint8_t>& codes, std::vector<float>& scales) {
+  const size_t rows = x.size() / size_t(head_dim);
+  const int parts = split > 0 ? 2 : 1;
+  codes.resize(x.size());
+  scales.resize(rows * size_t(parts));
+  for (size_t r = 0; r < rows; ++r) {
+    float* row = &x[r * size_t(head_dim)];
+    float* sc = &scales[r * size_t(parts)];
+    kvfp8::quantize_head(row, head_dim, split, &codes[r * size_t(head_dim)], sc);
+    for (int d = 0; d < head_dim; ++d)
+      row[d] = kvfp8::dequant(codes[r * size_t(head_dim) + size_t(d)], sc[split > 0 && d >= split]);
+  }
+}
+
+// Filled with seeded uniform values in [-1, 1) (FP8: times a per-row magnitude, so the
+// scales differ); the same spec and seed give the same contents on every backend.
+inline BackendKv random_paged_kv(Backend& b, const KvSpec& s, uint32_t seed, int rope_split = 0) {
   DS_CHECK(!s.latent || s.kv_heads == 1, "a latent cache has one kv head");
   const std::vector<int64_t> dims = {int64_t(s.num_blocks) * s.block_size, s.kv_heads, s.head_dim};
   BackendKv r;
-  r.k_host = round_to(s.dtype, random_floats(size_t(s.elements()), seed));
-  r.k = upload_floats(b, s.dtype, dims, r.k_host);
-  if (!s.latent) {
-    r.v_host = round_to(s.dtype, random_floats(size_t(s.elements()), seed + 7919));
-    r.v = upload_floats(b, s.dtype, dims, r.v_host);
-  }
+  const bool fp8 = s.dtype == DType::F8_E4M3;
+  auto fill = [&](uint32_t sd, int split, std::vector<float>& host, BackendTensor& codes_t,
+                  BackendTensor& scales_t) {
+    host = random_floats(size_t(s.elements()), sd);
+    if (!fp8) {
+      host = round_to(s.dtype, host);
+      codes_t = upload_floats(b, s.dtype, dims, host);
+      return;
+    }
+    for (size_t i = 0; i < host.size(); ++i) host[i] *= 0.25f + float((i / size_t(s.head_dim)) % 7);
+    std::vector<uint8_t> codes;
+    std::vector<float> scales;
+    quantize_fp8_rows(host, s.head_dim, split, codes, scales);
+    codes_t = upload_bytes(b, DType::U8, {int64_t(codes.size())}, codes.data(), codes.size());
+    scales_t = upload_floats(b, DType::F32, {int64_t(scales.size())}, scales);
+  };
+  fill(seed, s.latent ? rope_split : 0, r.k_host, r.k, r.ks);
+  if (!s.latent) fill(seed + 7919, 0, r.v_host, r.v, r.vs);
   r.kv.k = r.k.view.data;
   r.kv.v = s.latent ? nullptr : r.v.view.data;
   r.kv.dtype = s.dtype;
@@ -555,6 +587,11 @@ inline BackendKv random_paged_kv(Backend& b, const KvSpec& s, uint32_t seed) {
   r.kv.block_size = s.block_size;
   r.kv.kv_heads = s.kv_heads;
   r.kv.head_dim = s.head_dim;
+  if (fp8) {
+    r.kv.rope_split = s.latent ? rope_split : 0;
+    r.kv.k_scale = r.ks.ptr<float>();
+    r.kv.v_scale = s.latent ? nullptr : r.vs.ptr<float>();
+  }
   return r;
 }
 

@@ -361,7 +361,7 @@ void run_case(const SimCase& c, uint32_t seed) {
   spec.kv_heads = mla ? 1 : c.kv_heads;
   spec.head_dim = c.hd + c.rope;
   spec.latent = mla;
-  const test::BackendKv kv = test::random_paged_kv(host, spec, seed + 1);
+  const test::BackendKv kv = test::random_paged_kv(host, spec, seed + 1, mla ? c.hd : 0);
 
   const std::vector<float> q = test::random_floats(size_t(T * H * c.hd), seed + 2);
   const std::vector<float> qr = test::random_floats(size_t(T * H * c.rope), seed + 3);
@@ -421,7 +421,11 @@ void run_case(const SimCase& c, uint32_t seed) {
     for (int d = c.hd; d < c.hd + pad; ++d)
       EXPECT_TRUE(std::isnan(outbuf[r * size_t(c.hd + pad) + size_t(d)])) << "pad written";
   }
-  EXPECT_TRUE(test::all_close(out, want, test::attention_tolerance(), "attention", {T, H, c.hd}));
+  // FP8 rows are scaled up to 6.25 (so their scales differ): outputs are that much larger.
+  const test::Tolerance tol = test::attention_tolerance();
+  const test::Tolerance fp8_tol{8 * tol.abs, tol.rel};
+  EXPECT_TRUE(test::all_close(out, want, c.dtype == DType::F8_E4M3 ? fp8_tol : tol, "attention",
+                              {T, H, c.hd}));
 }
 
 std::vector<test::StepSeq> mixed_seqs() {
@@ -497,6 +501,26 @@ TEST(CudaAttentionSim, MlaTensorCores) {
   c.seqs = {{2, 36}};
   c.heads = 1, c.hd = 72, c.rope = 16, c.sm_count = 1, c.min_splits = 1;
   run_case(c, 503);
+}
+
+// FP8 cache: codes and per-token scales read by both kernel families (GQA K and V scales
+// per head, MLA latent and rope scales), with splits and block size 1.
+TEST(CudaAttentionSim, Fp8Cache) {
+  uint32_t seed = 900;
+  for (bool mma : {false, true})
+    for (int bs : {1, 4}) {
+      SimCase c;
+      c.seqs = mixed_seqs();
+      c.dtype = DType::F8_E4M3;
+      c.tensor_cores = mma;
+      c.block_size = bs;
+      c.heads = 6, c.kv_heads = 2, c.hd = 36;
+      run_case(c, seed++);
+      c.heads = 3, c.hd = 32, c.rope = 8;  // MLA
+      run_case(c, seed++);
+      c.sm_count = 20, c.min_splits = 2;
+      run_case(c, seed++);
+    }
 }
 
 TEST(CudaAttentionSim, StridedViews) {

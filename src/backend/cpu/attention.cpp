@@ -3,6 +3,7 @@
 
 #include "backend/cpu/attention_kernel.h"
 #include "backend/cpu/isa_dispatch.h"
+#include "backend/fp8w.h"
 
 namespace ds::cpu {
 
@@ -15,6 +16,15 @@ void kv_store_generic(const float* src, int64_t n, DType dtype, void* dst) {
   narrow_row(src, n, dtype, static_cast<uint8_t*>(dst));
 }
 }  // namespace detail
+
+const std::array<float, 256>& fp8_decode_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[size_t(c)] = fp8w::decode(uint8_t(c));
+    return t;
+  }();
+  return table;
+}
 
 KvStoreKernel kv_store_kernel(Isa isa) {
   return by_isa<KvStoreKernel>(isa, detail::kv_store_generic, detail::kv_store_avx2,

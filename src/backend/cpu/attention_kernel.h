@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "backend/cpu/attention.h"
+#include "backend/cpu/kv_fp8_rows.h"
 #include "core/dtype.h"
 #if defined(__F16C__)
 #include "backend/cpu/simd_common.h"
@@ -159,7 +160,7 @@ inline void widen_16bit(const uint8_t* src, DType dtype, size_t n, float* dst) {
   for (const uint8_t* h = src + 2 * i; i < n; ++i, h += 2) dst[i] = fp16_to_f32(bits16(h));
 }
 
-// Cached rows of one kv head of one sequence, as F32 (converting F16/BF16 into a buffer).
+// Cached rows of one kv head of one sequence, as F32 (converting F16/BF16/FP8 into a buffer).
 struct KvRows {
   const uint8_t* base;
   const int32_t* table;
@@ -167,6 +168,7 @@ struct KvRows {
   int64_t slot_bytes, head_offset;  // bytes
   DType dtype;
   int hd;
+  Fp8Scales fp8 = {};  // FP8 caches: the slot's scales
 
   const uint8_t* raw(int j) const {
     const int64_t slot = int64_t(table[j / block_size]) * block_size + j % block_size;
@@ -176,6 +178,11 @@ struct KvRows {
   const float* row(int j, float* buf) const {
     const uint8_t* r = raw(j);
     if (dtype == DType::F32) return reinterpret_cast<const float*>(r);
+    if (dtype == DType::F8_E4M3) {
+      const int64_t slot = int64_t(table[j / block_size]) * block_size + j % block_size;
+      dequant_fp8_row(r, fp8, slot, hd, buf);
+      return buf;
+    }
     widen_16bit(r, dtype, size_t(hd), buf);
     return buf;
   }
@@ -195,15 +202,20 @@ void attention_body(const AttentionParams& p, const AttentionMeta& meta, const A
 
   const int64_t es = int64_t(dtype_info(p.kv.dtype).type_size);
   const int32_t* table = meta.block_tables + int64_t(s) * meta.max_blocks_per_seq;
-  const KvRows krows{static_cast<const uint8_t*>(p.kv.k),
-                     table,
-                     p.kv.block_size,
-                     p.kv.slot_stride() * es,
-                     it.kvh * hd * es,
-                     p.kv.dtype,
-                     hd};
+  KvRows krows{static_cast<const uint8_t*>(p.kv.k),
+               table,
+               p.kv.block_size,
+               p.kv.slot_stride() * es,
+               it.kvh * hd * es,
+               p.kv.dtype,
+               hd};
   KvRows vrows = krows;
   vrows.base = static_cast<const uint8_t*>(p.kv.v);
+  if (p.kv.fp8()) {
+    krows.fp8 = {p.kv.k_scale, p.kv.k_scale_parts(), p.kv.k_scale_index(0, it.kvh, 0),
+                 p.kv.rope_split};
+    vrows.fp8 = {p.kv.v_scale, p.kv.kv_heads, it.kvh, 0};
+  }
 
   float* scores =  // [ng, n_pad]
       scratch.reserve(int64_t(ng) * (n_pad + kSplit * hd_pad + 1) + int64_t(kKeyBlock) * hd_pad);

@@ -11,6 +11,7 @@
 #include "backend/cpu/mla_attention.h"
 #include "backend/cpu/moe.h"
 #include "backend/cpu/sample.h"
+#include "backend/kv_fp8.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 
@@ -59,8 +60,9 @@ class CpuBackend final : public Backend {
         return t == DType::F32 || cpu::matmul_supports(t);
       case Op::StoreKv:
       case Op::Attention:
-      case Op::BatchedMatMul:
       case Op::MlaAttention:
+        return t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::F8_E4M3;
+      case Op::BatchedMatMul:
         return t == DType::F32 || t == DType::F16 || t == DType::BF16;
       case Op::MoeFfn:
         return cpu::matmul_supports(t, act());
@@ -172,6 +174,8 @@ class CpuBackend final : public Backend {
                "store_kv: " + src->shape_str() + " does not fit a cache of " +
                    std::to_string(kv.kv_heads) + " x " + std::to_string(kv.head_dim));
     }
+    DS_CHECK(!kv.fp8() || (kv.k_scale && (latent || kv.v_scale)),
+             "store_kv: FP8 cache without scales");
     const cpu::KvStoreKernel store = cpu::kv_store_kernel(isa_);
     for (int t = 0; t < meta.num_tokens; ++t) {
       const int64_t slot = meta.slot_mapping[t];
@@ -183,7 +187,15 @@ class CpuBackend final : public Backend {
         for (int64_t h = 0; h < kv.kv_heads; ++h) {
           const float* s = reinterpret_cast<const float*>(static_cast<const uint8_t*>(src->data) +
                                                           t * src->stride[0] + h * src->stride[1]);
-          store(s, kv.head_dim, kv.dtype, d + h * kv.head_dim * es);
+          if (!kv.fp8()) {
+            store(s, kv.head_dim, kv.dtype, d + h * kv.head_dim * es);
+          } else if (src == &k) {
+            kvfp8::quantize_head(s, kv.head_dim, kv.rope_split, d + h * kv.head_dim,
+                                 kv.k_scale + kv.k_scale_index(slot, int(h), 0));
+          } else {
+            kvfp8::quantize_head(s, kv.head_dim, 0, d + h * kv.head_dim,
+                                 kv.v_scale + slot * kv.kv_heads + h);
+          }
         }
       }
     }
@@ -192,6 +204,8 @@ class CpuBackend final : public Backend {
   void attention(const AttentionParams& p, const AttentionMeta& meta) override {
     const int heads = int(p.q.shape[1]), kv_heads = p.kv.kv_heads;
     const int group = heads / kv_heads;
+    DS_CHECK(!p.kv.fp8() || (p.kv.k_scale && p.kv.v_scale && p.kv.rope_split == 0),
+             "attention: an FP8 cache needs K and V scales");
     std::vector<int>& seq_of = seq_of_;
     seq_of.resize(size_t(meta.num_tokens));
     for (int s = 0; s < meta.num_seqs; ++s)

@@ -42,7 +42,9 @@ void mla_attention(const MlaAttentionParams& p, const AttentionMeta& meta, Threa
   const PagedKv& c = p.cache;
   DS_CHECK(c.v == nullptr && c.kv_heads == 1 && c.head_dim == R + P && c.k != nullptr,
            "mla_attention needs a latent cache (v == nullptr, 1 kv head, head_dim = R + P)");
-  if (c.dtype != DType::F32 && c.dtype != DType::F16 && c.dtype != DType::BF16)
+  DS_CHECK(!c.fp8() || (c.k_scale && c.rope_split == R),
+           "mla_attention: an FP8 latent cache needs scales split at kv_lora_rank");
+  if (c.dtype != DType::F32 && c.dtype != DType::F16 && c.dtype != DType::BF16 && !c.fp8())
     throw UnsupportedError("cpu mla_attention does not support a " +
                            std::string(dtype_name(c.dtype)) + " cache");
   DS_CHECK(meta.num_tokens == T, "mla_attention: meta.num_tokens != q_latent tokens");

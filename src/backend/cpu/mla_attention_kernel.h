@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "backend/cpu/kv_fp8_rows.h"
 #include "backend/cpu/mla_attention.h"
 #include "core/dtype.h"
 
@@ -66,11 +67,14 @@ struct LatentRows {
   int64_t slot_bytes;
   DType dtype;
   int width;
+  Fp8Scales fp8 = {};  // FP8 caches: the latent and rope scales of each slot
 
   void widen(int j, double* dst) const {
     const int64_t slot = int64_t(table[j / block_size]) * block_size + j % block_size;
     const uint8_t* r = base + slot * slot_bytes;
-    if (dtype == DType::F32) {
+    if (dtype == DType::F8_E4M3) {
+      dequant_fp8_row(r, fp8, slot, width, dst);
+    } else if (dtype == DType::F32) {
       const auto* f = reinterpret_cast<const float*>(r);
       for (int i = 0; i < width; ++i) dst[i] = f[i];
     } else if (dtype == DType::F16) {
@@ -126,12 +130,13 @@ void mla_body(const MlaAttentionParams& p, const AttentionMeta& meta, const deta
   double* qd = acc + size_t(ng) * rp;   // [ng, wp]: q_latent then q_rope
   double* sums = qd + size_t(ng) * wp;  // [ng]
   double* conv = sums + ng;             // [kKeyBlock, wp]
-  const LatentRows rows{static_cast<const uint8_t*>(p.cache.k),
-                        meta.block_tables + int64_t(s) * meta.max_blocks_per_seq,
-                        p.cache.block_size,
-                        p.cache.slot_stride() * int64_t(dtype_info(p.cache.dtype).type_size),
-                        p.cache.dtype,
-                        width};
+  LatentRows rows{static_cast<const uint8_t*>(p.cache.k),
+                  meta.block_tables + int64_t(s) * meta.max_blocks_per_seq,
+                  p.cache.block_size,
+                  p.cache.slot_stride() * int64_t(dtype_info(p.cache.dtype).type_size),
+                  p.cache.dtype,
+                  width};
+  if (p.cache.fp8()) rows.fp8 = {p.cache.k_scale, p.cache.k_scale_parts(), 0, p.cache.rope_split};
   for (int g = 0; g < ng; ++g) {
     const float* ql = mla_head_row(p.q_latent, it.token, it.head_begin + g);
     const float* qr = mla_head_row(p.q_rope, it.token, it.head_begin + g);

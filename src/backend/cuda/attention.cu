@@ -167,7 +167,7 @@ void mla_attention_on(const Context& ctx, const MlaAttentionParams& p, const Att
   const kern::AttnParams a = mla_params(p, meta);
   const bool decode = mla_decode_fits(a);
   DS_CHECK(decode || path != AttentionPath::MlaDecode,
-           "cuda mla_attention: the decode kernel needs a BF16 cache, R 512, rope dims a "
+           "cuda mla_attention: the decode kernel needs a BF16 or FP8 cache, R 512, rope dims a "
            "multiple of 16 up to 64 and one query per sequence");
   if (decode && (path == AttentionPath::Auto || path == AttentionPath::MlaDecode)) {
     run_mla_decode(ctx, a);

@@ -14,10 +14,12 @@
 #pragma once
 
 #include "backend/cuda/attention_port.cuh"
+#include "backend/kv_fp8.h"
 
 namespace ds::cuda::kern {
 
-enum CacheType : int { kCacheF32 = 0, kCacheF16 = 1, kCacheBF16 = 2 };
+// kCacheFP8: e4m3 codes plus F32 scales per slot and part (PagedKv's FP8 layout).
+enum CacheType : int { kCacheF32 = 0, kCacheF16 = 1, kCacheBF16 = 2, kCacheFP8 = 3 };
 
 struct AttnParams {
   // Query row (t, h): dims [0, q_dims) at q + t * q_ts + h * q_hs (F32, bytes), dims
@@ -35,6 +37,11 @@ struct AttnParams {
   const uint8_t* v = nullptr;
   int cache_type = kCacheF32;
   int64_t slot_bytes = 0, head_bytes = 0;
+  // kCacheFP8: key scales k_scale[slot * k_scale_parts + kv head * (rope_split ? 2 : 1) + part]
+  // (part 1 = dims >= rope_split > 0), value scales v_scale[slot * kv_heads + kv head].
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int k_scale_parts = 0, rope_split = 0;
   int block_size = 1;
   int vec_ok = 0;  // rows and offsets aligned for 4-element vector loads
   int dim = 0;     // score dims (head_dim; MLA: R + P)
@@ -266,13 +273,57 @@ DS_KDEV void load4(const uint8_t* row, int d, int n, int type, bool vec, float (
   }
 }
 
-// load4 of the cache row in slot `slot` after `base` (zeros for a key past the tile: slot < 0).
-DS_KDEV void load_slot4(const uint8_t* base, int slot, int64_t slot_bytes, int d, int n, int type,
-                        bool vec, float (&x)[4]) {
-  if (slot >= 0)
-    load4(base + int64_t(slot) * slot_bytes, d, n, type, vec, x);
-  else
+// Elements [d, d + 4) of an FP8 cache head row of n codes as F32 (0 past n): decode(code) *
+// scales[0] below split, scales[1] from split on (split <= 0: one scale). vec: the codes are
+// 4-byte aligned. The same products as kvfp8::dequant (and the CPU reference).
+DS_KDEV void load4_fp8(const uint8_t* codes, const float* scales, int split, int d, int n, bool vec,
+                       float (&x)[4]) {
+  uint8_t c[4] = {0, 0, 0, 0};
+  if (vec && d + 4 <= n) {
+    check_aligned(codes + d, 4);
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(codes + d);
+    DS_UNROLL for (int i = 0; i < 4; ++i) c[i] = uint8_t(w >> (8 * i));
+  } else {
+    DS_UNROLL for (int i = 0; i < 4; ++i) c[i] = d + i < n ? codes[d + i] : uint8_t(0);
+  }
+  DS_UNROLL for (int i = 0; i < 4; ++i) {
+    const int e = d + i;
+    x[i] = e < n ? kvfp8::dequant(c[i], scales[split > 0 && e >= split ? 1 : 0]) : 0.0f;
+  }
+}
+
+// Key dims [d, d + 4) of kv head kvh in slot `slot`, any cache type (zeros for slot < 0, a key
+// past the tile). The FP8 branch is the one cache read other kernels can reuse as it is.
+DS_KDEV void load_key4(const AttnParams& p, int kvh, int slot, int d, float (&x)[4]) {
+  if (slot < 0) {
     x[0] = x[1] = x[2] = x[3] = 0.0f;
+    return;
+  }
+  const uint8_t* row = p.k + int64_t(slot) * p.slot_bytes + kvh * p.head_bytes;
+  if (p.cache_type == kCacheFP8) {
+    const int per_head = p.rope_split > 0 ? 2 : 1;
+    const float* s = p.k_scale + int64_t(slot) * p.k_scale_parts + kvh * per_head;
+    load4_fp8(row, s, p.rope_split, d, p.dim, p.vec_ok, x);
+  } else {
+    load4(row, d, p.dim, p.cache_type, p.vec_ok, x);
+  }
+}
+
+// Value dims [dv0 + d, dv0 + d + 4) of kv head kvh in slot `slot` (separate V), 0 past dv0 + n.
+DS_KDEV void load_value4(const AttnParams& p, int kvh, int slot, int dv0, int d, int n,
+                         float (&x)[4]) {
+  if (slot < 0) {
+    x[0] = x[1] = x[2] = x[3] = 0.0f;
+    return;
+  }
+  const uint8_t* row = p.v + int64_t(slot) * p.slot_bytes + kvh * p.head_bytes;
+  if (p.cache_type == kCacheFP8) {
+    const float* s = p.v_scale + int64_t(slot) * p.kv_heads + kvh;
+    load4_fp8(row + dv0, s, 0, d, n, p.vec_ok && dv0 % 4 == 0, x);
+  } else {
+    const int es = p.cache_type == kCacheF32 ? 4 : 2;
+    load4(row + int64_t(dv0) * es, d, n, p.cache_type, p.vec_ok, x);
+  }
 }
 
 DS_KDEV int64_t part_row(const AttnParams& p, int split, int token, int head) {

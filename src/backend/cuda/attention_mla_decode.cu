@@ -7,6 +7,9 @@
 // each) and the value dims for O (64 each). Q and P are split into BF16 hi + lo parts, so the
 // products keep about F32 precision (the cache itself is exact BF16). Online softmax in base 2
 // as the other attention kernels; splits write the same partials and share their merge.
+// FP8 cache (kFp8): the e4m3 codes are staged as BF16 (exact) by plain loads, and each key's
+// scales are applied outside the MMAs: S = s_latent (Q_lat . codes) + s_rope (Q_rope . codes),
+// and P is multiplied by s_latent before P . V, so the products stay as exact as for BF16.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -32,8 +35,10 @@ constexpr int kRowBytes = kMaxDim * 2;  // staged row stride (BF16)
 constexpr int kQBytes = kRows * kRowBytes;
 constexpr int kTileBytes = kKeys * kRowBytes;
 constexpr int kPBytes = kRows * kKeys * 2;
-// Q hi, Q lo, two cache stages, P hi, P lo, row max / sum exchange.
-constexpr int kSmemBytes = 2 * kQBytes + 2 * kTileBytes + 2 * kPBytes + 2 * kWarps * kRows * 4;
+constexpr int kScaleBytes = kKeys * 2 * 4;  // FP8: (latent, rope) scale of each key of a stage
+// Q hi, Q lo, two cache stages, P hi, P lo, row max / sum exchange, two stages of scales.
+constexpr int kSmemBytes =
+    2 * kQBytes + 2 * kTileBytes + 2 * kPBytes + 2 * kWarps * kRows * 4 + 2 * kScaleBytes;
 static_assert(kR == kWarps * 64, "each warp owns 64 value dims");
 
 // Byte offset of 16-byte chunk c of a staged row r (rows of `row_bytes`): chunks swizzled
@@ -48,7 +53,22 @@ __device__ __forceinline__ void split_bf16(float v, __nv_bfloat16& hi, __nv_bflo
   lo = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
+// The 8 FP8 codes of one staged 16-byte chunk as 8 BF16 values (e4m3 values are exact in BF16).
+__device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 w) {
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t word = i < 2 ? w.x : w.y;
+    const int sh = 16 * (i & 1);
+    const __nv_bfloat16 lo = __float2bfloat16_rn(fp8w::decode(uint8_t(word >> sh)));
+    const __nv_bfloat16 hi = __float2bfloat16_rn(fp8w::decode(uint8_t(word >> (sh + 8))));
+    out[i] = uint32_t(__bfloat16_as_ushort(lo)) | (uint32_t(__bfloat16_as_ushort(hi)) << 16);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // Grid (num_seqs, splits, ceil(heads / 16)).
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::AttnParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* q_hi = smem;
@@ -58,6 +78,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
   uint8_t* p_lo = p_hi + kPBytes;
   float* red_max = reinterpret_cast<float*>(p_lo + kPBytes);  // [kWarps][kRows]
   float* red_sum = red_max + kWarps * kRows;                  // [kWarps][kRows]
+  float* scl0 = red_sum + kWarps * kRows;                     // FP8: [2 stages][kKeys][2]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
@@ -80,7 +101,36 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
     return;
   }
 
+  // FP8: plain loads of 8 codes per staged chunk, converted to BF16, and the keys' scales.
+  auto load_tile_fp8 = [&](int stage, int k0) {
+    uint8_t* base = stage0 + stage * kTileBytes;
+    int cached_row = -1;
+    int64_t slot = -1;
+    for (int i = tid; i < kKeys * chunks; i += kThreads) {
+      const int r = i / chunks, c = i - r * chunks;
+      if (r != cached_row) {
+        cached_row = r;
+        const int j = k0 + r;
+        slot = j < key_end ? kern::slot_of(p, seq, j) : -1;
+      }
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (slot >= 0)
+        v = fp8x8_to_bf16x8(*reinterpret_cast<const uint2*>(p.k + slot * p.slot_bytes + c * 8));
+      *reinterpret_cast<uint4*>(base + swz(r, c, kRowBytes)) = v;
+    }
+    if (tid < kKeys) {
+      const int j = k0 + tid;
+      const int64_t s = j < key_end ? kern::slot_of(p, seq, j) : -1;
+      float* sc = scl0 + (stage * kKeys + tid) * 2;
+      sc[0] = s >= 0 ? p.k_scale[s * p.k_scale_parts] : 0.0f;
+      sc[1] = s >= 0 ? p.k_scale[s * p.k_scale_parts + 1] : 0.0f;
+    }
+  };
   auto load_tile = [&](int stage, int k0) {
+    if constexpr (kFp8) {
+      load_tile_fp8(stage, k0);
+      return;
+    }
     const uint32_t base = smem_u32(stage0 + stage * kTileBytes);
     int cached_row = -1;
     int64_t slot = -1;
@@ -150,13 +200,32 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
       ptx::mma_bf16(acc, ah, b[0], b[1]);
       ptx::mma_bf16(acc, al, b[0], b[1]);
     };
-    for (int kk = 0; kk < dim; kk += 32) {
-      qk_step(kk, sa[0]);
-      if (kk + 16 < dim) qk_step(kk + 16, sa[1]);
-    }
     float s[4];
+    const float* scl = scl0 + (t & 1) * kKeys * 2;  // FP8: this tile's (latent, rope) scales
+    if constexpr (kFp8) {
+      // The latent and rope dims have their own scales: separate sums, scaled per key.
+      float sr[2][4] = {};
+      for (int kk = 0; kk < kR; kk += 32) {
+        qk_step(kk, sa[0]);
+        qk_step(kk + 16, sa[1]);
+      }
+      for (int kk = kR; kk < dim; kk += 32) {
+        qk_step(kk, sr[0]);
+        if (kk + 16 < dim) qk_step(kk + 16, sr[1]);
+      }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] = sa[0][e] + sa[1][e];
+      for (int e = 0; e < 4; ++e) {
+        const float* ks = scl + (warp * 8 + c2 + (e & 1)) * 2;
+        s[e] = (sa[0][e] + sa[1][e]) * ks[0] + (sr[0][e] + sr[1][e]) * ks[1];
+      }
+    } else {
+      for (int kk = 0; kk < dim; kk += 32) {
+        qk_step(kk, sa[0]);
+        if (kk + 16 < dim) qk_step(kk + 16, sa[1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[e] = sa[0][e] + sa[1][e];
+    }
     // Base-2 scores; keys past the split are -inf.
     float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -188,10 +257,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
     for (int h = 0; h < 2; ++h) {
       const float p0 = exp2f(s[2 * h] - m_new[h]), p1 = exp2f(s[2 * h + 1] - m_new[h]);
       psum[h] = p0 + p1;
-      __nv_bfloat16 hi0, lo0, hi1, lo1;
-      split_bf16(p0, hi0, lo0);
-      split_bf16(p1, hi1, lo1);
       const int r = g + 8 * h, col = warp * 8 + c2;
+      // FP8: V = s_latent * codes, so P . V takes P * s_latent (the sum keeps plain P).
+      const float v0 = kFp8 ? p0 * scl[col * 2] : p0, v1 = kFp8 ? p1 * scl[(col + 1) * 2] : p1;
+      __nv_bfloat16 hi0, lo0, hi1, lo1;
+      split_bf16(v0, hi0, lo0);
+      split_bf16(v1, hi1, lo1);
       const uint32_t off = swz(r, col / 8, kKeys * 2) + (col % 8) * 2;
       *reinterpret_cast<__nv_bfloat162*>(p_hi + off) = __halves2bfloat162(hi0, hi1);
       *reinterpret_cast<__nv_bfloat162*>(p_lo + off) = __halves2bfloat162(lo0, lo1);
@@ -265,9 +336,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
 
 bool mla_decode_fits(const kern::AttnParams& a) {
   const int P = a.dim - a.dv;
-  return a.cache_type == kern::kCacheBF16 && a.dv == kR && P >= 0 && P <= kMlaDecodeMaxRope &&
-         P % 16 == 0 && a.num_tokens == a.num_seqs && a.kv_heads == 1 && a.slot_bytes % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(a.k) % 16 == 0;
+  const bool fp8 = a.cache_type == kern::kCacheFP8;
+  const bool cache_ok = a.cache_type == kern::kCacheBF16 ||
+                        (fp8 && a.rope_split == kR && a.k_scale_parts == 2 && a.k_scale != nullptr);
+  // FP8 rows are read 8 codes at a time (8-byte loads); BF16 rows by 16-byte cp.async.
+  const int align = fp8 ? 8 : 16;
+  return cache_ok && a.dv == kR && P >= 0 && P <= kMlaDecodeMaxRope && P % 16 == 0 &&
+         a.num_tokens == a.num_seqs && a.kv_heads == 1 && a.slot_bytes % align == 0 &&
+         reinterpret_cast<uintptr_t>(a.k) % align == 0;
 }
 
 int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
@@ -287,14 +363,19 @@ void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream) {
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   const uint64_t bit = uint64_t(1) << (dev & 63);
   if (!(smem_set.load() & bit)) {
-    check_cuda(cudaFuncSetAttribute(mla_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kSmemBytes),
-               "mla decode smem limit");
+    for (const void* kernel : {reinterpret_cast<const void*>(mla_decode_kernel<false>),
+                               reinterpret_cast<const void*>(mla_decode_kernel<true>)})
+      check_cuda(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+          "mla decode smem limit");
     smem_set.fetch_or(bit);
   }
   const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
                   unsigned((a.heads + kRows - 1) / kRows));
-  mla_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
+  if (a.cache_type == kern::kCacheFP8)
+    mla_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a);
+  else
+    mla_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a);
   check_cuda(cudaGetLastError(), "mla decode kernel");
 }
 

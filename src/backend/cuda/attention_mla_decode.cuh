@@ -1,5 +1,5 @@
-// MLA decode attention on tensor cores for a BF16 latent cache (attention_mla_decode.cu): one
-// query per sequence, 16 heads per CTA sharing every cache row, split-K over the context.
+// MLA decode attention on tensor cores for a BF16 or FP8 latent cache (attention_mla_decode.cu):
+// one query per sequence, 16 heads per CTA sharing every cache row, split-K over the context.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,7 +12,7 @@ namespace ds::cuda {
 constexpr int kMlaDecodeRank = 512;    // kv_lora_rank the kernel is built for (DeepSeek-V2/V3)
 constexpr int kMlaDecodeMaxRope = 64;  // rope dims: a multiple of 16 up to this
 
-// Whether the parameter block (plan not applied) suits the kernel: BF16 cache, R = 512, rope
+// Whether the parameter block (plan not applied) suits the kernel: BF16 or FP8 cache, R = 512, rope
 // dims a multiple of 16 up to 64, every sequence decoding one token, 16-byte aligned rows.
 bool mla_decode_fits(const kern::AttnParams& a);
 // Context splits for the grid: one unless the sequences leave SMs idle; host-known sizes only

@@ -8,7 +8,8 @@
 //     registers across tiles; V comes from the key tile itself for MLA (the latent).
 // Accuracy: each F32 operand x is split x = hi + lo into two BF16 values (lo = x - hi, exact
 // for F16 and BF16 inputs), and products are summed as hi*hi + lo*hi (+ hi*lo when the cache
-// is not BF16), so results match F32 arithmetic to ~1e-5 relative rather than BF16's ~1e-3.
+// is not BF16; an FP8 cache row dequantizes to F32 on load, so it takes the lo part too), so
+// results match F32 arithmetic to ~1e-5 relative rather than BF16's ~1e-3.
 #pragma once
 
 #include "backend/cuda/attention_common.cuh"
@@ -134,9 +135,6 @@ DS_KDEV void mma_attention(const AttnParams& p, const Thread& th, uint8_t* smem)
     DS_UNROLL for (int e = 0; e < 4; ++e) o[i][e] = 0.0f;
   }
 
-  const uint8_t* kbase = p.k + t.kvh * p.head_bytes;
-  const uint8_t* vbase = kSepV ? p.v + t.kvh * p.head_bytes : nullptr;
-  const int es = p.cache_type == kCacheF32 ? 4 : 2;
   const uint16_t* vh = kSepV ? v_hi : k_hi + t.dv0;  // value column 0 of this chunk
   const uint16_t* vl = kSepV ? v_lo : k_lo + t.dv0;
   const int vstride = kSepV ? L.vs : L.ks;
@@ -152,7 +150,7 @@ DS_KDEV void mma_attention(const AttnParams& p, const Thread& th, uint8_t* smem)
         kMmaKeys * ku, th,
         [&](int u, float(&x)[4]) {
           const int j = u / ku, c = u % ku;
-          load_slot4(kbase, slots[j], p.slot_bytes, 4 * c, p.dim, p.cache_type, p.vec_ok, x);
+          load_key4(p, t.kvh, slots[j], 4 * c, x);
         },
         [&](int u, const float(&x)[4]) {
           const int i = (u / ku) * L.ks + 4 * (u % ku);
@@ -164,8 +162,7 @@ DS_KDEV void mma_attention(const AttnParams& p, const Thread& th, uint8_t* smem)
           kMmaKeys * vu, th,
           [&](int u, float(&x)[4]) {
             const int j = u / vu, c = u % vu;
-            load_slot4(vbase + int64_t(t.dv0) * es, slots[j], p.slot_bytes, 4 * c, t.nv,
-                       p.cache_type, p.vec_ok, x);
+            load_value4(p, t.kvh, slots[j], t.dv0, 4 * c, t.nv, x);
           },
           [&](int u, const float(&x)[4]) {
             const int i = (u / vu) * L.vs + 4 * (u % vu);

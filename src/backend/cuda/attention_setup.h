@@ -90,6 +90,8 @@ inline int kernel_cache_type(DType t) {
       return kern::kCacheF16;
     case DType::BF16:
       return kern::kCacheBF16;
+    case DType::F8_E4M3:
+      return kern::kCacheFP8;
     default:
       throw UnsupportedError("cuda attention: cache dtype " + std::string(dtype_name(t)));
   }
@@ -118,6 +120,14 @@ inline void set_cache(kern::AttnParams& a, const PagedKv& kv) {
   a.slot_bytes = kv.slot_stride() * es;
   a.head_bytes = int64_t(kv.head_dim) * es;
   a.block_size = kv.block_size;
+  if (kv.fp8()) {
+    DS_CHECK(kv.k_scale != nullptr && (kv.v == nullptr || kv.v_scale != nullptr),
+             "cuda attention: an FP8 cache needs its scales");
+    a.k_scale = kv.k_scale;
+    a.v_scale = kv.v_scale;
+    a.k_scale_parts = kv.k_scale_parts();
+    a.rope_split = kv.rope_split;
+  }
   const int64_t align = 4 * es;
   auto aligned = [&](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % align == 0; };
   a.vec_ok = aligned(kv.k) && (!kv.v || aligned(kv.v)) && a.slot_bytes % align == 0 &&
@@ -144,6 +154,7 @@ inline kern::AttnParams gqa_params(const AttentionParams& p, const AttentionMeta
                                          std::to_string(kv.kv_heads));
   DS_CHECK(hd >= 1 && hd <= 256,
            "cuda attention: head_dim " + std::to_string(hd) + " outside [1, 256]");
+  DS_CHECK(!kv.fp8() || kv.rope_split == 0, "cuda attention: a K/V cache has one scale per head");
   check_rows(p.q, meta.num_tokens, heads, hd, "q");
   check_rows(p.out, meta.num_tokens, heads, hd, "out");
   kern::AttnParams a;
@@ -177,6 +188,8 @@ inline kern::AttnParams mla_params(const MlaAttentionParams& p, const AttentionM
                                                  " must be a multiple of 8 up to 1024");
   DS_CHECK(P >= 0 && P <= 128, "cuda mla_attention: rope dims " + std::to_string(P) +
                                    " (cache head_dim - kv_lora_rank) outside [0, 128]");
+  DS_CHECK(!kv.fp8() || kv.rope_split == R,
+           "cuda mla_attention: an FP8 latent cache must split its scales at kv_lora_rank");
   check_rows(p.q_latent, meta.num_tokens, heads, R, "q_latent");
   check_rows(p.out, meta.num_tokens, heads, R, "out");
   if (P > 0) check_rows(p.q_rope, meta.num_tokens, heads, P, "q_rope");

@@ -75,9 +75,6 @@ DS_KDEV void simt_attention(const AttnParams& p, const Thread& th, uint8_t* smem
     DS_UNROLL for (int c = 0; c < kNI; ++c) o[i][c] = 0.0f;
   }
 
-  const uint8_t* kbase = p.k + t.kvh * p.head_bytes;
-  const uint8_t* vbase = separate_v ? p.v + t.kvh * p.head_bytes : nullptr;
-  const int es = p.cache_type == kCacheF32 ? 4 : 2;
   const int kunits = L.dq / 4, vunits = L.vstride / 4;
   const float* vsrc = separate_v ? v_s : k_s + t.dv0;
   const int vs = separate_v ? L.vstride : L.kstride;
@@ -92,7 +89,7 @@ DS_KDEV void simt_attention(const AttnParams& p, const Thread& th, uint8_t* smem
         kSimtKeys * kunits, th,
         [&](int u, float(&x)[4]) {
           const int j = u / kunits, c = u % kunits;
-          load_slot4(kbase, slots[j], p.slot_bytes, 4 * c, p.dim, p.cache_type, p.vec_ok, x);
+          load_key4(p, t.kvh, slots[j], 4 * c, x);
         },
         [&](int u, const float(&x)[4]) {
           float* dst = k_s + (u / kunits) * L.kstride + 4 * (u % kunits);
@@ -103,8 +100,7 @@ DS_KDEV void simt_attention(const AttnParams& p, const Thread& th, uint8_t* smem
           kSimtKeys * vunits, th,
           [&](int u, float(&x)[4]) {
             const int j = u / vunits, c = u % vunits;
-            load_slot4(vbase + int64_t(t.dv0) * es, slots[j], p.slot_bytes, 4 * c, t.nv,
-                       p.cache_type, p.vec_ok, x);
+            load_value4(p, t.kvh, slots[j], t.dv0, 4 * c, t.nv, x);
           },
           [&](int u, const float(&x)[4]) {
             float* dst = v_s + (u / vunits) * L.vstride + 4 * (u % vunits);

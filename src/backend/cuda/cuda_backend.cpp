@@ -138,10 +138,11 @@ class CudaBackend final : public Backend {
       case Op::Embed:
         return plain_float(t) || cuda::is_gguf_block_type(t);
       case Op::BatchedMatMul:
+        return plain_float(t);
       case Op::StoreKv:
       case Op::Attention:
       case Op::MlaAttention:
-        return plain_float(t);  // no GGML block-quantized weights on CUDA yet
+        return plain_float(t) || t == DType::F8_E4M3;  // F8_E4M3: the FP8 KV cache
       default:
         return t == DType::F32;
     }

@@ -13,7 +13,7 @@ namespace ds::cuda {
 struct StoreKvArgs {
   TensorView k;                           // [T, kv_heads, head_dim] F32, strided in T and heads
   TensorView v;                           // likewise; ignored for a latent cache (kv.v == nullptr)
-  PagedKv kv;                             // F32, F16 or BF16
+  PagedKv kv;                             // F32, F16, BF16 or FP8 (codes + scales)
   const int32_t* slot_mapping = nullptr;  // [T] device
   int num_tokens = 0;
   DeviceErrors* errors = nullptr;  // a slot outside the cache sets bad_slot; nothing is written

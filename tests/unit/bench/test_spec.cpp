@@ -250,5 +250,17 @@ TEST(BenchSpec, ReadsLoadFormatAndQuantize) {
             std::string::npos);
 }
 
+TEST(BenchSpec, ReadsFp8KvCacheAndW1kv8) {
+  EXPECT_EQ(parse("kv_dtype: fp8\ninput_len: 1\noutput_len: 1\n").kv_dtype, "fp8");
+  EXPECT_EQ(parse("kv_cache_dtype: fp8\ninput_len: 1\noutput_len: 1\n").kv_dtype, "fp8");
+  EXPECT_NE(error_of("kv_dtype: int8\ninput_len: 1\noutput_len: 1\n").find("kv_dtype"),
+            std::string::npos);
+  const BenchSpec w = load_bench_spec(std::string(DS_FIXTURES_DIR) + "/../../bench/w1kv8.yaml",
+                                      env_of({{"DEEPSERVE_V2_LITE", "/models/v2-lite"}}));
+  EXPECT_EQ(w.name, "w1kv8");
+  EXPECT_EQ(w.kv_dtype, "fp8");
+  EXPECT_EQ(w.device, "cuda");
+}
+
 }  // namespace
 }  // namespace ds
