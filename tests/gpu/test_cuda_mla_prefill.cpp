@@ -47,7 +47,7 @@ Inputs make_inputs(Backend& b, const Case& c, uint32_t seed) {
   spec.block_size = c.block_size;
   spec.head_dim = kR + kP;
   spec.latent = true;
-  in.kv = test::random_paged_kv(b, spec, seed + 1);
+  in.kv = test::random_paged_kv(b, spec, seed + 1, kR);  // FP8: latent and rope scales apart
   const int64_t T = in.h.num_tokens, H = c.heads;
   in.q = test::random_floats(size_t(T * H * kQk), seed + 2);
   const float a = 1.5f / std::sqrt(float(kR));  // keys and values of std ~0.5
@@ -166,6 +166,8 @@ TEST(CudaMlaPrefill, PackedBatchesAgainstExpandedReference) {
   check_case({.heads = 16, .block_size = 16, .causal = false, .seqs = chunked}, seed++);
   check_case({.heads = 128, .block_size = 16, .seqs = small}, seed++);
   check_case({.heads = 128, .block_size = 1, .seqs = {{150, 700}, {40, 40}}}, seed++);
+  // FP8 cache (--kv-cache-dtype fp8): the gather dequantizes; the reference reads the same values.
+  check_case({.heads = 16, .block_size = 16, .cache = DType::F8_E4M3, .seqs = chunked}, seed++);
 }
 
 // The same inputs through the absorbed-form reference (attention_reference.h): q_latent =

@@ -11,6 +11,7 @@
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/mla_prefill.cuh"
 #include "backend/cuda/mma_ptx.cuh"
+#include "backend/kv_fp8.h"
 
 namespace ds::cuda {
 namespace {
@@ -31,6 +32,11 @@ __device__ __forceinline__ void load_cache8(const PagedKv& kv, int64_t slot, int
   } else if (kv.dtype == DType::BF16) {
     const bf16* p = static_cast<const bf16*>(kv.k) + e;
     DS_UNROLL for (int i = 0; i < 8; ++i) x[i] = __bfloat162float(p[i]);
+  } else if (kv.dtype == DType::F8_E4M3) {  // codes + a scale per slot and part (kv_fp8.h)
+    const uint8_t* p = static_cast<const uint8_t*>(kv.k) + e;
+    const int parts = kv.kv_heads * (kv.rope_split > 0 ? 2 : 1);  // PagedKv::k_scale_parts
+    const float sc = kv.k_scale[slot * parts + (kv.rope_split > 0 && d >= kv.rope_split ? 1 : 0)];
+    DS_UNROLL for (int i = 0; i < 8; ++i) x[i] = kvfp8::dequant(p[i], sc);
   } else {  // F16 (mla_prefill_wanted admits nothing else)
     const __half* p = static_cast<const __half*>(kv.k) + e;
     DS_UNROLL for (int i = 0; i < 8; ++i) x[i] = __half2float(p[i]);
@@ -321,7 +327,8 @@ bool mla_prefill_wanted(const MlaPrefillParams& p, const AttentionMeta& meta) {
     return false;
   const PagedKv& kv = p.cache;
   if (kv.v != nullptr || kv.kv_heads != 1 || kv.head_dim != R + kRope ||
-      (kv.dtype != DType::F32 && kv.dtype != DType::BF16 && kv.dtype != DType::F16))
+      (kv.dtype != DType::F32 && kv.dtype != DType::BF16 && kv.dtype != DType::F16 &&
+       kv.dtype != DType::F8_E4M3))
     return false;
   if (meta.max_query_len < kMinQuery || meta.num_seqs <= 0) return false;
   // Buffers are padded to max_context_len per sequence: skip steps where that is mostly waste
