@@ -40,9 +40,11 @@ struct DiffCase {
   std::vector<DiffPrompt> prompts;
 };
 
-// The configurations index.json lists, in order (empty when the folder is absent).
-inline std::vector<nlohmann::json> hf_diff_index() {
-  std::ifstream in(hf_diff_root() / "index.json");
+// The configurations index.json lists, in order (empty when the folder is absent); `root` is
+// hf_diff or another folder in its schema (hf_fp8, tools/make_fp8_fixture.py).
+inline std::vector<nlohmann::json> hf_diff_index(
+    const std::filesystem::path& root = hf_diff_root()) {
+  std::ifstream in(root / "index.json");
   if (!in) return {};
   const auto j = nlohmann::json::parse(in);
   return j.at("configs").get<std::vector<nlohmann::json>>();
@@ -57,14 +59,15 @@ std::vector<T> tensor_values(const SafetensorsFile& f, const std::string& name) 
   return out;
 }
 
-inline DiffCase read_diff_case(const nlohmann::json& entry) {
+inline DiffCase read_diff_case(const nlohmann::json& entry,
+                               const std::filesystem::path& root = hf_diff_root()) {
   DiffCase c;
   c.name = entry.at("name");
   c.arch = entry.at("arch");
   c.layout = entry.at("layout");
   c.dtype = entry.at("dtype");
   c.vocab = entry.at("vocab");
-  const auto f = SafetensorsFile::open(hf_diff_root() / c.name / "reference.safetensors");
+  const auto f = SafetensorsFile::open(root / c.name / "reference.safetensors");
   for (int i = 0; f.find("p" + std::to_string(i) + ".ids"); ++i) {
     const std::string p = "p" + std::to_string(i) + ".";
     DiffPrompt q;

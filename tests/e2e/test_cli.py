@@ -183,3 +183,34 @@ def test_inspect_reports_bound_formats(run):
     assert set(bound) >= {"W4A16", "BF16", "F32"}
     assert 0.515 <= bound["W4A16"]["bytes_per_param"] < 0.6
     assert bound["BF16"]["bytes_per_param"] == 2
+
+
+FP8 = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf_fp8")
+
+
+def read_safetensors_i32(path, name):
+    """One I32 tensor of a safetensors file (header: u64 length, JSON; then the data)."""
+    import struct
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        meta = json.loads(f.read(n))[name]
+        assert meta["dtype"] == "I32"
+        b, e = meta["data_offsets"]
+        f.seek(8 + n + b)
+        data = f.read(e - b)
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2_block128", "llama_channel"])
+def test_fp8_checkpoint_generates_the_reference_tokens(run, tmp_path, name):
+    """An FP8 checkpoint (F8_E4M3 + scales) through the CLI: bound as FP8W, and the greedy
+    tokens of transformers on the dequantized weights (tools/make_fp8_fixture.py)."""
+    folder = os.path.join(FP8, name)
+    ref = os.path.join(folder, "reference.safetensors")
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(map(str, read_safetensors_i32(ref, "p4.ids"))))
+    p = run("generate", "-m", folder, "--device", "cpu", "--prompt-ids-file", ids, "-n", "32",
+            "--temperature", "0", "--ignore-eos", "--json", "--threads", "2")
+    assert "FP8W" in p.stderr, p.stderr
+    assert json.loads(p.stdout)["tokens"] == read_safetensors_i32(ref, "p4.generated")
+    assert "FP8W" in run("inspect", folder).stdout.split("bound weights")[1]
