@@ -102,8 +102,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
   }
 
   // FP8: plain loads of 8 codes per staged chunk, converted to BF16, and the keys' scales.
-  auto load_tile_fp8 = [&](int stage, int k0) {
-    uint8_t* base = stage0 + stage * kTileBytes;
+  // Calls chunk(r, c, slot) for the tile's (key row, 8-element chunk) pairs of this thread,
+  // looking each row's slot up once (-1 past the split's keys).
+  auto for_tile_chunks = [&](int k0, auto&& chunk) {
     int cached_row = -1;
     int64_t slot = -1;
     for (int i = tid; i < kKeys * chunks; i += kThreads) {
@@ -113,11 +114,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
         const int j = k0 + r;
         slot = j < key_end ? kern::slot_of(p, seq, j) : -1;
       }
+      chunk(r, c, slot);
+    }
+  };
+  auto load_tile_fp8 = [&](int stage, int k0) {
+    uint8_t* base = stage0 + stage * kTileBytes;
+    for_tile_chunks(k0, [&](int r, int c, int64_t slot) {
       uint4 v = make_uint4(0, 0, 0, 0);
       if (slot >= 0)
         v = fp8x8_to_bf16x8(*reinterpret_cast<const uint2*>(p.k + slot * p.slot_bytes + c * 8));
       *reinterpret_cast<uint4*>(base + swz(r, c, kRowBytes)) = v;
-    }
+    });
     if (tid < kKeys) {
       const int j = k0 + tid;
       const int64_t s = j < key_end ? kern::slot_of(p, seq, j) : -1;
@@ -132,18 +139,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
       return;
     }
     const uint32_t base = smem_u32(stage0 + stage * kTileBytes);
-    int cached_row = -1;
-    int64_t slot = -1;
-    for (int i = tid; i < kKeys * chunks; i += kThreads) {
-      const int r = i / chunks, c = i - r * chunks;
-      if (r != cached_row) {
-        cached_row = r;
-        const int j = k0 + r;
-        slot = j < key_end ? kern::slot_of(p, seq, j) : -1;
-      }
+    for_tile_chunks(k0, [&](int r, int c, int64_t slot) {
       const uint8_t* src = slot >= 0 ? p.k + slot * p.slot_bytes + c * 16 : p.k;
       ptx::cp_async16(base + swz(r, c, kRowBytes), src, slot >= 0);
-    }
+    });
   };
   const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
   load_tile(0, key_begin);

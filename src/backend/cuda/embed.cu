@@ -9,22 +9,10 @@ template <typename T>
 __global__ void embed_kernel(const void* table, int64_t table_stride, int64_t vocab,
                              const int32_t* __restrict__ ids, int n, void* out, RowIndex orow,
                              int64_t dim, DeviceErrors* errors) {
-  for (int t = int(blockIdx.x); t < n; t += int(gridDim.x)) {
-    const int32_t id = ids[t];
-    float* o = at_bytes<float>(out, orow.offset(t));
-    if (id < 0 || id >= vocab) {
-      if (threadIdx.x == 0) {
-        volatile DeviceErrors* e = errors;
-        e->token = id;
-        e->vocab = int(vocab);
-        e->bad_token = 1;
-      }
-      for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) o[i] = 0.0f;
-      continue;
-    }
+  embed_rows(ids, n, vocab, out, orow, dim, errors, [&](float* o, int32_t id) {
     const T* row = at_bytes<T>(table, int64_t(id) * table_stride);
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) o[i] = to_f32(row[i]);
-  }
+  });
 }
 
 template <typename T>

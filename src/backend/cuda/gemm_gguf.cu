@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backend/cuda/embed.cuh"
 #include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gguf_blocks.cuh"
 
@@ -62,19 +63,7 @@ template <DType T>
 __global__ void gguf_embed_kernel(const uint8_t* table, int64_t table_row, int64_t vocab,
                                   const int32_t* __restrict__ ids, int n, void* out, RowIndex orow,
                                   int64_t dim, DeviceErrors* errors) {
-  for (int t = int(blockIdx.x); t < n; t += int(gridDim.x)) {
-    const int32_t id = ids[t];
-    float* o = at_bytes<float>(out, orow.offset(t));
-    if (id < 0 || id >= vocab) {
-      if (threadIdx.x == 0) {
-        volatile DeviceErrors* e = errors;
-        e->token = id;
-        e->vocab = int(vocab);
-        e->bad_token = 1;
-      }
-      for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) o[i] = 0.0f;
-      continue;
-    }
+  embed_rows(ids, n, vocab, out, orow, dim, errors, [&](float* o, int32_t id) {
     const uint8_t* row = table + int64_t(id) * table_row;
     for (int64_t q = threadIdx.x; q < dim / 8; q += blockDim.x) {
       float w[8];
@@ -82,7 +71,7 @@ __global__ void gguf_embed_kernel(const uint8_t* table, int64_t table_row, int64
       DS_UNROLL
       for (int i = 0; i < 8; ++i) o[q * 8 + i] = w[i];
     }
-  }
+  });
 }
 
 void check_weight(const TensorView& w, const char* what) {

@@ -11,6 +11,22 @@ struct Src {
   int64_t stride_t, stride_h;  // bytes
 };
 
+// Whether token slot gets stored: not for -1, a padding token (graph buckets), nor for a slot
+// outside [0, capacity), which sets bad_slot.
+__device__ __forceinline__ bool storable(int64_t slot, int64_t capacity, DeviceErrors* errors) {
+  if (slot == -1) return false;
+  if (slot < 0 || slot >= capacity) {
+    if (threadIdx.x == 0) {
+      volatile DeviceErrors* e = errors;
+      e->slot = int(slot);
+      e->capacity = int(capacity);
+      e->bad_slot = 1;
+    }
+    return false;
+  }
+  return true;
+}
+
 // One block per token; threads over (head, dim) of k and then v.
 template <typename T>
 __global__ void store_kv_kernel(Src k, Src v, T* kc, T* vc, const int32_t* __restrict__ slots,
@@ -18,16 +34,7 @@ __global__ void store_kv_kernel(Src k, Src v, T* kc, T* vc, const int32_t* __res
                                 DeviceErrors* errors) {
   for (int t = int(blockIdx.x); t < num_tokens; t += int(gridDim.x)) {
     const int64_t slot = slots[t];
-    if (slot == -1) continue;  // a padding token (graph buckets): nothing to store
-    if (slot < 0 || slot >= capacity) {
-      if (threadIdx.x == 0) {
-        volatile DeviceErrors* e = errors;
-        e->slot = int(slot);
-        e->capacity = int(capacity);
-        e->bad_slot = 1;
-      }
-      continue;
-    }
+    if (!storable(slot, capacity, errors)) continue;
     const int per_token = heads * dim;
     const int64_t base = slot * per_token;
     for (int j = int(threadIdx.x); j < per_token; j += int(blockDim.x)) {
@@ -57,16 +64,7 @@ __global__ void store_kv_fp8_kernel(Src k, Src v, Fp8Dst kd, Fp8Dst vd,
   const int rows_per_token = heads * (vd.codes ? 2 : 1);
   for (int t = int(blockIdx.x); t < num_tokens; t += int(gridDim.x)) {
     const int64_t slot = slots[t];
-    if (slot == -1) continue;
-    if (slot < 0 || slot >= capacity) {
-      if (threadIdx.x == 0) {
-        volatile DeviceErrors* e = errors;
-        e->slot = int(slot);
-        e->capacity = int(capacity);
-        e->bad_slot = 1;
-      }
-      continue;
-    }
+    if (!storable(slot, capacity, errors)) continue;
     for (int r = warp; r < rows_per_token; r += warps) {
       const bool is_v = r >= heads;
       const int h = is_v ? r - heads : r;
