@@ -175,6 +175,25 @@ __device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
   return {e, begin, min(kTileM, l.offsets[e + 1] - begin)};
 }
 
+// The CtaJob of a tile's tokens (rows of x, K wide) against `rows` weight rows at w0 (and w1,
+// gate/up), over all of K's groups.
+__device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, const uint8_t* w1,
+                                           int64_t w_stride, int rows, const void* x, int K) {
+  CtaJob jb;
+  jb.w0 = w0;
+  jb.w1 = w1;
+  jb.w_stride = w_stride;
+  jb.rows = rows;
+  jb.x = static_cast<const __nv_bfloat16*>(x) + int64_t(tl.begin) * K;
+  jb.ldx = K;
+  jb.kp = K;
+  jb.tokens = tl.rows;
+  jb.K = K;
+  jb.g_begin = 0;
+  jb.g_end = (K + kGroup - 1) / kGroup;
+  return jb;
+}
+
 // Grid (ceil(F / 64), tiles): h[p, f] = bf16(silu(gate_f . x_p) * (up_f . x_p)).
 template <WqFormat F>
 __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
@@ -183,18 +202,9 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
   if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
   const int H = a.hidden, Fi = a.inter, f0 = blockIdx.x * (kBN / 2);
-  CtaJob jb;
-  jb.w0 = static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * ex.gate_ld;
-  jb.w1 = static_cast<const uint8_t*>(ex.up) + int64_t(f0) * ex.up_ld;
-  jb.w_stride = ex.gate_ld;
-  jb.rows = min(kBN / 2, Fi - f0);
-  jb.x = static_cast<const __nv_bfloat16*>(a.xa) + int64_t(tl.begin) * H;
-  jb.ldx = H;
-  jb.kp = H;
-  jb.tokens = tl.rows;
-  jb.K = H;
-  jb.g_begin = 0;
-  jb.g_end = (H + kGroup - 1) / kGroup;
+  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * ex.gate_ld,
+                             static_cast<const uint8_t*>(ex.up) + int64_t(f0) * ex.up_ld,
+                             ex.gate_ld, min(kBN / 2, Fi - f0), a.xa, H);
   float acc[kRM][kTN][4];
   run_cta<F>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -218,18 +228,8 @@ __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
   if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
   const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
-  CtaJob jb;
-  jb.w0 = static_cast<const uint8_t*>(ex.down) + int64_t(n0) * ex.down_ld;
-  jb.w1 = nullptr;
-  jb.w_stride = ex.down_ld;
-  jb.rows = min(kBN, H - n0);
-  jb.x = static_cast<const __nv_bfloat16*>(a.h) + int64_t(tl.begin) * Fi;
-  jb.ldx = Fi;
-  jb.kp = Fi;
-  jb.tokens = tl.rows;
-  jb.K = Fi;
-  jb.g_begin = 0;
-  jb.g_end = (Fi + kGroup - 1) / kGroup;
+  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * ex.down_ld,
+                             nullptr, ex.down_ld, min(kBN, H - n0), a.h, Fi);
   float acc[kRM][kTN][4];
   run_cta<F>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;

@@ -129,6 +129,19 @@ __device__ __forceinline__ int warp_row(bool gate_up, int warp, int i) {
   return gate_up ? i * (kBN / 2) + warp * 16 : warp * 32 + i * 16;
 }
 
+// Calls f(i, j, q) for the accumulator fragments of the token blocks with work (j < tn), unrolled.
+template <typename Fn>
+__device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
+#pragma unroll
+  for (int i = 0; i < kRM; ++i)
+#pragma unroll
+    for (int j = 0; j < kTN; ++j)
+      if (j < tn) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) f(i, j, q);
+      }
+}
+
 template <WqFormat F>
 __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][kTN][4]) {
   using Fm = Fmt<F>;
@@ -207,14 +220,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][kTN][
         sc[i][h] = Fm::scale(ss[r], gi);
       }
     float part[kRM][kTN][4];  // this group's sums; token blocks >= tn stay untouched
-#pragma unroll
-    for (int i = 0; i < kRM; ++i)
-#pragma unroll
-      for (int j = 0; j < kTN; ++j)
-        if (j < tn) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) part[i][j][q] = 0.0f;
-        }
+    for_live_frags(tn, [&](int i, int j, int q) { part[i][j][q] = 0.0f; });
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       uint32_t a[kRM][2][4];  // [block][mma of the pair][fragment]
@@ -252,15 +258,9 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][kTN][
         }
       }
     }
-#pragma unroll
-    for (int i = 0; i < kRM; ++i)
-#pragma unroll
-      for (int j = 0; j < kTN; ++j)
-        if (j < tn) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q)
-            acc[i][j][q] = fmaf(part[i][j][q], sc[i][q >> 1], acc[i][j][q]);
-        }
+    for_live_frags(tn, [&](int i, int j, int q) {
+      acc[i][j][q] = fmaf(part[i][j][q], sc[i][q >> 1], acc[i][j][q]);
+    });
   }
   ptx::cp_async_wait<0>();
 }
