@@ -47,19 +47,12 @@ __global__ void __launch_bounds__(kThreads) dense_kernel(DenseArgs a) {
   jb.g_end = min(G, jb.g_begin + a.groups_per_split);
   float acc[kRM][kTN][4];
   run_cta<F>(jb, smem, acc);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   float* out = a.splits > 1 ? a.out + int64_t(blockIdx.z) * a.m * a.n : a.out;
   const int64_t ld = a.splits > 1 ? a.n : a.ldo;
-#pragma unroll
-  for (int i = 0; i < kRM; ++i)
-#pragma unroll
-    for (int j = 0; j < kTN; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int64_t row = n0 + warp_row<F>(false, warp, i) + g + 8 * (q >> 1);
-        const int64_t tok = t0 + j * 8 + 2 * t + (q & 1);
-        if (row < a.n && tok < a.m) out[tok * ld + row] = acc[i][j][q];
-      }
+  for_each_out<F>(acc, [&](int r, int k, float v) {
+    const int64_t row = n0 + r, tok = t0 + k;
+    if (row < a.n && tok < a.m) out[tok * ld + row] = v;
+  });
 }
 
 // out[m, n] = sum over s (ascending) of part[s, m, n].
@@ -232,17 +225,10 @@ __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
                              nullptr, ex.down_ld, min(kBN, H - n0), a.h, Fi);
   float acc[kRM][kTN][4];
   run_cta<F>(jb, smem, acc);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int i = 0; i < kRM; ++i)
-#pragma unroll
-    for (int j = 0; j < kTN; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int row = n0 + warp_row<F>(false, warp, i) + g + 8 * (q >> 1);
-        const int tok = j * 8 + 2 * t + (q & 1);
-        if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = acc[i][j][q];
-      }
+  for_each_out<F>(acc, [&](int r, int tok, float v) {
+    const int row = n0 + r;
+    if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
+  });
 }
 
 template <WqFormat F>

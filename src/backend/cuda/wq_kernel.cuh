@@ -129,6 +129,20 @@ __device__ __forceinline__ int warp_row(bool gate_up, int warp, int i) {
   return gate_up ? i * (kBN / 2) + warp * 16 : warp * 32 + i * 16;
 }
 
+// Calls f(row, tok, v) for each value v of run_cta's acc without gate/up, at row and token
+// (from the CTA's first) that the thread's fragment holds.
+template <WqFormat F, typename Fn>
+__device__ __forceinline__ void for_each_out(const float (&acc)[kRM][kTN][4], Fn&& f) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < kRM; ++i)
+#pragma unroll
+    for (int j = 0; j < kTN; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        f(warp_row<F>(false, warp, i) + g + 8 * (q >> 1), j * 8 + 2 * t + (q & 1), acc[i][j][q]);
+}
+
 // Calls f(i, j, q) for the accumulator fragments of the token blocks with work (j < tn), unrolled.
 template <typename Fn>
 __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
