@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -161,6 +162,45 @@ inline Routing random_routing(int T, int E, int k, bool skewed, uint64_t seed) {
     }
   }
   return r;
+}
+
+// Routing of T tokens to two of the first `routed` experts (weights 0.7 and 0.3 + 0.01 t), never
+// expert 5, so one expert gets no tokens.
+inline Routing routing_without_expert5(int64_t T, int routed) {
+  const int k = 2;
+  Routing r;
+  r.ids.resize(size_t(T * k));
+  r.w.resize(size_t(T * k));
+  for (int64_t t = 0; t < T; ++t) {
+    int a = int((t * 3) % routed), b = int((t * 5 + 1) % routed);
+    if (a == 5) a = 0;
+    if (b == 5 || b == a) b = (a + 1) % routed == 5 ? (a + 2) % routed : (a + 1) % routed;
+    r.ids[size_t(t * k)] = a;
+    r.ids[size_t(t * k + 1)] = b;
+    r.w[size_t(t * k)] = 0.7f;
+    r.w[size_t(t * k + 1)] = 0.3f + 0.01f * float(t);
+  }
+  return r;
+}
+
+// be.moe_ffn of contiguous F32 x [T, H] routed by ids / wts [T, k]; returns out [T, H].
+inline std::vector<float> run_moe_ffn(Backend& be, std::span<const float> x,
+                                      std::span<const int32_t> ids, std::span<const float> wts,
+                                      std::span<const ExpertWeights> experts, int shared, int64_t T,
+                                      int64_t H, int k) {
+  auto xb = test::upload_floats(be, DType::F32, {T, H}, x);
+  auto ib = test::upload_bytes(be, DType::I32, {T, k}, ids.data(), ids.size() * 4);
+  auto wb = test::upload_floats(be, DType::F32, {T, k}, wts);
+  auto ob = test::zeros(be, DType::F32, {T, H});
+  MoeFfnParams p;
+  p.x = xb.view;
+  p.ids = ib.view;
+  p.weights = wb.view;
+  p.experts = experts;
+  p.num_shared = shared;
+  p.out = ob.view;
+  be.moe_ffn(p);
+  return test::download_floats(be, ob);
 }
 
 // One moe_ffn problem on both backends; x and out may have padded rows.

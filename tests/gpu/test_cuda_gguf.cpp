@@ -15,6 +15,7 @@
 #include "backend/cuda/gguf_blocks.cuh"
 #include "gguf_test_util.h"
 #include "gpu_test_util.h"
+#include "moe_test_util.h"
 
 namespace ds {
 namespace {
@@ -176,33 +177,11 @@ TEST(CudaGguf, MoeFfnMatchesTheDequantizedExperts) {
     const GgufExperts ex = gguf_experts(sh.t, E, sh.H, sh.F);
     for (int shared : {0, 1}) {
       for (int64_t T : {1, 3, 8, 37}) {
-        // Routed experts 0..E-1-shared, never expert 5: one expert without tokens.
-        std::vector<int32_t> ids(size_t(T * k));
-        std::vector<float> wts(size_t(T * k));
-        const int routed = E - shared;
-        for (int64_t t = 0; t < T; ++t) {
-          int a = int((t * 3) % routed), b = int((t * 5 + 1) % routed);
-          if (a == 5) a = 0;
-          if (b == 5 || b == a) b = (a + 1) % routed == 5 ? (a + 2) % routed : (a + 1) % routed;
-          ids[size_t(t * k)] = a;
-          ids[size_t(t * k + 1)] = b;
-          wts[size_t(t * k)] = 0.7f;
-          wts[size_t(t * k + 1)] = 0.3f + 0.01f * float(t);
-        }
+        const moe_test::Routing r = moe_test::routing_without_expert5(T, E - shared);
+        const std::vector<int32_t>& ids = r.ids;
+        const std::vector<float>& wts = r.w;
         const auto x = test::random_floats(size_t(T * sh.H), uint32_t(T));
-        auto xb = test::upload_floats(be, DType::F32, {T, sh.H}, x);
-        auto ib = test::upload_bytes(be, DType::I32, {T, k}, ids.data(), ids.size() * 4);
-        auto wb = test::upload_floats(be, DType::F32, {T, k}, wts);
-        auto ob = test::zeros(be, DType::F32, {T, sh.H});
-        MoeFfnParams p;
-        p.x = xb.view;
-        p.ids = ib.view;
-        p.weights = wb.view;
-        p.experts = ex.views;
-        p.num_shared = shared;
-        p.out = ob.view;
-        be.moe_ffn(p);
-        const auto got = test::download_floats(be, ob);
+        const auto got = moe_test::run_moe_ffn(be, x, ids, wts, ex.views, shared, T, sh.H, k);
         const auto want = moe_reference(ex, sh.H, sh.F, shared, E, x, ids, wts, T, k);
         double mx = 0;
         for (float v : want) mx = std::max(mx, double(std::fabs(v)));

@@ -15,6 +15,7 @@
 #include "engine/engine.h"
 #include "gpu_test_util.h"
 #include "model/loader.h"
+#include "moe_test_util.h"
 
 namespace ds {
 namespace {
@@ -117,37 +118,12 @@ TEST(CudaW4a16, MoeFfnMatchesTheCpu) {
   MoeTwin ex = moe_twin(E, H, F);
   for (int shared : {0, 1}) {
     for (int64_t T : {1, 3, 8, 37}) {
-      // Routed experts 0..E-1-shared, never expert 5: one expert without tokens.
-      std::vector<int32_t> ids(size_t(T * k));
-      std::vector<float> wts(size_t(T * k));
-      const int routed = E - shared;
-      for (int64_t t = 0; t < T; ++t) {
-        int a = int((t * 3) % routed), b = int((t * 5 + 1) % routed);
-        if (a == 5) a = 0;
-        if (b == 5 || b == a) b = (a + 1) % routed == 5 ? (a + 2) % routed : (a + 1) % routed;
-        ids[size_t(t * k)] = a;
-        ids[size_t(t * k + 1)] = b;
-        wts[size_t(t * k)] = 0.7f;
-        wts[size_t(t * k + 1)] = 0.3f + 0.01f * float(t);
-      }
+      const moe_test::Routing r = moe_test::routing_without_expert5(T, E - shared);
       const auto x = test::random_floats(size_t(T * H), uint32_t(T));
-      auto run = [&](Backend& be, std::span<const ExpertWeights> experts) {
-        auto xb = test::upload_floats(be, DType::F32, {T, H}, x);
-        auto ib = test::upload_bytes(be, DType::I32, {T, k}, ids.data(), ids.size() * 4);
-        auto wb = test::upload_floats(be, DType::F32, {T, k}, wts);
-        auto ob = test::zeros(be, DType::F32, {T, H});
-        MoeFfnParams p;
-        p.x = xb.view;
-        p.ids = ib.view;
-        p.weights = wb.view;
-        p.experts = experts;
-        p.num_shared = shared;
-        p.out = ob.view;
-        be.moe_ffn(p);
-        return test::download_floats(be, ob);
-      };
-      const auto want = run(cpu_backend(), ex.host);
-      const auto got = run(cuda_backend(), ex.dev);
+      const auto want =
+          moe_test::run_moe_ffn(cpu_backend(), x, r.ids, r.w, ex.host, shared, T, H, k);
+      const auto got =
+          moe_test::run_moe_ffn(cuda_backend(), x, r.ids, r.w, ex.dev, shared, T, H, k);
       double mx = 0;
       for (float v : want) mx = std::max(mx, double(std::fabs(v)));
       test::Tolerance tol;

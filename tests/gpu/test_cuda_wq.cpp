@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/cuda/gemm_wq.cuh"
+#include "moe_test_util.h"
 #include "wq_test_util.h"
 
 namespace ds {
@@ -190,19 +191,7 @@ TEST(CudaWq, MoeFfnMatchesTheDequantizedExperts) {
           }
         }
         const auto x = test::random_floats(size_t(T * H), uint32_t(T + 11 * shared));
-        auto xb = test::upload_floats(be, DType::F32, {T, H}, x);
-        auto ib = test::upload_bytes(be, DType::I32, {T, k}, ids.data(), ids.size() * 4);
-        auto wb = test::upload_floats(be, DType::F32, {T, k}, wts);
-        auto ob = test::zeros(be, DType::F32, {T, H});
-        MoeFfnParams p;
-        p.x = xb.view;
-        p.ids = ib.view;
-        p.weights = wb.view;
-        p.experts = q.dev;
-        p.num_shared = shared;
-        p.out = ob.view;
-        be.moe_ffn(p);
-        const auto got = test::download_floats(be, ob);
+        const auto got = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
         int bad = 0;
         for (int64_t i = 0; i < T && bad < 5; ++i) {
           if (T > 17 && i % 5 != 0 && i != T - 1) continue;  // a sample keeps the host quick
