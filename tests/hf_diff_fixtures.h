@@ -103,6 +103,16 @@ inline double max_diff_over_range(const std::vector<float>& got, const std::vect
   return worst;
 }
 
+// max_diff_over_range of prompt i's logits `got`, failing the test (with the prompt's length and
+// the worst position) above tol.
+inline double expect_prompt_logits(const std::vector<float>& got, const DiffPrompt& p, int vocab,
+                                   size_t i, double tol) {
+  size_t row = 0;
+  const double d = max_diff_over_range(got, p.logits, vocab, &row);
+  EXPECT_LE(d, tol) << "prompt " << i << " (" << p.ids.size() << " tokens), position " << row;
+  return d;
+}
+
 struct GreedyCheck {
   int compared = 0;    // steps checked with the same history as the reference
   int first_bad = -1;  // a different token where the reference margin exceeds the threshold

@@ -42,11 +42,8 @@ TEST(HfDifferential, LogitsAndGreedyMatchTransformers) {
     double case_worst = 0;
     for (size_t i = 0; i < c.prompts.size(); ++i) {
       const test::DiffPrompt& p = c.prompts[i];
-      size_t row = 0;
       const double d =
-          test::max_diff_over_range(test::prefill_rows(l, p.ids), p.logits, c.vocab, &row);
-      EXPECT_LE(d, kLogitRelTol) << "prompt " << i << " (" << p.ids.size() << " tokens), position "
-                                 << row;
+          test::expect_prompt_logits(test::prefill_rows(l, p.ids), p, c.vocab, i, kLogitRelTol);
       case_worst = std::max(case_worst, d);
       if (!(d <= worst)) {
         worst = d;

@@ -56,11 +56,8 @@ TEST(HfFp8, BindsFp8wAndMatchesTransformersOnDequantizedWeights) {
     double worst = 0;
     for (size_t i = 0; i < c.prompts.size(); ++i) {
       const test::DiffPrompt& p = c.prompts[i];
-      size_t row = 0;
       const double d =
-          test::max_diff_over_range(test::prefill_rows(l, p.ids), p.logits, c.vocab, &row);
-      EXPECT_LE(d, kLogitRelTol) << "prompt " << i << " (" << p.ids.size() << " tokens), position "
-                                 << row;
+          test::expect_prompt_logits(test::prefill_rows(l, p.ids), p, c.vocab, i, kLogitRelTol);
       worst = std::max(worst, d);
       prompts.push_back(p.ids);
     }
