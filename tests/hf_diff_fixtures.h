@@ -104,12 +104,13 @@ inline double max_diff_over_range(const std::vector<float>& got, const std::vect
 }
 
 // max_diff_over_range of prompt i's logits `got`, failing the test (with the prompt's length and
-// the worst position) above tol.
+// the worst position, also put in worst_row) above tol.
 inline double expect_prompt_logits(const std::vector<float>& got, const DiffPrompt& p, int vocab,
-                                   size_t i, double tol) {
+                                   size_t i, double tol, size_t* worst_row = nullptr) {
   size_t row = 0;
   const double d = max_diff_over_range(got, p.logits, vocab, &row);
   EXPECT_LE(d, tol) << "prompt " << i << " (" << p.ids.size() << " tokens), position " << row;
+  if (worst_row) *worst_row = row;
   return d;
 }
 
