@@ -231,10 +231,15 @@ def main():
     import llama_cpp
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    lib_commit = None
+    if a.build and os.path.isfile(os.path.join(a.build, "generated", "build_commit.cpp")):
+        m = re.search(r'return "([0-9a-f]+)"', open(os.path.join(a.build, "generated", "build_commit.cpp")).read())
+        lib_commit = m.group(1) if m else None
     data = {
         "generator": "tools/accuracy_vs_llamacpp.py",
         "date": datetime.date.today().isoformat(),
         "deepserve_commit": commit,
+        "deepserve_libraries_build_commit": lib_commit,
         "device": "cpu",
         "llama_cpp_python": llama_cpp.__version__,
         "llama_cpp_system_info": sysinfo,
