@@ -129,15 +129,19 @@ def deepserve_logits(binary, path, seqs, precision, kv, vocab, threads):
         ids_file, out = os.path.join(d, "ids.txt"), os.path.join(d, "logits.f32")
         with open(ids_file, "w") as f:
             f.writelines(" ".join(map(str, s)) + "\n" for s in seqs)
-        subprocess.run([binary, path, "--out", out, "--precision", precision, "--kv-cache-dtype",
-                        kv, "--threads", str(threads), "--ids-file", ids_file], check=True)
+        res = subprocess.run([binary, path, "--out", out, "--precision", precision,
+                              "--kv-cache-dtype", kv, "--threads", str(threads), "--ids-file",
+                              ids_file], capture_output=True, text=True)
+        if res.returncode != 0:  # e.g. a weight type this precision has no kernel for
+            lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+            return None, lines[-1].strip() if lines else f"exit status {res.returncode}"
         flat = np.fromfile(out, dtype="<f4").reshape(-1, vocab)
     chunks, at = [], 0
     for s in seqs:
         chunks.append(flat[at:at + len(s)])
         at += len(s)
     assert at == flat.shape[0], "row count differs"
-    return chunks
+    return chunks, None
 
 
 def compare(refs, outs):
@@ -208,8 +212,15 @@ def main():
                  "results": []}
         f32kv = {}
         for precision, kv in CONFIGS:
-            outs = deepserve_logits(binary, path, [r["seq"] for r in refs], precision, kv, vocab,
-                                    a.threads)
+            outs, error = deepserve_logits(binary, path, [r["seq"] for r in refs], precision, kv,
+                                           vocab, a.threads)
+            if outs is None:
+                entry["results"].append({"precision": precision, "kv_cache_dtype": kv,
+                                         "unsupported": error})
+                table.append({"type": ftype, "precision": precision, "kv_cache_dtype": kv,
+                              "unsupported": error})
+                print(f"{ftype:7s} {precision:3s} kv={kv:3s} unsupported: {error}", file=sys.stderr)
+                continue
             s = compare(refs, outs)
             row = {"precision": precision, "kv_cache_dtype": kv, **s}
             if kv == "f32":
