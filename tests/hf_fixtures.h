@@ -35,7 +35,7 @@ inline std::vector<std::string> hf_fixture_names() {
 
 // A model on a 2-thread CPU backend with a one-sequence KV cache of kHarnessBlocks blocks
 // (16 slots each), for forwards outside the engine.
-constexpr int kHarnessBlocks = 16;  // 256 slots: a fixture prompt (<= 40) + 32 generated
+constexpr int kHarnessBlocks = 16;  // 256 slots: a fixture prompt (<= 120) + 32 generated
 struct CpuModel {
   std::unique_ptr<Backend> backend;
   LoadedModel m;

@@ -37,9 +37,20 @@ REPO = Path(__file__).resolve().parent.parent
 GEN_TOKENS = 32
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 
+# The extra prompt of fixtures that need long prefills (CUDA's expanded MLA prefill runs for
+# queries of >= 32 tokens and tiles them by 64): words of the tokenizer's training text.
+LONG_TEXT = ("Every evening the seven old friends walked over the stone bridge to the market "
+             "near the river, where they argued about numbers like 3.14159 and 2718, about the "
+             "price of bread and café, and about whether the quiet village would see another "
+             "winter. Nobody ever agreed, because the old house by the road always had a new "
+             "story: le chat, la maison, der Käse, die Brücke. Then one of them wrote "
+             "def add(a, b):\n    return a + b\n and counted twelve hundred stones between "
+             "the city and the tree before the morning light.")
+
 # name -> everything that differs between fixtures. "layout": how config.json is written:
 # "published" = rope_theta at top level + rope_scaling dict (as DeepSeek/Meta publish),
 # "transformers5" = rope_parameters dict as save_pretrained of transformers 5 writes.
+# "extra_prompts": (name, text, add_bos, max ids) after PROMPTS, for this fixture only.
 CONFIGS = {
     "deepseek_v2_qlora_bf16": dict(
         arch="deepseek_v2", layout="published", dtype="bfloat16", vocab=512, seed=11,
@@ -104,6 +115,27 @@ CONFIGS = {
               "(specials 497-499); the seed is chosen so greedy continuations emit ids >= "
               "500 (listed in generated_ids_past_tokenizer); v_head_dim == qk_nope_head_dim, "
               "4 heads, group_limited_greedy with one group of two kept"),
+    "deepseek_v2_mla_dims_bf16": dict(
+        arch="deepseek_v2", layout="published", dtype="bfloat16", vocab=384, seed=15,
+        hf=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=256, q_lora_rank=None, kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=2, moe_intermediate_size=32, topk_method="greedy",
+                n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+                max_position_embeddings=10240, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                                 "mscale_all_dim": 0.707,
+                                 "original_max_position_embeddings": 256}),
+        extra_prompts=[("very_long", LONG_TEXT, True, 120)],
+        notes="DeepSeek-V2-Lite's attention shapes (qk_nope 128, qk_rope 64, v 128, "
+              "kv_lora_rank 512, q_proj without q_lora, YaRN factor 40 with mscale = "
+              "mscale_all_dim 0.707) at hidden 64 (keeps the fixture under 3 MB) and 2 heads, "
+              "so CUDA's expanded MLA prefill (Backend::mla_prefill, queries >= 32) and R-512 "
+              "MLA decode kernel run; layer 0 dense, layer 1 MoE (greedy top-2 of 8, 2 shared "
+              "experts); an extra 118-token prompt (two 64-row query and key tiles); "
+              "original_max_position_embeddings 256 covers prompt + continuation"),
     "llama_gqa_f16": dict(
         arch="llama", layout="transformers5", dtype="float16", vocab=384, seed=21,
         hf=dict(hidden_size=96, num_hidden_layers=2, num_attention_heads=6,
@@ -473,16 +505,17 @@ def make_fixture_once(name, spec, out_root, tokenizers_cache):
     from tokenizers import Tokenizer
     tok_file = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
     prompts = []
-    for pname, text, add_bos in PROMPTS:
+    extra = spec.get("extra_prompts", [])
+    for pname, text, add_bos, limit in [p + (MAX_PROMPT,) for p in PROMPTS] + extra:
         words = text.split(" ")
         while True:
             t = " ".join(words)
             text_ids = tok_file.encode(t, add_special_tokens=False).ids
             ids = ([bos] if add_bos else []) + text_ids
-            if len(ids) <= MAX_PROMPT:
+            if len(ids) <= limit:
                 break
             words = words[:-1]
-        assert 1 <= len(ids) <= MAX_PROMPT
+        assert 1 <= len(ids) <= limit
         assert tok_file.decode(text_ids) == t, (t, tok_file.decode(text_ids))
         prompts.append(dict(name=pname, text=t, add_bos=add_bos, text_ids=text_ids, ids=ids))
     results = reference_outputs(ref, prompts, watch, layers)
