@@ -324,6 +324,7 @@ class RouteWatch:
 
     def __init__(self, model):
         self.min_gap = math.inf
+        self.rows = None  # per token of the last forward(s): the smallest gap over the layers
         self.handles = []
         for mod in model.modules():
             if type(mod).__name__ == "DeepseekV2TopkRouter":
@@ -334,17 +335,29 @@ class RouteWatch:
         if mod.topk_method == "group_limited_greedy":
             gl = logits.view(logits.shape[0], mod.num_group, -1).max(-1).values
             s = gl.sort(-1, descending=True).values
-            self.min_gap = min(self.min_gap, float((s[:, mod.topk_group - 1] -
-                                                    s[:, mod.topk_group]).min()))
+            group_rows = s[:, mod.topk_group - 1] - s[:, mod.topk_group]
+            self.min_gap = min(self.min_gap, float(group_rows.min()))
+            self.note_rows(group_rows)
             keep = torch.zeros_like(gl).scatter_(1, gl.topk(mod.topk_group, -1)[1], 1)
             mask = keep.unsqueeze(-1).expand(-1, -1, logits.shape[1] // mod.num_group)
             logits = logits.masked_fill(~mask.reshape(logits.shape).bool(), -math.inf)
         s = logits.sort(-1, descending=True).values
-        self.min_gap = min(self.min_gap, float((s[:, mod.top_k - 1] - s[:, mod.top_k]).min()))
+        rows = s[:, mod.top_k - 1] - s[:, mod.top_k]
+        self.min_gap = min(self.min_gap, float(rows.min()))
+        self.note_rows(rows)
+
+    def note_rows(self, rows):
+        # A new forward (generation recomputes a longer sequence) starts a new row set.
+        same = self.rows is not None and self.rows.shape == rows.shape
+        self.rows = torch.minimum(self.rows, rows) if same else rows
 
     def take(self):
-        g, self.min_gap = self.min_gap, math.inf
+        g, self.min_gap, self.rows = self.min_gap, math.inf, None
         return None if g == math.inf else round(g, 6)
+
+    def take_rows(self):
+        """Per-position smallest gap of the last forward (a prefill), or None without MoE."""
+        return None if self.rows is None else [round(float(v), 6) for v in self.rows]
 
 
 class LayerWatch:
@@ -385,6 +398,7 @@ def reference_outputs(model, prompts, watch, layers=None):
                 layers.take()
             logits = model(input_ids=torch.tensor([ids])).logits[0].float()
             p = dict(p)
+            p["prefill_route_gaps"] = watch.take_rows()
             p["prefill_route_gap"] = watch.take()
             p["logits"] = [[round(float(v), 6) for v in row] for row in logits]
             p["prefill_margin_frac"] = [round(margin_frac(row), 5) for row in logits]

@@ -49,6 +49,7 @@ struct Prompt {
   std::vector<double> margins;
   std::vector<float> logits;  // [ids.size(), vocab]
   double route_gap = 1e9;     // smallest router-logit gap of the prefill (MoE models)
+  int near_ties = 0;          // prefill positions whose router gap is below kRouteNearTie
 };
 
 std::vector<Prompt> read_prompts(const std::string& name, int& vocab) {
@@ -64,6 +65,13 @@ std::vector<Prompt> read_prompts(const std::string& name, int& vocab) {
     q.margins = p.at("generated_top2_margin").get<std::vector<double>>();
     if (p.contains("prefill_route_gap") && p.at("prefill_route_gap").is_number())
       q.route_gap = p.at("prefill_route_gap").get<double>();
+    // Per position where the fixture records it; otherwise one position for any near-tie.
+    if (p.contains("prefill_route_gaps") && p.at("prefill_route_gaps").is_array()) {
+      for (const auto& g : p.at("prefill_route_gaps"))
+        q.near_ties += g.get<double>() < kRouteNearTie;
+    } else {
+      q.near_ties = q.route_gap < kRouteNearTie ? 1 : 0;
+    }
     for (const auto& row : p.at("logits"))
       for (const auto& v : row) q.logits.push_back(v.get<float>());
     out.push_back(std::move(q));
@@ -120,7 +128,9 @@ TEST_P(CudaModels, PrefillLogitsWithinBf16Tolerance) {
         "%zu position(s) beyond, router gap %.3g\n",
         GetParam().c_str(), p.name.c_str(), p.ids.size(), worst, tol, at / size_t(vocab_),
         over.size(), p.route_gap);
-    const size_t allowed = p.route_gap < kRouteNearTie ? 1 : 0;
+    // A BF16-rounded router may pick another expert where the reference's top-k is a near-tie:
+    // such a position may differ (one per near-tie position); a kernel bug shows at many.
+    const size_t allowed = size_t(p.near_ties);
     EXPECT_LE(over.size(), allowed)
         << p.name << ": first position beyond " << tol << ": " << (over.empty() ? 0 : over.front());
   }
