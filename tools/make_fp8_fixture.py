@@ -186,7 +186,6 @@ def main():
     ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "hf_fp8")
     args = ap.parse_args()
     torch.set_num_threads(1)  # bitwise-reproducible reference on any machine
-    import transformers
     t0 = time.time()
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -198,17 +197,10 @@ def main():
         print(f"{m['name']}: {m['fp8_tensors']} FP8 tensors, router gap {m['router_gap']}, "
               f"greedy margin/range min {m['greedy_margin_frac_min']} median "
               f"{m['greedy_margin_frac_median']}", file=sys.stderr)
-    index = {"generator": {"torch": torch.__version__, "transformers": transformers.__version__},
-             "vocab": diff.VOCAB, "bos_id": diff.BOS, "eos_id": diff.EOS,
-             "gen_tokens": diff.GEN_TOKENS,
-             "reference": "transformers eager float32 forward of the dequantized weights "
-                          "(fp8 * scale, exact in float32) read back with "
-                          "from_pretrained(dtype=float32)",
-             "configs": metas}
-    (args.out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-    total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
-    print(f"{args.out}: {len(metas)} models, {total / 1e6:.2f} MB, {time.time() - t0:.0f}s",
-          file=sys.stderr)
+    diff.write_index(args.out, {},
+                     "transformers eager float32 forward of the dequantized weights "
+                     "(fp8 * scale, exact in float32) read back with "
+                     "from_pretrained(dtype=float32)", metas, t0, "models")
 
 
 if __name__ == "__main__":

@@ -228,15 +228,21 @@ def main():
               f"{m['prompt_lengths']} router gap {m['router_gap']} margin/range median "
               f"prefill {m['prefill_margin_frac_median']} greedy {m['greedy_margin_frac_median']}"
               f", robust greedy tokens {m['greedy_steps_over_1pct_prefix']}", file=sys.stderr)
+    write_index(args.out, {"seed": args.seed, "count": args.count},
+                "transformers eager float32 forward of the saved checkpoint read back "
+                "with from_pretrained(dtype=float32)", metas, t0, "configs")
+
+
+def write_index(out, generator, reference, metas, t0, what):
+    """index.json of a fixture set (shared with make_fp8_fixture.py), and a one-line summary."""
+    import transformers
     index = {"generator": {"torch": torch.__version__, "transformers": transformers.__version__,
-                           "seed": args.seed, "count": args.count},
+                           **generator},
              "vocab": VOCAB, "bos_id": BOS, "eos_id": EOS, "gen_tokens": GEN_TOKENS,
-             "reference": "transformers eager float32 forward of the saved checkpoint read back "
-                          "with from_pretrained(dtype=float32)",
-             "configs": metas}
-    (args.out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-    total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
-    print(f"{args.out}: {len(metas)} configs, {total / 1e6:.2f} MB, {time.time() - t0:.0f}s",
+             "reference": reference, "configs": metas}
+    (out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"{out}: {len(metas)} {what}, {total / 1e6:.2f} MB, {time.time() - t0:.0f}s",
           file=sys.stderr)
 
 
