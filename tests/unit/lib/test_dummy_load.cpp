@@ -11,6 +11,7 @@
 #include "backend/w4a16.h"
 #include "model/binder.h"
 #include "model/loader.h"
+#include "quant_matmul_check.h"
 
 namespace ds {
 namespace {
@@ -182,19 +183,9 @@ TEST(W4A16, CpuMatmulIsTheDequantizedProduct) {
     RandomFill f;
     f.seed = uint64_t(N);
     be->fill_random(w, f);
-    std::vector<float> x(size_t(M * K)), out(size_t(M * N));
-    for (size_t i = 0; i < x.size(); ++i) x[i] = std::cos(0.1f * float(i));
-    be->matmul(TensorView::contiguous(x.data(), DType::F32, {M, K}), w,
-               TensorView::contiguous(out.data(), DType::F32, {M, N}));
-    std::vector<float> wr(static_cast<size_t>(K));
-    for (int64_t n = 0; n < N; ++n) {
-      dequantize_w4a16_row(w.row(n), K, wr.data());
-      for (int64_t m = 0; m < M; ++m) {
-        double s = 0;
-        for (int64_t k = 0; k < K; ++k) s += double(wr[size_t(k)]) * x[size_t(m * K + k)];
-        EXPECT_NEAR(out[size_t(m * N + n)], s, 1e-3 * (1 + std::fabs(s))) << N << " " << m;
-      }
-    }
+    expect_matmul_is_dequantized_product(
+        *be, w, M, N, K, [&](int64_t n, float* row) { dequantize_w4a16_row(w.row(n), K, row); },
+        "N " + std::to_string(N));
   }
 }
 

@@ -11,6 +11,7 @@
 #include "backend/fp8w.h"
 #include "model/accuracy.h"
 #include "model/binder.h"
+#include "quant_matmul_check.h"
 
 namespace ds {
 namespace {
@@ -81,20 +82,13 @@ TEST(FP8W, CpuMatmulIsTheDequantizedProduct) {
       RandomFill f;
       f.seed = uint64_t(N * 7 + K);
       be->fill_random(w, f);
-      std::vector<float> x(size_t(M * K)), out(size_t(M * N));
-      for (size_t i = 0; i < x.size(); ++i) x[i] = std::cos(0.1f * float(i));
-      be->matmul(TensorView::contiguous(x.data(), DType::F32, {M, K}), w,
-                 TensorView::contiguous(out.data(), DType::F32, {M, N}));
-      std::vector<float> wr(static_cast<size_t>(K));
-      for (int64_t n = 0; n < N; ++n) {
-        for (int64_t k = 0; k < K; ++k)
-          wr[size_t(k)] = fp8_e4m3_to_f32(w.row(n)[k]) * fp8w::scale(w.row(n), K, k / 128);
-        for (int64_t m = 0; m < M; ++m) {
-          double s = 0;
-          for (int64_t k = 0; k < K; ++k) s += double(wr[size_t(k)]) * x[size_t(m * K + k)];
-          EXPECT_NEAR(out[size_t(m * N + n)], s, 1e-3 * (1 + std::fabs(s))) << K << " " << N;
-        }
-      }
+      expect_matmul_is_dequantized_product(
+          *be, w, M, N, K,
+          [&](int64_t n, float* row) {
+            for (int64_t k = 0; k < K; ++k)
+              row[k] = fp8_e4m3_to_f32(w.row(n)[k]) * fp8w::scale(w.row(n), K, k / 128);
+          },
+          "K " + std::to_string(K) + " N " + std::to_string(N));
     }
 }
 
