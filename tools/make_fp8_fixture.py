@@ -163,14 +163,7 @@ def make_one(spec, out_root):
         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
         "weight_block_size": [BLOCK, BLOCK] if spec["scales"] == "block" else None}
     (out_dir / "config.json").write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
-    tensors = {}
-    for i, r in enumerate(results):
-        tensors[f"p{i}.ids"] = torch.tensor(r["ids"], dtype=torch.int32)
-        tensors[f"p{i}.logits"] = r["logits"].contiguous()
-        tensors[f"p{i}.generated"] = torch.tensor(r["generated"], dtype=torch.int32)
-        tensors[f"p{i}.margin_frac"] = torch.tensor(r["margin_frac"], dtype=torch.float32)
-        tensors[f"p{i}.route_gap"] = torch.tensor(r["route_gap"], dtype=torch.float32)
-    save_file(tensors, str(out_dir / "reference.safetensors"), metadata={"format": "pt"})
+    diff.save_reference(out_dir, results)
     greedy = sorted(f for r in results for f in r["margin_frac"])
     return dict(name=spec["name"], arch=spec["arch"], layout="published", dtype="fp8",
                 scales=spec["scales"], vocab=diff.VOCAB, seed=seed, hf=spec["hf"],

@@ -155,7 +155,6 @@ def run_reference(model, prompts, watch):
 
 
 def make_one(spec, out_root):
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     for attempt in range(10):
@@ -186,14 +185,7 @@ def make_one(spec, out_root):
         print(f"{spec['name']}: seed {seed} router gap {gap}; next seed", file=sys.stderr)
     else:
         raise SystemExit(f"{spec['name']}: no seed with router gaps >= {MIN_ROUTE_GAP}")
-    tensors = {}
-    for i, r in enumerate(results):
-        tensors[f"p{i}.ids"] = torch.tensor(r["ids"], dtype=torch.int32)
-        tensors[f"p{i}.logits"] = r["logits"].contiguous()
-        tensors[f"p{i}.generated"] = torch.tensor(r["generated"], dtype=torch.int32)
-        tensors[f"p{i}.margin_frac"] = torch.tensor(r["margin_frac"], dtype=torch.float32)
-        tensors[f"p{i}.route_gap"] = torch.tensor(r["route_gap"], dtype=torch.float32)
-    save_file(tensors, str(out_dir / "reference.safetensors"), metadata={"format": "pt"})
+    save_reference(out_dir, results)
     prefill = [base.margin_frac(row) for r in results for row in r["logits"]]
     greedy = [f for r in results for f in r["margin_frac"]]
     meta = {k: v for k, v in spec.items() if k not in ("hf", "seed")}
@@ -231,6 +223,19 @@ def main():
     write_index(args.out, {"seed": args.seed, "count": args.count},
                 "transformers eager float32 forward of the saved checkpoint read back "
                 "with from_pretrained(dtype=float32)", metas, t0, "configs")
+
+
+def save_reference(out_dir, results):
+    """reference.safetensors: each prompt's ids, logits, greedy tokens, margins, router gaps."""
+    from safetensors.torch import save_file
+    tensors = {}
+    for i, r in enumerate(results):
+        tensors[f"p{i}.ids"] = torch.tensor(r["ids"], dtype=torch.int32)
+        tensors[f"p{i}.logits"] = r["logits"].contiguous()
+        tensors[f"p{i}.generated"] = torch.tensor(r["generated"], dtype=torch.int32)
+        tensors[f"p{i}.margin_frac"] = torch.tensor(r["margin_frac"], dtype=torch.float32)
+        tensors[f"p{i}.route_gap"] = torch.tensor(r["route_gap"], dtype=torch.float32)
+    save_file(tensors, str(out_dir / "reference.safetensors"), metadata={"format": "pt"})
 
 
 def write_index(out, generator, reference, metas, t0, what):

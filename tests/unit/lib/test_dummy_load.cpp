@@ -9,6 +9,7 @@
 
 #include "../../hf_fixtures.h"
 #include "backend/w4a16.h"
+#include "dummy_model.h"
 #include "model/binder.h"
 #include "model/loader.h"
 #include "quant_matmul_check.h"
@@ -16,26 +17,8 @@
 namespace ds {
 namespace {
 
-std::filesystem::path dummy_dir() {
-  return std::filesystem::path(DS_FIXTURES_DIR) / "dummy" / "deepseek_v2_w4";
-}
-
-test::CpuModel load_dummy(const std::filesystem::path& path, uint64_t seed,
-                          WeightQuant q = WeightQuant::None) {
-  test::CpuModel l;
-  BackendOptions bo;
-  bo.threads = 2;
-  l.backend = make_cpu_backend(bo);
-  LoadOptions lo;
-  lo.dummy = true;
-  lo.dummy_seed = seed;
-  lo.quantize = q;
-  l.m = load_model(path, *l.backend, lo);
-  KvCacheConfig kvc;
-  kvc.num_blocks = test::kHarnessBlocks;
-  l.cache = std::make_unique<KvCache>(*l.backend, l.m.config, kvc);
-  return l;
-}
+using test::dummy_dir;
+using test::load_dummy;
 
 const std::vector<int32_t> kPrompt = {5, 17, 300, 42, 99, 7, 250, 11};
 

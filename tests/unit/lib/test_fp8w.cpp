@@ -9,6 +9,7 @@
 
 #include "../../hf_fixtures.h"
 #include "backend/fp8w.h"
+#include "dummy_model.h"
 #include "model/accuracy.h"
 #include "model/binder.h"
 #include "quant_matmul_check.h"
@@ -175,19 +176,7 @@ TEST(FP8W, BinderBindsFp8CheckpointTensorsExactly) {
 }
 
 TEST(FP8W, QuantizeFp8AtLoadAndDummyTrackBf16) {
-  const auto dir = std::filesystem::path(DS_FIXTURES_DIR) / "dummy" / "deepseek_v2_w4";
-  auto load = [&](WeightQuant q) {
-    test::CpuModel l;
-    BackendOptions bo;
-    bo.threads = 2;
-    l.backend = make_cpu_backend(bo);
-    LoadOptions lo;
-    lo.dummy = true;
-    lo.dummy_seed = 11;
-    lo.quantize = q;
-    l.m = load_model(dir, *l.backend, lo);
-    return l;
-  };
+  auto load = [](WeightQuant q) { return test::load_dummy(test::dummy_dir(), 11, q); };
   auto q = load(WeightQuant::FP8), w4 = load(WeightQuant::W4A16), f = load(WeightQuant::None);
   const auto& fm = q.m.model->weight_formats();
   ASSERT_TRUE(fm.count("FP8W"));
