@@ -158,7 +158,9 @@ void check_case(const Case& c, uint32_t seed) {
 TEST(CudaMlaPrefill, PackedBatchesAgainstExpandedReference) {
   DS_REQUIRE_GPU();
   const std::vector<test::StepSeq> packed = {{1, 1}, {7, 7}, {97, 97}, {1000, 1000}, {3000, 3000}};
-  const std::vector<test::StepSeq> chunked = {{200, 1300}, {64, 64}, {33, 97}, {130, 131}};
+  // A chunk with a prefix, plus prefills; few enough padded keys that the path is taken
+  // (DeclinesDecodeSteps has a step where padding dominates).
+  const std::vector<test::StepSeq> chunked = {{200, 700}, {64, 64}, {33, 97}, {130, 131}};
   const std::vector<test::StepSeq> small = {{1, 1}, {7, 7}, {97, 97}, {300, 300}, {65, 400}};
   uint32_t seed = 100;
   check_case({.heads = 16, .block_size = 16, .seqs = packed}, seed++);
@@ -212,6 +214,11 @@ TEST(CudaMlaPrefill, DeclinesDecodeSteps) {
   Inputs in = make_inputs(gpu, c, 9);
   EXPECT_FALSE(gpu.mla_prefill(params(c, in), in.step.meta));
   EXPECT_FALSE(test::cpu_backend().mla_prefill(params(c, in), in.step.meta));
+  // A 64-token chunk batched with long-context decodes: the gather would pad every sequence
+  // to 1300 keys (4 x 1300 rows for 67 tokens), so the absorbed kernels keep it.
+  const Case mixed{.seqs = {{64, 1300}, {1, 1300}, {1, 900}, {1, 40}}};
+  Inputs im = make_inputs(gpu, mixed, 10);
+  EXPECT_FALSE(gpu.mla_prefill(params(mixed, im), im.step.meta));
 }
 
 // Prefill attention TFLOP/s (causal FLOPs: 2 * (192 + 128) per visible (query, key, head)),

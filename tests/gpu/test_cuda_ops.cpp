@@ -147,7 +147,7 @@ TEST(CudaPool, FreedRangesAreReusedAndMerged) {
   EXPECT_EQ(cuda_pool_info(*be).used_bytes, base_used);
 }
 
-TEST(CudaBackend, SupportsPlainFloatsOnly) {
+TEST(CudaBackend, SupportsTheFormatsItHasKernelsFor) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
   for (DType t : {DType::F32, DType::F16, DType::BF16}) {
@@ -155,16 +155,21 @@ TEST(CudaBackend, SupportsPlainFloatsOnly) {
     EXPECT_TRUE(g.supports(Op::Embed, t)) << dt(t);
     EXPECT_TRUE(g.supports(Op::StoreKv, t)) << dt(t);
   }
-  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K})
+  // GGUF blocks with CUDA kernels (gemm_gguf.cu), and deepserve's W4A16 / FP8W (gemm_wq.cu).
+  for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K,
+                  DType::Q5_K, DType::Q6_K, DType::W4A16, DType::FP8W})
+    EXPECT_TRUE(g.supports(Op::MatMul, t)) << dt(t);
+  // No CUDA kernels: the engine keeps these on the CPU (or refuses the model).
+  for (DType t : {DType::Q2_K, DType::Q3_K, DType::Q8_1, DType::Q8_K})
     EXPECT_FALSE(g.supports(Op::MatMul, t)) << dt(t);
   EXPECT_TRUE(g.supports(Op::RmsNorm, DType::F32));
   EXPECT_FALSE(g.supports(Op::RmsNorm, DType::BF16));
-  BackendTensor w = test::zeros(g, DType::I8, {4, 32});
-  w.view.dtype = DType::Q4_0;  // 4 rows of one Q4_0 block (18 bytes) fit in 128 bytes
-  w.view.shape[1] = 32;
+  BackendTensor w = test::zeros(g, DType::I8, {4, 256});
+  w.view.dtype = DType::Q2_K;  // 4 rows of one Q2_K block (84 bytes) fit in 1 KiB
+  w.view.shape[1] = 256;
   w.view.stride[1] = 0;
-  w.view.stride[0] = 18;
-  BackendTensor x = test::zeros(g, DType::F32, {1, 32}), y = test::zeros(g, DType::F32, {1, 4});
+  w.view.stride[0] = 84;
+  BackendTensor x = test::zeros(g, DType::F32, {1, 256}), y = test::zeros(g, DType::F32, {1, 4});
   EXPECT_THROW(g.matmul(x.view, w.view, y.view), UnsupportedError);
 }
 

@@ -67,7 +67,7 @@ __device__ __forceinline__ int expert_of(const int32_t* ids, int64_t i, int top_
 // chunk + earlier lanes of this warp with the same expert (__match_any_sync).
 __global__ void __launch_bounds__(kListThreads)
     token_lists_kernel(const int32_t* __restrict__ ids, int64_t n, int top_k, int shared, int E,
-                       int base, TokenLists l) {
+                       int expert_base, TokenLists l) {
   __shared__ int cnt[kMaxExperts];
   __shared__ int running[kMaxExperts];
   __shared__ int warp_cnt[32][kMaxExperts];
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kListThreads)
   for (int i = tid; i < 32 * kMaxExperts; i += kListThreads) (&warp_cnt[0][0])[i] = 0;
   __syncthreads();
   for (int64_t i = tid; i < n; i += kListThreads) {
-    const int e = expert_of(ids, i, top_k, shared, E, base);
+    const int e = expert_of(ids, i, top_k, shared, E, expert_base);
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
@@ -109,9 +109,9 @@ __global__ void __launch_bounds__(kListThreads)
   }
   __syncthreads();
 
-  for (int64_t base = 0; base < n; base += kListThreads) {
-    const int64_t i = base + tid;
-    const int e = i < n ? expert_of(ids, i, top_k, shared, E, base) : -1;
+  for (int64_t chunk = 0; chunk < n; chunk += kListThreads) {
+    const int64_t i = chunk + tid;
+    const int e = i < n ? expert_of(ids, i, top_k, shared, E, expert_base) : -1;
     const unsigned peers = __match_any_sync(kFull, e);
     const int rank = __popc(peers & ((1u << lane) - 1u));
     if (e >= 0 && rank == 0) warp_cnt[warp][e] = __popc(peers);
