@@ -22,6 +22,7 @@ struct Case {
   DType cache = DType::BF16;
   bool causal = true;
   float scale = 0.25f;  // sharper than 1/sqrt(192) so softmax is far from uniform
+  float abs_tol = 1e-2f;
   std::vector<test::StepSeq> seqs;
 };
 
@@ -144,7 +145,7 @@ std::string name(const Case& c) {
 }
 
 // BF16 operands (Q, K, V, P) against float64: ~3 significant digits on outputs of ~0.1-0.5.
-constexpr test::Tolerance kTol{.abs = 1e-2, .rel = 3e-2};
+constexpr double kRelTol = 3e-2;
 
 void check_case(const Case& c, uint32_t seed) {
   Backend& gpu = test::cuda_backend();
@@ -152,7 +153,8 @@ void check_case(const Case& c, uint32_t seed) {
   ASSERT_TRUE(gpu.mla_prefill(params(c, in), in.step.meta)) << name(c) << ": path not taken";
   const std::vector<float> got = test::download_floats(gpu, in.out_dev);
   const std::vector<double> want = reference_expanded(c, in);
-  EXPECT_TRUE(test::all_close(got, want, kTol, name(c), {in.h.num_tokens, c.heads, int64_t(kV)}));
+  EXPECT_TRUE(test::all_close(got, want, {.abs = c.abs_tol, .rel = kRelTol}, name(c),
+                              {in.h.num_tokens, c.heads, int64_t(kV)}));
 }
 
 TEST(CudaMlaPrefill, PackedBatchesAgainstExpandedReference) {
@@ -169,7 +171,17 @@ TEST(CudaMlaPrefill, PackedBatchesAgainstExpandedReference) {
   check_case({.heads = 128, .block_size = 16, .seqs = small}, seed++);
   check_case({.heads = 128, .block_size = 1, .seqs = {{150, 700}, {40, 40}}}, seed++);
   // FP8 cache (--kv-cache-dtype fp8): the gather dequantizes; the reference reads the same values.
-  check_case({.heads = 16, .block_size = 16, .cache = DType::F8_E4M3, .seqs = chunked}, seed++);
+  // Its rows are up to 6.25x larger (random_paged_kv varies the FP8 scales), so the scale is
+  // 6.25x smaller: at 0.25 the scores reach ~26 and BF16 operands alone move outputs by ~0.2 (an
+  // emulation of the kernel's roundings in numpy says so, matching the H200's 0.31), and
+  // values up to ~6x larger get twice the absolute slack.
+  check_case({.heads = 16,
+              .block_size = 16,
+              .cache = DType::F8_E4M3,
+              .scale = 0.04f,
+              .abs_tol = 2e-2f,
+              .seqs = chunked},
+             seed++);
 }
 
 // The same inputs through the absorbed-form reference (attention_reference.h): q_latent =
@@ -203,7 +215,7 @@ TEST(CudaMlaPrefill, MatchesAbsorbedReference) {
       for (int r = 0; r < kR; ++r) acc += double(w[r]) * lat[th * kR + size_t(r)];
       want[th * kV + size_t(d)] = acc;
     }
-  EXPECT_TRUE(test::all_close(got, want, kTol, "absorbed vs expanded"));
+  EXPECT_TRUE(test::all_close(got, want, {.abs = 1e-2, .rel = kRelTol}, "absorbed vs expanded"));
 }
 
 // Steps the expanded path declines: decode-sized queries, a dtype it does not take.
