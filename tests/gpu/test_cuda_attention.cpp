@@ -360,10 +360,10 @@ TEST(CudaAttention, MlaDecodeBatches) {
     }
 }
 
-// The MLA decode kernel on its edges: contexts around its 64-key tiles, 1 to 5000 keys (one
-// sequence: split-K over up to 16 splits), head counts that fill 16-row chunks partly (8),
-// exactly (16) or several (32, 128), 32 rope dims, block size 1, strided q / q_rope / out, and
-// the F32-cache fallback.
+// The MLA decode kernel on its edges: contexts around its 64-key tiles, 1 to 20,000 keys (one
+// sequence: split-K over 16 splits, and 78 for the longest), head counts that fill 16-row chunks
+// partly (8), exactly (16) or several (32, 128), 32 rope dims, block size 1, strided q / q_rope /
+// out, and the F32-cache fallback.
 TEST(CudaAttention, MlaDecodeKernelEdges) {
   DS_REQUIRE_GPU();
   struct Shape {
@@ -376,7 +376,8 @@ TEST(CudaAttention, MlaDecodeKernelEdges) {
   const Shape shapes[] = {{16, 64, 16, edges},       {8, 64, 16, edges},
                           {32, 64, 16, edges},       {128, 64, 16, {{1, 300}, {1, 1}}},
                           {16, 64, 16, edges, true}, {16, 32, 1, {{1, 100}, {1, 17}}},
-                          {16, 64, 16, {{1, 5000}}}, {16, 64, 16, {{1, 1}}}};
+                          {16, 64, 16, {{1, 5000}}}, {16, 64, 16, {{1, 20000}}},
+                          {16, 64, 16, {{1, 1}}}};
   uint32_t seed = 2300;
   for (const Shape& sh : shapes) {
     Case c;

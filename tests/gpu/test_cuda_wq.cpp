@@ -55,7 +55,7 @@ TEST(CudaWq, MatmulMatchesTheDequantizedProduct) {
       for (int64_t N : {1, 200, 1000}) {
         const test::QWeight w =
             test::make_qweight(cuda_backend(), t, N, K, uint32_t(K * 7 + N + int(t)));
-        for (int64_t M : {1, 3, 8, 17, 64, 200, 1000}) {
+        for (int64_t M : {1, 3, 8, 12, 17, 64, 200, 1000}) {
           if (M * N * K > int64_t(70) << 20) continue;  // keep the host reference quick
           const int64_t ldx = K + 4, ldo = N + 3;       // strided rows
           const auto x = test::random_floats(size_t(M * ldx), uint32_t(M + K + N));
@@ -173,7 +173,7 @@ TEST(CudaWq, MoeFfnMatchesTheDequantizedExperts) {
     const int64_t H = t == DType::W4A16 ? 384 : 264, F = t == DType::W4A16 ? 640 : 1408;
     const QExperts q = make_experts(t, E, H, F);
     for (int shared : {0, 2}) {
-      for (int64_t T : {1, 3, 8, 17, 64, 150}) {
+      for (int64_t T : {1, 3, 8, 12, 17, 64, 150}) {
         // Slot 0: expert 0 for every token (more than two 64-token tiles at T = 150); the rest
         // spread over the routed experts except expert 3, which never gets a token.
         const int routed = E - shared;

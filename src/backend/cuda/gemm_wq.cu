@@ -27,11 +27,37 @@ struct DenseArgs {
   int splits = 1;
 };
 
+// Tokens per CTA for a step of m tokens (rows of x, or the most one expert can get): decode
+// steps take the small variants. A token's bits do not depend on it (same groups, same order).
+inline int tokens_per_cta(int64_t m) {
+  return m <= 8 ? 8 : m <= 16 ? 16 : kBT;
+}
+
+// Calls f.template operator()<BT>() with BT = tokens_per_cta(m) as a constant.
+template <typename Fn>
+void with_bt(int64_t m, Fn&& f) {
+  switch (tokens_per_cta(m)) {
+    case 8:
+      return f.template operator()<8>();
+    case 16:
+      return f.template operator()<16>();
+    default:
+      return f.template operator()<kBT>();
+  }
+}
+
+template <WqFormat F, int BT, typename Kernel>
+void set_smem_limit(Kernel k) {
+  check_cuda(
+      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem<F, BT>)),
+      "wq kernel smem limit");
+}
+
 // Grid (row blocks, token blocks, splits).
-template <WqFormat F>
-__global__ void __launch_bounds__(kThreads) dense_kernel(DenseArgs a) {
+template <WqFormat F, int BT>
+__global__ void __launch_bounds__(kThreads, min_ctas(BT)) dense_kernel(DenseArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
-  const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * kBT;
+  const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * BT;
   const int G = int((a.k + kGroup - 1) / kGroup);
   CtaJob jb;
   jb.w0 = a.w + n0 * a.w_stride;
@@ -41,12 +67,12 @@ __global__ void __launch_bounds__(kThreads) dense_kernel(DenseArgs a) {
   jb.x = a.xb + t0 * a.kp;
   jb.ldx = a.kp;
   jb.kp = a.kp;
-  jb.tokens = int(min(int64_t(kBT), a.m - t0));
+  jb.tokens = int(min(int64_t(BT), a.m - t0));
   jb.K = a.k;
   jb.g_begin = int(blockIdx.z) * a.groups_per_split;
   jb.g_end = min(G, jb.g_begin + a.groups_per_split);
-  float acc[kRM][kTN][4];
-  run_cta<F>(jb, smem, acc);
+  float acc[kRM][BT / 8][4];
+  run_cta<F, BT>(jb, smem, acc);
   float* out = a.splits > 1 ? a.out + int64_t(blockIdx.z) * a.m * a.n : a.out;
   const int64_t ld = a.splits > 1 ? a.n : a.ldo;
   for_each_out<F>(acc, [&](int r, int k, float v) {
@@ -65,27 +91,28 @@ __global__ void reduce_kernel(const float* part, int splits, int64_t m, int64_t 
   out[(i / n) * ldo + i % n] = s;
 }
 
-// xb[r, k] = bf16(x[r, k]) for k < K, 0 up to kp.
+// xb[r, staged_col(k)] = bf16(x[r, k]) for k < K, 0 up to kp (kp a multiple of 8).
+template <WqFormat F>
 __global__ void to_bf16_kernel(const float* x, int64_t ldx, int64_t K, int kp, __nv_bfloat16* xb) {
   const int64_t r = blockIdx.y;
   for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < kp;
        k += int64_t(gridDim.x) * blockDim.x)
-    xb[r * kp + k] = __float2bfloat16_rn(k < K ? x[r * ldx + k] : 0.0f);
+    xb[r * kp + staged_col<F>(k)] = __float2bfloat16_rn(k < K ? x[r * ldx + k] : 0.0f);
 }
 
 template <WqFormat F>
 void launch_dense(const DenseArgs& a, cudaStream_t stream) {
-  static const bool ready = [] {  // once per process (same smem need on every device)
-    check_cuda(cudaFuncSetAttribute(dense_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(kSmem<F>)),
-               "wq gemm smem limit");
-    return true;
-  }();
-  (void)ready;
-  const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, kBT), unsigned(a.splits));
-  DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x");
-  dense_kernel<F><<<grid, kThreads, kSmem<F>, stream>>>(a);
-  check_cuda(cudaGetLastError(), "wq gemm launch");
+  with_bt(a.m, [&]<int BT>() {
+    static const bool ready = [] {  // once per process (same smem need on every device)
+      set_smem_limit<F, BT>(dense_kernel<F, BT>);
+      return true;
+    }();
+    (void)ready;
+    const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, BT), unsigned(a.splits));
+    DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x");
+    dense_kernel<F, BT><<<grid, kThreads, kSmem<F, BT>, stream>>>(a);
+    check_cuda(cudaGetLastError(), "wq gemm launch");
+  });
 }
 
 int ctas_per_sm(WqFormat f) {
@@ -137,8 +164,12 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMatmul, xb_bytes + part_bytes));
   auto* xb = reinterpret_cast<__nv_bfloat16*>(base);
   const int64_t ldx = M > 1 ? x.row_stride() / 4 : K;
-  to_bf16_kernel<<<dim3(ceil_div(a.kp, 256 * 4), unsigned(M)), 256, 0, ctx.stream>>>(
-      x.ptr<float>(), ldx, K, a.kp, xb);
+  const dim3 cgrid(ceil_div(a.kp, 256 * 4), unsigned(M));
+  if (f == WqFormat::W4A16)
+    to_bf16_kernel<WqFormat::W4A16>
+        <<<cgrid, 256, 0, ctx.stream>>>(x.ptr<float>(), ldx, K, a.kp, xb);
+  else
+    to_bf16_kernel<WqFormat::FP8W><<<cgrid, 256, 0, ctx.stream>>>(x.ptr<float>(), ldx, K, a.kp, xb);
   check_cuda(cudaGetLastError(), "wq gemm convert");
   a.xb = xb;
   a.out = a.splits > 1 ? reinterpret_cast<float*>(base + xb_bytes) : out.ptr<float>();
@@ -187,9 +218,10 @@ __device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, co
   return jb;
 }
 
-// Grid (ceil(F / 64), tiles): h[p, f] = bf16(silu(gate_f . x_p) * (up_f . x_p)).
-template <WqFormat F>
-__global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
+// Grid (ceil(F / 64), tiles): h[p, f] = bf16(silu(gate_f . x_p) * (up_f . x_p)), h staged
+// for down's format (staged_col). BT >= the most tokens a tile can hold.
+template <WqFormat F, int BT>
+__global__ void __launch_bounds__(kThreads, min_ctas(BT)) gate_up_kernel(GroupedFfnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile tl = tile_of(a.lists, blockIdx.y);
   if (tl.e < 0) return;
@@ -198,24 +230,25 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
   const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * ex.gate_ld,
                              static_cast<const uint8_t*>(ex.up) + int64_t(f0) * ex.up_ld,
                              ex.gate_ld, min(kBN / 2, Fi - f0), a.xa, H);
-  float acc[kRM][kTN][4];
-  run_cta<F>(jb, smem, acc);
+  float acc[kRM][BT / 8][4];
+  run_cta<F, BT>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   auto* h = static_cast<__nv_bfloat16*>(a.h);
 #pragma unroll
-  for (int j = 0; j < kTN; ++j)
+  for (int j = 0; j < BT / 8; ++j)
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int f = f0 + warp * 16 + g + 8 * (q >> 1), tok = j * 8 + 2 * t + (q & 1);
       if (f >= Fi || tok >= tl.rows) continue;
       const float gv = acc[0][j][q], uv = acc[1][j][q];
-      h[int64_t(tl.begin + tok) * Fi + f] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv);
+      h[int64_t(tl.begin + tok) * Fi + staged_col<F>(f)] =
+          __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv);
     }
 }
 
 // Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p.
-template <WqFormat F>
-__global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
+template <WqFormat F, int BT>
+__global__ void __launch_bounds__(kThreads, min_ctas(BT)) down_kernel(GroupedFfnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile tl = tile_of(a.lists, blockIdx.y);
   if (tl.e < 0) return;
@@ -223,28 +256,33 @@ __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
   const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
   const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * ex.down_ld,
                              nullptr, ex.down_ld, min(kBN, H - n0), a.h, Fi);
-  float acc[kRM][kTN][4];
-  run_cta<F>(jb, smem, acc);
+  float acc[kRM][BT / 8][4];
+  run_cta<F, BT>(jb, smem, acc);
   for_each_out<F>(acc, [&](int r, int tok, float v) {
     const int row = n0 + r;
     if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
   });
 }
 
+// An expert holds each token at most once, so a step of T tokens never puts more than
+// min(T, kTileM) in a tile: T <= 16 takes the decode variants.
 template <WqFormat F>
 void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
-  static const bool ready = [] {
-    const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-    check_cuda(cudaFuncSetAttribute(gate_up_kernel<F>, attr, int(kSmem<F>)), "wq moe smem");
-    check_cuda(cudaFuncSetAttribute(down_kernel<F>, attr, int(kSmem<F>)), "wq moe smem");
-    return true;
-  }();
-  (void)ready;
-  const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
-  gate_up_kernel<F><<<dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads, kSmem<F>, stream>>>(a);
-  check_cuda(cudaGetLastError(), "wq moe gate/up");
-  down_kernel<F><<<dim3(ceil_div(a.hidden, kBN), tiles), kThreads, kSmem<F>, stream>>>(a);
-  check_cuda(cudaGetLastError(), "wq moe down");
+  static_assert(kTileM == kBT, "a tile's tokens fit one CTA");
+  with_bt(a.num_tokens, [&]<int BT>() {
+    static const bool ready = [] {
+      set_smem_limit<F, BT>(gate_up_kernel<F, BT>);
+      set_smem_limit<F, BT>(down_kernel<F, BT>);
+      return true;
+    }();
+    (void)ready;
+    const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
+    const size_t smem = kSmem<F, BT>;
+    gate_up_kernel<F, BT><<<dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads, smem, stream>>>(a);
+    check_cuda(cudaGetLastError(), "wq moe gate/up");
+    down_kernel<F, BT><<<dim3(ceil_div(a.hidden, kBN), tiles), kThreads, smem, stream>>>(a);
+    check_cuda(cudaGetLastError(), "wq moe down");
+  });
 }
 
 }  // namespace
@@ -255,7 +293,7 @@ void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
     throw UnsupportedError("cuda moe_ffn: quantized experts need hidden and F multiples of 8");
   if (n == 0) return;
   launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts, n,
-                     a.hidden, a.xa, stream);
+                     a.hidden, a.xa, stream, /*w4_order=*/dtype == DType::W4A16);
   if (dtype == DType::W4A16)
     launch_ffn<WqFormat::W4A16>(a, stream);
   else

@@ -155,9 +155,12 @@ void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream);
 void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream);
 void prepare_grouped_kernels();
 
-// act[p, :] = bf16(x[sorted_token[p], :]) for p < *assigned (grid n rows).
+// act[p, :] = bf16(x[sorted_token[p], :]) for p < *assigned (grid n rows); w4_order: each
+// 8-column chunk staged as the W4A16 kernels read it (wq_kernel.cuh, w4_stage_pos; hidden a
+// multiple of 8).
 void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_token,
-                        const int* assigned, int64_t n, int hidden, void* act, cudaStream_t stream);
+                        const int* assigned, int64_t n, int hidden, void* act, cudaStream_t stream,
+                        bool w4_order = false);
 
 // Gathers, runs the GEMMs of every touched expert and leaves y [N, hidden] F32 in a.gu.
 // Synchronizes the stream once to read the per-expert counts.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/wq_kernel.cuh"
 #include "core/error.h"
 
 namespace ds::cuda::moe {
@@ -15,6 +16,8 @@ namespace {
 constexpr int kThreads = 256;
 
 // act[p, :] = bf16(x[sorted_token[p], :]); one block per sorted position below *assigned.
+// W4: each 8-column chunk in the order the W4A16 kernels read (wq_kernel.cuh's staged_col).
+template <bool W4>
 __global__ void gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride,
                                    const int* __restrict__ sorted_token,
                                    const int* __restrict__ assigned, int hidden,
@@ -23,7 +26,9 @@ __global__ void gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride
   if (p >= *assigned) return;
   const float* src = x + int64_t(sorted_token[p]) * x_stride;
   __nv_bfloat16* dst = act + p * hidden;
-  for (int k = threadIdx.x; k < hidden; k += kThreads) dst[k] = __float2bfloat16_rn(src[k]);
+  for (int k = threadIdx.x; k < hidden; k += kThreads) {
+    dst[W4 ? wqk::staged_col<WqFormat::W4A16>(k) : k] = __float2bfloat16_rn(src[k]);
+  }
 }
 
 // act[p, f] = bf16(silu(gu[p, f]) * gu[p, F + f]).
@@ -62,11 +67,17 @@ void gemm_bf16(cublasHandle_t h, int m, int n, int k, const void* A, int64_t lda
 }  // namespace
 
 void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_token,
-                        const int* assigned, int64_t n, int hidden, void* act,
-                        cudaStream_t stream) {
+                        const int* assigned, int64_t n, int hidden, void* act, cudaStream_t stream,
+                        bool w4_order) {
   if (n == 0) return;
-  gather_bf16_kernel<<<unsigned(n), kThreads, 0, stream>>>(
-      x, x_stride, sorted_token, assigned, hidden, static_cast<__nv_bfloat16*>(act));
+  DS_CHECK(!w4_order || hidden % 8 == 0, "gather: W4A16 order needs whole 8-column chunks");
+  auto* dst = static_cast<__nv_bfloat16*>(act);
+  if (w4_order)
+    gather_bf16_kernel<true>
+        <<<unsigned(n), kThreads, 0, stream>>>(x, x_stride, sorted_token, assigned, hidden, dst);
+  else
+    gather_bf16_kernel<false>
+        <<<unsigned(n), kThreads, 0, stream>>>(x, x_stride, sorted_token, assigned, hidden, dst);
   check(cudaGetLastError(), "gather");
 }
 

@@ -1,10 +1,14 @@
 // The tensor-core kernel behind gemm_wq.cuh (dense) and moe_wq.cu (experts); device code only.
 //
-// A CTA (4 warps) owns kBN = 128 weight rows (gate + up: 64 rows of each) and up to kBT = 64
-// tokens, and walks K one 128-group per pipeline stage (kStages deep, cp.async). Warp w holds
-// row blocks of 16; lane (g = lane / 4, t = lane % 4) of a group reads 16-byte chunk t of its
-// rows (real k 32t .. 32t + 31) and, for k32 step p, feeds real k 32t + 8p .. + 7 into two
-// mmas. The token side uses the same permutation of k, so the products are the true ones.
+// A CTA (4 warps) owns kBN = 128 weight rows (gate + up: 64 rows of each) and up to BT tokens
+// (64; 8 or 16 for decode steps: less shared memory and fewer registers, so 4-5 CTAs share an
+// SM and hide the loads' latency), and walks K one 128-group per pipeline stage (kStages
+// deep, cp.async). Warp w holds row blocks of 16; lane (g = lane / 4, t = lane % 4) of a
+// group reads 16-byte chunk t of its rows (real k 32t .. 32t + 31) and, for k32 step p, feeds
+// real k 32t + 8p .. + 7 into two mmas. The token side uses the same permutation of k, so the
+// products are the true ones. W4A16 also pairs the codes of each 8-k chunk as (k, k + 4)
+// (two per 32-bit lop3, see dequant8_w4): its activations are staged in that order
+// (w4_stage_pos), by the producers of the BF16 rows.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,9 +28,13 @@ constexpr int kThreads = 128;
 constexpr int kWarps = 4;
 constexpr int kBN = 128;  // weight rows per CTA
 constexpr int kRM = 2;    // 16-row blocks per warp
-constexpr int kBT = 64;   // tokens per CTA
-constexpr int kTN = kBT / 8;
+constexpr int kBT = 64;   // tokens per CTA (prefill); decode variants take 8 or 16
 constexpr int kStages = 4;
+// CTAs per SM the register budget is cut for: decode variants are latency-bound, so they keep
+// several CTAs resident (their shared memory allows 5; fewer registers than this spill).
+__host__ __device__ constexpr int min_ctas(int bt) {
+  return bt <= 8 ? 4 : bt <= 16 ? 3 : 1;
+}
 constexpr int kGroup = 128;
 constexpr int kTokRow = kGroup * 2;  // staged bytes per token row (BF16)
 
@@ -61,11 +69,21 @@ struct Fmt<WqFormat::FP8W> {
 template <WqFormat F>
 constexpr uint32_t kStageA = uint32_t(kBN) * Fmt<F>::kRowBytes;
 constexpr uint32_t kStageS = uint32_t(kBN) * 4;
-constexpr uint32_t kStageB = uint32_t(kBT) * kTokRow;
+template <WqFormat F, int BT>
+constexpr uint32_t kStageBytes = kStageA<F> + kStageS + uint32_t(BT) * kTokRow;
+template <WqFormat F, int BT>
+constexpr size_t kSmem = size_t(kStages) * kStageBytes<F, BT>;
+
+// Where element e (0..7) of each aligned 8-k chunk of a W4A16 activation row is staged: the
+// codes pair as (k, k + 4), so the row is x0 x4 x1 x5 x2 x6 x3 x7 per chunk.
+__host__ __device__ __forceinline__ int w4_stage_pos(int e) {
+  return 2 * (e & 3) + (e >> 2);
+}
+// Column of element k of a K-wide activation row as staged for format F.
 template <WqFormat F>
-constexpr uint32_t kStageBytes = kStageA<F> + kStageS + kStageB;
-template <WqFormat F>
-constexpr size_t kSmem = size_t(kStages) * kStageBytes<F>;
+__host__ __device__ __forceinline__ int64_t staged_col(int64_t k) {
+  return F == WqFormat::W4A16 ? (k & ~int64_t(7)) + w4_stage_pos(int(k & 7)) : k;
+}
 
 // Physical 16-byte chunk of weight-row chunk c (FP8W rows are 8 chunks: flip by row parity so
 // the two rows one ldmatrix-free phase reads sit in different banks).
@@ -83,13 +101,21 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool va
                "r"(valid ? 4 : 0));
 }
 
-// Eight int4 codes (k order, low nibble first) -> four BF16x2 of (code - 8), exact.
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t r;  // (a & mask) | bits in one instruction
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
+  return r;
+}
+
+// Eight int4 codes (k order, low nibble first) -> four BF16x2 of (code - 8), exact: pair q
+// holds codes (q, q + 4), nibbles q and q + 4 of w, which sit 16 bits apart, so one shift and
+// one lop3 place both in the mantissas of bf16 128 (128 + code is exact), and one subtraction
+// removes 136.
 __device__ __forceinline__ void dequant8_w4(uint32_t w, uint32_t (&o)[4]) {
   const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    const uint32_t v = w >> (8 * q);
-    const uint32_t x = (v & 0xfu) | ((v & 0xf0u) << 12) | 0x43004300u;  // bf16 128 + code
+    const uint32_t x = lop3_and_or(w >> (4 * q), 0x000f000fu, 0x43004300u);
     __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&x);
     h = __hsub2(h, bias);
     o[q] = *reinterpret_cast<const uint32_t*>(&h);
@@ -131,34 +157,36 @@ __device__ __forceinline__ int warp_row(bool gate_up, int warp, int i) {
 
 // Calls f(row, tok, v) for each value v of run_cta's acc without gate/up, at row and token
 // (from the CTA's first) that the thread's fragment holds.
-template <WqFormat F, typename Fn>
-__device__ __forceinline__ void for_each_out(const float (&acc)[kRM][kTN][4], Fn&& f) {
+template <WqFormat F, int TN, typename Fn>
+__device__ __forceinline__ void for_each_out(const float (&acc)[kRM][TN][4], Fn&& f) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < kRM; ++i)
 #pragma unroll
-    for (int j = 0; j < kTN; ++j)
+    for (int j = 0; j < TN; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q)
         f(warp_row<F>(false, warp, i) + g + 8 * (q >> 1), j * 8 + 2 * t + (q & 1), acc[i][j][q]);
 }
 
 // Calls f(i, j, q) for the accumulator fragments of the token blocks with work (j < tn), unrolled.
-template <typename Fn>
+template <int TN, typename Fn>
 __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
 #pragma unroll
   for (int i = 0; i < kRM; ++i)
 #pragma unroll
-    for (int j = 0; j < kTN; ++j)
+    for (int j = 0; j < TN; ++j)
       if (j < tn) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) f(i, j, q);
       }
 }
 
-template <WqFormat F>
-__device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][kTN][4]) {
+template <WqFormat F, int BT>
+__device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
   using Fm = Fmt<F>;
+  constexpr int kTN = BT / 8;
+  constexpr uint32_t kStage = kStageBytes<F, BT>;
   constexpr int kCa = Fm::kRowBytes / 16;  // weight chunks per row and group
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const bool gate_up = jb.w1 != nullptr;
@@ -166,7 +194,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][kTN][
   const int64_t climit = Fm::code_limit(jb.K);
   auto load = [&](int stage, int kt) {
     const int64_t gi = jb.g_begin + kt;
-    const uint32_t sa = s0 + stage * kStageBytes<F>, ss = sa + kStageA<F>, sb = ss + kStageS;
+    const uint32_t sa = s0 + stage * kStage, ss = sa + kStageA<F>, sb = ss + kStageS;
     for (int i = tid; i < kBN * kCa; i += kThreads) {
       const int r = i / kCa, c = i % kCa;
       const int rr = gate_up ? r % (kBN / 2) : r;
@@ -210,7 +238,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][kTN][
     if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
     ptx::cp_async_commit();
     const int stage = kt % kStages;
-    const uint8_t* sa = smem + stage * kStageBytes<F>;
+    const uint8_t* sa = smem + stage * kStage;
     const auto* ss = reinterpret_cast<const uint32_t*>(sa + kStageA<F>);
     const uint8_t* sb = sa + kStageA<F> + kStageS;
     const int64_t gi = jb.g_begin + kt;
@@ -234,7 +262,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][kTN][
         sc[i][h] = Fm::scale(ss[r], gi);
       }
     float part[kRM][kTN][4];  // this group's sums; token blocks >= tn stay untouched
-    for_live_frags(tn, [&](int i, int j, int q) { part[i][j][q] = 0.0f; });
+    for_live_frags<kTN>(tn, [&](int i, int j, int q) { part[i][j][q] = 0.0f; });
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       uint32_t a[kRM][2][4];  // [block][mma of the pair][fragment]
@@ -272,7 +300,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][kTN][
         }
       }
     }
-    for_live_frags(tn, [&](int i, int j, int q) {
+    for_live_frags<kTN>(tn, [&](int i, int j, int q) {
       acc[i][j][q] = fmaf(part[i][j][q], sc[i][q >> 1], acc[i][j][q]);
     });
   }
