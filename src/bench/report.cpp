@@ -1,6 +1,8 @@
 #include "bench/report.h"
 
+#include <algorithm>
 #include <array>
+#include <cctype>
 #include <ctime>
 #include <fstream>
 #include <thread>
@@ -206,6 +208,19 @@ Json scenario_json(const ScenarioResult& r) {
   return j;
 }
 
+std::string dominant_weight_format(
+    const std::map<std::string, std::pair<uint64_t, uint64_t>>& formats) {
+  std::string best;
+  uint64_t most = 0;
+  for (const auto& [name, bp] : formats)
+    if ((name != "F32" || formats.size() == 1) && (best.empty() || bp.first > most))
+      best = name, most = bp.first;
+  if (best == "FP8W") return "fp8";
+  std::transform(best.begin(), best.end(), best.begin(),
+                 [](unsigned char c) { return char(std::tolower(c)); });
+  return best;
+}
+
 Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sys,
                 const ReportContext& ctx) {
   Json scen = Json::array();
@@ -242,7 +257,11 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
                                : ctx.device == "cpu"  ? Json("f32")
                                                       : Json()},
             {"load_format", spec.load_format},
-            {"quantize", spec.quantize == "none" ? "bf16" : spec.quantize},
+            // What the engine ran offline; online, the YAML's word ("none": the checkpoint's).
+            {"quantize", !ctx.weight_format.empty() ? ctx.weight_format
+                         : spec.quantize == "none"  ? "bf16"
+                                                    : spec.quantize},
+            {"weights", ctx.weights.empty() ? Json() : Json(ctx.weights)},
             {"gpu_memory_utilization", spec.gpu_memory_utilization},
             {"threads", spec.threads},
             {"tensor_parallel_size", spec.tensor_parallel_size},

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -36,7 +37,14 @@ struct ReportContext {
   std::string device;            // offline: the device the engine ran on
   std::string bandwidth_source;  // "config", "default for <gpu>" or "none"
   bool profile_ops = false;      // ops ran eagerly between timing marks (--profile-ops)
+  // Offline: the format holding most of the weight bytes ("bf16", "w4a16", "fp8", a GGUF type
+  // such as "q4_1"), and every format with its bytes (the start-up log's line).
+  std::string weight_format, weights;
 };
+
+// The format holding most bytes among formats -> (bytes, params), F32 left out unless it is
+// all there is, named as --quantize does (FP8W "fp8") or in lower case ("bf16", "q4_k").
+std::string dominant_weight_format(const std::map<std::string, std::pair<uint64_t, uint64_t>>& f);
 
 nlohmann::json scenario_json(const ScenarioResult& r);
 // The `op_profile` object of a scenario (docs/BENCH.md).

@@ -91,6 +91,8 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   ctx.mode = "offline";
   ctx.model = s.loaded.path;
   ctx.device = device;
+  ctx.weight_format = dominant_weight_format(s.loaded.model->weight_formats());
+  ctx.weights = describe_weight_formats(*s.loaded.model);
   resolve_bandwidth(spec, device, sys, ro, ctx);
   PromptMaker prompts({s.loaded.tokenizer.get(), s.loaded.config.vocab, spec.prompt == "text",
                        /*send_text=*/false});

@@ -36,8 +36,9 @@ void add_model_options(CLI::App* app, ds::ModelOptions& m) {
       ->check(CLI::IsMember({"auto", "dummy"}))
       ->capture_default_str();
   app->add_option("--quantize", m.quantize,
-                  "weight format of the big matmuls: none (the checkpoint's), w4a16 (4-bit, "
-                  "group 128) or fp8 (e4m3, a scale per row and 128-group), made at load time")
+                  "weight format of the big matmuls: none (the checkpoint's), bf16, w4a16 (4-bit, "
+                  "group 128) or fp8 (e4m3, a scale per row and 128-group), made at load time "
+                  "(also from a GGUF file's blocks)")
       ->check(CLI::IsMember({"none", "bf16", "w4a16", "fp8"}))
       ->capture_default_str();
   app->add_option("--tensor-parallel-size,--tp", m.tensor_parallel_size,
@@ -218,7 +219,7 @@ int main(int argc, char** argv) {
   i->add_option("--load-format", insp.load_format, "auto or dummy (path: a config.json)")
       ->check(CLI::IsMember({"auto", "dummy"}));
   i->add_option("--quantize", insp.quantize,
-                "also show the formats the weights would be bound in: none, w4a16 or fp8")
+                "also show the formats the weights would be bound in: none, bf16, w4a16 or fp8")
       ->check(CLI::IsMember({"none", "bf16", "w4a16", "fp8"}));
 
   ds::AccuracyOptions acc;

@@ -51,6 +51,10 @@ struct DTypeInfo {
 };
 
 const DTypeInfo& dtype_info(DType t);
+// GGML's block formats (Q4_0 .. Q8_K), as GGUF files store them.
+inline bool ggml_block_type(DType t) {
+  return t >= DType::Q4_0 && t <= DType::Q8_K;
+}
 inline std::string_view dtype_name(DType t) {
   return dtype_info(t).name;
 }

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <thread>
 
+#include "backend/cpu/quants.h"
 #include "backend/fp8w.h"
 #include "backend/w4a16.h"
 #include "core/error.h"
@@ -193,17 +194,21 @@ TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t 
   check_shape(t, rows, cols, name);
   const bool f8 = t.dtype == DType::F8_E4M3;  // an FP8 checkpoint's weight (with its scales)
   const bool plain = t.dtype == DType::F32 || t.dtype == DType::F16 || t.dtype == DType::BF16;
+  // GGUF blocks convert only when asked: as stored they run as they are.
+  const bool gguf = ggml_block_type(t.dtype) && quant_ != WeightQuant::None;
   const bool big = q == Quantizable::Yes && (op == Op::MatMul || op == Op::MoeFfn);
   const bool w4_fits = cols % w4a16::kGroup == 0;
-  if (quant_ == WeightQuant::W4A16 && big && (plain || f8) && !w4_fits)
+  if (quant_ == WeightQuant::W4A16 && big && (plain || f8 || gguf) && !w4_fits)
     log_info(name + " stays " + std::string(f8 ? "FP8W" : dtype_name(t.dtype)) +
              ": K = " + std::to_string(cols) + " is not a multiple of 128");
-  // FP8 checkpoint weights bind as FP8W (or W4A16 when asked); those used otherwise (MLA's
-  // kv_b_proj, an FP8 output projection) are dequantized to F32.
+  // FP8 checkpoint weights bind as FP8W (or W4A16 / BF16 when asked); those used otherwise
+  // (MLA's kv_b_proj, an FP8 output projection) are dequantized to F32.
   DType dt = t.dtype;
-  if (big && (plain || f8) && quant_ == WeightQuant::W4A16 && w4_fits)
+  if (big && (plain || f8 || gguf) && quant_ == WeightQuant::W4A16 && w4_fits)
     dt = DType::W4A16;
-  else if (big && (f8 || (plain && quant_ == WeightQuant::FP8)))
+  else if (big && (plain || f8 || gguf) && quant_ == WeightQuant::BF16)
+    dt = DType::BF16;
+  else if (big && (f8 || ((plain || gguf) && quant_ == WeightQuant::FP8)))
     dt = DType::FP8W;
   else if (f8)
     dt = DType::F32;
@@ -234,12 +239,20 @@ TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t 
       row.resize(size_t(cols));
       if (f8)
         f8s->row(r, row.data());
+      else if (ggml_block_type(t.dtype))
+        cpu::dequantize_row_ref(t.dtype, static_cast<const uint8_t*>(t.data) + r * t.row_stride(),
+                                row.data(), cols);
       else
         for (int64_t c = 0; c < cols; ++c) row[size_t(c)] = host_element(t, r * cols + c);
       if (dt == DType::W4A16)
         quantize_w4a16_row(row.data(), cols, out);
       else if (dt == DType::FP8W)
         quantize_fp8w_row(row.data(), cols, out);
+      else if (dt == DType::BF16)
+        for (int64_t c = 0; c < cols; ++c) {
+          const uint16_t b = f32_to_bf16(row[size_t(c)]);
+          std::memcpy(out + 2 * c, &b, 2);
+        }
       else
         std::memcpy(out, row.data(), size_t(cols) * 4);
     });

@@ -9,10 +9,11 @@
 namespace ds {
 
 WeightQuant weight_quant_from_name(const std::string& name) {
-  if (name.empty() || name == "none" || name == "bf16") return WeightQuant::None;
+  if (name.empty() || name == "none") return WeightQuant::None;
+  if (name == "bf16") return WeightQuant::BF16;
   if (name == "w4a16") return WeightQuant::W4A16;
   if (name == "fp8") return WeightQuant::FP8;
-  throw Error("--quantize must be none, w4a16 or fp8, not '" + name + "'");
+  throw Error("--quantize must be none, bf16, w4a16 or fp8, not '" + name + "'");
 }
 
 const char* weight_quant_name(WeightQuant q) {
@@ -21,6 +22,8 @@ const char* weight_quant_name(WeightQuant q) {
       return "w4a16";
     case WeightQuant::FP8:
       return "fp8";
+    case WeightQuant::BF16:
+      return "bf16";
     case WeightQuant::None:
       break;
   }

@@ -16,9 +16,11 @@ namespace ds {
 class GgufFile;
 struct ModelConfig;
 
-// Weight formats the binder may convert the big matmul weights to at load time (--quantize).
-enum class WeightQuant : uint8_t { None, W4A16, FP8 };
-// "none"/"bf16" (keep the checkpoint's dtype), "w4a16" or "fp8" (FP8W); throws for anything else.
+// Weight formats the binder may convert the big matmul weights to at load time (--quantize):
+// None keeps the checkpoint's; BF16 converts F32 / F16 / FP8 / GGUF-block weights to BF16 (a
+// reference for the others: `accuracy --quantize bf16` on a GGUF file).
+enum class WeightQuant : uint8_t { None, W4A16, FP8, BF16 };
+// "none", "bf16", "w4a16" or "fp8" (FP8W); throws for anything else.
 WeightQuant weight_quant_from_name(const std::string& name);
 const char* weight_quant_name(WeightQuant q);
 

@@ -70,6 +70,9 @@ engine:
     assert "c2_in16_out8" in p.stdout  # the table
     doc = json.loads(out.read_text())
     check_schema(doc, "offline")
+    # The embedded model's weights as bound: mostly Q4_1 blocks, the format recorded.
+    assert doc["config"]["quantize"] == "q4_1", doc["config"]
+    assert "Q4_1" in doc["config"]["weights"] and "Q8_0" in doc["config"]["weights"]
     assert [s["concurrency"] for s in doc["scenarios"]] == [1, 2]
     for s in doc["scenarios"]:
         n = s["num_prompts"]

@@ -150,7 +150,16 @@ TEST(BenchReport, JsonHasEverySchemaField) {
   const BenchRun run = run_bench(spec, target, prompts, ro);
   ASSERT_EQ(run.scenarios.size(), 2u);
   const SystemInfo sys = collect_system_info("deepserve bench --config x", "0.0");
-  const auto j = bench_json(spec, run, sys, {"offline", "m", "", "cpu", "config"});
+  ReportContext ctx;
+  ctx.mode = "offline";
+  ctx.model = "m";
+  ctx.device = "cpu";
+  ctx.bandwidth_source = "config";
+  ctx.weight_format = "q4_1";
+  ctx.weights = "Q4_1 0.066 GB (0.625 bytes/param)";
+  const auto j = bench_json(spec, run, sys, ctx);
+  EXPECT_EQ(j["config"]["quantize"], "q4_1");  // what was bound, not the YAML's "none"
+  EXPECT_EQ(j["config"]["weights"], "Q4_1 0.066 GB (0.625 bytes/param)");
 
   for (const char* k : {"gpu", "driver", "cpu", "commit", "command"})
     EXPECT_TRUE(j["system"].contains(k)) << k;
@@ -177,6 +186,19 @@ TEST(BenchReport, JsonHasEverySchemaField) {
   }
   EXPECT_EQ(j["scenarios"][1]["concurrency"], 2);
   EXPECT_EQ(j["scenarios"][1]["name"], "c2_in8_out4");
+}
+
+TEST(BenchReport, DominantWeightFormatNamesWhatHoldsMostBytes) {
+  using F = std::map<std::string, std::pair<uint64_t, uint64_t>>;
+  // SmolLM2's Q4_1 file: Q4_1 66 MB, Q8_0 30 MB, F32 norms.
+  EXPECT_EQ(dominant_weight_format(F{{"F32", {1, 1}}, {"Q4_1", {66, 1}}, {"Q8_0", {30, 1}}}),
+            "q4_1");
+  EXPECT_EQ(dominant_weight_format(F{{"BF16", {4, 2}}, {"F32", {1, 1}}, {"W4A16", {120, 2}}}),
+            "w4a16");
+  EXPECT_EQ(dominant_weight_format(F{{"BF16", {1, 2}}, {"FP8W", {15, 2}}}), "fp8");
+  // F32 counts only when it is all there is (an F32 checkpoint), even if it holds more.
+  EXPECT_EQ(dominant_weight_format(F{{"F32", {100, 1}}, {"BF16", {31, 1}}}), "bf16");
+  EXPECT_EQ(dominant_weight_format(F{{"F32", {100, 1}}}), "f32");
 }
 
 TEST(BenchReport, MixedScenarioReportsEachClass) {
@@ -214,8 +236,12 @@ TEST(BenchReport, MixedScenarioReportsEachClass) {
   EXPECT_EQ(target.priorities["latency-critical"], 3);
   EXPECT_EQ(target.priorities["batch"], r.classes[0].completed);
 
-  const auto j =
-      bench_json(spec, run, collect_system_info("x", "0.0"), {"offline", "m", "", "cpu", "none"});
+  ReportContext ctx;
+  ctx.mode = "offline";
+  ctx.model = "m";
+  ctx.device = "cpu";
+  ctx.bandwidth_source = "none";
+  const auto j = bench_json(spec, run, collect_system_info("x", "0.0"), ctx);
   const auto& c = j["scenarios"][0]["classes"];
   ASSERT_EQ(c.size(), 2u);
   EXPECT_EQ(c[1]["name"], "probe");

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "../../hf_fixtures.h"
+#include "backend/cpu/quants.h"
 #include "backend/fp8w.h"
 #include "dummy_model.h"
 #include "model/accuracy.h"
@@ -173,6 +174,56 @@ TEST(FP8W, BinderBindsFp8CheckpointTensorsExactly) {
   EXPECT_EQ(f.ptr<float>()[1 * K + 260], fp8_e4m3_to_f32(codes[size_t(K + 260)]) * 3.0f);
   EXPECT_THROW(b.linear("bad.weight", N, K), UnsupportedError);  // no scales
   EXPECT_GT(b.formats().at("FP8W").second, 0u);
+}
+
+// GGUF blocks are converted only when --quantize asks: none keeps Q8_0 / Q4_1 as stored; bf16,
+// fp8 and w4a16 convert the dequantized rows (the same bytes as quantizing those floats);
+// w4a16 leaves a K that is not whole 128-groups as stored.
+TEST(FP8W, BinderConvertsGgufBlocksOnlyWhenAsked) {
+  const int64_t N = 3, K = 256, K_odd = 96;
+  Fp8Source src;
+  std::vector<float> x(size_t(N * K)), x_odd(size_t(N * K_odd));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * float(i)) * (1.0f + float(i % 5));
+  for (size_t i = 0; i < x_odd.size(); ++i) x_odd[i] = std::cos(0.21f * float(i));
+  auto blocks = [](DType t, const std::vector<float>& v) {
+    std::vector<uint8_t> b(dtype_bytes(t, int64_t(v.size())));
+    cpu::quantize_row_ref(t, v.data(), b.data(), int64_t(v.size()));
+    return b;
+  };
+  src.add("q8.weight", DType::Q8_0, {N, K}, blocks(DType::Q8_0, x));
+  src.add("q41.weight", DType::Q4_1, {N, K}, blocks(DType::Q4_1, x));
+  src.add("odd.weight", DType::Q8_0, {N, K_odd}, blocks(DType::Q8_0, x_odd));
+  BackendOptions bo;
+  auto be = make_cpu_backend(bo);
+  for (DType t : {DType::Q8_0, DType::Q4_1}) {
+    const std::string name = t == DType::Q8_0 ? "q8.weight" : "q41.weight";
+    const TensorView stored = src.get(name);
+    std::vector<float> deq(size_t(N * K));
+    for (int64_t r = 0; r < N; ++r)
+      cpu::dequantize_row_ref(t, static_cast<const uint8_t*>(stored.data) + r * stored.row_stride(),
+                              deq.data() + r * K, K);
+    WeightBinder none(src, *be, WeightQuant::None), bf(src, *be, WeightQuant::BF16),
+        f8(src, *be, WeightQuant::FP8), w4(src, *be, WeightQuant::W4A16);
+    EXPECT_EQ(none.linear(name, N, K).dtype, t);
+    const TensorView b = bf.linear(name, N, K), f = f8.linear(name, N, K),
+                     q = w4.linear(name, N, K);
+    ASSERT_EQ(b.dtype, DType::BF16);
+    ASSERT_EQ(f.dtype, DType::FP8W);
+    ASSERT_EQ(q.dtype, DType::W4A16);
+    std::vector<uint8_t> want_f(size_t(f.row_stride())), want_q(size_t(q.row_stride()));
+    for (int64_t r = 0; r < N; ++r) {
+      for (int64_t k = 0; k < K; ++k)
+        ASSERT_EQ(b.ptr<uint16_t>()[r * K + k], f32_to_bf16(deq[size_t(r * K + k)])) << r << k;
+      quantize_fp8w_row(deq.data() + r * K, K, want_f.data());
+      quantize_w4a16_row(deq.data() + r * K, K, want_q.data());
+      EXPECT_EQ(0, std::memcmp(want_f.data(), f.row(r), want_f.size())) << dtype_name(t) << r;
+      EXPECT_EQ(0, std::memcmp(want_q.data(), q.row(r), want_q.size())) << dtype_name(t) << r;
+    }
+    // Only big matmuls convert: a weight used otherwise stays as stored.
+    EXPECT_EQ(bf.linear(name, N, K, Op::MatMul, Quantizable::No).dtype, t);
+  }
+  WeightBinder w4(src, *be, WeightQuant::W4A16);
+  EXPECT_EQ(w4.linear("odd.weight", N, K_odd).dtype, DType::Q8_0);
 }
 
 TEST(FP8W, QuantizeFp8AtLoadAndDummyTrackBf16) {
