@@ -1,10 +1,16 @@
 # Writes OUT (a C++ file defining ds::build_commit()) with the commit the sources come from:
-# `git rev-parse HEAD` (+ "-dirty") when SRC is the top of a git work tree, else the first
-# line of SRC/.commit (the GPU snapshot writes one), else "unknown". Rewritten only when the
-# value changes, so a build with nothing new recompiles nothing.
+# the first line of SRC/.commit when there is one (the GPU snapshot and the device runs write
+# it: a copied tree may carry a stale .git, which reported 2fa5d5d-dirty for later trees on
+# 2026-12-02), else `git rev-parse HEAD` (+ "-dirty") when SRC is the top of a git work tree,
+# else "unknown". Rewritten only when the value changes, so a build with nothing new
+# recompiles nothing.
 set(commit "")
+if(EXISTS ${SRC}/.commit)
+  file(STRINGS ${SRC}/.commit lines LIMIT_COUNT 1)
+  list(GET lines 0 commit)
+endif()
 find_program(GIT git)
-if(GIT)
+if(GIT AND NOT commit)
   execute_process(COMMAND ${GIT} -C ${SRC} rev-parse --show-toplevel
                   OUTPUT_VARIABLE top OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE rc)
   if(rc EQUAL 0)
@@ -20,10 +26,6 @@ if(GIT)
       string(APPEND commit "-dirty")
     endif()
   endif()
-endif()
-if(NOT commit AND EXISTS ${SRC}/.commit)
-  file(STRINGS ${SRC}/.commit lines LIMIT_COUNT 1)
-  list(GET lines 0 commit)
 endif()
 if(NOT commit)
   set(commit "unknown")

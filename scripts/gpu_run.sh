@@ -31,6 +31,12 @@
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
 # scripts/gpu_snapshot.sh puts the committed tree in .carry/src to run from (carried too).
+# The device tool copies the working tree (64 MiB with the carried paths): with the tracked
+# files (~21 MB), .carry/deps (~9 MB) and one 31 MB SmolLM2 part, .carry/src no longer fits, so
+# run from the tree itself with a clean working tree, writing the commit first (the copy's
+# .git can be stale, and cmake/build_commit.cmake prefers .commit):
+#   command: echo <short sha> > .commit; BUILD=/tmp/build-gpu bash scripts/gpu_run.sh ...
+#   carry:   [".carry/deps", ".carry/smol/part-0N", ".carry/smol/SHA256"]
 set -uo pipefail
 
 ROOT=$(pwd)
