@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct Q4_1 (98 MB, the default model) is larger than what one device-tool call
-# may carry (64 MiB with .carry/deps and .carry/src), so it travels in parts over three calls:
-# this cuts it into .carry/smol/part-0{0,1,2} plus SHA256. Carry one part per call, e.g.
-#   carry [".carry/deps", ".carry/src", ".carry/smol/part-00", ".carry/smol/SHA256"]
-# and link it as gpu_run.sh's deps are linked:
-#   ln -sf $PWD/.carry/smol .carry/src/.carry/smol; cd .carry/src && bash scripts/gpu_run.sh ...
+# may carry (64 MiB with the tracked tree and .carry/deps), so it travels in parts over three
+# calls: this cuts it into .carry/smol/part-0{0,1,2} plus SHA256. Carry one part per call
+# (run from the tree itself, see gpu_run.sh's header), e.g.
+#   carry [".carry/deps", ".carry/smol/part-00", ".carry/smol/SHA256"]
 # gpu_run.sh keeps each part in /tmp (the warm machine keeps /tmp between calls) and, once all
 # are there and the checksum holds, puts the file where the default-model lookup finds it.
 set -euo pipefail
