@@ -8,6 +8,7 @@
 
 #include "cli/commands.h"
 #include "cli/session.h"
+#include "core/build_info.h"
 #include "core/error.h"
 #include "model/accuracy.h"
 
@@ -87,6 +88,7 @@ int run_accuracy(const AccuracyOptions& o) {
     }
     out["model"] = path;
     out["device"] = be->name();
+    out["commit"] = build_commit();  // the tree the binary was built from
     out["reference"] = {{"quantize", o.model.quantize},
                         {"kv_cache_dtype", std::string(dtype_name(kv))},
                         {"weights", describe_weight_formats(*ref.model)}};

@@ -214,3 +214,30 @@ def test_fp8_checkpoint_generates_the_reference_tokens(run, tmp_path, name):
     assert "FP8W" in p.stderr, p.stderr
     assert json.loads(p.stdout)["tokens"] == read_safetensors_i32(ref, "p4.generated")
     assert "FP8W" in run("inspect", folder).stdout.split("bound weights")[1]
+
+
+def test_accuracy_against_the_bf16_reference(run, tmp_path):
+    """`deepserve accuracy` on the embedded model: its Q4_1 weights dequantized to BF16 as the
+    reference; the file as stored differs from it only by BF16 rounding, FP8 weights by more."""
+    out = tmp_path / "acc.json"
+    run("accuracy", "--device", "cpu", "--threads", "2", "--quantize", "bf16",
+        "--variant", "quantize=none", "--variant", "quantize=fp8", "-n", "8",
+        "-p", "The capital of France is", "-p", "def fibonacci(n):", "-o", out, timeout=300)
+    doc = json.loads(out.read_text())
+    assert doc["commit"] and doc["prompts"] == 2 and doc["gen_tokens"] == 8
+    assert doc["reference"]["quantize"] == "bf16" and "BF16" in doc["reference"]["weights"]
+    stored, fp8 = doc["variants"]
+    assert "Q4_1" in stored["weights"] and "FP8W" in fp8["weights"]
+    assert stored["positions"] == fp8["positions"] > 8
+    # BF16 keeps 8 bits of each dequantized weight: the argmax moves nowhere here.
+    assert stored["top1_agreement"] == 1.0
+    assert 0 < stored["max_logit_diff_over_range"] < 0.05
+    # e4m3 keeps 4: visibly further, still mostly the same choices.
+    assert fp8["max_logit_diff_over_range"] > stored["max_logit_diff_over_range"]
+    assert fp8["top1_agreement"] >= 0.8
+
+
+def test_accuracy_rejects_an_unknown_variant(run):
+    p = run("accuracy", "--device", "cpu", "--variant", "quantize=int3", check=False)
+    assert p.returncode != 0
+    assert "--quantize must be none, bf16, w4a16 or fp8" in p.stderr, p.stderr
