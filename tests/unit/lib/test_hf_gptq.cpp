@@ -61,6 +61,7 @@ void check_fixture(const std::string& name, WeightQuant q, const char* format, d
     const uint64_t others = std::string(format) == "BF16" ? kBf16Params : 0;
     EXPECT_EQ(formats.at(format).second, kLinearParams + others)
         << "a 4-bit linear did not bind as " << format;
+    EXPECT_FALSE(formats.count("I32")) << "packed tensors counted as bound weights";
     std::vector<std::vector<int32_t>> prompts;
     double worst = 0;
     for (size_t i = 0; i < c.prompts.size(); ++i) {
