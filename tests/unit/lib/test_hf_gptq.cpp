@@ -6,12 +6,16 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "../../hf_diff_fixtures.h"
 #include "../../hf_fixtures.h"
+#include "backend/w4a16.h"
+#include "core/error.h"
 #include "engine/engine.h"
+#include "model/config.h"
 #include "model/gptq.h"
 
 namespace ds {
@@ -172,6 +176,88 @@ TEST(Int4Unpack, AwqRowsInterleavedOrder) {
       EXPECT_EQ(row[k], float(q_of(k, n) - z_of(n)) * s_of(n)) << "n " << n << " k " << k;
   }
   EXPECT_EQ(ck.w4a16_blocker(), "AWQ (zero points)");
+}
+
+// GPTQ with act-order (g_idx a permutation of groups), v2 zeros (stored exactly), K = 256:
+// rows follow g_idx, and W4A16 is refused although every zero is 8 (groups out of order).
+TEST(Int4Unpack, GptqActOrderAndW4a16Rows) {
+  constexpr int64_t N = 8, K = 256, G = 2;
+  std::vector<int32_t> qweight(size_t(K / 8 * N), 0), qzeros(G, 0), g_idx(K);
+  std::vector<uint16_t> scales;
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n)
+      qweight[size_t(k / 8 * N + n)] |= int32_t(uint32_t(q_of(k, n)) << (4 * (k % 8)));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t n = 0; n < N; ++n) qzeros[size_t(g)] |= int32_t(8u << (4 * n));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t n = 0; n < N; ++n) scales.push_back(f32_to_fp16(s_of(n + 8 * g)));
+  Int4Format f;
+  f.zeros_minus_one = false;  // gptq_v2
+  f.desc_act = true;
+  auto make = [&] {
+    return Int4Checkpoint(f, "t.", TensorView::contiguous(qweight.data(), DType::I32, {K / 8, N}),
+                          TensorView::contiguous(qzeros.data(), DType::I32, {G, N / 8}),
+                          TensorView::contiguous(scales.data(), DType::F16, {G, N}),
+                          TensorView::contiguous(g_idx.data(), DType::I32, {K}), N, K);
+  };
+  for (int64_t k = 0; k < K; ++k) g_idx[size_t(k)] = int32_t((k * 7 / 3) % G);  // not k / 128
+  const Int4Checkpoint act = make();
+  EXPECT_NE(act.w4a16_blocker(), "");
+  std::vector<float> row(K);
+  for (int64_t n = 0; n < N; ++n) {
+    act.row(n, row.data());
+    for (int64_t k = 0; k < K; ++k)
+      ASSERT_EQ(row[size_t(k)], float(q_of(k, n) - 8) * s_of(n + 8 * g_idx[size_t(k)]))
+          << "n " << n << " k " << k;
+  }
+  for (int64_t k = 0; k < K; ++k) g_idx[size_t(k)] = int32_t(k / 128);  // trivial: W4A16
+  const Int4Checkpoint plain = make();
+  ASSERT_EQ(plain.w4a16_blocker(), "");
+  std::vector<uint8_t> w4(size_t(w4a16::row_stride(K)));
+  for (int64_t n = 0; n < N; ++n) {
+    plain.row(n, row.data());
+    plain.w4a16_row(n, w4.data());
+    for (int64_t k = 0; k < K; ++k)  // these scales are exact in BF16
+      ASSERT_EQ(w4a16::element(w4.data(), K, k), row[size_t(k)]) << "n " << n << " k " << k;
+  }
+}
+
+// quantization_config: what is read, and the clear refusals (bits, AWQ version, format).
+ModelConfig config_with(const std::string& quant) {
+  const auto dir = std::filesystem::temp_directory_path() / "ds_gptq_config";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json")
+      << R"({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "intermediate_size": 512, "vocab_size": 96,
+             "quantization_config": )"
+      << quant << "}";
+  return config_from_hf_json((dir / "config.json").string());
+}
+
+TEST(Int4Config, ReadsGptqAndAwqAndRefusesOthers) {
+  const ModelConfig g = config_with(
+      R"({"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": false, "desc_act": true,
+          "checkpoint_format": "gptq_v2"})");
+  ASSERT_TRUE(g.int4.has_value());
+  EXPECT_EQ(g.int4->kind, Int4Format::Kind::Gptq);
+  EXPECT_EQ(g.int4->group_size, -1);
+  EXPECT_FALSE(g.int4->sym);
+  EXPECT_TRUE(g.int4->desc_act);
+  EXPECT_FALSE(g.int4->zeros_minus_one);
+  const ModelConfig v1 = config_with(R"({"quant_method": "gptq", "bits": 4, "group_size": 128})");
+  EXPECT_TRUE(v1.int4->zeros_minus_one);
+  const ModelConfig a = config_with(
+      R"({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "GEMM",
+          "zero_point": true})");
+  EXPECT_EQ(a.int4->kind, Int4Format::Kind::Awq);
+  EXPECT_EQ(a.int4->group_size, 64);
+  EXPECT_THROW(config_with(R"({"quant_method": "gptq", "bits": 8, "group_size": 128})"),
+               UnsupportedError);
+  EXPECT_THROW(config_with(R"({"quant_method": "awq", "bits": 4, "version": "gemv"})"),
+               UnsupportedError);
+  EXPECT_THROW(config_with(R"({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"})"),
+               UnsupportedError);
+  EXPECT_FALSE(config_with(R"({"quant_method": "fp8"})").int4.has_value());
 }
 
 }  // namespace
