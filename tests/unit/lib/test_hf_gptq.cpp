@@ -101,6 +101,13 @@ TEST(HfGptq, AwqConvertsToW4a16AndFp8w) {
   check_fixture("llama_awq", WeightQuant::FP8, "FP8W", 0.1);
 }
 
+TEST(HfGptq, TensorParallelIsRefused) {
+  auto be = make_cpu_backend(BackendOptions{});
+  LoadOptions lo;
+  lo.tensor_parallel_size = 2;
+  EXPECT_THROW(load_model(gptq_root() / "llama_awq", *be, lo), UnsupportedError);
+}
+
 // ---- hand-packed layouts: [N, K] = [16, 8] (GPTQ packs 8 k per word; AWQ 8 n per word) ----
 constexpr int64_t kN = 16, kK = 8;
 int q_of(int64_t k, int64_t n) {
