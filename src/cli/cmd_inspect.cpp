@@ -83,7 +83,8 @@ int run_inspect(const InspectOptions& o) {
   LoadedModel m = open_model_metadata(o.path, lo.dummy);
   const ModelConfig& c = m.config;
   const auto rows = tensor_rows(m);
-  const bool plan = lo.dummy || lo.quantize != WeightQuant::None || c.quant_method == "fp8";
+  const bool plan =
+      lo.dummy || lo.quantize != WeightQuant::None || c.quant_method == "fp8" || c.int4.has_value();
   const Formats bound = plan ? plan_weight_formats(o.path, lo) : Formats{};
   const Tokenizer* tok = m.tokenizer.get();
   if (o.json) {

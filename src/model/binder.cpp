@@ -9,6 +9,7 @@
 #include "backend/w4a16.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "model/gptq.h"
 
 namespace ds {
 
@@ -186,10 +187,81 @@ void parallel_rows(int64_t rows, int64_t cols, Fn fn) {
   from(0);
   for (auto& th : pool) th.join();
 }
+
+// A float row as a row of dt (W4A16, FP8W, BF16 or F32).
+void encode_row(const float* row, int64_t cols, DType dt, uint8_t* out) {
+  if (dt == DType::W4A16)
+    quantize_w4a16_row(row, cols, out);
+  else if (dt == DType::FP8W)
+    quantize_fp8w_row(row, cols, out);
+  else if (dt == DType::BF16)
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint16_t b = f32_to_bf16(row[c]);
+      std::memcpy(out + 2 * c, &b, 2);
+    }
+  else
+    std::memcpy(out, row, size_t(cols) * 4);
+}
 }  // namespace
+
+TensorView WeightBinder::alloc_weight(DType dt, int64_t rows, int64_t cols) {
+  if (dt == DType::W4A16)
+    return w4a16_view(alloc_placed(w4a16_bytes(rows, cols)), rows, cols, be_.device());
+  if (dt == DType::FP8W)
+    return fp8w_view(alloc_placed(fp8w_bytes(rows, cols)), rows, cols, be_.device());
+  return TensorView::contiguous(alloc_placed(size_t(rows) * dtype_bytes(dt, cols)), dt,
+                                {rows, cols}, be_.device());
+}
+
+std::optional<std::string> WeightBinder::int4_stem(const std::string& name) const {
+  if (!int4_ || !name.ends_with("weight") || w_.find(name)) return std::nullopt;
+  const std::string stem = name.substr(0, name.size() - 6);
+  if (!w_.find(stem + "qweight")) return std::nullopt;
+  return stem;
+}
+
+TensorView WeightBinder::checked_int4(const std::string& stem, int64_t rows, int64_t cols, Op op,
+                                      Quantizable q) {
+  const Int4Checkpoint ck = Int4Checkpoint::of(w_, *int4_, stem, rows, cols);
+  const bool big = q == Quantizable::Yes && (op == Op::MatMul || op == Op::MoeFfn);
+  const bool exact = ck.w4a16_blocker().empty();
+  // Exact GPTQ binds as W4A16 as stored; the rest is dequantized exactly, then converted.
+  DType dt = DType::F32;
+  if (big && exact && (quant_ == WeightQuant::None || quant_ == WeightQuant::W4A16))
+    dt = DType::W4A16;
+  else if (big && quant_ == WeightQuant::W4A16 && cols % w4a16::kGroup == 0)
+    dt = DType::W4A16;
+  else if (big && quant_ == WeightQuant::FP8)
+    dt = DType::FP8W;
+  else if (big)
+    dt = DType::BF16;
+  const std::string why = exact ? "" : ck.w4a16_blocker();
+  if (!(exact && dt == DType::W4A16) &&
+      int4_notes_.insert(why + std::string(dtype_name(dt))).second)
+    log_info(stem + "qweight (and 4-bit weights like it) dequantized, bound as " +
+             std::string(dtype_name(dt)) + ": " +
+             (why.empty() ? std::string(big ? "--quantize" : "not a big matmul") : why));
+  if (!be_.supports(op, dt))
+    throw UnsupportedError(be_.name() + " has no " + std::string(op_name(op)) + " for " +
+                           std::string(dtype_name(dt)) + " weights (" + stem + "qweight)");
+  TensorView d = alloc_weight(dt, rows, cols);
+  std::vector<uint8_t> packed(size_t(rows) * size_t(d.row_stride()));
+  parallel_rows(rows, cols, [&](int64_t r) {
+    uint8_t* out = packed.data() + r * d.row_stride();
+    if (exact && dt == DType::W4A16) return ck.w4a16_row(r, out);
+    thread_local std::vector<float> row;
+    row.resize(size_t(cols));
+    ck.row(r, row.data());
+    encode_row(row.data(), cols, dt, out);
+  });
+  be_.upload(d, packed.data(), packed.size());
+  count(d);
+  return d;
+}
 
 TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t cols, Op op,
                                  Quantizable q) {
+  if (const auto stem = int4_stem(name)) return checked_int4(*stem, rows, cols, op, q);
   TensorView t = w_.get(name);
   check_shape(t, rows, cols, name);
   const bool f8 = t.dtype == DType::F8_E4M3;  // an FP8 checkpoint's weight (with its scales)
@@ -217,14 +289,7 @@ TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t 
                            std::string(dtype_name(dt)) + " weights (" + name + ")");
   const auto init = w_.dummy_init(name);
   if (!init && dt == t.dtype) return t;
-  TensorView d;
-  if (dt == DType::W4A16)
-    d = w4a16_view(alloc_placed(w4a16_bytes(rows, cols)), rows, cols, be_.device());
-  else if (dt == DType::FP8W)
-    d = fp8w_view(alloc_placed(fp8w_bytes(rows, cols)), rows, cols, be_.device());
-  else
-    d = TensorView::contiguous(alloc_placed(size_t(rows) * dtype_bytes(dt, cols)), dt, {rows, cols},
-                               be_.device());
+  TensorView d = alloc_weight(dt, rows, cols);
   if (init) {
     be_.fill_random(d, fill_of(*init, t.dtype));
   } else {  // convert the checkpoint's rows on the host, one upload
@@ -244,17 +309,7 @@ TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t 
                                 row.data(), cols);
       else
         for (int64_t c = 0; c < cols; ++c) row[size_t(c)] = host_element(t, r * cols + c);
-      if (dt == DType::W4A16)
-        quantize_w4a16_row(row.data(), cols, out);
-      else if (dt == DType::FP8W)
-        quantize_fp8w_row(row.data(), cols, out);
-      else if (dt == DType::BF16)
-        for (int64_t c = 0; c < cols; ++c) {
-          const uint16_t b = f32_to_bf16(row[size_t(c)]);
-          std::memcpy(out + 2 * c, &b, 2);
-        }
-      else
-        std::memcpy(out, row.data(), size_t(cols) * 4);
+      encode_row(row.data(), cols, dt, out);
     });
     be_.upload(d, packed.data(), packed.size());
   }
@@ -263,6 +318,12 @@ TensorView WeightBinder::checked(const std::string& name, int64_t rows, int64_t 
 }
 
 TensorView WeightBinder::host_plain(const std::string& name, std::vector<float>& keep) const {
+  if (const auto stem = int4_stem(name)) {  // a 4-bit weight used other than as a matmul
+    const Int4Checkpoint ck = Int4Checkpoint::of(w_, *int4_, *stem);
+    keep.resize(size_t(ck.rows() * ck.cols()));
+    for (int64_t r = 0; r < ck.rows(); ++r) ck.row(r, keep.data() + r * ck.cols());
+    return TensorView::contiguous(keep.data(), DType::F32, {ck.rows(), ck.cols()});
+  }
   const TensorView t = w_.get(name);
   if (t.dtype != DType::F8_E4M3) return t;
   const Fp8Checkpoint f = Fp8Checkpoint::of(w_, name, t);

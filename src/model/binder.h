@@ -7,10 +7,12 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "backend/backend.h"
+#include "model/config.h"
 #include "model/weights.h"
 
 namespace ds {
@@ -78,7 +80,11 @@ class WeightBinder {
   // A new backend buffer holding `host` as a contiguous tensor of `dtype` and `dims`.
   TensorView upload(const void* host, DType dtype, std::initializer_list<int64_t> dims);
 
-  bool has(const std::string& name) const { return w_.find(name).has_value(); }
+  // A GPTQ / AWQ checkpoint's format: `<x>.weight` may then be `<x>.qweight` and friends.
+  void set_int4(const std::optional<Int4Format>& f) { int4_ = f; }
+  bool has(const std::string& name) const {
+    return w_.find(name).has_value() || int4_stem(name).has_value();
+  }
   // The raw (host) view of a weight, for load-time transforms.
   TensorView host(const std::string& name) const { return w_.get(name); }
   Backend& backend() { return be_; }
@@ -92,6 +98,13 @@ class WeightBinder {
   TensorView dummy_f32(const std::string& name, const TensorView& t, const DummyInit& init);
   // The weight `name` as stored, or dequantized to F32 into `keep` when it is FP8.
   TensorView host_plain(const std::string& name, std::vector<float>& keep) const;
+  // "<x>." when `name` ("<x>.weight") is absent but "<x>.qweight" is there (GPTQ / AWQ).
+  std::optional<std::string> int4_stem(const std::string& name) const;
+  // checked() of a GPTQ / AWQ weight: W4A16 as stored when exact, else dequantized.
+  TensorView checked_int4(const std::string& stem, int64_t rows, int64_t cols, Op op,
+                          Quantizable q);
+  // A new placed [rows, cols] weight of dt (W4A16 and FP8W with their padded rows).
+  TensorView alloc_weight(DType dt, int64_t rows, int64_t cols);
   // A new buffer of `bytes`, kept; marked placed.
   void* alloc_placed(size_t bytes);
   // Drops an owned placed buffer (a part copied into a fused weight).
@@ -100,6 +113,8 @@ class WeightBinder {
   const WeightSource& w_;
   Backend& be_;
   WeightQuant quant_;
+  std::optional<Int4Format> int4_;
+  std::set<std::string> int4_notes_;  // reasons already logged
   std::vector<std::unique_ptr<Buffer>> owned_;
   std::vector<const void*> placed_;  // data pointers of weights made in backend memory
   uint64_t bytes_ = 0;

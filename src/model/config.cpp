@@ -1,5 +1,7 @@
 #include "model/config.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -288,6 +290,42 @@ void read_deepseek(const JsonReader& r, ModelConfig& c) {
   c.moe_routed_scaling = float(r.get_float("routed_scaling_factor", 1.0));
 }
 
+// GPTQ / AWQ quantization_config (AutoGPTQ / gptqmodel and AutoAWQ / transformers' names).
+Int4Format read_int4(const nlohmann::json& q, const std::string& path) {
+  const JsonReader r{q, path};
+  const std::string m = r.get_string("quant_method", "");
+  const int64_t bits = r.get_int("bits", r.get_int("w_bit", 4));
+  if (bits != 4)
+    throw UnsupportedError(path + ": " + m + " with " + std::to_string(bits) +
+                           " bits is not supported (only 4-bit GPTQ / AWQ)");
+  Int4Format f;
+  f.group_size = r.get_int("group_size", r.get_int("q_group_size", 128));
+  if (f.group_size == 0 || f.group_size < -1)
+    throw Error(path + ": " + m + " group_size " + std::to_string(f.group_size) + " is invalid");
+  if (m == "awq") {
+    f.kind = Int4Format::Kind::Awq;
+    std::string v = r.get_string("version", "gemm");
+    std::transform(v.begin(), v.end(), v.begin(),
+                   [](unsigned char ch) { return std::tolower(ch); });
+    if (v != "gemm")
+      throw UnsupportedError(path + ": AWQ version '" + v +
+                             "' is not supported (only GEMM's packing)");
+    if (!r.get_bool("zero_point", true))
+      throw UnsupportedError(path + ": AWQ without zero points is not supported");
+    f.sym = false;
+    f.zeros_minus_one = false;
+    return f;
+  }
+  f.sym = r.get_bool("sym", true);
+  f.desc_act = r.get_bool("desc_act", false);
+  const std::string cf = r.get_string("checkpoint_format", "gptq");
+  if (cf != "gptq" && cf != "gptq_v2")
+    throw UnsupportedError(path + ": GPTQ checkpoint_format '" + cf +
+                           "' is not supported (gptq or gptq_v2)");
+  f.zeros_minus_one = cf == "gptq";
+  return f;
+}
+
 }  // namespace
 
 ModelConfig config_from_hf_json(const std::string& path) {
@@ -332,6 +370,7 @@ ModelConfig config_from_hf_json(const std::string& path) {
                                                *b != nlohmann::json::array({128, 128}))
       throw UnsupportedError(path + ": FP8 weight_block_size " + b->dump() +
                              " is not supported (only [128, 128] block scales or per-channel)");
+    if (c.quant_method == "gptq" || c.quant_method == "awq") c.int4 = read_int4(*q, path);
   }
   if (auto b = j.find("bos_token_id"); b != j.end() && b->is_number_integer()) c.bos_id = *b;
   if (auto e = j.find("eos_token_id"); e != j.end()) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "backend/backend.h"
@@ -9,6 +10,16 @@
 namespace ds {
 
 class GgufFile;
+
+// A 4-bit GPTQ or AWQ checkpoint's quantization_config (its linears are `qweight` / `qzeros` /
+// `scales` [/ `g_idx`] tensors instead of `weight`).
+struct Int4Format {
+  enum class Kind : uint8_t { Gptq, Awq } kind = Kind::Gptq;
+  int64_t group_size = 128;     // inputs (K) per scale; -1: the whole row
+  bool sym = true;              // GPTQ: symmetric (zeros are 8 when stored exactly)
+  bool desc_act = false;        // GPTQ act-order: g_idx maps input k to its group
+  bool zeros_minus_one = true;  // GPTQ v1 (checkpoint_format "gptq") stores zero - 1
+};
 
 struct ModelConfig {
   std::string arch;  // "llama" or "deepseek_v2"
@@ -75,6 +86,8 @@ struct ModelConfig {
   // config.json's quantization_config.quant_method ("fp8" for an FP8 checkpoint, whose F8_E4M3
   // weights carry `weight_scale_inv` or `weight_scale` tensors); "" when absent.
   std::string quant_method;
+  // Set when quant_method is "gptq" or "awq" (4 bits; AWQ version "gemm").
+  std::optional<Int4Format> int4;
 
   std::string summary() const;  // one line for logs
 };

@@ -52,6 +52,7 @@ class DeepseekV2 final : public Model {
              const DeepseekOptions& opts)
       : cfg_(cfg), be_(be), opts_(opts) {
     WeightBinder b(w, be, opts.quantize);
+    b.set_int4(cfg.int4);
     const int64_t hidden = cfg.hidden, H = cfg.heads, R = cfg.kv_lora_rank, P = cfg.qk_rope_dim;
     const int64_t nope = cfg.qk_nope_dim, v = cfg.v_head_dim, qk = nope + P;
     tok_embd_ = b.table("model.embed_tokens.weight", cfg.vocab, hidden);

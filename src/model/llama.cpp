@@ -25,6 +25,7 @@ class Llama final : public Model {
   Llama(const ModelConfig& cfg, const WeightSource& w, Backend& be, WeightQuant quantize)
       : cfg_(cfg), be_(be) {
     WeightBinder b(w, be, quantize);
+    b.set_int4(cfg.int4);
     tok_embd_ = b.table("token_embd.weight", cfg.vocab, cfg.hidden);
     output_norm_ = b.norm("output_norm.weight", cfg.hidden);
     output_ = cfg.tied_embeddings

@@ -131,6 +131,9 @@ LoadedModel load_model(const std::filesystem::path& path, Backend& backend,
     throw Error(
         "--enable-expert-parallel splits experts over the tensor-parallel ranks: it "
         "needs --tensor-parallel-size of 2 or more");
+  if (opts.tensor_parallel_size > 1 && m.config.int4)  // shards would slice packed words
+    throw UnsupportedError(m.path + ": " + m.config.quant_method +
+                           " checkpoints with tensor parallelism are not supported yet");
   if (opts.tensor_parallel_size > 1) {
     ParallelLoad pl;
     pl.parallel.tensor_parallel_size = opts.tensor_parallel_size;

@@ -57,7 +57,7 @@ class GgufWeights final : public WeightSource {
 };
 
 // GGUF-style name -> Hugging Face llama name; a suffix after ".weight" (an FP8 checkpoint's
-// "weight_scale_inv" / "weight_scale") carries over.
+// "weight_scale_inv" / "weight_scale") carries over, as do GPTQ / AWQ's "qweight" and friends.
 std::string hf_llama_name(const std::string& name) {
   static const std::pair<const char*, const char*> kTop[] = {
       {"token_embd.weight", "model.embed_tokens.weight"},
@@ -73,11 +73,13 @@ std::string hf_llama_name(const std::string& name) {
       {"ffn_gate", "mlp.gate_proj"},       {"ffn_up", "mlp.up_proj"},
       {"ffn_down", "mlp.down_proj"},
   };
-  static const std::regex kBlk(R"(blk\.(\d+)\.(\w+)\.weight(_scale_inv|_scale)?)");
+  // GPTQ / AWQ linears: qweight, qzeros, scales, g_idx instead of weight.
+  static const std::regex kBlk(
+      R"(blk\.(\d+)\.(\w+)\.(weight(_scale_inv|_scale)?|qweight|qzeros|scales|g_idx))");
   std::smatch m;
   if (std::regex_match(name, m, kBlk))
     for (const auto& [g, h] : kBlock)
-      if (m[2] == g) return "model.layers." + m[1].str() + "." + h + ".weight" + m[3].str();
+      if (m[2] == g) return "model.layers." + m[1].str() + "." + h + "." + m[3].str();
   return name;
 }
 
