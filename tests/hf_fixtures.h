@@ -42,18 +42,24 @@ struct CpuModel {
   std::unique_ptr<KvCache> cache;
 };
 
-inline CpuModel load_cpu_model(const std::filesystem::path& path, bool mla_expanded = false) {
+// The cache is sized by the model's own config (rank 0's under tensor parallelism).
+inline CpuModel load_cpu_model(const std::filesystem::path& path, const LoadOptions& lo,
+                               int threads = 2) {
   CpuModel l;
   BackendOptions bo;
-  bo.threads = 2;
+  bo.threads = threads;
   l.backend = make_cpu_backend(bo);
-  LoadOptions lo;
-  lo.mla_expanded = mla_expanded;
   l.m = load_model(path, *l.backend, lo);
   KvCacheConfig kvc;
   kvc.num_blocks = kHarnessBlocks;
-  l.cache = std::make_unique<KvCache>(*l.backend, l.m.config, kvc);
+  l.cache = std::make_unique<KvCache>(*l.backend, l.m.model->config(), kvc);
   return l;
+}
+
+inline CpuModel load_cpu_model(const std::filesystem::path& path, bool mla_expanded = false) {
+  LoadOptions lo;
+  lo.mla_expanded = mla_expanded;
+  return load_cpu_model(path, lo);
 }
 
 // Forwards ids[start, start + count) of one sequence whose earlier tokens are in the cache

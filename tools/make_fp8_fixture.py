@@ -29,11 +29,8 @@ retried until every router gap >= 1e-4 and every greedy margin >= 1e-4 of the ra
 
 import argparse
 import json
-import math
-import random
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -120,58 +117,13 @@ def fp8_checkpoint(plain, scales):
 
 
 def make_one(spec, out_root):
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-
-    for attempt in range(20):
-        seed = spec["seed"] + 1000 * attempt
-        model = base.build_model(dict(spec, vocab=diff.VOCAB, seed=seed), diff.BOS, diff.EOS,
-                                 diff.PAD).to(torch.bfloat16)
-        out_dir = out_root / spec["name"]
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        with tempfile.TemporaryDirectory() as tmp:
-            saved_dir, deq_dir = Path(tmp) / "bf16", Path(tmp) / "deq"
-            model.save_pretrained(saved_dir)  # per-expert names, as published
-            base.check_safetensors_names(saved_dir / "model.safetensors", spec["arch"])
-            fp8, deq = fp8_checkpoint(load_file(str(saved_dir / "model.safetensors")),
-                                      spec["scales"])
-            saved = json.loads((saved_dir / "config.json").read_text())
-            # The reference reads the dequantized weights as a plain float32 checkpoint.
-            deq_dir.mkdir()
-            save_file(deq, str(deq_dir / "model.safetensors"), metadata={"format": "pt"})
-            (deq_dir / "config.json").write_text(json.dumps(dict(saved, dtype="float32")))
-            ref = AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32,
-                                                       attn_implementation="eager").eval()
-            for name, p in ref.state_dict().items():  # per-expert names are fused in memory
-                if name in deq:
-                    assert torch.equal(p, deq[name]), name
-            prompts = diff.draw_prompts(random.Random(seed))
-            results, gap = diff.run_reference(ref, prompts, base.RouteWatch(ref))
-        margin = min(f for r in results for f in r["margin_frac"])
-        if (gap is None or gap >= diff.MIN_ROUTE_GAP) and margin >= MIN_MARGIN:
-            break
-        print(f"{spec['name']}: seed {seed} router gap {gap}, margin {margin:.2e}; next seed",
-              file=sys.stderr)
-    else:
-        raise SystemExit(f"{spec['name']}: no seed with robust margins and router gaps")
-    out_dir.mkdir(parents=True)
-    save_file(fp8, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg = base.published_config(saved, spec)
-    cfg["torch_dtype"] = "bfloat16"
-    cfg["quantization_config"] = {
-        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-        "weight_block_size": [BLOCK, BLOCK] if spec["scales"] == "block" else None}
-    (out_dir / "config.json").write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
-    diff.save_reference(out_dir, results)
-    greedy = sorted(f for r in results for f in r["margin_frac"])
-    return dict(name=spec["name"], arch=spec["arch"], layout="published", dtype="fp8",
-                scales=spec["scales"], vocab=diff.VOCAB, seed=seed, hf=spec["hf"],
-                fp8_tensors=sum(1 for t in fp8.values() if t.dtype == torch.float8_e4m3fn),
-                prompt_lengths=[len(r["ids"]) for r in results], router_gap=gap,
-                greedy_margin_frac_min=round(greedy[0], 5),
-                greedy_margin_frac_median=round(greedy[len(greedy) // 2], 5))
-
+    found = diff.quantized_reference(spec, out_root,
+                                     lambda sd: fp8_checkpoint(sd, spec["scales"]), MIN_MARGIN)
+    config = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": [BLOCK, BLOCK] if spec["scales"] == "block" else None}
+    return diff.save_quantized(
+        spec, out_root, found, "bfloat16", config, dtype="fp8", scales=spec["scales"],
+        fp8_tensors=sum(1 for t in found[1].values() if t.dtype == torch.float8_e4m3fn))
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__,

@@ -28,10 +28,8 @@ make_hf_differential.py's schema, plus index.json.
 
 import argparse
 import json
-import random
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -139,52 +137,10 @@ def quant_config(fmt):
 
 
 def make_one(spec, out_root):
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-
-    for attempt in range(20):
-        seed = spec["seed"] + 1000 * attempt
-        model = base.build_model(dict(spec, vocab=diff.VOCAB, seed=seed), diff.BOS, diff.EOS,
-                                 diff.PAD).to(torch.bfloat16)
-        out_dir = out_root / spec["name"]
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        with tempfile.TemporaryDirectory() as tmp:
-            saved_dir, deq_dir = Path(tmp) / "bf16", Path(tmp) / "deq"
-            model.save_pretrained(saved_dir)
-            packed, deq = checkpoint(load_file(str(saved_dir / "model.safetensors")),
-                                     spec["fmt"])
-            saved = json.loads((saved_dir / "config.json").read_text())
-            deq_dir.mkdir()
-            save_file(deq, str(deq_dir / "model.safetensors"), metadata={"format": "pt"})
-            (deq_dir / "config.json").write_text(json.dumps(dict(saved, dtype="float32")))
-            ref = AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32,
-                                                       attn_implementation="eager").eval()
-            for name, p in ref.state_dict().items():
-                if name in deq:
-                    assert torch.equal(p, deq[name]), name
-            prompts = diff.draw_prompts(random.Random(seed))
-            results, gap = diff.run_reference(ref, prompts, base.RouteWatch(ref))
-        margin = min(f for r in results for f in r["margin_frac"])
-        if margin >= MIN_MARGIN:
-            break
-        print(f"{spec['name']}: seed {seed} margin {margin:.2e}; next seed", file=sys.stderr)
-    else:
-        raise SystemExit(f"{spec['name']}: no seed with robust margins")
-    out_dir.mkdir(parents=True)
-    save_file(packed, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg = base.published_config(saved, spec)
-    cfg["torch_dtype"] = "float16"
-    cfg["quantization_config"] = quant_config(spec["fmt"])
-    (out_dir / "config.json").write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
-    diff.save_reference(out_dir, results)
-    greedy = sorted(f for r in results for f in r["margin_frac"])
-    return dict(name=spec["name"], arch=spec["arch"], layout="published", dtype=spec["fmt"],
-                vocab=diff.VOCAB, seed=seed, hf=spec["hf"],
-                prompt_lengths=[len(r["ids"]) for r in results], router_gap=gap,
-                greedy_margin_frac_min=round(greedy[0], 5),
-                greedy_margin_frac_median=round(greedy[len(greedy) // 2], 5))
-
+    found = diff.quantized_reference(spec, out_root, lambda sd: checkpoint(sd, spec["fmt"]),
+                                     MIN_MARGIN)
+    return diff.save_quantized(spec, out_root, found, "float16", quant_config(spec["fmt"]),
+                               dtype=spec["fmt"])
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__,

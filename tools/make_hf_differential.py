@@ -28,6 +28,7 @@ import math
 import random
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,6 +153,69 @@ def run_reference(model, prompts, watch):
             out.append(dict(ids=ids, logits=logits, generated=gen, margin_frac=fracs,
                             route_gap=route))
     return out, (min(gaps) if gaps else None)
+
+
+def quantized_reference(spec, out_root, convert, min_margin):
+    """The seed loop of the quantized-checkpoint fixtures (FP8, GPTQ / AWQ): builds a sharp BF16
+    model, converts its state dict with convert(state_dict) -> (checkpoint tensors, dequantized
+    float tensors), runs transformers on the dequantized weights as a float32 checkpoint, and
+    retries seeds until every greedy margin is >= min_margin of the range and no router gap is
+    below MIN_ROUTE_GAP. Returns (seed, checkpoint tensors, the saved config, results, gap)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    for attempt in range(20):
+        seed = spec["seed"] + 1000 * attempt
+        model = base.build_model(dict(spec, vocab=VOCAB, seed=seed), BOS, EOS,
+                                 PAD).to(torch.bfloat16)
+        out_dir = out_root / spec["name"]
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        with tempfile.TemporaryDirectory() as tmp:
+            saved_dir, deq_dir = Path(tmp) / "bf16", Path(tmp) / "deq"
+            model.save_pretrained(saved_dir)  # per-expert names, as published
+            base.check_safetensors_names(saved_dir / "model.safetensors", spec["arch"])
+            packed, deq = convert(load_file(str(saved_dir / "model.safetensors")))
+            saved = json.loads((saved_dir / "config.json").read_text())
+            # The reference reads the dequantized weights as a plain float32 checkpoint.
+            deq_dir.mkdir()
+            save_file(deq, str(deq_dir / "model.safetensors"), metadata={"format": "pt"})
+            (deq_dir / "config.json").write_text(json.dumps(dict(saved, dtype="float32")))
+            ref = AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
+            for name, p in ref.state_dict().items():  # per-expert names are fused in memory
+                if name in deq:
+                    assert torch.equal(p, deq[name]), name
+            prompts = draw_prompts(random.Random(seed))
+            results, gap = run_reference(ref, prompts, base.RouteWatch(ref))
+        margin = min(f for r in results for f in r["margin_frac"])
+        if (gap is None or gap >= MIN_ROUTE_GAP) and margin >= min_margin:
+            return seed, packed, saved, results, gap
+        print(f"{spec['name']}: seed {seed} router gap {gap}, margin {margin:.2e}; next seed",
+              file=sys.stderr)
+    raise SystemExit(f"{spec['name']}: no seed with robust margins and router gaps")
+
+
+def save_quantized(spec, out_root, found, torch_dtype, quantization_config, **meta):
+    """Writes the fixture quantized_reference found (checkpoint tensors, the published config
+    with its quantization_config, the reference) and returns its index.json entry, with meta
+    (dtype and format details) after the name, arch and layout."""
+    from safetensors.torch import save_file
+
+    seed, tensors, saved, results, gap = found
+    out_dir = out_root / spec["name"]
+    out_dir.mkdir(parents=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = base.published_config(saved, spec)
+    cfg["torch_dtype"] = torch_dtype
+    cfg["quantization_config"] = quantization_config
+    (out_dir / "config.json").write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
+    save_reference(out_dir, results)
+    greedy = sorted(f for r in results for f in r["margin_frac"])
+    return dict(name=spec["name"], arch=spec["arch"], layout="published", **meta, vocab=VOCAB,
+                seed=seed, hf=spec["hf"], prompt_lengths=[len(r["ids"]) for r in results],
+                router_gap=gap, greedy_margin_frac_min=round(greedy[0], 5),
+                greedy_margin_frac_median=round(greedy[len(greedy) // 2], 5))
 
 
 def make_one(spec, out_root):

@@ -33,17 +33,9 @@ constexpr uint64_t kLinearParams = 2 * (256 * 256 * 2 + 128 * 256 * 2 + 512 * 25
 constexpr uint64_t kBf16Params = 2 * 96 * 256;  // embeddings and lm_head, stored BF16
 
 test::CpuModel load(const std::filesystem::path& dir, WeightQuant q) {
-  test::CpuModel l;
-  BackendOptions bo;
-  bo.threads = 2;
-  l.backend = make_cpu_backend(bo);
   LoadOptions lo;
   lo.quantize = q;
-  l.m = load_model(dir, *l.backend, lo);
-  KvCacheConfig kvc;
-  kvc.num_blocks = test::kHarnessBlocks;
-  l.cache = std::make_unique<KvCache>(*l.backend, l.m.config, kvc);
-  return l;
+  return test::load_cpu_model(dir, lo);
 }
 
 TEST(HfGptq, FixturesPresent) {

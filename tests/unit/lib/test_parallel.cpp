@@ -100,19 +100,15 @@ TEST(LocalCommunicator, AbortReleasesRanksWaitingInACollective) {
 // ---- models ----------------------------------------------------------------------------
 
 test::CpuModel load_path(const std::filesystem::path& path, int tp, bool ep) {
-  test::CpuModel l;
-  BackendOptions bo;
-  bo.threads = 1;
-  l.backend = make_cpu_backend(bo);
   LoadOptions lo;
   lo.tensor_parallel_size = tp;
   lo.expert_parallel = ep;
-  lo.rank_backend = [bo](int) { return make_cpu_backend(bo); };
-  l.m = load_model(path, *l.backend, lo);
-  KvCacheConfig kvc;
-  kvc.num_blocks = test::kHarnessBlocks;
-  l.cache = std::make_unique<KvCache>(*l.backend, l.m.model->config(), kvc);  // rank 0's
-  return l;
+  lo.rank_backend = [](int) {
+    BackendOptions bo;
+    bo.threads = 1;
+    return make_cpu_backend(bo);
+  };
+  return test::load_cpu_model(path, lo, /*threads=*/1);
 }
 
 test::CpuModel load_split(const std::string& fixture, int tp, bool ep) {
