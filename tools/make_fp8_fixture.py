@@ -27,11 +27,8 @@ retried until every router gap >= 1e-4 and every greedy margin >= 1e-4 of the ra
   $HFPY tools/make_fp8_fixture.py [--out tests/fixtures/hf_fp8]
 """
 
-import argparse
 import json
-import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -125,27 +122,12 @@ def make_one(spec, out_root):
         spec, out_root, found, "bfloat16", config, dtype="fp8", scales=spec["scales"],
         fp8_tensors=sum(1 for t in found[1].values() if t.dtype == torch.float8_e4m3fn))
 
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "hf_fp8")
-    args = ap.parse_args()
-    torch.set_num_threads(1)  # bitwise-reproducible reference on any machine
-    t0 = time.time()
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
-    metas = []
-    for spec in SPECS:
-        m = make_one(spec, args.out)
-        metas.append(m)
-        print(f"{m['name']}: {m['fp8_tensors']} FP8 tensors, router gap {m['router_gap']}, "
-              f"greedy margin/range min {m['greedy_margin_frac_min']} median "
-              f"{m['greedy_margin_frac_median']}", file=sys.stderr)
-    diff.write_index(args.out, {},
-                     "transformers eager float32 forward of the dequantized weights "
-                     "(fp8 * scale, exact in float32) read back with "
-                     "from_pretrained(dtype=float32)", metas, t0, "models")
+    diff.build_quantized_set(__doc__, REPO / "tests" / "fixtures" / "hf_fp8", SPECS, make_one,
+                             "transformers eager float32 forward of the dequantized weights "
+                             "(fp8 * scale, exact in float32) read back with "
+                             "from_pretrained(dtype=float32)")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,8 @@ make_hf_differential.py's schema, plus index.json.
   $HFPY tools/make_gptq_fixture.py [--out tests/fixtures/hf_gptq]
 """
 
-import argparse
 import json
-import shutil
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -142,21 +139,12 @@ def make_one(spec, out_root):
     return diff.save_quantized(spec, out_root, found, "float16", quant_config(spec["fmt"]),
                                dtype=spec["fmt"])
 
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "hf_gptq")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    t0 = time.time()
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
-    metas = [make_one(spec, args.out) for spec in SPECS]
-    diff.write_index(args.out, {},
-                     "transformers eager float32 forward of the dequantized weights "
-                     "((q - zero) * scale, exact in float32) read back with "
-                     "from_pretrained(dtype=float32)", metas, t0, "models")
+    diff.build_quantized_set(__doc__, REPO / "tests" / "fixtures" / "hf_gptq", SPECS, make_one,
+                             "transformers eager float32 forward of the dequantized weights "
+                             "((q - zero) * scale, exact in float32) read back with "
+                             "from_pretrained(dtype=float32)")
 
 
 if __name__ == "__main__":

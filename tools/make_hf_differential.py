@@ -218,6 +218,28 @@ def save_quantized(spec, out_root, found, torch_dtype, quantization_config, **me
                 greedy_margin_frac_median=round(greedy[len(greedy) // 2], 5))
 
 
+def build_quantized_set(description, default_out, specs, make_one, reference):
+    """main() of a quantized fixture tool: --out (default default_out) is rewritten with one
+    fixture per spec (make_one(spec, out) -> its index entry) and index.json."""
+    ap = argparse.ArgumentParser(description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=default_out)
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # bitwise-reproducible reference on any machine
+    t0 = time.time()
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True)
+    metas = []
+    for spec in specs:
+        m = make_one(spec, args.out)
+        metas.append(m)
+        print(f"{m['name']}: router gap {m['router_gap']}, greedy margin/range min "
+              f"{m['greedy_margin_frac_min']} median {m['greedy_margin_frac_median']}",
+              file=sys.stderr)
+    write_index(args.out, {}, reference, metas, t0, "models")
+
+
 def make_one(spec, out_root):
     from transformers import AutoModelForCausalLM
 
