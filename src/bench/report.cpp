@@ -262,6 +262,10 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
                          : spec.quantize == "none"  ? "bf16"
                                                     : spec.quantize},
             {"weights", ctx.weights.empty() ? Json() : Json(ctx.weights)},
+            {"kv_cache",
+             {{"capacity_tokens", ctx.kv_capacity_tokens ? Json(ctx.kv_capacity_tokens) : Json()},
+              {"bytes_per_token", ctx.kv_bytes_per_token ? Json(ctx.kv_bytes_per_token) : Json()},
+              {"tokens_that_fit", ctx.kv_tokens_fit ? Json(ctx.kv_tokens_fit) : Json()}}},
             {"gpu_memory_utilization", spec.gpu_memory_utilization},
             {"threads", spec.threads},
             {"tensor_parallel_size", spec.tensor_parallel_size},

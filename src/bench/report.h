@@ -40,6 +40,10 @@ struct ReportContext {
   // Offline: the format holding most of the weight bytes ("bf16", "w4a16", "fp8", a GGUF type
   // such as "q4_1"), and every format with its bytes (the start-up log's line).
   std::string weight_format, weights;
+  // Offline: the engine's KV cache (capacity, bytes per token over all layers) and, on CUDA,
+  // the tokens the GPU could hold after the weights (the automatic capacity); 0 = unknown.
+  int64_t kv_capacity_tokens = 0, kv_tokens_fit = 0;
+  uint64_t kv_bytes_per_token = 0;
 };
 
 // The format holding most bytes among formats -> (bytes, params), F32 left out unless it is

@@ -93,6 +93,9 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   ctx.device = device;
   ctx.weight_format = dominant_weight_format(s.loaded.model->weight_formats());
   ctx.weights = describe_weight_formats(*s.loaded.model);
+  ctx.kv_capacity_tokens = s.engine->kv_capacity_tokens();
+  ctx.kv_bytes_per_token = s.kv_bytes_per_token;
+  ctx.kv_tokens_fit = s.kv_tokens_fit;
   resolve_bandwidth(spec, device, sys, ro, ctx);
   PromptMaker prompts({s.loaded.tokenizer.get(), s.loaded.config.vocab, spec.prompt == "text",
                        /*send_text=*/false});

@@ -38,9 +38,9 @@ DType kv_cache_dtype(const std::string& name, DeviceKind device, const std::stri
 
 namespace {
 
-// KV capacity when the user gave none: on CUDA what fits in the pool after the weights.
-int64_t auto_kv_tokens(const Session& s, DType kv_dtype, int block_size) {
-  const int64_t cpu_default = std::min<int64_t>(4096, s.loaded.config.max_context);
+// On CUDA, the KV tokens that fit in the pool after the weights (what the automatic capacity
+// takes); 0 on the CPU, where memory does not size the cache. Logs when `log` is set.
+int64_t kv_tokens_that_fit(const Session& s, DType kv_dtype, int block_size, bool log) {
 #ifdef DEEPSERVE_HAVE_CUDA
   if (s.backend->device().kind == DeviceKind::CUDA) {
     const CudaPoolInfo pool = cuda_pool_info(*s.backend);
@@ -57,16 +57,19 @@ int64_t auto_kv_tokens(const Session& s, DType kv_dtype, int block_size) {
                   std::to_string(block_size) + " tokens needs " +
                   gib(double(per_token) * block_size) +
                   "; raise --gpu-memory-utilization or use a smaller model");
-    log_info("KV cache sized from GPU memory: " + std::to_string(tokens) + " tokens x " +
-             std::to_string(per_token) + " bytes (" + gib(double(tokens) * double(per_token)) +
-             " of " + gib(double(pool.free_bytes)) + " free in the pool)");
+    if (log)
+      log_info("KV cache sized from GPU memory: " + std::to_string(tokens) + " tokens x " +
+               std::to_string(per_token) + " bytes (" + gib(double(tokens) * double(per_token)) +
+               " of " + gib(double(pool.free_bytes)) + " free in the pool)");
     return tokens;
   }
 #else
+  (void)s;
   (void)kv_dtype;
   (void)block_size;
+  (void)log;
 #endif
-  return cpu_default;
+  return 0;
 }
 
 }  // namespace
@@ -151,8 +154,12 @@ Session open_session(const ModelOptions& m, const EngineOptions& e) {
   lo.rank_backend = [&m](int rank) { return make_session_backend(m, rank); };
   s.loaded = load_model(resolve_model_path(m.model), s.ops(), lo);
   EngineConfig ec;
-  ec.kv_cache_tokens =
-      e.kv_cache_tokens > 0 ? e.kv_cache_tokens : auto_kv_tokens(s, kv_dtype, e.block_size);
+  s.kv_tokens_fit = kv_tokens_that_fit(s, kv_dtype, e.block_size, e.kv_cache_tokens <= 0);
+  s.kv_bytes_per_token = s.loaded.model->kv_bytes_per_token(kv_dtype);
+  // No capacity given: on CUDA what fits after the weights, on the CPU 4096 (or the context).
+  ec.kv_cache_tokens = e.kv_cache_tokens > 0 ? e.kv_cache_tokens
+                       : s.kv_tokens_fit > 0 ? s.kv_tokens_fit
+                                             : std::min<int64_t>(4096, s.loaded.config.max_context);
   ec.kv_dtype = kv_dtype;
   ec.block_size = e.block_size;
   if (e.kv_mode == "static")

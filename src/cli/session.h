@@ -50,6 +50,8 @@ struct Session {
   std::unique_ptr<Backend> wrapper;  // ModelOptions::wrap_backend's, over `backend`; or null
   LoadedModel loaded;
   std::unique_ptr<Engine> engine;
+  uint64_t kv_bytes_per_token = 0;  // at the engine's KV dtype, all layers
+  int64_t kv_tokens_fit = 0;        // CUDA: KV tokens the pool could hold after the weights
   // What the model and engine run on.
   Backend& ops() { return wrapper ? *wrapper : *backend; }
 };

@@ -73,6 +73,9 @@ engine:
     # The embedded model's weights as bound: mostly Q4_1 blocks, the format recorded.
     assert doc["config"]["quantize"] == "q4_1", doc["config"]
     assert "Q4_1" in doc["config"]["weights"] and "Q8_0" in doc["config"]["weights"]
+    # 30 layers x K and V x 3 KV heads x 64 dims x 4 bytes (the CPU's F32 cache).
+    assert doc["config"]["kv_cache"] == {"capacity_tokens": 512, "bytes_per_token": 46080,
+                                         "tokens_that_fit": None}
     assert [s["concurrency"] for s in doc["scenarios"]] == [1, 2]
     for s in doc["scenarios"]:
         n = s["num_prompts"]

@@ -157,7 +157,13 @@ TEST(BenchReport, JsonHasEverySchemaField) {
   ctx.bandwidth_source = "config";
   ctx.weight_format = "q4_1";
   ctx.weights = "Q4_1 0.066 GB (0.625 bytes/param)";
+  ctx.kv_capacity_tokens = 16384;
+  ctx.kv_bytes_per_token = 69120;
   const auto j = bench_json(spec, run, sys, ctx);
+  EXPECT_EQ(j["config"]["kv_cache"]["capacity_tokens"], 16384);
+  EXPECT_EQ(j["config"]["kv_cache"]["bytes_per_token"], 69120);
+  EXPECT_TRUE(
+      j["config"]["kv_cache"]["tokens_that_fit"].is_null());  // CPU: memory does not size it
   EXPECT_EQ(j["config"]["quantize"], "q4_1");  // what was bound, not the YAML's "none"
   EXPECT_EQ(j["config"]["weights"], "Q4_1 0.066 GB (0.625 bytes/param)");
 
