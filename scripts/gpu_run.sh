@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU job: run on the H200 machine (through the device tool) from the repo root.
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
-# JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded,
+# JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded, ncu,
 # bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
 # multigpu, w1kv8.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
@@ -27,6 +27,10 @@
 #   multigpu  (2+ GPUs) the TP/EP GPU tests, the collective micro-benchmark, and W1/W2 on the
 #           lite checkpoint at --tensor-parallel-size 2, with and without expert parallelism
 #   w1kv8   bench/w1kv8.yaml: W1 (BF16 weights) with an FP8 KV cache (needs lite)
+#   ncu     Nsight Compute on the decode kernels the micro-benchmarks launch (NCU_KERNELS, a
+#           regex, default the W4A16/FP8W MoE and dense kernels; NCU_TESTS, a gtest filter;
+#           NCU_COUNT launches): speed of light, memory, occupancy, warp stalls, as text
+#           (works on the Firecracker runtime only, see the device notes; --clock-control none)
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
@@ -313,6 +317,22 @@ if has_stage multigpu; then
         tail -6 "$OUT/bench-$w-$mode.log"
       done
     done
+  fi
+fi
+
+if has_stage ncu; then
+  if ! command -v ncu >/dev/null; then
+    log "ncu: not on PATH"
+  else
+    log "ncu on ${NCU_KERNELS:=gate_up_kernel|down_kernel|dense_kernel} (${NCU_TESTS:=WqBench.*})"
+    ncu --clock-control none -k "regex:$NCU_KERNELS" --launch-count "${NCU_COUNT:-12}" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter="$NCU_TESTS" \
+      >"$OUT/ncu.txt" 2>&1
+    log "ncu rc=$?"
+    grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Issue Slot|No Eligible" \
+      "$OUT/ncu.txt" | head -80
   fi
 fi
 
