@@ -45,9 +45,21 @@ HF = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_v
           head_dim=64, intermediate_size=512, tie_word_embeddings=False,
           max_position_embeddings=256, rms_norm_eps=1e-5,
           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+# DeepSeek-V2 with every quantized K a multiple of 128 (o_proj: 2 heads x v 64), 4 routed
+# experts top-2 + 1 shared, the first layer dense: experts, shared experts and MLA projections
+# in GPTQ form (kv_b_proj too, which deepserve dequantizes to F32; the router stays BF16).
+HF_DS = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+             q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=64, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+             n_shared_experts=1, moe_intermediate_size=128, topk_method="greedy", n_group=1,
+             topk_group=1, norm_topk_prob=False, routed_scaling_factor=2.5, rms_norm_eps=1e-6,
+             max_position_embeddings=256,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 SPECS = [dict(name="llama_gptq_sym", arch="llama", fmt="gptq", seed=9101, hf=HF),
-         dict(name="llama_awq", arch="llama", fmt="awq", seed=9202, hf=HF)]
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+         dict(name="llama_awq", arch="llama", fmt="awq", seed=9202, hf=HF),
+         dict(name="deepseek_v2_gptq_sym", arch="deepseek_v2", fmt="gptq", seed=9303, hf=HF_DS)]
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+             "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def quantized(name):

@@ -108,12 +108,12 @@ class DeepseekV2 final : public Model {
         }
         if (cfg.moe_shared_experts > 0) {
           const int64_t F = cfg.moe_intermediate, shared = cfg.shared_ffn();
-          L.mlp = bind_mlp(b, p + "mlp.shared_experts.", shared);
+          L.mlp = bind_mlp(b, p + "mlp.shared_experts.", hidden, shared);
           // Slices of the routed width (a tensor-parallel rank may hold a fraction of one).
           if (shared % F == 0) L.num_shared = fold_shared(L, int(shared / F), F);
         }
       } else {
-        L.mlp = bind_mlp(b, p + "mlp.", cfg.intermediate);
+        L.mlp = bind_mlp(b, p + "mlp.", hidden, cfg.intermediate);
       }
       layers_.push_back(std::move(L));
     }
@@ -236,8 +236,8 @@ class DeepseekV2 final : public Model {
     return n;
   }
 
-  static DsMlp bind_mlp(WeightBinder& b, const std::string& prefix, int64_t ffn) {
-    const int64_t hidden = b.host(prefix + "gate_proj.weight").cols();
+  // hidden from the config: a 4-bit checkpoint has no gate_proj.weight to read it from.
+  static DsMlp bind_mlp(WeightBinder& b, const std::string& prefix, int64_t hidden, int64_t ffn) {
     DsMlp m;
     m.ffn = ffn;
     const TensorView g = b.checked(prefix + "gate_proj.weight", ffn, hidden);

@@ -39,13 +39,15 @@ test::CpuModel load(const std::filesystem::path& dir, WeightQuant q) {
 }
 
 TEST(HfGptq, FixturesPresent) {
-  EXPECT_EQ(test::hf_diff_index(gptq_root()).size(), 2u)
+  EXPECT_EQ(test::hf_diff_index(gptq_root()).size(), 3u)
       << gptq_root() << " (tools/make_gptq_fixture.py writes it)";
 }
 
-// Loads `name` with --quantize q, checks the bound format of the 4-bit linears and the logits
-// against transformers within tol (relative to the range); greedy tokens must agree when exact.
-void check_fixture(const std::string& name, WeightQuant q, const char* format, double tol) {
+// Loads `name` with --quantize q, checks the bound format of the 4-bit linears (their count
+// for the llama fixtures) and the logits against transformers within tol (relative to the
+// range); greedy tokens must agree when exact.
+void check_fixture(const std::string& name, WeightQuant q, const char* format, double tol,
+                   bool llama_counts = true) {
   for (const auto& entry : test::hf_diff_index(gptq_root())) {
     const test::DiffCase c = test::read_diff_case(entry, gptq_root());
     if (c.name != name) continue;
@@ -55,8 +57,10 @@ void check_fixture(const std::string& name, WeightQuant q, const char* format, d
     const auto& formats = l.m.model->weight_formats();
     ASSERT_TRUE(formats.count(format)) << "no " << format << " weights";
     const uint64_t others = std::string(format) == "BF16" ? kBf16Params : 0;
-    EXPECT_EQ(formats.at(format).second, kLinearParams + others)
-        << "a 4-bit linear did not bind as " << format;
+    if (llama_counts) {
+      EXPECT_EQ(formats.at(format).second, kLinearParams + others)
+          << "a 4-bit linear did not bind as " << format;
+    }
     EXPECT_FALSE(formats.count("I32")) << "packed tensors counted as bound weights";
     std::vector<std::vector<int32_t>> prompts;
     double worst = 0;
@@ -80,6 +84,21 @@ void check_fixture(const std::string& name, WeightQuant q, const char* format, d
 TEST(HfGptq, GptqSymBindsW4a16AsStoredAndMatchesTransformers) {
   check_fixture("llama_gptq_sym", WeightQuant::None, "W4A16", kLogitRelTol);
   check_fixture("llama_gptq_sym", WeightQuant::W4A16, "W4A16", kLogitRelTol);
+}
+
+// DeepSeek-V2: MLA projections, the dense MLP, routed and shared experts as GPTQ; kv_b_proj
+// (not a big matmul: the absorbed form reads it) is dequantized to F32.
+TEST(HfGptq, DeepseekGptqSymBindsExpertsAsW4a16AndMatchesTransformers) {
+  check_fixture("deepseek_v2_gptq_sym", WeightQuant::None, "W4A16", kLogitRelTol,
+                /*llama_counts=*/false);
+  test::CpuModel l = load(gptq_root() / "deepseek_v2_gptq_sym", WeightQuant::None);
+  const auto& formats = l.m.model->weight_formats();
+  // W4A16: per layer q_a 128x256, q_b 48x128, kv_a 136x256, o 256x128; layer 0's MLP 3 x
+  // 256x256; layer 1's 4 routed + 1 shared experts 3 x 128x256 each.
+  const uint64_t attn = 128 * 256 + 48 * 128 + 136 * 256 + 256 * 128;
+  EXPECT_EQ(formats.at("W4A16").second, 2 * attn + 3 * 256 * 256 + 5 * 3 * 128 * 256);
+  ASSERT_TRUE(formats.count("F32"));
+  EXPECT_GE(formats.at("F32").second, uint64_t(2 * 2 * (16 + 64) * 128)) << "kv_b_proj as F32";
 }
 
 TEST(HfGptq, AwqBindsBf16ByDefaultAndMatchesTransformers) {
