@@ -125,9 +125,7 @@ def make_one(spec, out_root):
 
 def main():
     diff.build_quantized_set(__doc__, REPO / "tests" / "fixtures" / "hf_fp8", SPECS, make_one,
-                             "transformers eager float32 forward of the dequantized weights "
-                             "(fp8 * scale, exact in float32) read back with "
-                             "from_pretrained(dtype=float32)")
+                             "fp8 * scale")
 
 
 if __name__ == "__main__":

@@ -154,9 +154,7 @@ def make_one(spec, out_root):
 
 def main():
     diff.build_quantized_set(__doc__, REPO / "tests" / "fixtures" / "hf_gptq", SPECS, make_one,
-                             "transformers eager float32 forward of the dequantized weights "
-                             "((q - zero) * scale, exact in float32) read back with "
-                             "from_pretrained(dtype=float32)")
+                             "(q - zero) * scale")
 
 
 if __name__ == "__main__":

@@ -218,18 +218,26 @@ def save_quantized(spec, out_root, found, torch_dtype, quantization_config, **me
                 greedy_margin_frac_median=round(greedy[len(greedy) // 2], 5))
 
 
-def build_quantized_set(description, default_out, specs, make_one, reference):
+def fresh_out_dir(out):
+    """Empties `out` for a fixture set and pins torch to one thread (a bitwise-reproducible
+    reference on any machine); returns the start time for write_index."""
+    torch.set_num_threads(1)
+    t0 = time.time()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return t0
+
+
+def build_quantized_set(description, default_out, specs, make_one, dequantized):
     """main() of a quantized fixture tool: --out (default default_out) is rewritten with one
-    fixture per spec (make_one(spec, out) -> its index entry) and index.json."""
+    fixture per spec (make_one(spec, out) -> its index entry) and index.json; `dequantized`
+    says how the reference's weights were made from the checkpoint's (e.g. "fp8 * scale")."""
     ap = argparse.ArgumentParser(description=description,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=default_out)
     args = ap.parse_args()
-    torch.set_num_threads(1)  # bitwise-reproducible reference on any machine
-    t0 = time.time()
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
+    t0 = fresh_out_dir(args.out)
     metas = []
     for spec in specs:
         m = make_one(spec, args.out)
@@ -237,7 +245,9 @@ def build_quantized_set(description, default_out, specs, make_one, reference):
         print(f"{m['name']}: router gap {m['router_gap']}, greedy margin/range min "
               f"{m['greedy_margin_frac_min']} median {m['greedy_margin_frac_median']}",
               file=sys.stderr)
-    write_index(args.out, {}, reference, metas, t0, "models")
+    write_index(args.out, {}, "transformers eager float32 forward of the dequantized weights "
+                f"({dequantized}, exact in float32) read back with from_pretrained(dtype=float32)",
+                metas, t0, "models")
 
 
 def make_one(spec, out_root):
@@ -292,12 +302,7 @@ def main():
     ap.add_argument("--count", type=int, default=40)
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
-    torch.set_num_threads(1)  # bitwise-reproducible reference on any machine
-    import transformers
-    t0 = time.time()
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    args.out.mkdir(parents=True)
+    t0 = fresh_out_dir(args.out)
     metas = []
     for spec in draw_configs(args.count, args.seed):
         m = make_one(spec, args.out)
