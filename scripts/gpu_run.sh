@@ -325,14 +325,17 @@ if has_stage ncu; then
     log "ncu: not on PATH"
   else
     log "ncu on ${NCU_KERNELS:=gate_up_kernel|down_kernel|dense_kernel} (${NCU_TESTS:=WqBench.*})"
-    ncu --clock-control none -k "regex:$NCU_KERNELS" --launch-count "${NCU_COUNT:-12}" \
+    # NCU_RANGE=1: only the launches between cudaProfilerStart/Stop (the *Ncu* tests).
+    range=()
+    [ "${NCU_RANGE:-0}" = 1 ] && range=(--profile-from-start off)
+    ncu --clock-control none "${range[@]}" -k "regex:$NCU_KERNELS" --launch-count "${NCU_COUNT:-12}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
       --section LaunchStats --section WarpStateStats --section SchedulerStats \
       "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter="$NCU_TESTS" \
       >"$OUT/ncu.txt" 2>&1
     log "ncu rc=$?"
-    grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Issue Slot|No Eligible" \
-      "$OUT/ncu.txt" | head -80
+    grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slot|No Eligible|Waves Per SM" \
+      "$OUT/ncu.txt" | head -${NCU_LINES:-120}
   fi
 fi
 

@@ -4,6 +4,7 @@
 // needs F % 128 == 0). Prints us per call, TB/s of weight bytes read (distinct rows touched)
 // and TFLOP/s. Up to 256 tokens the calls replay from a CUDA graph (no launch overhead).
 //   deepserve_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='WqBench.*'
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -54,11 +55,11 @@ double time_calls(int n, bool graph, int reps, const std::function<void(int)>& c
 test::BackendTensor pattern_weight(DType t, int64_t N, int64_t K) {
   Backend& be = cuda_backend();
   test::BackendTensor w;
-  const size_t bytes = size_t(N * test::wq_row_stride(t, K));
+  const size_t bytes = size_t(N * (t == DType::BF16 ? K * 2 : test::wq_row_stride(t, K)));
   w.buffer = be.alloc(bytes);
   cudaMemset(w.buffer->data(), 0x3c, bytes);
   w.view = TensorView::contiguous(w.buffer->data(), t, {N, K}, be.device());
-  w.view.stride[0] = test::wq_row_stride(t, K);
+  w.view.stride[0] = t == DType::BF16 ? K * 2 : test::wq_row_stride(t, K);
   return w;
 }
 
@@ -163,6 +164,60 @@ TEST(WqBench, DISABLED_Moe) {
         std::fflush(stdout);
       }
     }
+}
+
+// The decode-step MoE layers as W1 (V2-Lite, BF16), W3 (the same at T = 1) and W5 (V2.5, W4A16;
+// and FP8W) run them, shared experts folded in, one call each inside cudaProfilerStart/Stop:
+// the targets of gpu_run.sh's ncu stage (NCU_RANGE=1 profiles only that range).
+TEST(WqBench, DISABLED_NcuDecodeStep) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  struct Case {
+    const char* name;
+    int E;
+    int64_t H, F;
+    DType t;
+    int64_t T;
+  };
+  const Case cases[] = {{"V2-Lite BF16 T=8", 64, 2048, 1408, DType::BF16, 8},
+                        {"V2-Lite BF16 T=1", 64, 2048, 1408, DType::BF16, 1},
+                        {"V2.5 W4A16 T=8", 160, 5120, 1536, DType::W4A16, 8},
+                        {"V2.5 FP8W T=8", 160, 5120, 1536, DType::FP8W, 8}};
+  const int k = 6, S = 2;
+  for (const Case& c : cases) {
+    std::vector<test::BackendTensor> mats;
+    std::vector<ExpertWeights> experts;
+    for (int e = 0; e < c.E + S; ++e) {
+      mats.push_back(pattern_weight(c.t, c.F, c.H));
+      mats.push_back(pattern_weight(c.t, c.F, c.H));
+      mats.push_back(pattern_weight(c.t, c.H, c.F));
+      const size_t b = mats.size() - 3;
+      experts.push_back({mats[b].view, mats[b + 1].view, mats[b + 2].view});
+    }
+    auto x = test::upload_floats(be, DType::F32, {c.T, c.H},
+                                 test::random_floats(size_t(c.T * c.H), 5));
+    auto out = test::zeros(be, DType::F32, {c.T, c.H});
+    const std::vector<float> wts(size_t(c.T * k), 1.0f / k);
+    auto wb = test::upload_floats(be, DType::F32, {c.T, k}, wts);
+    std::vector<int32_t> id(size_t(c.T * k));
+    for (int64_t i = 0; i < c.T; ++i)
+      for (int j = 0; j < k; ++j) id[size_t(i * k + j)] = int32_t((i * 11 + j * 7) % c.E);
+    auto ids = test::upload_bytes(be, DType::I32, {c.T, k}, id.data(), id.size() * 4);
+    MoeFfnParams p;
+    p.x = x.view;
+    p.ids = ids.view;
+    p.weights = wb.view;
+    p.experts = experts;
+    p.num_shared = S;
+    p.out = out.view;
+    be.moe_ffn(p);  // tables, scratch
+    be.synchronize();
+    WQ_CUDA_OK(cudaProfilerStart());
+    be.moe_ffn(p);
+    be.synchronize();
+    WQ_CUDA_OK(cudaProfilerStop());
+    std::printf("profiled %s\n", c.name);
+  }
 }
 
 }  // namespace

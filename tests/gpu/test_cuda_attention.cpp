@@ -6,6 +6,7 @@
 // kernel families (F32 SIMT and tensor cores) are pinned in turn. The launchers are called
 // directly with a Context of the test's own, so these tests do not depend on the backend's
 // wiring; one test per op also goes through the Backend when it supports the op.
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -481,6 +482,26 @@ TEST(CudaAttention, ThroughBackend) {
     gpu.synchronize();
     EXPECT_TRUE(test::all_close(read_out(c, in), reference(c, in), test::attention_tolerance(),
                                 "backend", {in.h.num_tokens, c.heads, c.hd}));
+  }
+}
+
+// The MLA decode launches of W1 (8 x 1280, 16 heads), W3 (1 x 1088), W2 (256 x 1280) and W5
+// (8 x 1282, 128 heads), one each inside cudaProfilerStart/Stop: gpu_run.sh's ncu targets.
+TEST(CudaAttention, DISABLED_NcuDecode) {
+  DS_REQUIRE_GPU();
+  struct Row {
+    int n, context, heads;
+  };
+  for (const Row& r : {Row{8, 1280, 16}, Row{1, 1088, 16}, Row{256, 1280, 16}, Row{8, 1282, 128}}) {
+    Case c;
+    c.seqs.assign(size_t(r.n), {1, r.context});
+    c.heads = r.heads, c.hd = 512, c.rope = 64;
+    c.path = AttentionPath::MlaDecode;
+    const Inputs in = make_inputs(c, 5100);
+    launch(c, in);
+    cuda_ok(cudaProfilerStart(), "profiler start");
+    launch(c, in);
+    cuda_ok(cudaProfilerStop(), "profiler stop");
   }
 }
 
