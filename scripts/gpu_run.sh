@@ -15,6 +15,7 @@
 #   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks (with WqBench.*:
 #           W4A16 / FP8W tensor-core kernels, TB/s of weights and TFLOP/s)
 #   attnbench  MLA prefill attention TFLOP/s (expanded path; 8 x 1024 and 1 x 32768, 16/128 heads)
+#           and the attention kernels' timing table (decode GB/s at the W1/W2/W3 shapes)
 #   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
 #   w5      bench/w5.yaml: DeepSeek-V2.5 shapes, dummy W4A16 weights made on the GPU (no files)
 #   w1q     bench/w1q.yaml: W1 on the lite checkpoint quantized to W4A16 at load (needs lite)
@@ -231,10 +232,10 @@ if has_stage moebench; then
 fi
 
 if has_stage attnbench; then
-  log "MLA prefill attention micro-benchmark"
-  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='MlaPrefillBench.*' \
-    >"$OUT/attn-bench.log" 2>&1
-  grep -vE "^\[|^$" "$OUT/attn-bench.log" | tail -20
+  log "attention micro-benchmarks (MLA prefill; decode / prefill kernels by path)"
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests \
+    --gtest_filter='MlaPrefillBench.*:CudaAttention.DISABLED_Timing' >"$OUT/attn-bench.log" 2>&1
+  grep -vE "^\[|^$" "$OUT/attn-bench.log" | tail -40
 fi
 
 for w in w5 w1q w1f w1kv8 long; do

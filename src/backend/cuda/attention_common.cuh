@@ -353,27 +353,108 @@ struct MergeParams {
   int num_tokens = 0, heads = 0, dv = 0, splits = 1;
 };
 
-DS_KDEV void merge_splits(const MergeParams& m, const Thread& th) {
+// Four consecutive floats (16-byte aligned on the device).
+DS_KDEV void load_f4(const float* p, float (&v)[4]) {
+#if defined(__CUDACC__)
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+#else
+  for (int e = 0; e < 4; ++e) v[e] = p[e];
+#endif
+}
+DS_KDEV void store_f4(float* p, const float (&v)[4]) {
+#if defined(__CUDACC__)
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+#else
+  for (int e = 0; e < 4; ++e) p[e] = v[e];
+#endif
+}
+
+// Splits whose loads a merge thread issues together (the kernel is one round trip per chunk).
+constexpr int kMergeChunk = 8;
+
+// out row = sum over splits s (ascending, skipping empty ones) of part_o[s] * 2^(m_s - max),
+// divided by the same weighted sum of the l_s. One CTA per (token, head) row; with V = 4 a
+// thread owns 4 consecutive dims (16-byte loads), else one.
+template <int V>
+DS_KDEV void merge_splits_v(const MergeParams& m, const Thread& th) {
   const int row = th.bx;  // token * heads + head
   const int token = row / m.heads, head = row % m.heads;
   const int64_t stride = int64_t(m.num_tokens) * m.heads;
+  const float* ml = m.part_ml + int64_t(row) * 2;
+  const int64_t ml_step = stride * 2;
   float mx = -INFINITY;
-  for (int s = 0; s < m.splits; ++s) mx = fmaxf(mx, m.part_ml[(s * stride + row) * 2]);
+  for (int s0 = 0; s0 < m.splits; s0 += kMergeChunk) {
+    float v[kMergeChunk];
+    DS_UNROLL
+    for (int i = 0; i < kMergeChunk; ++i)
+      v[i] = s0 + i < m.splits ? ml[(s0 + i) * ml_step] : -INFINITY;
+    DS_UNROLL
+    for (int i = 0; i < kMergeChunk; ++i) mx = fmaxf(mx, v[i]);
+  }
   float sum = 0.0f;
-  for (int s = 0; s < m.splits; ++s) {
-    const float ms = m.part_ml[(s * stride + row) * 2];
-    if (ms != -INFINITY) sum += m.part_ml[(s * stride + row) * 2 + 1] * exp2_approx(ms - mx);
+  for (int s0 = 0; s0 < m.splits; s0 += kMergeChunk) {
+    float ms[kMergeChunk], ls[kMergeChunk];
+    DS_UNROLL
+    for (int i = 0; i < kMergeChunk; ++i) {
+      const bool in = s0 + i < m.splits;
+      ms[i] = in ? ml[(s0 + i) * ml_step] : -INFINITY;
+      ls[i] = in ? ml[(s0 + i) * ml_step + 1] : 0.0f;
+    }
+    DS_UNROLL
+    for (int i = 0; i < kMergeChunk; ++i)
+      if (ms[i] != -INFINITY) sum += ls[i] * exp2_approx(ms[i] - mx);
   }
   const float inv = 1.0f / sum;
   float* out = reinterpret_cast<float*>(m.out + token * m.out_ts + head * m.out_hs);
-  for (int d = th.tid; d < m.dv; d += th.nthreads) {
-    float acc = 0.0f;
-    for (int s = 0; s < m.splits; ++s) {
-      const float ms = m.part_ml[(s * stride + row) * 2];
-      if (ms != -INFINITY) acc += m.part_o[(s * stride + row) * m.dv + d] * exp2_approx(ms - mx);
+  const float* po = m.part_o + int64_t(row) * m.dv;
+  const int64_t po_step = stride * m.dv;
+  for (int d = th.tid * V; d < m.dv; d += th.nthreads * V) {
+    float acc[V] = {};
+    for (int s0 = 0; s0 < m.splits; s0 += kMergeChunk) {
+      float wgt[kMergeChunk], o[kMergeChunk][V];
+      DS_UNROLL
+      for (int i = 0; i < kMergeChunk; ++i) {
+        const int s = s0 + i;
+        const float ms = s < m.splits ? ml[s * ml_step] : -INFINITY;
+        wgt[i] = ms;
+        if (ms != -INFINITY) {
+          if constexpr (V == 4)
+            load_f4(po + s * po_step + d, o[i]);
+          else
+            o[i][0] = po[s * po_step + d];
+        }
+      }
+      DS_UNROLL
+      for (int i = 0; i < kMergeChunk; ++i) {
+        if (wgt[i] == -INFINITY) continue;
+        const float f = exp2_approx(wgt[i] - mx);
+        DS_UNROLL
+        for (int e = 0; e < V; ++e) acc[e] += o[i][e] * f;
+      }
     }
-    out[d] = acc * inv;
+    DS_UNROLL
+    for (int e = 0; e < V; ++e) acc[e] *= inv;
+    if constexpr (V == 4)
+      store_f4(out + d, acc);
+    else
+      out[d] = acc[0];
   }
+}
+
+// Whether the merge may use 16-byte accesses (dims in fours, aligned rows).
+DS_KHD bool merge_vec4(const MergeParams& m) {
+  return m.dv % 4 == 0 && (reinterpret_cast<uintptr_t>(m.out) | uintptr_t(m.out_ts) |
+                           uintptr_t(m.out_hs) | reinterpret_cast<uintptr_t>(m.part_o)) %
+                                  16 ==
+                              0;
+}
+
+DS_KDEV void merge_splits(const MergeParams& m, const Thread& th) {
+  if (merge_vec4(m))
+    merge_splits_v<4>(m, th);
+  else
+    merge_splits_v<1>(m, th);
 }
 
 }  // namespace ds::cuda::kern

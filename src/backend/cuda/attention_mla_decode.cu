@@ -37,9 +37,14 @@ constexpr int kQBytes = kRows * kRowBytes;
 constexpr int kTileBytes = kKeys * kRowBytes;
 constexpr int kPBytes = kRows * kKeys * 2;
 constexpr int kScaleBytes = kKeys * 2 * 4;  // FP8: (latent, rope) scale of each key of a stage
-// Q hi, Q lo, two cache stages, P hi, P lo, row max / sum exchange, two stages of scales.
-constexpr int kSmemBytes =
-    2 * kQBytes + 2 * kTileBytes + 2 * kPBytes + 2 * kWarps * kRows * 4 + 2 * kScaleBytes;
+constexpr int kSlotBytes = kKeys * 8;       // cache slot of each key of a tile (-1: none)
+// Q hi, Q lo, two cache stages, P hi, P lo, row max / sum exchange, two stages of scales, two
+// tiles' slots.
+constexpr int kSmemBytes = 2 * kQBytes + 2 * kTileBytes + 2 * kPBytes + 2 * kWarps * kRows * 4 +
+                           2 * kScaleBytes + 2 * kSlotBytes;
+// Q elements (pairs) each thread stages.
+constexpr int kQPairs = kRows * (kMaxDim / 2) / kThreads;
+static_assert(kRows * (kMaxDim / 2) % kThreads == 0, "Q pairs spread evenly over the threads");
 static_assert(kR == kWarps * 64, "each warp owns 64 value dims");
 
 // Byte offset of 16-byte chunk c of a staged row r (rows of `row_bytes`): chunks swizzled
@@ -77,9 +82,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
   uint8_t* stage0 = q_lo + kQBytes;
   uint8_t* p_hi = stage0 + 2 * kTileBytes;
   uint8_t* p_lo = p_hi + kPBytes;
-  float* red_max = reinterpret_cast<float*>(p_lo + kPBytes);  // [kWarps][kRows]
-  float* red_sum = red_max + kWarps * kRows;                  // [kWarps][kRows]
-  float* scl0 = red_sum + kWarps * kRows;                     // FP8: [2 stages][kKeys][2]
+  float* red_max = reinterpret_cast<float*>(p_lo + kPBytes);       // [kWarps][kRows]
+  float* red_sum = red_max + kWarps * kRows;                       // [kWarps][kRows]
+  float* scl0 = red_sum + kWarps * kRows;                          // FP8: [2 stages][kKeys][2]
+  auto* slots = reinterpret_cast<int64_t*>(scl0 + 2 * kKeys * 2);  // [2 tiles][kKeys]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
@@ -102,71 +108,85 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
     return;
   }
 
-  // FP8: plain loads of 8 codes per staged chunk, converted to BF16, and the keys' scales.
-  // Calls chunk(r, c, slot) for the tile's (key row, 8-element chunk) pairs of this thread,
-  // looking each row's slot up once (-1 past the split's keys).
-  auto for_tile_chunks = [&](int k0, auto&& chunk) {
-    int cached_row = -1;
-    int64_t slot = -1;
-    for (int i = tid; i < kKeys * chunks; i += kThreads) {
-      const int r = i / chunks, c = i - r * chunks;
-      if (r != cached_row) {
-        cached_row = r;
-        const int j = k0 + r;
-        slot = j < key_end ? kern::slot_of(p, seq, j) : -1;
-      }
-      chunk(r, c, slot);
+  // The cache slots of tile t's keys (-1 past the split) into slot table t & 1: one block-table
+  // lookup per key, by the first kKeys threads, ahead of the copies that read them (after a
+  // barrier), so a copy's address never waits on a global load.
+  const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
+  auto find_slots = [&](int t) {
+    if (tid < kKeys && t < n_tiles) {
+      const int j = key_begin + t * kKeys + tid;
+      slots[(t & 1) * kKeys + tid] = j < key_end ? kern::slot_of(p, seq, j) : -1;
     }
   };
-  auto load_tile_fp8 = [&](int stage, int k0) {
+  // Calls chunk(r, c, slot) for the tile's (key row, 8-element chunk) pairs of this thread.
+  auto for_tile_chunks = [&](int t, auto&& chunk) {
+    const int64_t* ts = slots + (t & 1) * kKeys;
+    for (int i = tid; i < kKeys * chunks; i += kThreads) {
+      const int r = i / chunks, c = i - r * chunks;
+      chunk(r, c, ts[r]);
+    }
+  };
+  // FP8: plain loads of 8 codes per staged chunk, converted to BF16, and the keys' scales.
+  auto load_tile_fp8 = [&](int stage, int t) {
     uint8_t* base = stage0 + stage * kTileBytes;
-    for_tile_chunks(k0, [&](int r, int c, int64_t slot) {
+    for_tile_chunks(t, [&](int r, int c, int64_t slot) {
       uint4 v = make_uint4(0, 0, 0, 0);
       if (slot >= 0)
         v = fp8x8_to_bf16x8(*reinterpret_cast<const uint2*>(p.k + slot * p.slot_bytes + c * 8));
       *reinterpret_cast<uint4*>(base + swz(r, c, kRowBytes)) = v;
     });
     if (tid < kKeys) {
-      const int j = k0 + tid;
-      const int64_t s = j < key_end ? kern::slot_of(p, seq, j) : -1;
+      const int64_t sl = slots[(t & 1) * kKeys + tid];
       float* sc = scl0 + (stage * kKeys + tid) * 2;
-      sc[0] = s >= 0 ? p.k_scale[s * p.k_scale_parts] : 0.0f;
-      sc[1] = s >= 0 ? p.k_scale[s * p.k_scale_parts + 1] : 0.0f;
+      sc[0] = sl >= 0 ? p.k_scale[sl * p.k_scale_parts] : 0.0f;
+      sc[1] = sl >= 0 ? p.k_scale[sl * p.k_scale_parts + 1] : 0.0f;
     }
   };
-  auto load_tile = [&](int stage, int k0) {
+  auto load_tile = [&](int stage, int t) {
     if constexpr (kFp8) {
-      load_tile_fp8(stage, k0);
+      load_tile_fp8(stage, t);
       return;
     }
     const uint32_t base = smem_u32(stage0 + stage * kTileBytes);
-    for_tile_chunks(k0, [&](int r, int c, int64_t slot) {
+    for_tile_chunks(t, [&](int r, int c, int64_t slot) {
       const uint8_t* src = slot >= 0 ? p.k + slot * p.slot_bytes + c * 16 : p.k;
       ptx::cp_async16(base + swz(r, c, kRowBytes), src, slot >= 0);
     });
   };
-  const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
-  load_tile(0, key_begin);
+  find_slots(0);
+  find_slots(1);
+  __syncthreads();  // tiles 0 and 1's slots visible
+  load_tile(0, 0);
   ptx::cp_async_commit();
 
-  // Q rows (heads h0..h0+15 of the token) as hi / lo BF16, zeros past dim or past the heads.
-  for (int i = tid; i < kRows * (kMaxDim / 2); i += kThreads) {
+  // Q rows (heads h0..h0+15 of the token) as hi / lo BF16, zeros past dim or past the heads:
+  // every load of the thread is issued before the first conversion.
+  float qv[kQPairs][2];
+#pragma unroll
+  for (int n = 0; n < kQPairs; ++n) {
+    const int i = tid + n * kThreads;
     const int r = i / (kMaxDim / 2), d = (i - r * (kMaxDim / 2)) * 2;
-    float v[2] = {0.0f, 0.0f};
     const int h = h0 + r;
-    if (h < p.heads) {
-      for (int e = 0; e < 2; ++e) {
-        const int dd = d + e;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int dd = d + e;
+      qv[n][e] = 0.0f;
+      if (h < p.heads) {
         if (dd < p.q_dims)
-          v[e] = *reinterpret_cast<const float*>(p.q + token * p.q_ts + h * p.q_hs + dd * 4);
+          qv[n][e] = *reinterpret_cast<const float*>(p.q + token * p.q_ts + h * p.q_hs + dd * 4);
         else if (dd < dim)
-          v[e] = *reinterpret_cast<const float*>(p.q2 + token * p.q2_ts + h * p.q2_hs +
-                                                 (dd - p.q_dims) * 4);
+          qv[n][e] = *reinterpret_cast<const float*>(p.q2 + token * p.q2_ts + h * p.q2_hs +
+                                                     (dd - p.q_dims) * 4);
       }
     }
+  }
+#pragma unroll
+  for (int n = 0; n < kQPairs; ++n) {
+    const int i = tid + n * kThreads;
+    const int r = i / (kMaxDim / 2), d = (i - r * (kMaxDim / 2)) * 2;
     __nv_bfloat16 hi[2], lo[2];
-    split_bf16(v[0], hi[0], lo[0]);
-    split_bf16(v[1], hi[1], lo[1]);
+    split_bf16(qv[n][0], hi[0], lo[0]);
+    split_bf16(qv[n][1], hi[1], lo[1]);
     const uint32_t off = swz(r, d / 8, kRowBytes) + (d % 8) * 2;
     *reinterpret_cast<__nv_bfloat162*>(q_hi + off) = __halves2bfloat162(hi[0], hi[1]);
     *reinterpret_cast<__nv_bfloat162*>(q_lo + off) = __halves2bfloat162(lo[0], lo[1]);
@@ -181,50 +201,56 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
   for (int t = 0; t < n_tiles; ++t) {
     const int k0 = key_begin + t * kKeys;
     __syncthreads();  // the other stage and P are free (previous tile done)
-    if (t + 1 < n_tiles) load_tile((t + 1) & 1, k0 + kKeys);
+    if (t + 1 < n_tiles) load_tile((t + 1) & 1, t + 1);
     ptx::cp_async_commit();
+    // Tile t's copies were issued before the barrier above, so its slot table is free: fill
+    // it for tile t + 2 (read after the next iteration's first barrier).
+    find_slots(t + 2);
     ptx::cp_async_wait<1>();
     __syncthreads();  // tile t (and Q) visible to every warp
     const uint32_t kv = smem_u32(stage0 + (t & 1) * kTileBytes);
 
     // S for keys warp*8 .. +8: A = Q (16 x 16 per step), B = 8 keys x 16 dims. Two
     // accumulators (even and odd steps) halve the chain of dependent mma.
-    float sa[2][4] = {};
+    // The hi and lo products go to separate accumulators (and even / odd steps too), so the
+    // chain of dependent mma is a quarter of the steps.
+    float sa[2][4] = {}, sl[2][4] = {};
     const uint32_t qh = smem_u32(q_hi), ql = smem_u32(q_lo);
-    auto qk_step = [&](int kk, float(&acc)[4]) {
+    auto qk_step = [&](int kk, float(&acc)[4], float(&acc_lo)[4]) {
       uint32_t ah[4], al[4], b[2];
       const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kRowBytes);
       ptx::ldmatrix_x4(ah, qh + a_off);
       ptx::ldmatrix_x4(al, ql + a_off);
       ptx::ldmatrix_x2(b, kv + swz(warp * 8 + li, kk / 8 + (lm & 1), kRowBytes));
       ptx::mma_bf16(acc, ah, b[0], b[1]);
-      ptx::mma_bf16(acc, al, b[0], b[1]);
+      ptx::mma_bf16(acc_lo, al, b[0], b[1]);
     };
     float s[4];
     const float* scl = scl0 + (t & 1) * kKeys * 2;  // FP8: this tile's (latent, rope) scales
     if constexpr (kFp8) {
       // The latent and rope dims have their own scales: separate sums, scaled per key.
-      float sr[2][4] = {};
+      float sr[2][4] = {}, srl[2][4] = {};
       for (int kk = 0; kk < kR; kk += 32) {
-        qk_step(kk, sa[0]);
-        qk_step(kk + 16, sa[1]);
+        qk_step(kk, sa[0], sl[0]);
+        qk_step(kk + 16, sa[1], sl[1]);
       }
       for (int kk = kR; kk < dim; kk += 32) {
-        qk_step(kk, sr[0]);
-        if (kk + 16 < dim) qk_step(kk + 16, sr[1]);
+        qk_step(kk, sr[0], srl[0]);
+        if (kk + 16 < dim) qk_step(kk + 16, sr[1], srl[1]);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float* ks = scl + (warp * 8 + c2 + (e & 1)) * 2;
-        s[e] = (sa[0][e] + sa[1][e]) * ks[0] + (sr[0][e] + sr[1][e]) * ks[1];
+        s[e] = ((sa[0][e] + sa[1][e]) + (sl[0][e] + sl[1][e])) * ks[0] +
+               ((sr[0][e] + sr[1][e]) + (srl[0][e] + srl[1][e])) * ks[1];
       }
     } else {
       for (int kk = 0; kk < dim; kk += 32) {
-        qk_step(kk, sa[0]);
-        if (kk + 16 < dim) qk_step(kk + 16, sa[1]);
+        qk_step(kk, sa[0], sl[0]);
+        if (kk + 16 < dim) qk_step(kk + 16, sa[1], sl[1]);
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[e] = sa[0][e] + sa[1][e];
+      for (int e = 0; e < 4; ++e) s[e] = (sa[0][e] + sa[1][e]) + (sl[0][e] + sl[1][e]);
     }
     // Base-2 scores; keys past the split are -inf.
     float tmax[2] = {-INFINITY, -INFINITY};
