@@ -57,8 +57,10 @@ void run_moe_bench(int S) {
     };
     const bool big = T > 1024;  // the decode kernels are far off the pace there
     // Graph-capturable paths replayed from a graph of all sets (launch overhead excluded).
-    for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped}) {
+    for (cuda::MoeFfnPath path :
+         {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped, cuda::MoeFfnPath::Streamed}) {
       if (big && path == cuda::MoeFfnPath::Decode) continue;
+      if (path == cuda::MoeFfnPath::Streamed && T > cuda::kWqBf16MaxTokens) continue;
       for (auto& s : sets) d.ffn(s->gpu, path);
       cudaGraph_t graph = nullptr;
       cudaGraphExec_t exec = nullptr;
@@ -74,7 +76,9 @@ void run_moe_bench(int S) {
       d.sync();
       float ms = 0;
       MOE_CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
-      report(path == cuda::MoeFfnPath::Decode ? "decode-graph" : "grouped-graph",
+      report(path == cuda::MoeFfnPath::Decode    ? "decode-graph"
+             : path == cuda::MoeFfnPath::Grouped ? "grouped-graph"
+                                                 : "streamed-graph",
              1000.0 * ms / (reps * kSets));
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);

@@ -194,8 +194,8 @@ TEST(WqBench, DISABLED_NcuDecodeStep) {
       const size_t b = mats.size() - 3;
       experts.push_back({mats[b].view, mats[b + 1].view, mats[b + 2].view});
     }
-    auto x = test::upload_floats(be, DType::F32, {c.T, c.H},
-                                 test::random_floats(size_t(c.T * c.H), 5));
+    auto x =
+        test::upload_floats(be, DType::F32, {c.T, c.H}, test::random_floats(size_t(c.T * c.H), 5));
     auto out = test::zeros(be, DType::F32, {c.T, c.H});
     const std::vector<float> wts(size_t(c.T * k), 1.0f / k);
     auto wb = test::upload_floats(be, DType::F32, {c.T, k}, wts);

@@ -238,10 +238,11 @@ constexpr double kDecodeRowTol = 1e-4, kDecodeElemTol = 1e-3;
 constexpr double kPrefillRowTol = 1.5e-2, kPrefillElemTol = 6e-2;
 
 const char* path_name(cuda::MoeFfnPath p) {
-  return p == cuda::MoeFfnPath::Auto      ? "auto"
-         : p == cuda::MoeFfnPath::Decode  ? "decode"
-         : p == cuda::MoeFfnPath::Grouped ? "grouped"
-                                          : "prefill";
+  return p == cuda::MoeFfnPath::Auto       ? "auto"
+         : p == cuda::MoeFfnPath::Decode   ? "decode"
+         : p == cuda::MoeFfnPath::Grouped  ? "grouped"
+         : p == cuda::MoeFfnPath::Streamed ? "streamed"
+                                           : "prefill";
 }
 
 // Whether Auto takes a path that rounds activations to BF16 (grouped or prefill).
@@ -262,6 +263,7 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
   if (with_bf16_paths) {
     paths.push_back(cuda::MoeFfnPath::Prefill);
     paths.push_back(cuda::MoeFfnPath::Grouped);
+    if (c.T <= cuda::kWqBf16MaxTokens) paths.push_back(cuda::MoeFfnPath::Streamed);
   }
   for (cuda::MoeFfnPath path : paths) {
     SCOPED_TRACE(path_name(path));
@@ -275,6 +277,7 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
     }
     const std::vector<float> got_buf = test::download_floats(g, c.out.gpu);
     const bool prefill = path == cuda::MoeFfnPath::Prefill || path == cuda::MoeFfnPath::Grouped ||
+                         path == cuda::MoeFfnPath::Streamed ||
                          (path == cuda::MoeFfnPath::Auto && auto_rounds_to_bf16(c, ex.dtype));
     EXPECT_TRUE(rows_close(rows_of(got_buf, c.T, c.H, c.out_ld), want, c.T, c.H,
                            prefill ? kPrefillRowTol : kDecodeRowTol,
@@ -352,21 +355,27 @@ TEST(CudaMoeFfn, HalfAndFloatWeightsUseTheDecodeKernels) {
       DirectCuda d;
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Prefill), UnsupportedError);
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Grouped), UnsupportedError);
+      if (T <= cuda::kWqBf16MaxTokens)
+        EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Streamed), UnsupportedError);
     }
   }
 }
 
-// Decode and grouped paths: a token's output alone equals its output inside a batch bit for bit
-// (also with the batch reversed and with a few experts taking most tokens), and reruns are
+// Decode, grouped and streamed paths: a token's output alone equals its output inside a batch bit
+// for bit (also with the batch reversed and with a few experts taking most tokens), and reruns are
 // identical.
 TEST(CudaMoeFfn, DecodeAndGroupedPathsAreBatchInvariantAndDeterministic) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
   const auto ex = make_experts(16, 2048, 1408, DType::BF16, 14);
-  const int T = 64, k = 4, H = ex->H;
+  const int k = 4, H = ex->H;
   for (auto [path, skewed] :
        {std::pair{cuda::MoeFfnPath::Decode, false}, std::pair{cuda::MoeFfnPath::Decode, true},
-        std::pair{cuda::MoeFfnPath::Grouped, false}, std::pair{cuda::MoeFfnPath::Grouped, true}}) {
+        std::pair{cuda::MoeFfnPath::Grouped, false}, std::pair{cuda::MoeFfnPath::Grouped, true},
+        std::pair{cuda::MoeFfnPath::Streamed, false},
+        std::pair{cuda::MoeFfnPath::Streamed, true}}) {
+    // Streamed takes at most 16 tokens: its 16-token variant against its 8-token one (alone).
+    const int T = path == cuda::MoeFfnPath::Streamed ? 16 : 64;
     SCOPED_TRACE(std::string(path_name(path)) + (skewed ? " skewed" : " uniform"));
     auto c = make_case(*ex, T, k, skewed, skewed ? 91 : 90);
     DirectCuda d;

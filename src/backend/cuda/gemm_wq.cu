@@ -55,7 +55,7 @@ void set_smem_limit(Kernel k) {
 
 // Grid (row blocks, token blocks, splits).
 template <WqFormat F, int BT>
-__global__ void __launch_bounds__(kThreads, min_ctas(BT)) dense_kernel(DenseArgs a) {
+__global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) dense_kernel(DenseArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * BT;
   const int G = int((a.k + kGroup - 1) / kGroup);
@@ -218,18 +218,26 @@ __device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, co
   return jb;
 }
 
+// Bytes between expert weight rows: ExpertPtrs counts packed formats in bytes, BF16 in elements.
+template <WqFormat F>
+__device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
+  return F == WqFormat::BF16 ? ld * 2 : ld;
+}
+
 // Grid (ceil(F / 64), tiles): h[p, f] = bf16(silu(gate_f . x_p) * (up_f . x_p)), h staged
 // for down's format (staged_col). BT >= the most tokens a tile can hold.
 template <WqFormat F, int BT>
-__global__ void __launch_bounds__(kThreads, min_ctas(BT)) gate_up_kernel(GroupedFfnArgs a) {
+__global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) gate_up_kernel(GroupedFfnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile tl = tile_of(a.lists, blockIdx.y);
   if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
   const int H = a.hidden, Fi = a.inter, f0 = blockIdx.x * (kBN / 2);
-  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * ex.gate_ld,
-                             static_cast<const uint8_t*>(ex.up) + int64_t(f0) * ex.up_ld,
-                             ex.gate_ld, min(kBN / 2, Fi - f0), a.xa, H);
+  const int64_t gate_ld = ld_bytes<F>(ex.gate_ld), up_ld = ld_bytes<F>(ex.up_ld);
+  // One row stride serves both matrices (the table's check: gate and up rows alike).
+  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * gate_ld,
+                             static_cast<const uint8_t*>(ex.up) + int64_t(f0) * up_ld, gate_ld,
+                             min(kBN / 2, Fi - f0), a.xa, H);
   float acc[kRM][BT / 8][4];
   run_cta<F, BT>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -248,14 +256,15 @@ __global__ void __launch_bounds__(kThreads, min_ctas(BT)) gate_up_kernel(Grouped
 
 // Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p.
 template <WqFormat F, int BT>
-__global__ void __launch_bounds__(kThreads, min_ctas(BT)) down_kernel(GroupedFfnArgs a) {
+__global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) down_kernel(GroupedFfnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile tl = tile_of(a.lists, blockIdx.y);
   if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
   const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
-  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * ex.down_ld,
-                             nullptr, ex.down_ld, min(kBN, H - n0), a.h, Fi);
+  const int64_t down_ld = ld_bytes<F>(ex.down_ld);
+  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
+                             nullptr, down_ld, min(kBN, H - n0), a.h, Fi);
   float acc[kRM][BT / 8][4];
   run_cta<F, BT>(jb, smem, acc);
   for_each_out<F>(acc, [&](int r, int tok, float v) {
@@ -296,8 +305,14 @@ void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
                      a.hidden, a.xa, stream, /*w4_order=*/dtype == DType::W4A16);
   if (dtype == DType::W4A16)
     launch_ffn<WqFormat::W4A16>(a, stream);
-  else
+  else if (dtype == DType::FP8W)
     launch_ffn<WqFormat::FP8W>(a, stream);
+  else if (dtype == DType::BF16 && a.num_tokens <= kWqBf16MaxTokens)
+    launch_ffn<WqFormat::BF16>(a, stream);
+  else
+    throw UnsupportedError(
+        "cuda moe_ffn: the streamed expert kernels take W4A16, FP8W, or BF16 "
+        "up to 16 tokens");
 }
 
 }  // namespace moe

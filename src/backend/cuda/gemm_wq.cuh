@@ -17,7 +17,9 @@
 
 namespace ds::cuda {
 
-enum class WqFormat : uint8_t { W4A16, FP8W };
+// BF16: plain BF16 weight rows through the same kernel (no scales); the MoE takes it for decode
+// steps (its small-token variants stream the experts at a few tokens per CTA).
+enum class WqFormat : uint8_t { W4A16, FP8W, BF16 };
 
 // Whether Backend::matmul / moe_ffn take weights of this dtype through the kernels here.
 inline bool wq_dtype(DType t) {

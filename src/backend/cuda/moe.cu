@@ -137,24 +137,69 @@ __global__ void __launch_bounds__(kListThreads)
   }
 }
 
-// One block per token; each thread sums the token's routed contributions in ascending k, then
-// its shared experts' (weight 1).
-__global__ void combine_kernel(const float* __restrict__ y, const int* __restrict__ pos,
-                               const float* __restrict__ w, int top_k, int shared, int hidden,
-                               float* __restrict__ out, int64_t out_stride) {
+// out[t] = sum over routed slots j (ascending) of w[t, j] * y[pos[t, j]], then + y of each
+// shared slot. Grid (T, column blocks); a thread owns V consecutive columns and issues the
+// loads of every slot before it sums them (up to kCombineSlots at once), so the kernel costs
+// about one round trip to L2 instead of one per slot and column block.
+constexpr int kCombineThreads = 128;
+constexpr int kCombineSlots = 16;
+
+template <int V>
+__device__ __forceinline__ void load_cols(const float* src, float (&v)[V]) {
+  if constexpr (V == 4) {
+    const float4 q = *reinterpret_cast<const float4*>(src);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  } else {
+    v[0] = *src;
+  }
+}
+
+template <int V>
+__global__ void __launch_bounds__(kCombineThreads)
+    combine_kernel(const float* __restrict__ y, const int* __restrict__ pos,
+                   const float* __restrict__ w, int top_k, int shared, int hidden,
+                   float* __restrict__ out, int64_t out_stride) {
   const int64_t t = blockIdx.x;
+  const int col = (blockIdx.y * kCombineThreads + threadIdx.x) * V;
+  if (col >= hidden) return;
   const int slots = top_k + shared;
   const int* tp = pos + t * slots;
   const float* tw = w + t * top_k;
-  float* orow = out + t * out_stride;
-  for (int col = threadIdx.x; col < hidden; col += blockDim.x) {
-    float acc = 0.0f;
-    for (int j = 0; j < top_k; ++j) {
-      const int p = tp[j];
-      if (p >= 0) acc = fmaf(tw[j], y[int64_t(p) * hidden + col], acc);
+  float acc[V] = {};
+  for (int j0 = 0; j0 < slots; j0 += kCombineSlots) {
+    float v[kCombineSlots][V];
+#pragma unroll
+    for (int i = 0; i < kCombineSlots; ++i) {
+      const int j = j0 + i;
+      const int p = j < slots ? tp[j] : -1;
+      if (p >= 0) {
+        load_cols<V>(y + int64_t(p) * hidden + col, v[i]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) v[i][e] = 0.0f;
+      }
     }
-    for (int j = top_k; j < slots; ++j) acc += y[int64_t(tp[j]) * hidden + col];
-    orow[col] = acc;
+#pragma unroll
+    for (int i = 0; i < kCombineSlots; ++i) {
+      const int j = j0 + i;
+      if (j >= slots) break;
+      if (j < top_k) {
+        if (tp[j] >= 0) {
+          const float wj = tw[j];
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[e] = fmaf(wj, v[i][e], acc[e]);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] += v[i][e];
+      }
+    }
+  }
+  float* orow = out + t * out_stride + col;
+  if constexpr (V == 4) {
+    *reinterpret_cast<float4*>(orow) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  } else {
+    orow[0] = acc[0];
   }
 }
 
@@ -176,9 +221,19 @@ void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int s
 void launch_combine(const float* y, const int* pos, const float* weights, int64_t num_tokens,
                     int top_k, int shared, int hidden, float* out, int64_t out_stride,
                     cudaStream_t stream) {
-  const int threads = hidden >= 512 ? 256 : 128;
-  combine_kernel<<<unsigned(num_tokens), threads, 0, stream>>>(y, pos, weights, top_k, shared,
-                                                               hidden, out, out_stride);
+  // float4 columns when every row start is 16-byte aligned (y rows are hidden floats apart).
+  const bool vec = hidden % 4 == 0 && out_stride % 4 == 0 &&
+                   reinterpret_cast<uintptr_t>(y) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int V = vec ? 4 : 1;
+  const dim3 grid(unsigned(num_tokens),
+                  unsigned((hidden / V + kCombineThreads - 1) / kCombineThreads));
+  if (vec)
+    combine_kernel<4><<<grid, kCombineThreads, 0, stream>>>(y, pos, weights, top_k, shared, hidden,
+                                                            out, out_stride);
+  else
+    combine_kernel<1><<<grid, kCombineThreads, 0, stream>>>(y, pos, weights, top_k, shared, hidden,
+                                                            out, out_stride);
   check(cudaGetLastError(), "combine");
 }
 
@@ -193,6 +248,7 @@ struct ExpertTable {
   DType dtype = DType::BF16;
   int hidden = 0;
   int inter = 0;
+  bool gate_up_same_ld = true;  // every expert's gate and up rows equally spaced
 };
 
 struct DeviceState {
@@ -301,7 +357,10 @@ const ExpertTable& expert_table(DeviceState& dev, std::span<const ExpertWeights>
     throw Error("cuda moe_ffn: expert tables must be built before graph capture");
   ExpertTable fresh;  // t changes only once the new table is complete
   validate_experts(experts, fresh);
-  for (const ExpertWeights& w : experts) fresh.host.push_back(expert_ptrs(w));
+  for (const ExpertWeights& w : experts) {
+    fresh.host.push_back(expert_ptrs(w));
+    fresh.gate_up_same_ld &= fresh.host.back().gate_ld == fresh.host.back().up_ld;
+  }
   const size_t bytes = fresh.host.size() * sizeof(moe::ExpertPtrs);
   void* d = nullptr;
   moe::check(cudaMalloc(&d, bytes), "table alloc");
@@ -355,7 +414,7 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, Sc
   if (path == MoeFfnPath::Prefill) {
     s.act = c.take<uint16_t>(n * std::max(H, F));
     s.gu = c.take<float>(n * std::max(2 * F, H));
-  } else if (path == MoeFfnPath::Grouped) {
+  } else if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed) {
     const int64_t tiles = moe::max_tiles(n, E);
     s.lists.tile_expert = c.take<int>(tiles);
     s.lists.tile_begin = c.take<int>(tiles);
@@ -423,6 +482,17 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
 
   const bool bf16 = table.dtype == DType::BF16;
   const bool quant = wq_dtype(table.dtype);  // always the tensor-core kernels of gemm_wq.cu
+  if (path == MoeFfnPath::Auto && !quant) {
+    path = moe_auto_path(bf16, T, k, S, capturing(ctx.stream));
+    // Streamed reads gate and up rows with one stride: otherwise the grouped kernels.
+    if (path == MoeFfnPath::Streamed && !table.gate_up_same_ld) path = MoeFfnPath::Grouped;
+  }
+  if (path == MoeFfnPath::Streamed && !quant &&
+      !(bf16 && T <= kWqBf16MaxTokens && table.gate_up_same_ld))
+    throw UnsupportedError(
+        "cuda moe_ffn: the streamed path takes BF16 experts (gate and up rows "
+        "equally spaced) and at most " +
+        std::to_string(kWqBf16MaxTokens) + " tokens");
   if (quant) {
     path = MoeFfnPath::Grouped;
   } else if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped) {
@@ -432,8 +502,6 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
                              " path needs BF16 experts");
     DS_CHECK(path == MoeFfnPath::Grouped || !capturing(ctx.stream),
              "moe_ffn: the prefill path cannot be graph-captured");
-  } else if (path == MoeFfnPath::Auto) {
-    path = moe_auto_path(bf16, T, k, S, capturing(ctx.stream));
   }
   const bool prefill = path == MoeFfnPath::Prefill;
   if (prefill && !dev.cublas) {
@@ -458,14 +526,16 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   problem.inter = F;
   problem.lists = s.lists;
   const float* y = nullptr;
-  if (path == MoeFfnPath::Grouped) {
+  if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed) {
     moe::GroupedFfnArgs a;
     a.experts = table.device;
     static_cast<moe::FfnProblem&>(a) = problem;
     a.xa = s.act;
     a.h = s.h16;
     a.y = s.y;
-    if (quant)
+    // Streamed: BF16 experts through the small-token variants of the quantized kernels
+    // (weights as the 16-row mma operand, 8 or 16 tokens per CTA).
+    if (quant || path == MoeFfnPath::Streamed)
       moe::launch_wq_ffn(a, table.dtype, ctx.stream);
     else
       moe::launch_grouped_ffn(a, ctx.stream);

@@ -36,8 +36,13 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // kernels, gemm_wq.cu, on the Grouped path's scratch, whatever the path asked). Auto, for BF16
 // experts: Decode below kMoeGroupedMinAssignments (token, expert) pairs, Prefill from
 // kMoePrefillMinAssignments while the stream is not being captured, Grouped in between (and above,
-// when capturing); F16 / F32 experts always take Decode. Tests and benchmarks force one.
-enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped };
+// when capturing); F16 / F32 experts always take Decode. Streamed (BF16, at most
+// kWqBf16MaxTokens tokens): the small-token variants of the quantized-weight tensor-core kernels
+// (gemm_wq.cu) on BF16 rows; Auto takes it from kMoeStreamedMinTokens tokens. Tests and
+// benchmarks force one.
+enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed };
+constexpr int64_t kWqBf16MaxTokens = 16;
+constexpr int64_t kMoeStreamedMinTokens = 2;
 // From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
 // grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
 // With shared experts every one of them holds all T tokens, which the decode kernels stream
@@ -49,6 +54,7 @@ constexpr int64_t kMoePrefillMinAssignments = 16384;
 // What Auto picks for T tokens of top_k routed + `shared` shared experts.
 inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, bool capturing) {
   const int64_t n = T * (top_k + shared);
+  if (bf16 && T >= kMoeStreamedMinTokens && T <= kWqBf16MaxTokens) return MoeFfnPath::Streamed;
   if (!bf16 || (n < kMoeGroupedMinAssignments && (shared == 0 || T < kMoeGroupedMinSharedTokens)))
     return MoeFfnPath::Decode;
   return n >= kMoePrefillMinAssignments && !capturing ? MoeFfnPath::Prefill : MoeFfnPath::Grouped;

@@ -29,11 +29,17 @@ constexpr int kWarps = 4;
 constexpr int kBN = 128;  // weight rows per CTA
 constexpr int kRM = 2;    // 16-row blocks per warp
 constexpr int kBT = 64;   // tokens per CTA (prefill); decode variants take 8 or 16
-constexpr int kStages = 4;
+// Pipeline depth: BF16 stages are 32 KB of weights, so 3 of them (two CTAs per SM at BT <= 16).
+template <WqFormat F>
+constexpr int kStagesOf = F == WqFormat::BF16 ? 3 : 4;
 // CTAs per SM the register budget is cut for: decode variants are latency-bound, so they keep
 // several CTAs resident (their shared memory allows 5; fewer registers than this spill).
 __host__ __device__ constexpr int min_ctas(int bt) {
   return bt <= 8 ? 4 : bt <= 16 ? 3 : 1;
+}
+template <WqFormat F>
+__host__ __device__ constexpr int min_ctas_of(int bt) {
+  return F == WqFormat::BF16 ? (bt <= 16 ? 2 : 1) : min_ctas(bt);
 }
 constexpr int kGroup = 128;
 constexpr int kTokRow = kGroup * 2;  // staged bytes per token row (BF16)
@@ -66,13 +72,21 @@ struct Fmt<WqFormat::FP8W> {
   }
 };
 
+template <>
+struct Fmt<WqFormat::BF16> {
+  static constexpr int kRowBytes = 256;  // one group of 128 BF16 values, no scale
+  static __device__ __forceinline__ int64_t code_off(int64_t g) { return g * 256; }
+  static __device__ __forceinline__ int64_t code_limit(int64_t K) { return K * 2; }
+};
+
 template <WqFormat F>
 constexpr uint32_t kStageA = uint32_t(kBN) * Fmt<F>::kRowBytes;
-constexpr uint32_t kStageS = uint32_t(kBN) * 4;
+template <WqFormat F>
+constexpr uint32_t kStageS = F == WqFormat::BF16 ? 0 : uint32_t(kBN) * 4;
 template <WqFormat F, int BT>
-constexpr uint32_t kStageBytes = kStageA<F> + kStageS + uint32_t(BT) * kTokRow;
+constexpr uint32_t kStageBytes = kStageA<F> + kStageS<F> + uint32_t(BT) * kTokRow;
 template <WqFormat F, int BT>
-constexpr size_t kSmem = size_t(kStages) * kStageBytes<F, BT>;
+constexpr size_t kSmem = size_t(kStagesOf<F>) * kStageBytes<F, BT>;
 
 // Where element e (0..7) of each aligned 8-k chunk of a W4A16 activation row is staged: the
 // codes pair as (k, k + 4), so the row is x0 x4 x1 x5 x2 x6 x3 x7 per chunk.
@@ -85,15 +99,16 @@ __host__ __device__ __forceinline__ int64_t staged_col(int64_t k) {
   return F == WqFormat::W4A16 ? (k & ~int64_t(7)) + w4_stage_pos(int(k & 7)) : k;
 }
 
-// Physical 16-byte chunk of weight-row chunk c (FP8W rows are 8 chunks: flip by row parity so
-// the two rows one ldmatrix-free phase reads sit in different banks).
-template <WqFormat F>
-__device__ __forceinline__ int a_chunk(int r, int c) {
-  return F == WqFormat::FP8W ? (c ^ (r & 1)) : c;
-}
-// Token rows are 16 chunks; lanes (g, t) of step p read chunk 4t + p of row g.
+// Token rows are 16 chunks; lanes (g, t) of step p read chunk 4t + p of row g: the eight
+// lanes of a phase (rows 2i, 2i + 1; t = 0..3) land in eight different 16-byte bank groups.
 __device__ __forceinline__ int b_chunk(int r, int c) {
   return c ^ (((c >> 3) & 1) << 1) ^ (r & 1);
+}
+// Physical 16-byte chunk of weight-row chunk c (FP8W rows are 8 chunks: flip by row parity so
+// the two rows one phase reads sit in different banks; BF16 rows are read like token rows).
+template <WqFormat F>
+__device__ __forceinline__ int a_chunk(int r, int c) {
+  return F == WqFormat::FP8W ? (c ^ (r & 1)) : F == WqFormat::BF16 ? b_chunk(r, c) : c;
 }
 
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
@@ -185,6 +200,8 @@ __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
 template <WqFormat F, int BT>
 __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
   using Fm = Fmt<F>;
+  constexpr bool kBf16 = F == WqFormat::BF16;  // no scales: products go straight into acc
+  constexpr int kStages = kStagesOf<F>;
   constexpr int kTN = BT / 8;
   constexpr uint32_t kStage = kStageBytes<F, BT>;
   constexpr int kCa = Fm::kRowBytes / 16;  // weight chunks per row and group
@@ -194,7 +211,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   const int64_t climit = Fm::code_limit(jb.K);
   auto load = [&](int stage, int kt) {
     const int64_t gi = jb.g_begin + kt;
-    const uint32_t sa = s0 + stage * kStage, ss = sa + kStageA<F>, sb = ss + kStageS;
+    const uint32_t sa = s0 + stage * kStage, ss = sa + kStageA<F>, sb = ss + kStageS<F>;
     for (int i = tid; i < kBN * kCa; i += kThreads) {
       const int r = i / kCa, c = i % kCa;
       const int rr = gate_up ? r % (kBN / 2) : r;
@@ -204,11 +221,13 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       const uint8_t* src = ok ? base + rr * jb.w_stride + off : base;
       ptx::cp_async16(sa + r * Fm::kRowBytes + a_chunk<F>(r, c) * 16, src, ok);
     }
-    for (int r = tid; r < kBN; r += kThreads) {
-      const int rr = gate_up ? r % (kBN / 2) : r;
-      const uint8_t* base = gate_up && r >= kBN / 2 ? jb.w1 : jb.w0;
-      const bool ok = rr < jb.rows;
-      cp_async4(ss + r * 4, ok ? base + rr * jb.w_stride + Fm::scale_off(jb.K, gi) : base, ok);
+    if constexpr (!kBf16) {
+      for (int r = tid; r < kBN; r += kThreads) {
+        const int rr = gate_up ? r % (kBN / 2) : r;
+        const uint8_t* base = gate_up && r >= kBN / 2 ? jb.w1 : jb.w0;
+        const bool ok = rr < jb.rows;
+        cp_async4(ss + r * 4, ok ? base + rr * jb.w_stride + Fm::scale_off(jb.K, gi) : base, ok);
+      }
     }
     for (int i = tid; i < jb.tokens * 16; i += kThreads) {
       const int r = i / 16, c = i % 16;
@@ -240,29 +259,34 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     const int stage = kt % kStages;
     const uint8_t* sa = smem + stage * kStage;
     const auto* ss = reinterpret_cast<const uint32_t*>(sa + kStageA<F>);
-    const uint8_t* sb = sa + kStageA<F> + kStageS;
+    const uint8_t* sb = sa + kStageA<F> + kStageS<F>;
     const int64_t gi = jb.g_begin + kt;
-    // Raw codes of rows (block i, half h: row g + 8h): W4 one chunk, FP8 two.
+    // Raw codes of rows (block i, half h: row g + 8h): W4 one chunk, FP8 two (BF16 reads its
+    // chunk of each step in the step).
     uint4 raw[kRM][2][F == WqFormat::FP8W ? 2 : 1];
     float sc[kRM][2];
+    if constexpr (!kBf16) {
 #pragma unroll
-    for (int i = 0; i < kRM; ++i)
+      for (int i = 0; i < kRM; ++i)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp_row<F>(gate_up, warp, i) + g + 8 * h;
-        if constexpr (F == WqFormat::FP8W) {
+        for (int h = 0; h < 2; ++h) {
+          const int r = warp_row<F>(gate_up, warp, i) + g + 8 * h;
+          if constexpr (F == WqFormat::FP8W) {
 #pragma unroll
-          for (int c = 0; c < 2; ++c)
-            raw[i][h][c] = *reinterpret_cast<const uint4*>(sa + r * Fm::kRowBytes +
-                                                           a_chunk<F>(r, 2 * t + c) * 16);
-        } else {
-          raw[i][h][0] =
-              *reinterpret_cast<const uint4*>(sa + r * Fm::kRowBytes + a_chunk<F>(r, t) * 16);
+            for (int c = 0; c < 2; ++c)
+              raw[i][h][c] = *reinterpret_cast<const uint4*>(sa + r * Fm::kRowBytes +
+                                                             a_chunk<F>(r, 2 * t + c) * 16);
+          } else {
+            raw[i][h][0] =
+                *reinterpret_cast<const uint4*>(sa + r * Fm::kRowBytes + a_chunk<F>(r, t) * 16);
+          }
+          sc[i][h] = Fm::scale(ss[r], gi);
         }
-        sc[i][h] = Fm::scale(ss[r], gi);
-      }
+    }
     float part[kRM][kTN][4];  // this group's sums; token blocks >= tn stay untouched
-    for_live_frags<kTN>(tn, [&](int i, int j, int q) { part[i][j][q] = 0.0f; });
+    if constexpr (!kBf16)
+      for_live_frags<kTN>(tn, [&](int i, int j, int q) { part[i][j][q] = 0.0f; });
+    float(*sum)[kTN][4] = kBf16 ? acc : part;  // where this group's products go
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       uint32_t a[kRM][2][4];  // [block][mma of the pair][fragment]
@@ -271,7 +295,12 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
         uint32_t d[2][4];  // rows g and g + 8: real k 32t + 8p + 2q, + 1 in d[h][q]
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if constexpr (F == WqFormat::FP8W) {
+          if constexpr (kBf16) {
+            const int r = warp_row<F>(gate_up, warp, i) + g + 8 * h;
+            const uint4 v = *reinterpret_cast<const uint4*>(sa + r * Fm::kRowBytes +
+                                                            a_chunk<F>(r, 4 * t + p) * 16);
+            d[h][0] = v.x, d[h][1] = v.y, d[h][2] = v.z, d[h][3] = v.w;
+          } else if constexpr (F == WqFormat::FP8W) {
             const uint4 v = raw[i][h][p / 2];
             dequant8_f8((p & 1) ? v.z : v.x, (p & 1) ? v.w : v.y, d[h]);
           } else {
@@ -295,14 +324,15 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
             *reinterpret_cast<const uint4*>(sb + r * kTokRow + b_chunk(r, 4 * t + p) * 16);
 #pragma unroll
         for (int i = 0; i < kRM; ++i) {
-          ptx::mma_bf16(part[i][j], a[i][0], b.x, b.y);
-          ptx::mma_bf16(part[i][j], a[i][1], b.z, b.w);
+          ptx::mma_bf16(sum[i][j], a[i][0], b.x, b.y);
+          ptx::mma_bf16(sum[i][j], a[i][1], b.z, b.w);
         }
       }
     }
-    for_live_frags<kTN>(tn, [&](int i, int j, int q) {
-      acc[i][j][q] = fmaf(part[i][j][q], sc[i][q >> 1], acc[i][j][q]);
-    });
+    if constexpr (!kBf16)
+      for_live_frags<kTN>(tn, [&](int i, int j, int q) {
+        acc[i][j][q] = fmaf(part[i][j][q], sc[i][q >> 1], acc[i][j][q]);
+      });
   }
   ptx::cp_async_wait<0>();
 }
