@@ -38,15 +38,17 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // kMoePrefillMinAssignments while the stream is not being captured, Grouped in between (and above,
 // when capturing); F16 / F32 experts always take Decode. Streamed (BF16, at most
 // kWqBf16MaxTokens tokens): the small-token variants of the quantized-weight tensor-core kernels
-// (gemm_wq.cu) on BF16 rows; Auto takes it from kMoeStreamedMinTokens tokens. Tests and
-// benchmarks force one.
+// (gemm_wq.cu) on BF16 rows; Auto takes it where it would take Grouped with that few tokens
+// (so the steps that ran the F32-activation decode kernels still do: a batch of a few sequences
+// decodes bit for bit as each alone). Tests and benchmarks force one.
 enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed };
 constexpr int64_t kWqBf16MaxTokens = 16;
-constexpr int64_t kMoeStreamedMinTokens = 2;
 // From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
 // grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
 // With shared experts every one of them holds all T tokens, which the decode kernels stream
 // slowly (a tail of CTAs): grouped wins from T = 8 there (260 vs 294 us with 2 shared).
+// Streamed against both (H200, the same experts + 2 shared, graph replay): T = 4 117.9 us
+// (decode 152.2, grouped 164.8), T = 8 174.6 (grouped 241.2), T = 16 245.7 (grouped 346.5).
 constexpr int64_t kMoeGroupedMinAssignments = 160;
 constexpr int64_t kMoeGroupedMinSharedTokens = 6;
 constexpr int64_t kMoePrefillMinAssignments = 16384;
@@ -54,9 +56,9 @@ constexpr int64_t kMoePrefillMinAssignments = 16384;
 // What Auto picks for T tokens of top_k routed + `shared` shared experts.
 inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, bool capturing) {
   const int64_t n = T * (top_k + shared);
-  if (bf16 && T >= kMoeStreamedMinTokens && T <= kWqBf16MaxTokens) return MoeFfnPath::Streamed;
   if (!bf16 || (n < kMoeGroupedMinAssignments && (shared == 0 || T < kMoeGroupedMinSharedTokens)))
     return MoeFfnPath::Decode;
+  if (T <= kWqBf16MaxTokens) return MoeFfnPath::Streamed;
   return n >= kMoePrefillMinAssignments && !capturing ? MoeFfnPath::Prefill : MoeFfnPath::Grouped;
 }
 void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
