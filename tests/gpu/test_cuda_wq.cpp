@@ -11,10 +11,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "backend/cuda/gemm_wq.cuh"
+#include "launch_context.h"
 #include "moe_test_util.h"
 #include "wq_test_util.h"
 
@@ -110,6 +112,83 @@ TEST(CudaWq, MatmulIsBatchInvariantUpTo64Rows) {
       }
       EXPECT_EQ(0, std::memcmp(batch.data() + m * N, alone.data(), size_t(N) * 4))
           << fmt_name(t) << " row " << m << " in a batch of 64";
+    }
+  }
+}
+
+// BF16 weights through the same kernel (the backend sends it the decode-sized products the
+// skinny kernel does not take): against a double reference on BF16-rounded x over N not a
+// multiple of the 128-row tile, K not a multiple of 128 (a partial last group) and strided rows
+// whose padding is NaN (read one element too far and the row is NaN); each row the same bits
+// alone and in every batch up to 16; and Backend::matmul takes this path for M = 8 on a 12 MB
+// weight (same bits as the direct call).
+TEST(CudaWq, Bf16MatmulMatchesTheReferenceAndIsBatchInvariant) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  const cuda::Context& ctx = launch_context().get();
+  struct Shape {
+    int64_t n, k;
+  };
+  for (const Shape sh : {Shape{1, 8}, Shape{200, 136}, Shape{130, 1000}, Shape{3072, 2048}}) {
+    const int64_t N = sh.n, K = sh.k, ldw = K + 8;
+    const float amp = 0.6f / std::sqrt(float(K)) * 1.7f;
+    const auto wr = test::random_floats(size_t(N * K), uint32_t(N + 3 * K), -amp, amp);
+    std::vector<float> wpad(size_t(N * ldw), std::numeric_limits<float>::quiet_NaN());
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) wpad[size_t(n * ldw + k)] = wr[size_t(n * K + k)];
+    const test::BackendTensor wb = test::upload_floats(be, DType::BF16, {N, ldw}, wpad);
+    TensorView w = test::make_view(wb.view.data, DType::BF16, {N, K}, be.device());
+    w.stride[0] = ldw * 2;
+    ASSERT_TRUE(cuda::wq_bf16_fits(w));
+    const int64_t ldx = K + 4;
+    const auto x = test::random_floats(size_t(16 * ldx), uint32_t(K + 11));
+    auto run = [&](int64_t M, int64_t row0, bool backend) {
+      auto xd = be.alloc(size_t(M * ldx) * 4), od = be.alloc(size_t(M * N) * 4);
+      be.upload(test::make_view(xd->data(), DType::F32, {M * ldx}, be.device()),
+                x.data() + row0 * ldx, size_t(M * ldx) * 4);
+      be.synchronize();
+      TensorView xv = test::make_view(xd->data(), DType::F32, {M, K}, be.device());
+      xv.stride[0] = ldx * 4;
+      TensorView ov = test::make_view(od->data(), DType::F32, {M, N}, be.device());
+      if (backend) {
+        be.matmul(xv, w, ov);
+        be.synchronize();
+      } else {
+        cuda::wq_matmul(ctx, xv, w, ov);
+        EXPECT_EQ(cudaSuccess, cudaStreamSynchronize(launch_context().stream()));
+      }
+      std::vector<float> out(size_t(M * N));
+      be.download(out.data(), test::make_view(od->data(), DType::F32, {M * N}, be.device()),
+                  out.size() * 4);
+      return out;
+    };
+    const auto all = run(16, 0, false);
+    int bad = 0;
+    for (int64_t m = 0; m < 16 && bad < 5; ++m)
+      for (int64_t n = 0; n < N && bad < 5; ++n) {
+        double s = 0, mag = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          const double wv = test::bf16_round(wr[size_t(n * K + k)]);
+          s += wv * test::bf16_round(x[size_t(m * ldx + k)]);
+          mag += std::fabs(wv * x[size_t(m * ldx + k)]);
+        }
+        const double got = all[size_t(m * N + n)];
+        if (!(std::fabs(got - s) <= 1e-4 * mag + 1e-6)) {
+          ADD_FAILURE() << "BF16 N " << N << " K " << K << " at (" << m << ", " << n << "): " << got
+                        << " vs " << s << " (magnitude " << mag << ")";
+          ++bad;
+        }
+      }
+    for (int64_t M : {1, 3, 8, 9}) {
+      const int64_t row0 = 16 - M;  // the batch's last rows
+      const auto part = run(M, row0, false);
+      EXPECT_EQ(0, std::memcmp(part.data(), all.data() + row0 * N, size_t(M * N) * 4))
+          << "BF16 N " << N << " K " << K << ": rows " << row0 << ".. in a batch of " << M;
+    }
+    if (N * K * 2 > (int64_t(6) << 20)) {
+      const auto via_backend = run(8, 8, true);
+      EXPECT_EQ(0, std::memcmp(via_backend.data(), all.data() + 8 * N, size_t(8 * N) * 4))
+          << "Backend::matmul at M = 8 on a " << N << " x " << K << " BF16 weight";
     }
   }
 }

@@ -116,7 +116,7 @@ void launch_dense(const DenseArgs& a, cudaStream_t stream) {
 }
 
 int ctas_per_sm(WqFormat f) {
-  return f == WqFormat::W4A16 ? 2 : 1;
+  return f == WqFormat::FP8W ? 1 : 2;
 }
 
 }  // namespace
@@ -130,9 +130,16 @@ int wq_splits(int64_t n, int64_t k, int sm_count) {
   return int((groups + per - 1) / per);  // no empty split
 }
 
+bool wq_bf16_fits(const TensorView& w) {
+  return w.dtype == DType::BF16 && w.ndim == 2 && w.cols() % 8 == 0 && w.row_stride() % 16 == 0 &&
+         w.stride[1] == 2 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+}
+
 void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
                const TensorView& out) {
-  DS_CHECK(wq_dtype(w.dtype) && w.ndim == 2, "wq matmul: a 2-D W4A16 / FP8W weight");
+  const bool bf16 = w.dtype == DType::BF16;
+  DS_CHECK((wq_dtype(w.dtype) || bf16) && w.ndim == 2,
+           "wq matmul: a 2-D W4A16 / FP8W / BF16 weight");
   const bool w4 = w.dtype == DType::W4A16;
   const int64_t M = x.rows(), N = w.rows(), K = w.cols();
   DS_CHECK(x.cols() == K && out.cols() == N && out.rows() == M,
@@ -140,15 +147,20 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   if (w4 && K % w4a16::kGroup != 0)
     throw UnsupportedError("cuda W4A16 matmul: K = " + std::to_string(K) +
                            " is not a multiple of 128");
-  DS_CHECK(w.row_stride() == (w4 ? w4a16::row_stride(K) : fp8w::row_stride(K)) &&
-               reinterpret_cast<uintptr_t>(w.data) % 16 == 0,
-           "wq matmul: weight rows must be packed and 16-byte aligned");
+  if (bf16) {
+    DS_CHECK(wq_bf16_fits(w), "wq matmul: BF16 rows must be 16-byte aligned, K a multiple of 8");
+  } else {
+    DS_CHECK(w.row_stride() == (w4 ? w4a16::row_stride(K) : fp8w::row_stride(K)) &&
+                 reinterpret_cast<uintptr_t>(w.data) % 16 == 0,
+             "wq matmul: weight rows must be packed and 16-byte aligned");
+  }
   DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "wq matmul: F32 x and out");
   DS_CHECK(rows_uniform(x) && rows_uniform(out), "wq matmul: rows must be evenly spaced");
   DS_CHECK(x.stride[x.ndim - 1] == 4 && out.stride[out.ndim - 1] == 4, "wq matmul: dense rows");
   if (M == 0 || N == 0) return;
   DS_CHECK(K > 0 && K < (int64_t(1) << 30), "wq matmul: K out of range");
-  const WqFormat f = w4 ? WqFormat::W4A16 : WqFormat::FP8W;
+  const WqFormat f = w4 ? WqFormat::W4A16 : bf16 ? WqFormat::BF16 : WqFormat::FP8W;
+  DS_CHECK(!bf16 || M <= kWqBf16MaxM, "wq matmul: BF16 weights take at most 16 rows of x");
   DenseArgs a;
   a.w = static_cast<const uint8_t*>(w.data);
   a.w_stride = w.row_stride();
@@ -168,7 +180,7 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   if (f == WqFormat::W4A16)
     to_bf16_kernel<WqFormat::W4A16>
         <<<cgrid, 256, 0, ctx.stream>>>(x.ptr<float>(), ldx, K, a.kp, xb);
-  else
+  else  // natural order (FP8W, BF16)
     to_bf16_kernel<WqFormat::FP8W><<<cgrid, 256, 0, ctx.stream>>>(x.ptr<float>(), ldx, K, a.kp, xb);
   check_cuda(cudaGetLastError(), "wq gemm convert");
   a.xb = xb;
@@ -176,6 +188,8 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   a.ldo = M > 1 ? out.row_stride() / 4 : N;
   if (f == WqFormat::W4A16)
     launch_dense<WqFormat::W4A16>(a, ctx.stream);
+  else if (f == WqFormat::BF16)
+    launch_dense<WqFormat::BF16>(a, ctx.stream);
   else
     launch_dense<WqFormat::FP8W>(a, ctx.stream);
   if (a.splits > 1) {

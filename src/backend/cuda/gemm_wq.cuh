@@ -27,8 +27,14 @@ inline bool wq_dtype(DType t) {
 }
 
 // out = x . w^T for F32 x [M, K], quantized w [N, K], F32 out [M, N]. Uses the matmul scratch
-// slot for BF16 activations and (M <= kWqSplitMaxM) split-K partial sums.
+// slot for BF16 activations and (M <= kWqSplitMaxM) split-K partial sums. BF16 weights
+// (wq_bf16_fits) too, for M <= kWqBf16MaxM: the backend sends decode-sized products there that
+// the skinny kernel does not take (they went to cuBLAS).
 void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& out);
+constexpr int64_t kWqBf16MaxM = 16;
+// Up to this many weight bytes (larger ones, the LM head, stay with cuBLAS).
+constexpr int64_t kWqBf16MaxWeightBytes = int64_t(64) << 20;
+bool wq_bf16_fits(const TensorView& w);
 
 // Split-K (chosen from N, K and the SM count alone, so batch-invariant) only up to this M:
 // above it one pass over K, so a token's bits can differ between M <= 64 and M > 64.
