@@ -63,6 +63,21 @@ test::BackendTensor pattern_weight(DType t, int64_t N, int64_t K) {
   return w;
 }
 
+// E experts (gate, up [F, H]; down [H, F]) of pattern weights in format t.
+struct PatternExperts {
+  std::vector<test::BackendTensor> mats;
+  std::vector<ExpertWeights> experts;
+  PatternExperts(DType t, int E, int64_t H, int64_t F) {
+    for (int e = 0; e < E; ++e) {
+      mats.push_back(pattern_weight(t, F, H));
+      mats.push_back(pattern_weight(t, F, H));
+      mats.push_back(pattern_weight(t, H, F));
+    }
+    for (size_t b = 0; b < mats.size(); b += 3)
+      experts.push_back({mats[b].view, mats[b + 1].view, mats[b + 2].view});
+  }
+};
+
 TEST(WqBench, DISABLED_Dense) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
@@ -111,15 +126,8 @@ TEST(WqBench, DISABLED_Moe) {
   for (const Model& m : models)
     for (DType t : {DType::W4A16, DType::FP8W}) {
       if (t == DType::W4A16 && m.F % 128 != 0) continue;
-      std::vector<test::BackendTensor> mats;
-      std::vector<ExpertWeights> experts;
-      for (int e = 0; e < m.E; ++e) {
-        mats.push_back(pattern_weight(t, m.F, m.H));
-        mats.push_back(pattern_weight(t, m.F, m.H));
-        mats.push_back(pattern_weight(t, m.H, m.F));
-        const size_t b = mats.size() - 3;
-        experts.push_back({mats[b].view, mats[b + 1].view, mats[b + 2].view});
-      }
+      const PatternExperts pe(t, m.E, m.H, m.F);
+      const std::vector<ExpertWeights>& experts = pe.experts;
       const double expert_bytes = 2.0 * double(m.F) * double(test::wq_row_stride(t, m.H)) +
                                   double(m.H) * double(test::wq_row_stride(t, m.F));
       for (int64_t T : {1, 8, 64, 256, 8192}) {
@@ -185,15 +193,7 @@ TEST(WqBench, DISABLED_NcuDecodeStep) {
                         {"V2.5 FP8W T=8", 160, 5120, 1536, DType::FP8W, 8}};
   const int k = 6, S = 2;
   for (const Case& c : cases) {
-    std::vector<test::BackendTensor> mats;
-    std::vector<ExpertWeights> experts;
-    for (int e = 0; e < c.E + S; ++e) {
-      mats.push_back(pattern_weight(c.t, c.F, c.H));
-      mats.push_back(pattern_weight(c.t, c.F, c.H));
-      mats.push_back(pattern_weight(c.t, c.H, c.F));
-      const size_t b = mats.size() - 3;
-      experts.push_back({mats[b].view, mats[b + 1].view, mats[b + 2].view});
-    }
+    const PatternExperts pe(c.t, c.E + S, c.H, c.F);
     auto x =
         test::upload_floats(be, DType::F32, {c.T, c.H}, test::random_floats(size_t(c.T * c.H), 5));
     auto out = test::zeros(be, DType::F32, {c.T, c.H});
@@ -207,7 +207,7 @@ TEST(WqBench, DISABLED_NcuDecodeStep) {
     p.x = x.view;
     p.ids = ids.view;
     p.weights = wb.view;
-    p.experts = experts;
+    p.experts = pe.experts;
     p.num_shared = S;
     p.out = out.view;
     be.moe_ffn(p);  // tables, scratch
