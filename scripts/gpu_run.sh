@@ -31,7 +31,11 @@
 #   ncu     Nsight Compute on the decode kernels the micro-benchmarks launch (NCU_KERNELS, a
 #           regex, default the W4A16/FP8W MoE and dense kernels; NCU_TESTS, a gtest filter;
 #           NCU_COUNT launches): speed of light, memory, occupancy, warp stalls, as text
-#           (works on the Firecracker runtime only, see the device notes; --clock-control none)
+#           (works on the Firecracker runtime only, see the device notes; --clock-control none).
+#           NCU_RANGE=1 profiles only the launches inside cudaProfilerStart/Stop: with
+#           NCU_KERNELS='.*' and NCU_TESTS='WqBench.DISABLED_NcuDecodeStep:
+#           CudaAttention.DISABLED_NcuDecode', every kernel of one MoE layer (W1 / W3 / W5) and
+#           one MLA decode (W1 / W3 / W2 / W5 shapes)
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
