@@ -3,7 +3,7 @@
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded, ncu,
 # bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
-# multigpu, w1kv8.
+# multigpu, w1kv8, mutate.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -28,6 +28,11 @@
 #   multigpu  (2+ GPUs) the TP/EP GPU tests, the collective micro-benchmark, and W1/W2 on the
 #           lite checkpoint at --tensor-parallel-size 2, with and without expert parallelism
 #   w1kv8   bench/w1kv8.yaml: W1 (BF16 weights) with an FP8 KV cache (needs lite)
+#   mutate  (last) shows new tests failing: sed MUTATE_SED on MUTATE_FILE, rebuild the GPU tests,
+#           run MUTATE_TESTS (a gtest filter; failures expected), restore the file. E.g.
+#           MUTATE_FILE=src/backend/cuda/wq_kernel.cuh
+#           MUTATE_SED='s/a_chunk<F>(r, 4 \* t + p) \* 16)/a_chunk<F>(r, 4 * t + (p ^ 1)) * 16)/'
+#           MUTATE_TESTS='CudaWq.Bf16*:CudaMoeFfn.SharedExpertsAllPaths'  (both fail, H200)
 #   ncu     Nsight Compute on the decode kernels the micro-benchmarks launch (NCU_KERNELS, a
 #           regex, default the W4A16/FP8W MoE and dense kernels; NCU_TESTS, a gtest filter;
 #           NCU_COUNT launches): speed of light, memory, occupancy, warp stalls, as text
@@ -351,11 +356,35 @@ if has_stage hfbase; then
   log "hf baseline rc=$?"
   tail -10 "$OUT/hf-baseline.log"
 fi
+if has_stage mutate; then
+  # Shows new GPU tests failing: applies MUTATE_SED to MUTATE_FILE, rebuilds the GPU tests, runs
+  # MUTATE_TESTS (expected to FAIL), then restores the file (and rebuilds nothing: run it last).
+  if [ -z "${MUTATE_FILE:-}" ] || [ -z "${MUTATE_SED:-}" ] || [ -z "${MUTATE_TESTS:-}" ]; then
+    log "mutate: set MUTATE_FILE, MUTATE_SED and MUTATE_TESTS"
+  else
+    cp "$MUTATE_FILE" /tmp/mutate.orig
+    sed -i "$MUTATE_SED" "$MUTATE_FILE"
+    if cmp -s "$MUTATE_FILE" /tmp/mutate.orig; then
+      log "mutate: the sed expression changed nothing in $MUTATE_FILE"
+    else
+      cmake --build "$BUILD" --target deepserve_gpu_tests >"$OUT/mutate-build.log" 2>&1
+      "$BUILD/deepserve_gpu_tests" --gtest_filter="$MUTATE_TESTS" >"$OUT/mutate.log" 2>&1
+      log "mutate rc=$? (non-zero expected): $(grep -cE '^\[  FAILED  \] [A-Za-z]' "$OUT/mutate.log") failed"
+      grep -E '^\[  (FAILED|PASSED)' "$OUT/mutate.log" | head -20
+    fi
+    cp /tmp/mutate.orig "$MUTATE_FILE"
+  fi
+fi
+
 log "done"
-# The device tool brings back only a handful of files: pack the logs into one archive and
-# keep the JSON results beside it.
+# The device tool brings back at most 8 files: pack everything into one archive and keep the
+# JSON results beside it while they fit (else the archive alone, which holds them too; a run
+# that wrote 9 JSON files once lost both the 9th and the archive).
 if [ -z "${KEEP_LOOSE:-}" ]; then
   (cd "$OUT" && tar -czf gpu-run-logs.tgz $(ls | grep -v '\.tgz$') &&
     find . -maxdepth 1 -type f ! -name '*.tgz' ! -name 'bench-*.json' ! -name 'hf-baseline.json' \
-      -delete)
+      -delete &&
+    if [ "$(find . -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+      find . -maxdepth 1 -type f ! -name 'gpu-run-logs.tgz' -delete
+    fi)
 fi
