@@ -289,7 +289,7 @@ class CudaBackend final : public Backend {
     }
     // Decode-sized steps past the skinny kernel's range on BF16 weights: the streamed
     // tensor-core kernel (weights as the 16-row mma operand, 8 or 16 tokens per CTA, split-K).
-    if (m <= cuda::kWqBf16MaxM && cuda::wq_bf16_fits(w) &&
+    if (m <= cuda::kWqBf16MaxTokens && cuda::wq_bf16_fits(w) &&
         n * w.row_stride() <= cuda::kWqBf16MaxWeightBytes) {
       cuda::wq_matmul(ctx_, x, w, out);
       return;

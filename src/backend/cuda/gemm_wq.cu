@@ -160,7 +160,7 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   if (M == 0 || N == 0) return;
   DS_CHECK(K > 0 && K < (int64_t(1) << 30), "wq matmul: K out of range");
   const WqFormat f = w4 ? WqFormat::W4A16 : bf16 ? WqFormat::BF16 : WqFormat::FP8W;
-  DS_CHECK(!bf16 || M <= kWqBf16MaxM, "wq matmul: BF16 weights take at most 16 rows of x");
+  DS_CHECK(!bf16 || M <= kWqBf16MaxTokens, "wq matmul: BF16 weights take at most 16 rows of x");
   DenseArgs a;
   a.w = static_cast<const uint8_t*>(w.data);
   a.w_stride = w.row_stride();

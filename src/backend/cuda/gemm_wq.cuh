@@ -28,10 +28,12 @@ inline bool wq_dtype(DType t) {
 
 // out = x . w^T for F32 x [M, K], quantized w [N, K], F32 out [M, N]. Uses the matmul scratch
 // slot for BF16 activations and (M <= kWqSplitMaxM) split-K partial sums. BF16 weights
-// (wq_bf16_fits) too, for M <= kWqBf16MaxM: the backend sends decode-sized products there that
+// (wq_bf16_fits) too, for M <= kWqBf16MaxTokens: the backend sends decode-sized products there that
 // the skinny kernel does not take (they went to cuBLAS).
 void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w, const TensorView& out);
-constexpr int64_t kWqBf16MaxM = 16;
+// The most tokens (rows of x, or tokens of one MoE step) BF16 weights take here: the largest
+// decode variant (16 tokens per CTA).
+constexpr int64_t kWqBf16MaxTokens = 16;
 // Up to this many weight bytes (larger ones, the LM head, stay with cuBLAS).
 constexpr int64_t kWqBf16MaxWeightBytes = int64_t(64) << 20;
 bool wq_bf16_fits(const TensorView& w);

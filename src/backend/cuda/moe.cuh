@@ -18,6 +18,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/context.cuh"
+#include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/weight_stream.cuh"
 
 namespace ds::cuda {
@@ -42,7 +43,6 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // (so the steps that ran the F32-activation decode kernels still do: a batch of a few sequences
 // decodes bit for bit as each alone). Tests and benchmarks force one.
 enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed };
-constexpr int64_t kWqBf16MaxTokens = 16;
 // From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
 // grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
 // With shared experts every one of them holds all T tokens, which the decode kernels stream
