@@ -18,6 +18,7 @@
 
 #include "attention_reference.h"
 #include "backend/cuda/attention.cuh"
+#include "backend/cuda/attention_mla_decode.cuh"
 #include "backend/cuda/context.cuh"
 #include "launch_context.h"
 
@@ -395,6 +396,35 @@ TEST(CudaAttention, MlaDecodeKernelEdges) {
   f.path = AttentionPath::MlaDecode;
   const Inputs in = make_inputs(f, seed);
   EXPECT_THROW(launch(f, in), Error);
+}
+
+// The MLA decode kernel's split count (host code; no GPU needed): with fewer CTAs than SMs the
+// grid fills at most one wave, except where the 16-split cap for short contexts binds; long
+// contexts may take up to 128 splits; the workloads' shapes get what their comments say.
+TEST(MlaDecodePlan, SplitsFillAtMostOneWave) {
+  const int sms = 132;
+  auto splits = [&](int seqs, int heads, int context) {
+    cuda::kern::AttnParams a;
+    a.num_seqs = a.num_tokens = seqs;
+    a.heads = heads;
+    a.block_size = 16;
+    a.max_blocks_per_seq = (context + 15) / 16;
+    return cuda::mla_decode_splits(a, sms);
+  };
+  EXPECT_EQ(splits(8, 128, 1282), 2);    // W5: 64 CTAs x 2 = one wave (3 took two)
+  EXPECT_EQ(splits(8, 16, 1280), 16);    // W1: 128 CTAs
+  EXPECT_EQ(splits(1, 16, 1088), 16);    // W3: the short-context cap
+  EXPECT_EQ(splits(256, 16, 1280), 1);   // W2: already more CTAs than SMs
+  EXPECT_EQ(splits(1, 16, 32768), 128);  // long: one split per 4 tiles, up to 128
+  for (int seqs = 1; seqs <= 140; ++seqs)
+    for (int heads : {16, 32, 128}) {
+      const int ctas = seqs * ((heads + 15) / 16), s = splits(seqs, heads, 4096);
+      EXPECT_GE(s, 1);
+      if (ctas < sms) {
+        EXPECT_LE(ctas * s, sms) << seqs << " seqs x " << heads << " heads";
+        EXPECT_TRUE(s == 16 || ctas * (s + 1) > sms) << "a split short of a full wave: " << seqs;
+      }
+    }
 }
 
 TEST(CudaAttention, MlaLongContextSplitK) {

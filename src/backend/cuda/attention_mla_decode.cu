@@ -382,7 +382,10 @@ int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
   // 128, so a lone 32k-token sequence streams from most SMs instead of 16 (H200: a 32k TPOT of
   // 11.5 ms against 4.2 ms at 1k with 16 splits).
   const int64_t cap = std::clamp<int64_t>(by_capacity / 4, kMaxSplits, kMaxLongSplits);
-  return int(std::min<int64_t>({(sm_count + ctas - 1) / ctas, by_capacity, cap}));
+  // One CTA fits an SM (its shared memory), so the grid should be one wave: rounding the split
+  // count up would start a second, mostly idle wave (W5's 8 x 128 heads: 64 CTAs x 3 splits =
+  // 192 on 132 SMs took two waves of 7 tiles each; 2 splits take one of 10).
+  return int(std::min<int64_t>({sm_count / ctas, by_capacity, cap}));
 }
 
 void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream) {
