@@ -263,7 +263,7 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
   if (with_bf16_paths) {
     paths.push_back(cuda::MoeFfnPath::Prefill);
     paths.push_back(cuda::MoeFfnPath::Grouped);
-    if (c.T <= cuda::kWqBf16MaxTokens) paths.push_back(cuda::MoeFfnPath::Streamed);
+    paths.push_back(cuda::MoeFfnPath::Streamed);
   }
   for (cuda::MoeFfnPath path : paths) {
     SCOPED_TRACE(path_name(path));
@@ -338,7 +338,7 @@ TEST(CudaMoeFfn, SharedExpertsAllPaths) {
   for (auto [E, H, F, k, S] : {std::tuple{66, 2048, 1408, 6, 2}, std::tuple{9, 64, 48, 3, 1},
                                std::tuple{42, 64, 48, 17, 2}}) {
     const auto ex = make_experts(E, H, F, DType::BF16, ++seed);
-    for (int T : {1, 8, 64, 300}) {
+    for (int T : {1, 8, 12, 64, 300}) {  // 12: the 16-token variants
       SCOPED_TRACE("E " + std::to_string(E) + " T " + std::to_string(T));
       auto c = make_case(*ex, T, k, T == 64, ++seed, T == 8 ? 4 : 0, S);
       check_all_paths(*ex, *c, true);
@@ -358,8 +358,7 @@ TEST(CudaMoeFfn, HalfAndFloatWeightsUseTheDecodeKernels) {
       DirectCuda d;
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Prefill), UnsupportedError);
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Grouped), UnsupportedError);
-      if (T <= cuda::kWqBf16MaxTokens)
-        EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Streamed), UnsupportedError);
+      EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Streamed), UnsupportedError);
     }
   }
 }
@@ -377,8 +376,7 @@ TEST(CudaMoeFfn, DecodeAndGroupedPathsAreBatchInvariantAndDeterministic) {
         std::pair{cuda::MoeFfnPath::Grouped, false}, std::pair{cuda::MoeFfnPath::Grouped, true},
         std::pair{cuda::MoeFfnPath::Streamed, false},
         std::pair{cuda::MoeFfnPath::Streamed, true}}) {
-    // Streamed takes at most 16 tokens: its 16-token variant against its 8-token one (alone).
-    const int T = path == cuda::MoeFfnPath::Streamed ? 16 : 64;
+    const int T = 64;
     SCOPED_TRACE(std::string(path_name(path)) + (skewed ? " skewed" : " uniform"));
     auto c = make_case(*ex, T, k, skewed, skewed ? 91 : 90);
     DirectCuda d;

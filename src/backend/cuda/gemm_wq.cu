@@ -321,12 +321,10 @@ void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
     launch_ffn<WqFormat::W4A16>(a, stream);
   else if (dtype == DType::FP8W)
     launch_ffn<WqFormat::FP8W>(a, stream);
-  else if (dtype == DType::BF16 && a.num_tokens <= kWqBf16MaxTokens)
+  else if (dtype == DType::BF16)
     launch_ffn<WqFormat::BF16>(a, stream);
   else
-    throw UnsupportedError(
-        "cuda moe_ffn: the streamed expert kernels take W4A16, FP8W, or BF16 "
-        "up to 16 tokens");
+    throw UnsupportedError("cuda moe_ffn: the streamed expert kernels take W4A16, FP8W or BF16");
 }
 
 }  // namespace moe

@@ -487,12 +487,10 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     // Streamed reads gate and up rows with one stride: otherwise the grouped kernels.
     if (path == MoeFfnPath::Streamed && !table.gate_up_same_ld) path = MoeFfnPath::Grouped;
   }
-  if (path == MoeFfnPath::Streamed && !quant &&
-      !(bf16 && T <= kWqBf16MaxTokens && table.gate_up_same_ld))
+  if (path == MoeFfnPath::Streamed && !quant && !(bf16 && table.gate_up_same_ld))
     throw UnsupportedError(
-        "cuda moe_ffn: the streamed path takes BF16 experts (gate and up rows "
-        "equally spaced) and at most " +
-        std::to_string(kWqBf16MaxTokens) + " tokens");
+        "cuda moe_ffn: the streamed path takes BF16 experts with gate and up rows equally "
+        "spaced");
   if (quant) {
     path = MoeFfnPath::Grouped;
   } else if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped) {

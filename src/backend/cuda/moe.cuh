@@ -37,11 +37,11 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // kernels, gemm_wq.cu, on the Grouped path's scratch, whatever the path asked). Auto, for BF16
 // experts: Decode below kMoeGroupedMinAssignments (token, expert) pairs, Prefill from
 // kMoePrefillMinAssignments while the stream is not being captured, Grouped in between (and above,
-// when capturing); F16 / F32 experts always take Decode. Streamed (BF16, at most
-// kWqBf16MaxTokens tokens): the small-token variants of the quantized-weight tensor-core kernels
-// (gemm_wq.cu) on BF16 rows; Auto takes it where it would take Grouped with that few tokens
-// (so the steps that ran the F32-activation decode kernels still do: a batch of a few sequences
-// decodes bit for bit as each alone). Tests and benchmarks force one.
+// when capturing); F16 / F32 experts always take Decode. Streamed (BF16): the quantized-weight
+// tensor-core kernels (gemm_wq.cu) on BF16 rows, any T (8, 16 or 64 tokens per CTA); Auto takes
+// it where it would take Grouped with at most kWqBf16MaxTokens tokens (so the steps that ran the
+// F32-activation decode kernels still do: a batch of a few sequences decodes bit for bit as each
+// alone; past 16 tokens it is not measured against Grouped yet). Tests and benchmarks force one.
 enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed };
 // From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
 // grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
