@@ -28,10 +28,11 @@ namespace {
 using cuda::AttentionPath;
 
 const char* path_name(AttentionPath p) {
-  return p == AttentionPath::Simt         ? "simt"
-         : p == AttentionPath::TensorCore ? "mma"
-         : p == AttentionPath::MlaDecode  ? "mla-decode"
-                                          : "auto";
+  return p == AttentionPath::Simt            ? "simt"
+         : p == AttentionPath::TensorCore    ? "mma"
+         : p == AttentionPath::MlaDecode     ? "mla-decode"
+         : p == AttentionPath::MlaDecodeBf16 ? "mla-decode-bf16"
+                                             : "auto";
 }
 
 struct Case {
@@ -427,6 +428,46 @@ TEST(MlaDecodePlan, SplitsFillAtMostOneWave) {
     }
 }
 
+// The MLA decode kernel with Q and P rounded to BF16 once (MlaDecodeBf16) against float64 on
+// the same BF16-rounded queries: what remains is P's rounding, at most 2^-9 of |v| <= 1 for any
+// weighted average of values (bound 2.5e-3), over W1's and W2's batches and the kernel's edges
+// (contexts around the 64-key tiles, 1 to 20,000 keys, 8 / 32 / 128 heads, 32 rope dims).
+TEST(CudaAttention, MlaDecodeBf16QueriesMatchReference) {
+  DS_REQUIRE_GPU();
+  const std::vector<test::StepSeq> edges = {{1, 1},   {1, 63},  {1, 64},  {1, 65},
+                                            {1, 128}, {1, 129}, {1, 777}, {1, 2049}};
+  struct Shape {
+    int heads, P;
+    std::vector<test::StepSeq> seqs;
+  };
+  const Shape shapes[] = {{16, 64, decodes(8, 1400, 8)},
+                          {16, 64, decodes(256, 1400, 256)},
+                          {16, 64, edges},
+                          {8, 64, edges},
+                          {32, 64, edges},
+                          {128, 64, {{1, 300}, {1, 1}, {1, 1282}}},
+                          {16, 32, {{1, 100}, {1, 17}}},
+                          {16, 64, {{1, 20000}}}};
+  uint32_t seed = 2600;
+  for (const Shape& sh : shapes) {
+    Case c;
+    c.seqs = sh.seqs;
+    c.heads = sh.heads, c.hd = 512, c.rope = sh.P;
+    c.path = AttentionPath::MlaDecodeBf16;
+    SCOPED_TRACE(describe(c));
+    const Inputs in = make_inputs(c, seed++);
+    launch(c, in);
+    const std::vector<float> got = read_out(c, in);
+    std::vector<float> q = in.q, q_rope = in.q_rope;
+    for (float& v : q) v = bf16_to_f32(f32_to_bf16(v));
+    for (float& v : q_rope) v = bf16_to_f32(f32_to_bf16(v));
+    const std::vector<double> want = test::reference_mla(
+        in.h, q, q_rope, in.kv.k_host, c.heads, c.hd, c.rope, c.block_size, in.scale, c.causal);
+    EXPECT_TRUE(test::all_close(got, want, {.abs = 2.5e-3, .rel = 0.0}, "vs float64 (BF16 q)",
+                                {in.h.num_tokens, c.heads, c.hd}));
+  }
+}
+
 TEST(CudaAttention, MlaLongContextSplitK) {
   DS_REQUIRE_GPU();
   for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore}) {
@@ -559,21 +600,24 @@ TEST(CudaAttention, DISABLED_Timing) {
   const std::vector<test::StepSeq> w1(8, {1, 1280}), w2(256, {1, 1280}), pre(8, {1024, 1024});
   const std::vector<test::StepSeq> gdec(64, {1, 1024}), gpre(4, {512, 512});
   const std::vector<test::StepSeq> w3(1, {1, 1088});
+  Case w5 = mla(std::vector<test::StepSeq>(8, {1, 1282}));
+  w5.heads = 128;  // DeepSeek-V2.5's heads
   const Row rows[] = {
-      {"mla W3 decode 1 x 1088", mla(w3)},        {"mla W1 decode 8 x 1280", mla(w1)},
-      {"mla W2 decode 256 x 1280", mla(w2)},      {"mla prefill 8 x 1024", mla(pre)},
-      {"gqa 9/3x64 decode 64 x 1024", gqa(gdec)}, {"gqa 9/3x64 prefill 4 x 512", gqa(gpre)}};
+      {"mla W3 decode 1 x 1088", mla(w3)},      {"mla W1 decode 8 x 1280", mla(w1)},
+      {"mla W2 decode 256 x 1280", mla(w2)},    {"mla W5 decode 8 x 1282 x 128h", w5},
+      {"mla prefill 8 x 1024", mla(pre)},       {"gqa 9/3x64 decode 64 x 1024", gqa(gdec)},
+      {"gqa 9/3x64 prefill 4 x 512", gqa(gpre)}};
   cudaStream_t s = launch_context().stream();
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   std::printf("%-30s %6s %10s %12s\n", "shape", "path", "us/call", "rate");
   for (const Row& row : rows)
-    for (AttentionPath path :
-         {AttentionPath::Simt, AttentionPath::TensorCore, AttentionPath::MlaDecode}) {
-      if (path == AttentionPath::MlaDecode &&
-          (row.c.rope == 0 || row.c.seqs.front().query_len != 1))
-        continue;
+    for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore,
+                               AttentionPath::MlaDecode, AttentionPath::MlaDecodeBf16}) {
+      const bool mla_decode =
+          path == AttentionPath::MlaDecode || path == AttentionPath::MlaDecodeBf16;
+      if (mla_decode && (row.c.rope == 0 || row.c.seqs.front().query_len != 1)) continue;
       Case c = row.c;
       c.path = path;
       const Inputs in = make_inputs(c, 5000);

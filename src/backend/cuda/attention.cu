@@ -117,14 +117,14 @@ void run(const Context& ctx, int scratch_slot, kern::AttnParams a, bool tensor_c
 }
 
 // The MLA decode kernel, then the shared split merge.
-void run_mla_decode(const Context& ctx, kern::AttnParams a) {
+void run_mla_decode(const Context& ctx, kern::AttnParams a, bool bf16_qp) {
   a.splits = mla_decode_splits(a, sm_count_of(ctx));
   if (a.splits > 1) {
     void* scratch = ctx.scratch(kScratchMla, split_scratch_bytes(a));
     DS_CHECK(scratch != nullptr, "cuda mla_attention: no scratch memory for the split partials");
     bind_split_scratch(a, scratch);
   }
-  launch_mla_decode(a, ctx.stream);
+  launch_mla_decode(a, ctx.stream, bf16_qp);
   if (a.splits > 1) {
     merge_kernel<<<unsigned(a.num_tokens) * unsigned(a.heads), 128, 0, ctx.stream>>>(
         merge_params(a));
@@ -166,11 +166,12 @@ void mla_attention_on(const Context& ctx, const MlaAttentionParams& p, const Att
   if (meta.num_tokens <= 0 || meta.num_seqs <= 0) return;
   const kern::AttnParams a = mla_params(p, meta);
   const bool decode = mla_decode_fits(a);
-  DS_CHECK(decode || path != AttentionPath::MlaDecode,
+  const bool forced = path == AttentionPath::MlaDecode || path == AttentionPath::MlaDecodeBf16;
+  DS_CHECK(decode || !forced,
            "cuda mla_attention: the decode kernel needs a BF16 or FP8 cache, R 512, rope dims a "
            "multiple of 16 up to 64 and one query per sequence");
-  if (decode && (path == AttentionPath::Auto || path == AttentionPath::MlaDecode)) {
-    run_mla_decode(ctx, a);
+  if (decode && (path == AttentionPath::Auto || forced)) {
+    run_mla_decode(ctx, a, path == AttentionPath::MlaDecodeBf16);
     return;
   }
   run(ctx, kScratchMla, a, use_tensor_cores(ctx, a, path));

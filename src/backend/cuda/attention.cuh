@@ -16,7 +16,9 @@ void mla_attention(const Context& ctx, const MlaAttentionParams& p, const Attent
 // Which kernel family runs: Auto picks the fastest that supports the shape; tests pin one.
 // Simt: F32 arithmetic, every shape. TensorCore: mma.sync with split-BF16 operands (MLA).
 // MlaDecode: MLA only, BF16 latent cache, one query per sequence (attention_mla_decode.cuh).
-enum class AttentionPath { Auto, Simt, TensorCore, MlaDecode };
+// MlaDecodeBf16: the same kernel with Q and P rounded to BF16 once instead of split into hi + lo
+// (half the products; not Auto's choice until it is measured against MlaDecode on the H200).
+enum class AttentionPath { Auto, Simt, TensorCore, MlaDecode, MlaDecodeBf16 };
 void paged_attention_on(const Context& ctx, const AttentionParams& p, const AttentionMeta& meta,
                         AttentionPath path);
 void mla_attention_on(const Context& ctx, const MlaAttentionParams& p, const AttentionMeta& meta,

@@ -7,6 +7,8 @@
 // each) and the value dims for O (64 each). Q and P are split into BF16 hi + lo parts, so the
 // products keep about F32 precision (the cache itself is exact BF16). Online softmax in base 2
 // as the other attention kernels; splits write the same partials and share their merge.
+// BF16 Q / P (kLo = false, AttentionPath::MlaDecodeBf16, not Auto's choice yet): Q and P are
+// rounded to BF16 once (FlashMLA's precision), half the mma of the hi + lo form.
 // FP8 cache (kFp8): the e4m3 codes are staged as BF16 (exact) by plain loads, and each key's
 // scales are applied outside the MMAs: S = s_latent (Q_lat . codes) + s_rope (Q_rope . codes),
 // and P is multiplied by s_latent before P . V, so the products stay as exact as for BF16.
@@ -74,7 +76,7 @@ __device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 w) {
 }
 
 // Grid (num_seqs, splits, ceil(heads / 16)).
-template <bool kFp8>
+template <bool kFp8, bool kLo>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::AttnParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* q_hi = smem;
@@ -189,7 +191,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
     split_bf16(qv[n][1], hi[1], lo[1]);
     const uint32_t off = swz(r, d / 8, kRowBytes) + (d % 8) * 2;
     *reinterpret_cast<__nv_bfloat162*>(q_hi + off) = __halves2bfloat162(hi[0], hi[1]);
-    *reinterpret_cast<__nv_bfloat162*>(q_lo + off) = __halves2bfloat162(lo[0], lo[1]);
+    if constexpr (kLo)
+      *reinterpret_cast<__nv_bfloat162*>(q_lo + off) = __halves2bfloat162(lo[0], lo[1]);
   }
 
   // Per row (g = lane / 4 and g + 8): running max (base 2) and sum, the same in every warp.
@@ -217,13 +220,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
     float sa[2][4] = {}, sl[2][4] = {};
     const uint32_t qh = smem_u32(q_hi), ql = smem_u32(q_lo);
     auto qk_step = [&](int kk, float(&acc)[4], float(&acc_lo)[4]) {
-      uint32_t ah[4], al[4], b[2];
+      uint32_t ah[4], b[2];
       const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kRowBytes);
       ptx::ldmatrix_x4(ah, qh + a_off);
-      ptx::ldmatrix_x4(al, ql + a_off);
       ptx::ldmatrix_x2(b, kv + swz(warp * 8 + li, kk / 8 + (lm & 1), kRowBytes));
       ptx::mma_bf16(acc, ah, b[0], b[1]);
-      ptx::mma_bf16(acc_lo, al, b[0], b[1]);
+      if constexpr (kLo) {
+        uint32_t al[4];
+        ptx::ldmatrix_x4(al, ql + a_off);
+        ptx::mma_bf16(acc_lo, al, b[0], b[1]);
+      }
     };
     float s[4];
     const float* scl = scl0 + (t & 1) * kKeys * 2;  // FP8: this tile's (latent, rope) scales
@@ -291,7 +297,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
       split_bf16(v1, hi1, lo1);
       const uint32_t off = swz(r, col / 8, kKeys * 2) + (col % 8) * 2;
       *reinterpret_cast<__nv_bfloat162*>(p_hi + off) = __halves2bfloat162(hi0, hi1);
-      *reinterpret_cast<__nv_bfloat162*>(p_lo + off) = __halves2bfloat162(lo0, lo1);
+      if constexpr (kLo)
+        *reinterpret_cast<__nv_bfloat162*>(p_lo + off) = __halves2bfloat162(lo0, lo1);
       psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 1);
       psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], 2);
     }
@@ -321,16 +328,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
       uint32_t ah[4], al[4];
       const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kKeys * 2);
       ptx::ldmatrix_x4(ah, ph + a_off);
-      ptx::ldmatrix_x4(al, pl + a_off);
+      if constexpr (kLo) ptx::ldmatrix_x4(al, pl + a_off);
 #pragma unroll
       for (int n = 0; n < 8; n += 2) {
         uint32_t b[4];  // (keys 0-7, dims n), (keys 8-15, dims n), same for dims n + 1
         const int dchunk = (warp * 64 + n * 8) / 8 + (lm >> 1);
         ptx::ldmatrix_x4_trans(b, kv + swz(kk + (lm & 1) * 8 + li, dchunk, kRowBytes));
         ptx::mma_bf16(o[n], ah, b[0], b[1]);
-        ptx::mma_bf16(o[n], al, b[0], b[1]);
+        if constexpr (kLo) ptx::mma_bf16(o[n], al, b[0], b[1]);
         ptx::mma_bf16(o[n + 1], ah, b[2], b[3]);
-        ptx::mma_bf16(o[n + 1], al, b[2], b[3]);
+        if constexpr (kLo) ptx::mma_bf16(o[n + 1], al, b[2], b[3]);
       }
     }
   }
@@ -388,15 +395,17 @@ int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
   return int(std::min<int64_t>({sm_count / ctas, by_capacity, cap}));
 }
 
-void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream) {
+void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp) {
   // Raised once per device before the first launch (outside any graph capture).
   static std::atomic<uint64_t> smem_set{0};
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   const uint64_t bit = uint64_t(1) << (dev & 63);
   if (!(smem_set.load() & bit)) {
-    for (const void* kernel : {reinterpret_cast<const void*>(mla_decode_kernel<false>),
-                               reinterpret_cast<const void*>(mla_decode_kernel<true>)})
+    for (const void* kernel : {reinterpret_cast<const void*>(mla_decode_kernel<false, true>),
+                               reinterpret_cast<const void*>(mla_decode_kernel<true, true>),
+                               reinterpret_cast<const void*>(mla_decode_kernel<false, false>),
+                               reinterpret_cast<const void*>(mla_decode_kernel<true, false>)})
       check_cuda(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
           "mla decode smem limit");
@@ -404,10 +413,15 @@ void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream) {
   }
   const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
                   unsigned((a.heads + kRows - 1) / kRows));
-  if (a.cache_type == kern::kCacheFP8)
-    mla_decode_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(a);
+  const bool fp8 = a.cache_type == kern::kCacheFP8;
+  if (fp8 && !bf16_qp)
+    mla_decode_kernel<true, true><<<grid, kThreads, kSmemBytes, stream>>>(a);
+  else if (!bf16_qp)
+    mla_decode_kernel<false, true><<<grid, kThreads, kSmemBytes, stream>>>(a);
+  else if (fp8)
+    mla_decode_kernel<true, false><<<grid, kThreads, kSmemBytes, stream>>>(a);
   else
-    mla_decode_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(a);
+    mla_decode_kernel<false, false><<<grid, kThreads, kSmemBytes, stream>>>(a);
   check_cuda(cudaGetLastError(), "mla decode kernel");
 }
 

@@ -19,7 +19,8 @@ bool mla_decode_fits(const kern::AttnParams& a);
 // (num_seqs, heads, max_blocks_per_seq), so graphs replay with new metadata.
 int mla_decode_splits(const kern::AttnParams& a, int sm_count);
 // Grid (num_seqs, a.splits, head chunks); with splits > 1 it writes a.part_o / a.part_ml for
-// the shared merge kernel, else the normalized output.
-void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream);
+// the shared merge kernel, else the normalized output. bf16_qp: Q and P rounded to BF16 once
+// (half the products of the default hi + lo split, which keeps them to ~16 bits).
+void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp = false);
 
 }  // namespace ds::cuda
