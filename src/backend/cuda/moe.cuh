@@ -51,7 +51,10 @@ enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed };
 // (decode 152.2, grouped 164.8), T = 8 174.6 (grouped 241.2), T = 16 245.7 (grouped 346.5).
 constexpr int64_t kMoeGroupedMinAssignments = 160;
 constexpr int64_t kMoeGroupedMinSharedTokens = 6;
-constexpr int64_t kMoePrefillMinAssignments = 16384;
+// The prefill path costs ~2.3 ms of host sync and per-expert launches before its GEMMs (H200,
+// V2-Lite experts, no shared: 2404 us at T = 1024, 2890 at 8192; grouped 813 and 5068), so
+// grouped wins up to ~4,000 tokens of top-6 (~24,500 assignments).
+constexpr int64_t kMoePrefillMinAssignments = 24576;
 
 // What Auto picks for T tokens of top_k routed + `shared` shared experts.
 inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, bool capturing) {
