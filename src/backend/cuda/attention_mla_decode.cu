@@ -213,10 +213,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
     __syncthreads();  // tile t (and Q) visible to every warp
     const uint32_t kv = smem_u32(stage0 + (t & 1) * kTileBytes);
 
-    // S for keys warp*8 .. +8: A = Q (16 x 16 per step), B = 8 keys x 16 dims. Two
-    // accumulators (even and odd steps) halve the chain of dependent mma.
-    // The hi and lo products go to separate accumulators (and even / odd steps too), so the
-    // chain of dependent mma is a quarter of the steps.
+    // S for keys warp*8 .. +8: A = Q (16 x 16 per step), B = 8 keys x 16 dims. Even and odd
+    // steps, and the hi and lo products, go to separate accumulators: the chain of dependent
+    // mma is a quarter of the steps.
     float sa[2][4] = {}, sl[2][4] = {};
     const uint32_t qh = smem_u32(q_hi), ql = smem_u32(q_lo);
     auto qk_step = [&](int kk, float(&acc)[4], float(&acc_lo)[4]) {
