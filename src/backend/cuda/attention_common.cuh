@@ -14,6 +14,7 @@
 #pragma once
 
 #include "backend/cuda/attention_port.cuh"
+#include "backend/cuda/weight_stream.cuh"
 #include "backend/kv_fp8.h"
 
 namespace ds::cuda::kern {
@@ -353,15 +354,7 @@ struct MergeParams {
   int num_tokens = 0, heads = 0, dv = 0, splits = 1;
 };
 
-// Four consecutive floats (16-byte aligned on the device).
-DS_KDEV void load_f4(const float* p, float (&v)[4]) {
-#if defined(__CUDACC__)
-  const float4 q = *reinterpret_cast<const float4*>(p);
-  v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-#else
-  for (int e = 0; e < 4; ++e) v[e] = p[e];
-#endif
-}
+// Four consecutive floats to a 16-byte aligned address (loads: wstream::load_float4).
 DS_KDEV void store_f4(float* p, const float (&v)[4]) {
 #if defined(__CUDACC__)
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
@@ -419,10 +412,12 @@ DS_KDEV void merge_splits_v(const MergeParams& m, const Thread& th) {
         const float ms = s < m.splits ? ml[s * ml_step] : -INFINITY;
         wgt[i] = ms;
         if (ms != -INFINITY) {
-          if constexpr (V == 4)
-            load_f4(po + s * po_step + d, o[i]);
-          else
+          if constexpr (V == 4) {
+            const float4 q = wstream::load_float4(po + s * po_step + d);
+            o[i][0] = q.x, o[i][1] = q.y, o[i][2] = q.z, o[i][3] = q.w;
+          } else {
             o[i][0] = po[s * po_step + d];
+          }
         }
       }
       DS_UNROLL

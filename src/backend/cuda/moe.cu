@@ -147,7 +147,7 @@ constexpr int kCombineSlots = 16;
 template <int V>
 __device__ __forceinline__ void load_cols(const float* src, float (&v)[V]) {
   if constexpr (V == 4) {
-    const float4 q = *reinterpret_cast<const float4*>(src);
+    const float4 q = wstream::load_float4(src);
     v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
   } else {
     v[0] = *src;
