@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../hf_fixtures.h"
+#include "backend/cuda/pdl.h"
 #include "engine/engine.h"
 #include "gpu_models.h"
 #include "model/loader.h"
@@ -169,6 +170,31 @@ TEST_P(CudaModels, BatchedMatchesAlone) {
       ++same;
     EXPECT_GE(same, std::min(robust, 32)) << "request " << i << " (" << p.name << ")";
   }
+}
+
+// Programmatic dependent launch lets each kernel be scheduled while the one before it drains;
+// every kernel waits for its predecessor before touching memory, so no bit may change: prefill
+// logits and the greedy tokens of a batched, graph-replayed decode, with the attribute off and on.
+TEST_P(CudaModels, DependentLaunchChangesNothing) {
+  OnGpu g = load_on_gpu(hf_root() / GetParam());
+  std::vector<std::vector<int32_t>> ps;
+  for (int rep = 0; rep < 2; ++rep)
+    for (const auto& p : prompts_) ps.push_back(p.ids);
+  struct Restore {
+    ~Restore() { cuda::pdl::force(-1); }
+  } restore;
+  std::vector<float> logits[2];
+  std::vector<std::vector<int32_t>> tokens[2];
+  for (int on = 0; on < 2; ++on) {
+    cuda::pdl::force(on);
+    logits[on] = gpu_prefill(g, prompts_[0].ids);
+    tokens[on] = gpu_greedy(g, ps, 24, true);
+  }
+  ASSERT_EQ(logits[0].size(), logits[1].size());
+  size_t differ = 0;
+  for (size_t i = 0; i < logits[0].size(); ++i) differ += logits[0][i] != logits[1][i];
+  EXPECT_EQ(differ, 0u) << "prefill logits that differ with dependent launch";
+  for (size_t i = 0; i < ps.size(); ++i) EXPECT_EQ(tokens[0][i], tokens[1][i]) << "request " << i;
 }
 
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaModels);

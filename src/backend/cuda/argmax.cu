@@ -1,4 +1,5 @@
 #include "backend/cuda/argmax.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -16,6 +17,7 @@ __device__ inline Best better(Best a, Best b) {
 
 // One block per row; NaNs never win (comparisons with NaN are false).
 __global__ void argmax_kernel(const float* logits, int64_t V, int64_t ld, int32_t* ids) {
+  pdl::enter();
   const float* row = logits + blockIdx.x * ld;
   Best best{-INFINITY, INT32_MAX};
   for (int64_t i = threadIdx.x; i < V; i += blockDim.x)
@@ -46,7 +48,7 @@ __global__ void argmax_kernel(const float* logits, int64_t V, int64_t ld, int32_
 void launch_argmax(const float* logits, int64_t rows, int64_t V, int64_t ld, int32_t* ids,
                    cudaStream_t stream) {
   if (rows <= 0) return;
-  argmax_kernel<<<unsigned(rows), 1024, 0, stream>>>(logits, V, ld, ids);
+  pdl::launch(argmax_kernel, unsigned(rows), 1024, 0, stream, logits, V, ld, ids);
 }
 
 }  // namespace ds::cuda

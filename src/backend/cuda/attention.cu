@@ -11,23 +11,27 @@
 #include "backend/cuda/attention_setup.h"
 #include "backend/cuda/attention_simt.cuh"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace ds::cuda {
 namespace {
 
 template <int kNI>
 __global__ void __launch_bounds__(kern::kSimtThreads) simt_kernel(const kern::AttnParams p) {
+  pdl::enter();
   extern __shared__ __align__(16) uint8_t smem[];
   kern::simt_attention<kNI>(p, kern::this_thread(), smem);
 }
 
 template <bool kLo, bool kSepV>
 __global__ void __launch_bounds__(kern::kMmaThreads) mma_kernel(const kern::AttnParams p) {
+  pdl::enter();
   extern __shared__ __align__(16) uint8_t smem[];
   kern::mma_attention<kLo, kSepV>(p, kern::this_thread(), smem);
 }
 
 __global__ void __launch_bounds__(128) merge_kernel(const kern::MergeParams m) {
+  pdl::enter();
   kern::merge_splits(m, kern::this_thread());
 }
 
@@ -72,7 +76,7 @@ void launch(const Context& ctx, const kern::AttnParams& a, const WorkPlan& w, in
             int smem_bytes) {
   allow_smem<kKernel>(smem_bytes);
   const dim3 grid(w.tiles, unsigned(a.splits), unsigned(a.kv_heads * a.nhc * a.ndv));
-  kKernel<<<grid, threads, size_t(smem_bytes), ctx.stream>>>(a);
+  pdl::launch(kKernel, grid, threads, size_t(smem_bytes), ctx.stream, a);
   check_cuda(cudaGetLastError(), "attention kernel");
 }
 
@@ -110,8 +114,8 @@ void run(const Context& ctx, int scratch_slot, kern::AttnParams a, bool tensor_c
       launch<simt_kernel<16>>(ctx, a, w, n, bytes);
   }
   if (a.splits > 1) {
-    merge_kernel<<<unsigned(a.num_tokens) * unsigned(a.heads), 128, 0, ctx.stream>>>(
-        merge_params(a));
+    pdl::launch(merge_kernel, unsigned(a.num_tokens) * unsigned(a.heads), 128, 0, ctx.stream,
+                merge_params(a));
     check_cuda(cudaGetLastError(), "attention merge kernel");
   }
 }
@@ -126,8 +130,8 @@ void run_mla_decode(const Context& ctx, kern::AttnParams a, bool bf16_qp) {
   }
   launch_mla_decode(a, ctx.stream, bf16_qp);
   if (a.splits > 1) {
-    merge_kernel<<<unsigned(a.num_tokens) * unsigned(a.heads), 128, 0, ctx.stream>>>(
-        merge_params(a));
+    pdl::launch(merge_kernel, unsigned(a.num_tokens) * unsigned(a.heads), 128, 0, ctx.stream,
+                merge_params(a));
     check_cuda(cudaGetLastError(), "attention merge kernel");
   }
 }

@@ -20,6 +20,7 @@
 
 #include "backend/cuda/attention_mla_decode.cuh"
 #include "backend/cuda/mma_ptx.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -78,6 +79,7 @@ __device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 w) {
 // Grid (num_seqs, splits, ceil(heads / 16)).
 template <bool kFp8, bool kLo>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::AttnParams p) {
+  pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* q_hi = smem;
   uint8_t* q_lo = q_hi + kQBytes;
@@ -414,13 +416,13 @@ void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16
                   unsigned((a.heads + kRows - 1) / kRows));
   const bool fp8 = a.cache_type == kern::kCacheFP8;
   if (fp8 && !bf16_qp)
-    mla_decode_kernel<true, true><<<grid, kThreads, kSmemBytes, stream>>>(a);
+    pdl::launch(mla_decode_kernel<true, true>, grid, kThreads, kSmemBytes, stream, a);
   else if (!bf16_qp)
-    mla_decode_kernel<false, true><<<grid, kThreads, kSmemBytes, stream>>>(a);
+    pdl::launch(mla_decode_kernel<false, true>, grid, kThreads, kSmemBytes, stream, a);
   else if (fp8)
-    mla_decode_kernel<true, false><<<grid, kThreads, kSmemBytes, stream>>>(a);
+    pdl::launch(mla_decode_kernel<true, false>, grid, kThreads, kSmemBytes, stream, a);
   else
-    mla_decode_kernel<false, false><<<grid, kThreads, kSmemBytes, stream>>>(a);
+    pdl::launch(mla_decode_kernel<false, false>, grid, kThreads, kSmemBytes, stream, a);
   check_cuda(cudaGetLastError(), "mla decode kernel");
 }
 

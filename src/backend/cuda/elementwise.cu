@@ -2,6 +2,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/elementwise.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -16,6 +17,7 @@ dim3 row_grid(int64_t rows, int64_t cols) {
 
 __global__ void add_kernel(void* x, RowIndex xr, const void* y, RowIndex yr, int64_t rows,
                            int64_t n) {
+  pdl::enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
@@ -24,6 +26,7 @@ __global__ void add_kernel(void* x, RowIndex xr, const void* y, RowIndex yr, int
 
 __global__ void silu_mul_kernel(const void* gu, RowIndex gr, void* out, RowIndex orow, int64_t rows,
                                 int64_t n) {
+  pdl::enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -37,6 +40,7 @@ __global__ void silu_mul_kernel(const void* gu, RowIndex gr, void* out, RowIndex
 template <typename U>
 __global__ void copy_kernel(const void* src, RowIndex sr, void* dst, RowIndex dr, int64_t rows,
                             int64_t units) {
+  pdl::enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= units) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
@@ -46,6 +50,7 @@ __global__ void copy_kernel(const void* src, RowIndex sr, void* dst, RowIndex dr
 template <typename T>
 __global__ void convert_kernel(const void* src, RowIndex sr, T* dst, int64_t ld, int64_t rows,
                                int64_t k) {
+  pdl::enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= k) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
@@ -66,8 +71,8 @@ bool aligned_to(const TensorView& v, int64_t a) {
 template <typename U>
 void copy_units(const TensorView& src, const TensorView& dst, cudaStream_t stream) {
   const int64_t rows = src.rows(), units = int64_t(src.row_bytes()) / int64_t(sizeof(U));
-  copy_kernel<U><<<row_grid(rows, units), kThreads, 0, stream>>>(src.data, row_index(src), dst.data,
-                                                                 row_index(dst), rows, units);
+  pdl::launch(copy_kernel<U>, row_grid(rows, units), kThreads, 0, stream, src.data, row_index(src),
+              dst.data, row_index(dst), rows, units);
   check_launch("copy");
 }
 
@@ -80,8 +85,8 @@ void launch_add(const TensorView& x, const TensorView& y, cudaStream_t stream) {
   check_inner_dense(x, "add");
   check_inner_dense(y, "add");
   if (x.numel() == 0) return;
-  add_kernel<<<row_grid(x.rows(), x.cols()), kThreads, 0, stream>>>(
-      x.data, row_index(x), y.data, row_index(y), x.rows(), x.cols());
+  pdl::launch(add_kernel, row_grid(x.rows(), x.cols()), kThreads, 0, stream, x.data, row_index(x),
+              y.data, row_index(y), x.rows(), x.cols());
   check_launch("add");
 }
 
@@ -92,8 +97,8 @@ void launch_silu_mul(const TensorView& gate_up, const TensorView& out, cudaStrea
   check_inner_dense(gate_up, "silu_mul");
   check_inner_dense(out, "silu_mul");
   if (out.numel() == 0) return;
-  silu_mul_kernel<<<row_grid(out.rows(), out.cols()), kThreads, 0, stream>>>(
-      gate_up.data, row_index(gate_up), out.data, row_index(out), out.rows(), out.cols());
+  pdl::launch(silu_mul_kernel, row_grid(out.rows(), out.cols()), kThreads, 0, stream, gate_up.data,
+              row_index(gate_up), out.data, row_index(out), out.rows(), out.cols());
   check_launch("silu_mul");
 }
 
@@ -131,8 +136,8 @@ void launch_convert_rows(const TensorView& src, DType dtype, void* dst, int64_t 
   const RowIndex ri = row_index(src);
   dispatch_float(dtype, "convert to", [&](auto t) {
     using T = decltype(t);
-    convert_kernel<T>
-        <<<grid, kThreads, 0, stream>>>(src.data, ri, static_cast<T*>(dst), ld, rows, k);
+    pdl::launch(convert_kernel<T>, grid, kThreads, 0, stream, src.data, ri, static_cast<T*>(dst),
+                ld, rows, k);
   });
   check_launch("convert");
 }

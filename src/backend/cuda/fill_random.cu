@@ -2,6 +2,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/fill_random.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/fp8w.h"
 #include "backend/w4a16.h"
 
@@ -29,6 +30,7 @@ __device__ float value(const FillArgs& a, int64_t flat) {
 }
 
 __global__ void fill_plain_kernel(FillArgs a, int64_t n) {
+  pdl::enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float v = value(a, i);
@@ -43,6 +45,7 @@ __global__ void fill_plain_kernel(FillArgs a, int64_t n) {
 
 // One thread per 128-group of a [rows, K = d2] W4A16 tensor.
 __global__ void fill_w4a16_kernel(FillArgs a, int64_t groups) {
+  pdl::enter();
   const int64_t per_row = a.d2 / w4a16::kGroup;
   for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
        g += int64_t(gridDim.x) * blockDim.x) {
@@ -64,6 +67,7 @@ __global__ void fill_w4a16_kernel(FillArgs a, int64_t groups) {
 // One thread per 128-group of a [rows, K = d2] FP8W tensor (any K): the values, then the same
 // scale and codes as fp8w::quantize_row on the host; the group ending the row zeroes its padding.
 __global__ void fill_fp8w_kernel(FillArgs a, int64_t groups) {
+  pdl::enter();
   const int64_t per_row = fp8w::groups(a.d2);
   for (int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
        g += int64_t(gridDim.x) * blockDim.x) {
@@ -125,14 +129,14 @@ void launch_fill_random(const TensorView& dst, const RandomFill& p, cudaStream_t
   if (dst.dtype == DType::W4A16) {
     const int64_t groups = n / w4a16::kGroup;
     const int64_t blocks = std::min<int64_t>((groups + kThreads - 1) / kThreads, 1 << 20);
-    fill_w4a16_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(a, groups);
+    pdl::launch(fill_w4a16_kernel, unsigned(blocks), kThreads, 0, stream, a, groups);
   } else if (dst.dtype == DType::FP8W) {
     const int64_t groups = s.dims[0] * s.dims[1] * fp8w::groups(a.d2);
     const int64_t blocks = std::min<int64_t>((groups + kThreads - 1) / kThreads, 1 << 20);
-    fill_fp8w_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(a, groups);
+    pdl::launch(fill_fp8w_kernel, unsigned(blocks), kThreads, 0, stream, a, groups);
   } else {
     const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 1 << 20);
-    fill_plain_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(a, n);
+    pdl::launch(fill_plain_kernel, unsigned(blocks), kThreads, 0, stream, a, n);
   }
   check_cuda(cudaGetLastError(), "fill_random launch");
 }

@@ -6,6 +6,7 @@
 #include "backend/cuda/embed.cuh"
 #include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gguf_blocks.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -39,6 +40,7 @@ __device__ __forceinline__ float pick(const float (&v)[N], int i) {
 // single token (fewer registers, more warps in flight).
 template <DType T, int TM>
 __global__ void __launch_bounds__(kThreads) gguf_gemm_kernel(GgufGemmArgs a) {
+  pdl::enter();
   static_assert(kRows * TM <= 32, "one sum per lane at most");
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int64_t row0 = (int64_t(blockIdx.x) * kWarps + warp) * kRows;
@@ -63,6 +65,7 @@ template <DType T>
 __global__ void gguf_embed_kernel(const uint8_t* table, int64_t table_row, int64_t vocab,
                                   const int32_t* __restrict__ ids, int n, void* out, RowIndex orow,
                                   int64_t dim, DeviceErrors* errors) {
+  pdl::enter();
   embed_rows(ids, n, vocab, out, orow, dim, errors, [&](float* o, int32_t id) {
     const uint8_t* row = table + int64_t(id) * table_row;
     for (int64_t q = threadIdx.x; q < dim / 8; q += blockDim.x) {
@@ -123,9 +126,9 @@ void launch_gguf_gemm(const GgufGemmArgs& a, cudaStream_t stream) {
   bool launched = false;
   gguf::dispatch(a.dtype, [&](auto t) {
     if (tm == 1)
-      gguf_gemm_kernel<decltype(t)::value, 1><<<grid, kThreads, 0, stream>>>(a);
+      pdl::launch(gguf_gemm_kernel<decltype(t)::value, 1>, grid, kThreads, 0, stream, a);
     else
-      gguf_gemm_kernel<decltype(t)::value, kTm><<<grid, kThreads, 0, stream>>>(a);
+      pdl::launch(gguf_gemm_kernel<decltype(t)::value, kTm>, grid, kThreads, 0, stream, a);
     launched = true;
   });
   if (!launched)
@@ -146,9 +149,9 @@ void launch_gguf_embed(const TensorView& table, const int32_t* ids, int n, Tenso
   const unsigned blocks = unsigned(std::min(n, 1 << 20));
   bool launched = false;
   gguf::dispatch(table.dtype, [&](auto t) {
-    gguf_embed_kernel<decltype(t)::value><<<blocks, threads, 0, stream>>>(
-        static_cast<const uint8_t*>(table.data), table.row_stride(), table.shape[0], ids, n,
-        out.data, row_index(out), dim, errors);
+    pdl::launch(gguf_embed_kernel<decltype(t)::value>, blocks, threads, 0, stream,
+                static_cast<const uint8_t*>(table.data), table.row_stride(), table.shape[0], ids, n,
+                out.data, row_index(out), dim, errors);
     launched = true;
   });
   if (!launched)

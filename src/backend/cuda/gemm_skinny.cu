@@ -5,6 +5,7 @@
 #include <string>
 
 #include "backend/cuda/gemm_skinny.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "core/error.h"
 
 namespace ds::cuda {
@@ -57,6 +58,7 @@ struct KernelArgs {
 // __syncthreads; warps without a unit in a round only skip the arithmetic.
 template <wstream::Elem E, int TM>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs a) {
+  pdl::enter();
   constexpr int kVals = kRows * TM;
   __shared__ float part[kWarps * kVals];  // [warp][row * TM + token] warp sums
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
@@ -92,16 +94,16 @@ template <wstream::Elem E>
 void launch_elem(const KernelArgs& ka, dim3 grid, cudaStream_t stream) {
   switch (ka.plan.tm) {
     case 1:
-      skinny_gemm_kernel<E, 1><<<grid, kThreads, 0, stream>>>(ka);
+      pdl::launch(skinny_gemm_kernel<E, 1>, grid, kThreads, 0, stream, ka);
       break;
     case 2:
-      skinny_gemm_kernel<E, 2><<<grid, kThreads, 0, stream>>>(ka);
+      pdl::launch(skinny_gemm_kernel<E, 2>, grid, kThreads, 0, stream, ka);
       break;
     case 4:
-      skinny_gemm_kernel<E, 4><<<grid, kThreads, 0, stream>>>(ka);
+      pdl::launch(skinny_gemm_kernel<E, 4>, grid, kThreads, 0, stream, ka);
       break;
     default:
-      skinny_gemm_kernel<E, 8><<<grid, kThreads, 0, stream>>>(ka);
+      pdl::launch(skinny_gemm_kernel<E, 8>, grid, kThreads, 0, stream, ka);
       break;
   }
 }

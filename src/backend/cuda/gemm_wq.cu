@@ -8,6 +8,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/wq_kernel.cuh"
 #include "core/error.h"
 
@@ -56,6 +57,7 @@ void set_smem_limit(Kernel k) {
 // Grid (row blocks, token blocks, splits).
 template <WqFormat F, int BT>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) dense_kernel(DenseArgs a) {
+  pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * BT;
   const int G = int((a.k + kGroup - 1) / kGroup);
@@ -84,6 +86,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) dense_kernel(Den
 // out[m, n] = sum over s (ascending) of part[s, m, n].
 __global__ void reduce_kernel(const float* part, int splits, int64_t m, int64_t n, float* out,
                               int64_t ldo) {
+  pdl::enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= m * n) return;
   float s = part[i];
@@ -94,6 +97,7 @@ __global__ void reduce_kernel(const float* part, int splits, int64_t m, int64_t 
 // xb[r, staged_col(k)] = bf16(x[r, k]) for k < K, 0 up to kp (kp a multiple of 8).
 template <WqFormat F>
 __global__ void to_bf16_kernel(const float* x, int64_t ldx, int64_t K, int kp, __nv_bfloat16* xb) {
+  pdl::enter();
   const int64_t r = blockIdx.y;
   for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < kp;
        k += int64_t(gridDim.x) * blockDim.x)
@@ -110,7 +114,7 @@ void launch_dense(const DenseArgs& a, cudaStream_t stream) {
     (void)ready;
     const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, BT), unsigned(a.splits));
     DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x");
-    dense_kernel<F, BT><<<grid, kThreads, kSmem<F, BT>, stream>>>(a);
+    pdl::launch(dense_kernel<F, BT>, grid, kThreads, kSmem<F, BT>, stream, a);
     check_cuda(cudaGetLastError(), "wq gemm launch");
   });
 }
@@ -178,10 +182,11 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   const int64_t ldx = M > 1 ? x.row_stride() / 4 : K;
   const dim3 cgrid(ceil_div(a.kp, 256 * 4), unsigned(M));
   if (f == WqFormat::W4A16)
-    to_bf16_kernel<WqFormat::W4A16>
-        <<<cgrid, 256, 0, ctx.stream>>>(x.ptr<float>(), ldx, K, a.kp, xb);
+    pdl::launch(to_bf16_kernel<WqFormat::W4A16>, cgrid, 256, 0, ctx.stream, x.ptr<float>(), ldx, K,
+                a.kp, xb);
   else  // natural order (FP8W, BF16)
-    to_bf16_kernel<WqFormat::FP8W><<<cgrid, 256, 0, ctx.stream>>>(x.ptr<float>(), ldx, K, a.kp, xb);
+    pdl::launch(to_bf16_kernel<WqFormat::FP8W>, cgrid, 256, 0, ctx.stream, x.ptr<float>(), ldx, K,
+                a.kp, xb);
   check_cuda(cudaGetLastError(), "wq gemm convert");
   a.xb = xb;
   a.out = a.splits > 1 ? reinterpret_cast<float*>(base + xb_bytes) : out.ptr<float>();
@@ -193,8 +198,8 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   else
     launch_dense<WqFormat::FP8W>(a, ctx.stream);
   if (a.splits > 1) {
-    reduce_kernel<<<ceil_div(M * N, 256), 256, 0, ctx.stream>>>(a.out, a.splits, M, N,
-                                                                out.ptr<float>(), a.ldo);
+    pdl::launch(reduce_kernel, ceil_div(M * N, 256), 256, 0, ctx.stream, a.out, a.splits, M, N,
+                out.ptr<float>(), a.ldo);
     check_cuda(cudaGetLastError(), "wq gemm reduce");
   }
 }
@@ -242,6 +247,7 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
 // for down's format (staged_col). BT >= the most tokens a tile can hold.
 template <WqFormat F, int BT>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) gate_up_kernel(GroupedFfnArgs a) {
+  pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile tl = tile_of(a.lists, blockIdx.y);
   if (tl.e < 0) return;
@@ -271,6 +277,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) gate_up_kernel(G
 // Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p.
 template <WqFormat F, int BT>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) down_kernel(GroupedFfnArgs a) {
+  pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile tl = tile_of(a.lists, blockIdx.y);
   if (tl.e < 0) return;
@@ -301,9 +308,11 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
     (void)ready;
     const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
     const size_t smem = kSmem<F, BT>;
-    gate_up_kernel<F, BT><<<dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads, smem, stream>>>(a);
+    pdl::launch(gate_up_kernel<F, BT>, dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads, smem,
+                stream, a);
     check_cuda(cudaGetLastError(), "wq moe gate/up");
-    down_kernel<F, BT><<<dim3(ceil_div(a.hidden, kBN), tiles), kThreads, smem, stream>>>(a);
+    pdl::launch(down_kernel<F, BT>, dim3(ceil_div(a.hidden, kBN), tiles), kThreads, smem, stream,
+                a);
     check_cuda(cudaGetLastError(), "wq moe down");
   });
 }

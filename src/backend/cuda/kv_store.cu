@@ -1,6 +1,7 @@
 #include <algorithm>
 
 #include "backend/cuda/kv_store.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/kv_fp8.h"
 
 namespace ds::cuda {
@@ -32,6 +33,7 @@ template <typename T>
 __global__ void store_kv_kernel(Src k, Src v, T* kc, T* vc, const int32_t* __restrict__ slots,
                                 int num_tokens, int heads, int dim, int64_t capacity,
                                 DeviceErrors* errors) {
+  pdl::enter();
   for (int t = int(blockIdx.x); t < num_tokens; t += int(gridDim.x)) {
     const int64_t slot = slots[t];
     if (!storable(slot, capacity, errors)) continue;
@@ -59,6 +61,7 @@ struct Fp8Dst {
 __global__ void store_kv_fp8_kernel(Src k, Src v, Fp8Dst kd, Fp8Dst vd,
                                     const int32_t* __restrict__ slots, int num_tokens, int heads,
                                     int dim, int64_t capacity, DeviceErrors* errors) {
+  pdl::enter();
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int warps = int(blockDim.x) / 32;
   const int rows_per_token = heads * (vd.codes ? 2 : 1);
@@ -98,9 +101,9 @@ void launch_fp8(const StoreKvArgs& a, cudaStream_t stream) {
   const int rows = kv.kv_heads * (kv.v ? 2 : 1);
   const int threads = 32 * std::clamp(rows, 1, 8);
   const unsigned blocks = unsigned(std::min(a.num_tokens, 1 << 20));
-  store_kv_fp8_kernel<<<blocks, threads, 0, stream>>>(
-      k, v, kd, vd, a.slot_mapping, a.num_tokens, kv.kv_heads, kv.head_dim,
-      int64_t(kv.num_blocks) * kv.block_size, a.errors);
+  pdl::launch(store_kv_fp8_kernel, blocks, threads, 0, stream, k, v, kd, vd, a.slot_mapping,
+              a.num_tokens, kv.kv_heads, kv.head_dim, int64_t(kv.num_blocks) * kv.block_size,
+              a.errors);
 }
 
 template <typename T>
@@ -110,9 +113,9 @@ void launch_typed(const StoreKvArgs& a, cudaStream_t stream) {
   const int per_token = a.kv.kv_heads * a.kv.head_dim;
   const int threads = std::clamp((per_token + 31) / 32 * 32, 32, 256);
   const unsigned blocks = unsigned(std::min(a.num_tokens, 1 << 20));
-  store_kv_kernel<T><<<blocks, threads, 0, stream>>>(
-      k, v, static_cast<T*>(a.kv.k), static_cast<T*>(a.kv.v), a.slot_mapping, a.num_tokens,
-      a.kv.kv_heads, a.kv.head_dim, int64_t(a.kv.num_blocks) * a.kv.block_size, a.errors);
+  pdl::launch(store_kv_kernel<T>, blocks, threads, 0, stream, k, v, static_cast<T*>(a.kv.k),
+              static_cast<T*>(a.kv.v), a.slot_mapping, a.num_tokens, a.kv.kv_heads, a.kv.head_dim,
+              int64_t(a.kv.num_blocks) * a.kv.block_size, a.errors);
 }
 
 void check_src(const TensorView& s, const PagedKv& kv, int num_tokens, const char* what) {

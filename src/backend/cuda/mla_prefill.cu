@@ -11,6 +11,7 @@
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/mla_prefill.cuh"
 #include "backend/cuda/mma_ptx.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/kv_fp8.h"
 
 namespace ds::cuda {
@@ -64,6 +65,7 @@ struct GatherArgs {
 
 // Row (s, j) of the padded buffers <- cache position j of sequence s (zeros past its context).
 __global__ void gather_latent_kernel(GatherArgs a) {
+  pdl::enter();
   const int per_row = (a.latent + kRope) / 8;
   const int64_t total = int64_t(a.num_rows) * per_row;
   for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < total;
@@ -90,6 +92,7 @@ __global__ void gather_latent_kernel(GatherArgs a) {
 // (per head nope key dims then value dims) for rows [r0, r0 + n).
 __global__ void pack_kv_kernel(const float* kv, const bf16* krope, bf16* k, bf16* v, int64_t r0,
                                int64_t n, int heads) {
+  pdl::enter();
   constexpr int kUnits = kQk / 8 + kV / 8;  // 16-byte outputs per (row, head)
   const int64_t total = n * heads * kUnits;
   for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < total;
@@ -125,6 +128,7 @@ struct PackQArgs {
   int tokens, heads;
 };
 __global__ void pack_q_kernel(PackQArgs a) {
+  pdl::enter();
   constexpr int kUnits = kQk / 8;
   const int64_t total = int64_t(a.tokens) * a.heads * kUnits;
   for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < total;
@@ -165,6 +169,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 
 __global__ void __launch_bounds__(kThreads) flash_mla_prefill_kernel(FlashArgs a) {
+  pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   const int s = blockIdx.z, h = blockIdx.y;
   const int qt = int(gridDim.x) - 1 - int(blockIdx.x);  // longest (causal) tiles first
@@ -361,7 +366,7 @@ void mla_prefill(const Context& ctx, CublasGemm& gemm, const MlaPrefillParams& p
   GatherArgs ga{
       p.cache, meta.context_lens, meta.block_tables, meta.max_blocks_per_seq, C, int(N), R, lat,
       krope};
-  gather_latent_kernel<<<grid_for(N * ((R + kRope) / 8), 256), 256, 0, ctx.stream>>>(ga);
+  pdl::launch(gather_latent_kernel, grid_for(N * ((R + kRope) / 8), 256), 256, 0, ctx.stream, ga);
   check_cuda(cudaGetLastError(), "mla_prefill gather");
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t n = std::min(chunk, N - r0);
@@ -377,8 +382,8 @@ void mla_prefill(const Context& ctx, CublasGemm& gemm, const MlaPrefillParams& p
     g.out = f32;
     g.ldo = wide;
     gemm.run(g);
-    pack_kv_kernel<<<grid_for(n * H * (kQk / 8 + kV / 8), 256), 256, 0, ctx.stream>>>(f32, krope, k,
-                                                                                      v, r0, n, H);
+    pdl::launch(pack_kv_kernel, grid_for(n * H * (kQk / 8 + kV / 8), 256), 256, 0, ctx.stream, f32,
+                krope, k, v, r0, n, H);
     check_cuda(cudaGetLastError(), "mla_prefill pack kv");
   }
   PackQArgs qa{static_cast<const uint8_t*>(p.q_nope.data),
@@ -390,7 +395,7 @@ void mla_prefill(const Context& ctx, CublasGemm& gemm, const MlaPrefillParams& p
                q,
                T,
                H};
-  pack_q_kernel<<<grid_for(int64_t(T) * H * (kQk / 8), 256), 256, 0, ctx.stream>>>(qa);
+  pdl::launch(pack_q_kernel, grid_for(int64_t(T) * H * (kQk / 8), 256), 256, 0, ctx.stream, qa);
   check_cuda(cudaGetLastError(), "mla_prefill pack q");
 
   check_cuda(cudaFuncSetAttribute(flash_mla_prefill_kernel,
@@ -410,7 +415,7 @@ void mla_prefill(const Context& ctx, CublasGemm& gemm, const MlaPrefillParams& p
   fa.scale_log2 = p.scale * 1.4426950408889634f;
   fa.causal = p.causal;
   const dim3 grid(unsigned((meta.max_query_len + kBlockM - 1) / kBlockM), unsigned(H), unsigned(S));
-  flash_mla_prefill_kernel<<<grid, kThreads, kSmemBytes, ctx.stream>>>(fa);
+  pdl::launch(flash_mla_prefill_kernel, grid, kThreads, kSmemBytes, ctx.stream, fa);
   check_cuda(cudaGetLastError(), "mla_prefill attention");
 }
 

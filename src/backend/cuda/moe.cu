@@ -11,6 +11,7 @@
 #include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/fp8w.h"
 #include "backend/w4a16.h"
 #include "core/error.h"
@@ -68,6 +69,7 @@ __device__ __forceinline__ int expert_of(const int32_t* ids, int64_t i, int top_
 __global__ void __launch_bounds__(kListThreads)
     token_lists_kernel(const int32_t* __restrict__ ids, int64_t n, int top_k, int shared, int E,
                        int expert_base, TokenLists l) {
+  pdl::enter();
   __shared__ int cnt[kMaxExperts];
   __shared__ int running[kMaxExperts];
   __shared__ int warp_cnt[32][kMaxExperts];
@@ -159,6 +161,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     combine_kernel(const float* __restrict__ y, const int* __restrict__ pos,
                    const float* __restrict__ w, int top_k, int shared, int hidden,
                    float* __restrict__ out, int64_t out_stride) {
+  pdl::enter();
   const int64_t t = blockIdx.x;
   const int col = (blockIdx.y * kCombineThreads + threadIdx.x) * V;
   if (col >= hidden) return;
@@ -213,8 +216,8 @@ void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int s
                         int num_experts, const TokenLists& lists, cudaStream_t stream,
                         int expert_base) {
   const int64_t n = num_tokens * (top_k + shared);
-  token_lists_kernel<<<1, kListThreads, 0, stream>>>(ids, n, top_k, shared, num_experts,
-                                                     expert_base, lists);
+  pdl::launch(token_lists_kernel, 1, kListThreads, 0, stream, ids, n, top_k, shared, num_experts,
+              expert_base, lists);
   check(cudaGetLastError(), "token lists");
 }
 
@@ -229,11 +232,11 @@ void launch_combine(const float* y, const int* pos, const float* weights, int64_
   const dim3 grid(unsigned(num_tokens),
                   unsigned((hidden / V + kCombineThreads - 1) / kCombineThreads));
   if (vec)
-    combine_kernel<4><<<grid, kCombineThreads, 0, stream>>>(y, pos, weights, top_k, shared, hidden,
-                                                            out, out_stride);
+    pdl::launch(combine_kernel<4>, grid, kCombineThreads, 0, stream, y, pos, weights, top_k, shared,
+                hidden, out, out_stride);
   else
-    combine_kernel<1><<<grid, kCombineThreads, 0, stream>>>(y, pos, weights, top_k, shared, hidden,
-                                                            out, out_stride);
+    pdl::launch(combine_kernel<1>, grid, kCombineThreads, 0, stream, y, pos, weights, top_k, shared,
+                hidden, out, out_stride);
   check(cudaGetLastError(), "combine");
 }
 

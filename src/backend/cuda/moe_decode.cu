@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/weight_stream.cuh"
 #include "core/error.h"
 
@@ -142,6 +143,7 @@ __device__ __forceinline__ float silu(float g) {
 // Grid (ceil(F / rows_per_cta), min(E, N)); a warp's unit is 2 F-rows of gate and up.
 template <WeightKind K, int TC>
 __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int units_per_cta) {
+  pdl::enter();
   constexpr int V = wstream::kChunkElems<K>;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
@@ -200,6 +202,7 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
 // Grid (ceil(hidden / rows_per_cta), min(E, N)); a warp's unit is kRows hidden rows of down.
 template <WeightKind K, int TC>
 __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int units_per_cta) {
+  pdl::enter();
   constexpr int V = wstream::kChunkElems<K>;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
@@ -273,7 +276,7 @@ void launch_down(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream) {
   const int rows = units * kRows;
   const dim3 grid(unsigned((a.hidden + rows - 1) / rows), slots);
   const size_t smem = size_t(TC) * a.inter * 4;
-  down_kernel<K, TC><<<grid, kThreads, smem, stream>>>(a, units);
+  pdl::launch(down_kernel<K, TC>, grid, kThreads, smem, stream, a, units);
 }
 
 template <WeightKind K, int TC>
@@ -282,7 +285,7 @@ void launch_gate_up(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream)
   const int rows = units * 2;
   const dim3 grid(unsigned((a.inter + rows - 1) / rows), slots);
   const size_t smem = size_t(TC) * a.hidden * 4;
-  gate_up_kernel<K, TC><<<grid, kThreads, smem, stream>>>(a, units);
+  pdl::launch(gate_up_kernel<K, TC>, grid, kThreads, smem, stream, a, units);
 }
 
 // f(std::integral_constant<int, TC>) for the pass size tc (1, 2, 4 or 8).

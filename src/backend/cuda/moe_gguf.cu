@@ -8,6 +8,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gguf_blocks.cuh"
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace ds::cuda::moe {
 namespace {
@@ -54,6 +55,7 @@ template <DType T>
 __global__ void __launch_bounds__(kThreads)
     gguf_gate_up_kernel(const ExpertPtrs* experts, TokenLists lists, const float* x,
                         int64_t x_stride, int hidden, int inter, float* h) {
+  pdl::enter();
   const ExpertWarp w(lists, inter);
   if (!w.run) return;
   const auto* gate = static_cast<const uint8_t*>(experts[w.e].gate);
@@ -86,6 +88,7 @@ template <DType T>
 __global__ void __launch_bounds__(kThreads)
     gguf_down_kernel(const ExpertPtrs* experts, TokenLists lists, const float* h, int hidden,
                      int inter, float* y) {
+  pdl::enter();
   const ExpertWarp w(lists, hidden);
   if (!w.run) return;
   const auto* down = static_cast<const uint8_t*>(experts[w.e].down);
@@ -119,11 +122,11 @@ void launch_gguf_ffn(const DecodeFfnArgs& a, DType dtype, cudaStream_t stream) {
   bool launched = false;
   gguf::dispatch(dtype, [&](auto t) {
     constexpr DType T = decltype(t)::value;
-    gguf_gate_up_kernel<T>
-        <<<gu, kThreads, 0, stream>>>(a.experts, a.lists, a.x, a.x_stride, a.hidden, a.inter, a.h);
+    pdl::launch(gguf_gate_up_kernel<T>, gu, kThreads, 0, stream, a.experts, a.lists, a.x,
+                a.x_stride, a.hidden, a.inter, a.h);
     check_cuda(cudaGetLastError(), "moe gguf gate/up launch");
-    gguf_down_kernel<T>
-        <<<dn, kThreads, 0, stream>>>(a.experts, a.lists, a.h, a.hidden, a.inter, a.y);
+    pdl::launch(gguf_down_kernel<T>, dn, kThreads, 0, stream, a.experts, a.lists, a.h, a.hidden,
+                a.inter, a.y);
     check_cuda(cudaGetLastError(), "moe gguf down launch");
     launched = true;
   });

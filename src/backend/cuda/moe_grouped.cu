@@ -13,6 +13,7 @@
 
 #include "backend/cuda/mma_ptx.cuh"
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "core/error.h"
 
 namespace ds::cuda::moe {
@@ -93,6 +94,7 @@ __device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
 // Grid (ceil(F / 64), max tiles). Warp (wm, wn) owns rows wm*32.. and f columns wn*32.. of
 // both gate and up.
 __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
+  pdl::enter();
   constexpr int BN = 64;
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile t = tile_of(a.lists, blockIdx.y);
@@ -158,6 +160,7 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
 
 // Grid (ceil(hidden / 128), max tiles). Warp (wm, wn) owns rows wm*32.. and columns wn*64..
 __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
+  pdl::enter();
   constexpr int BN = 128;
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile t = tile_of(a.lists, blockIdx.y);
@@ -238,9 +241,11 @@ void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts, n,
                      a.hidden, a.xa, stream);
   const unsigned tiles = unsigned(max_tiles(n, a.num_experts));
-  gate_up_kernel<<<dim3(unsigned((a.inter + 63) / 64), tiles), kThreads, kGateUpSmem, stream>>>(a);
+  pdl::launch(gate_up_kernel, dim3(unsigned((a.inter + 63) / 64), tiles), kThreads, kGateUpSmem,
+              stream, a);
   check(cudaGetLastError(), "grouped gate_up");
-  down_kernel<<<dim3(unsigned((a.hidden + 127) / 128), tiles), kThreads, kDownSmem, stream>>>(a);
+  pdl::launch(down_kernel, dim3(unsigned((a.hidden + 127) / 128), tiles), kThreads, kDownSmem,
+              stream, a);
   check(cudaGetLastError(), "grouped down");
 }
 

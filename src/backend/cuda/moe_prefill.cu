@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/wq_kernel.cuh"
 #include "core/error.h"
 
@@ -22,6 +23,7 @@ __global__ void gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride
                                    const int* __restrict__ sorted_token,
                                    const int* __restrict__ assigned, int hidden,
                                    __nv_bfloat16* __restrict__ act) {
+  pdl::enter();
   const int64_t p = blockIdx.x;
   if (p >= *assigned) return;
   const float* src = x + int64_t(sorted_token[p]) * x_stride;
@@ -34,6 +36,7 @@ __global__ void gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride
 // act[p, f] = bf16(silu(gu[p, f]) * gu[p, F + f]).
 __global__ void silu_mul_bf16_kernel(const float* __restrict__ gu, int F,
                                      __nv_bfloat16* __restrict__ act) {
+  pdl::enter();
   const int64_t p = blockIdx.x;
   const float* g = gu + p * 2 * F;
   __nv_bfloat16* dst = act + p * F;
@@ -73,11 +76,11 @@ void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_toke
   DS_CHECK(!w4_order || hidden % 8 == 0, "gather: W4A16 order needs whole 8-column chunks");
   auto* dst = static_cast<__nv_bfloat16*>(act);
   if (w4_order)
-    gather_bf16_kernel<true>
-        <<<unsigned(n), kThreads, 0, stream>>>(x, x_stride, sorted_token, assigned, hidden, dst);
+    pdl::launch(gather_bf16_kernel<true>, unsigned(n), kThreads, 0, stream, x, x_stride,
+                sorted_token, assigned, hidden, dst);
   else
-    gather_bf16_kernel<false>
-        <<<unsigned(n), kThreads, 0, stream>>>(x, x_stride, sorted_token, assigned, hidden, dst);
+    pdl::launch(gather_bf16_kernel<false>, unsigned(n), kThreads, 0, stream, x, x_stride,
+                sorted_token, assigned, hidden, dst);
   check(cudaGetLastError(), "gather");
 }
 
@@ -110,7 +113,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
     gemm_bf16(a.cublas, F, count, H, ex.up, ex.up_ld, xe, H, gu + F, 2 * F);
   }
   if (assigned > 0) {
-    silu_mul_bf16_kernel<<<unsigned(assigned), kThreads, 0, stream>>>(a.gu, F, act);
+    pdl::launch(silu_mul_bf16_kernel, unsigned(assigned), kThreads, 0, stream, a.gu, F, act);
     check(cudaGetLastError(), "silu");
   }
   for (int e = 0; e < E; ++e) {

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "backend/cuda/moe.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "core/error.h"
 
 namespace ds::cuda {
@@ -56,6 +57,7 @@ __device__ __forceinline__ void warp_argmax(float& s, int& i) {
 }
 
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(RouteArgs a) {
+  pdl::enter();
   const int lane = threadIdx.x & 31;
   const int64_t t = int64_t(blockIdx.x) * kRouteWarps + (threadIdx.x >> 5);
   if (t >= a.num_tokens) return;  // the whole warp leaves together
@@ -205,7 +207,7 @@ void moe_route(const Context& ctx, const TensorView& logits, const MoeRouteParam
   a.weights_stride = weights.row_stride() / 4;
   a.counts = reinterpret_cast<unsigned long long*>(p.expert_counts);
   const int64_t blocks = (T + kRouteWarps - 1) / kRouteWarps;
-  route_kernel<<<unsigned(blocks), kRouteWarps * 32, 0, ctx.stream>>>(a);
+  pdl::launch(route_kernel, unsigned(blocks), kRouteWarps * 32, 0, ctx.stream, a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("CUDA moe_route: ") + cudaGetErrorString(err));
 }

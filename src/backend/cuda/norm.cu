@@ -2,6 +2,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/norm.cuh"
+#include "backend/cuda/pdl.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -12,6 +13,7 @@ template <bool kAdd>
 __global__ void rms_norm_kernel(void* x, RowIndex xr, const void* y, RowIndex yr,
                                 const float* __restrict__ w, float eps, void* out, RowIndex orow,
                                 int64_t rows, int n) {
+  pdl::enter();
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     float* xp = at_bytes<float>(x, xr.offset(r));
     float ss = 0.0f;
@@ -52,13 +54,13 @@ void launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
   const int threads = int(std::clamp<int64_t>((n / 4 + 31) / 32 * 32, 32, 1024));
   const unsigned blocks = unsigned(std::min<int64_t>(rows, int64_t(1) << 30));
   if (add) {
-    rms_norm_kernel<true><<<blocks, threads, 0, stream>>>(
-        a.x.data, row_index(a.x), a.residual.data, row_index(a.residual), a.w.ptr<float>(), a.eps,
-        a.out.data, row_index(a.out), rows, int(n));
+    pdl::launch(rms_norm_kernel<true>, blocks, threads, 0, stream, a.x.data, row_index(a.x),
+                a.residual.data, row_index(a.residual), a.w.ptr<float>(), a.eps, a.out.data,
+                row_index(a.out), rows, int(n));
   } else {
-    rms_norm_kernel<false><<<blocks, threads, 0, stream>>>(
-        a.x.data, row_index(a.x), nullptr, RowIndex{}, a.w.ptr<float>(), a.eps, a.out.data,
-        row_index(a.out), rows, int(n));
+    pdl::launch(rms_norm_kernel<false>, blocks, threads, 0, stream, a.x.data, row_index(a.x),
+                nullptr, RowIndex{}, a.w.ptr<float>(), a.eps, a.out.data, row_index(a.out), rows,
+                int(n));
   }
   check_cuda(cudaGetLastError(), "rms_norm");
 }

@@ -1,6 +1,7 @@
 #include <algorithm>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/rope.cuh"
 
 namespace ds::cuda {
@@ -11,6 +12,7 @@ __global__ void rope_kernel(void* x, int64_t stride_t, int64_t stride_h, int hea
                             const int32_t* __restrict__ positions,
                             const float* __restrict__ inv_freq, int half, bool adjacent,
                             float attn_factor) {
+  pdl::enter();
   extern __shared__ float cs_sn[];  // [2 * half]: cos then sin
   const int64_t t = blockIdx.x;
   const float pos = float(positions[t]);
@@ -45,9 +47,9 @@ void launch_rope(const RopeArgs& a, cudaStream_t stream) {
   DS_CHECK(tokens < (int64_t(1) << 31), "rope: too many tokens");
   const int half = a.rotary_dim / 2;
   const int threads = int(std::clamp<int64_t>((heads * half + 31) / 32 * 32, 32, 256));
-  rope_kernel<<<unsigned(tokens), threads, size_t(2 * half) * sizeof(float), stream>>>(
-      a.x.data, a.x.stride[0], a.x.stride[1], int(heads), a.positions, a.inv_freq, half,
-      a.style == RopeStyle::Adjacent, a.attn_factor);
+  pdl::launch(rope_kernel, unsigned(tokens), threads, size_t(2 * half) * sizeof(float), stream,
+              a.x.data, a.x.stride[0], a.x.stride[1], int(heads), a.positions, a.inv_freq, half,
+              a.style == RopeStyle::Adjacent, a.attn_factor);
   check_cuda(cudaGetLastError(), "rope");
 }
 

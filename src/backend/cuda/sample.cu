@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/sample.cuh"
 
 namespace ds::cuda {
@@ -313,6 +314,7 @@ __device__ int block_argmax(const float* x, int64_t V, Shared& sh) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
+  pdl::enter();
   __shared__ Shared sh;
   const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const float* x = a.logits + int64_t(blockIdx.x) * a.ld;
@@ -422,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
 
 void launch_sample(const SampleArgs& a, cudaStream_t stream) {
   if (a.rows <= 0) return;
-  sample_kernel<<<unsigned(a.rows), kThreads, 0, stream>>>(a);
+  pdl::launch(sample_kernel, unsigned(a.rows), kThreads, 0, stream, a);
 }
 
 }  // namespace ds::cuda
