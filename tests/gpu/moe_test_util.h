@@ -111,7 +111,10 @@ inline std::vector<uint8_t> random_weights(size_t n, int K, DType t, Rng& rng) {
   return out;
 }
 
-inline std::unique_ptr<Experts> make_experts(int E, int H, int F, DType t, uint64_t seed) {
+// stacked: each expert's gate and up rows back to back in one device block ([E, 2F, H]), as a
+// checkpoint with fused gate_up weights would place them (the prefill path then runs one GEMM).
+inline std::unique_ptr<Experts> make_experts(int E, int H, int F, DType t, uint64_t seed,
+                                             bool stacked = false) {
   Backend& g = test::cuda_backend();
   auto x = std::make_unique<Experts>();
   x->E = E;
@@ -123,19 +126,31 @@ inline std::unique_ptr<Experts> make_experts(int E, int H, int F, DType t, uint6
   x->gate = random_weights(n, H, t, rng);
   x->up = random_weights(n, H, t, rng);
   x->down = random_weights(n, F, t, rng);
-  x->gate_d = test::upload_bytes(g, t, {E, F, H}, x->gate.data(), x->gate.size());
-  x->up_d = test::upload_bytes(g, t, {E, F, H}, x->up.data(), x->up.size());
+  const size_t mat = size_t(F) * size_t(H) * test::element_bytes(t);
+  if (stacked) {
+    std::vector<uint8_t> both(2 * x->gate.size());
+    for (int e = 0; e < E; ++e) {
+      std::memcpy(&both[2 * size_t(e) * mat], &x->gate[size_t(e) * mat], mat);
+      std::memcpy(&both[(2 * size_t(e) + 1) * mat], &x->up[size_t(e) * mat], mat);
+    }
+    x->gate_d = test::upload_bytes(g, t, {E, 2 * F, H}, both.data(), both.size());
+  } else {
+    x->gate_d = test::upload_bytes(g, t, {E, F, H}, x->gate.data(), x->gate.size());
+    x->up_d = test::upload_bytes(g, t, {E, F, H}, x->up.data(), x->up.size());
+  }
   x->down_d = test::upload_bytes(g, t, {E, H, F}, x->down.data(), x->down.size());
   g.synchronize();
-  const size_t mat = size_t(F) * size_t(H) * test::element_bytes(t);
   for (int e = 0; e < E; ++e) {
     const size_t off = size_t(e) * mat;
+    uint8_t* gate_gpu =
+        stacked ? x->gate_d.ptr<uint8_t>() + 2 * off : x->gate_d.ptr<uint8_t>() + off;
+    uint8_t* up_gpu = stacked ? gate_gpu + mat : x->up_d.ptr<uint8_t>() + off;
     x->cpu.push_back({TensorView::contiguous(x->gate.data() + off, t, {F, H}),
                       TensorView::contiguous(x->up.data() + off, t, {F, H}),
                       TensorView::contiguous(x->down.data() + off, t, {H, F})});
     x->gpu.push_back(
-        {TensorView::contiguous(x->gate_d.ptr<uint8_t>() + off, t, {F, H}, g.device()),
-         TensorView::contiguous(x->up_d.ptr<uint8_t>() + off, t, {F, H}, g.device()),
+        {TensorView::contiguous(gate_gpu, t, {F, H}, g.device()),
+         TensorView::contiguous(up_gpu, t, {F, H}, g.device()),
          TensorView::contiguous(x->down_d.ptr<uint8_t>() + off, t, {H, F}, g.device())});
   }
   return x;

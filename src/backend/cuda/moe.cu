@@ -1,6 +1,7 @@
 // moe_ffn: validation, the per-device expert pointer tables, the device token lists, the
 // deterministic combine, and the choice between the decode and prefill implementations.
 #include <algorithm>
+#include <array>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -158,7 +159,7 @@ __device__ __forceinline__ void load_cols(const float* src, float (&v)[V]) {
 
 template <int V>
 __global__ void __launch_bounds__(kCombineThreads)
-    combine_kernel(const float* __restrict__ y, const int* __restrict__ pos,
+    combine_kernel(const float* __restrict__ y, int64_t y_stride, const int* __restrict__ pos,
                    const float* __restrict__ w, int top_k, int shared, int hidden,
                    float* __restrict__ out, int64_t out_stride) {
   pdl::enter();
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       const int j = j0 + i;
       const int p = j < slots ? tp[j] : -1;
       if (p >= 0) {
-        load_cols<V>(y + int64_t(p) * hidden + col, v[i]);
+        load_cols<V>(y + int64_t(p) * y_stride + col, v[i]);
       } else {
 #pragma unroll
         for (int e = 0; e < V; ++e) v[i][e] = 0.0f;
@@ -223,20 +224,21 @@ void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int s
 
 void launch_combine(const float* y, const int* pos, const float* weights, int64_t num_tokens,
                     int top_k, int shared, int hidden, float* out, int64_t out_stride,
-                    cudaStream_t stream) {
-  // float4 columns when every row start is 16-byte aligned (y rows are hidden floats apart).
-  const bool vec = hidden % 4 == 0 && out_stride % 4 == 0 &&
+                    cudaStream_t stream, int64_t y_stride) {
+  if (y_stride == 0) y_stride = hidden;
+  // float4 columns when every row start is 16-byte aligned.
+  const bool vec = hidden % 4 == 0 && y_stride % 4 == 0 && out_stride % 4 == 0 &&
                    reinterpret_cast<uintptr_t>(y) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int V = vec ? 4 : 1;
   const dim3 grid(unsigned(num_tokens),
                   unsigned((hidden / V + kCombineThreads - 1) / kCombineThreads));
   if (vec)
-    pdl::launch(combine_kernel<4>, grid, kCombineThreads, 0, stream, y, pos, weights, top_k, shared,
-                hidden, out, out_stride);
+    pdl::launch(combine_kernel<4>, grid, kCombineThreads, 0, stream, y, y_stride, pos, weights,
+                top_k, shared, hidden, out, out_stride);
   else
-    pdl::launch(combine_kernel<1>, grid, kCombineThreads, 0, stream, y, pos, weights, top_k, shared,
-                hidden, out, out_stride);
+    pdl::launch(combine_kernel<1>, grid, kCombineThreads, 0, stream, y, y_stride, pos, weights,
+                top_k, shared, hidden, out, out_stride);
   check(cudaGetLastError(), "combine");
 }
 
@@ -257,8 +259,26 @@ struct ExpertTable {
 struct DeviceState {
   std::map<const ExpertWeights*, ExpertTable> tables;
   std::vector<void*> retired;  // tables replaced while kernels may still read them
-  cublasHandle_t cublas = nullptr;
+  // The prefill path's side streams, their cuBLAS handles and the fork / join events.
+  std::array<cudaStream_t, moe::kPrefillStreams> streams{};
+  std::array<cublasHandle_t, moe::kPrefillStreams> cublas{};
+  std::array<cudaEvent_t, moe::kPrefillStreams + 1> events{};
+  bool prefill_ready = false;
 };
+
+void prepare_prefill(DeviceState& dev) {
+  if (dev.prefill_ready) return;
+  for (int i = 0; i < moe::kPrefillStreams; ++i) {
+    moe::check(cudaStreamCreateWithFlags(&dev.streams[size_t(i)], cudaStreamNonBlocking),
+               "prefill stream");
+    if (cublasCreate(&dev.cublas[size_t(i)]) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetStream(dev.cublas[size_t(i)], dev.streams[size_t(i)]) != CUBLAS_STATUS_SUCCESS)
+      throw Error("cuda moe_ffn: cuBLAS set-up for the prefill streams failed");
+  }
+  for (cudaEvent_t& e : dev.events)
+    moe::check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "prefill event");
+  dev.prefill_ready = true;
+}
 
 // moe_ffn's launcher API is stateless, so the tables (uploaded once per model layer) and
 // the cuBLAS handle live here, per device, for the life of the process.
@@ -403,7 +423,7 @@ struct Scratch {
   float* y = nullptr;   // decode, grouped
   void* act = nullptr;  // prefill; grouped: gathered x
   float* gu = nullptr;  // prefill
-  void* h16 = nullptr;  // grouped
+  void* h16 = nullptr;  // grouped: silu(g) * u; prefill: gathered x
 };
 
 // Lays out the scratch (twice: once with a null base to size it).
@@ -415,7 +435,8 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, Sc
   s.lists.sorted_token = c.take<int>(n);
   s.lists.pos = c.take<int>(n);
   if (path == MoeFfnPath::Prefill) {
-    s.act = c.take<uint16_t>(n * std::max(H, F));
+    s.h16 = c.take<uint16_t>(n * H);  // gathered x
+    s.act = c.take<uint16_t>(n * F);
     s.gu = c.take<float>(n * std::max(2 * F, H));
   } else if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed) {
     const int64_t tiles = moe::max_tiles(n, E);
@@ -505,10 +526,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
              "moe_ffn: the prefill path cannot be graph-captured");
   }
   const bool prefill = path == MoeFfnPath::Prefill;
-  if (prefill && !dev.cublas) {
-    if (cublasCreate(&dev.cublas) != CUBLAS_STATUS_SUCCESS)
-      throw Error("cuda moe_ffn: cublasCreate failed");
-  }
+  if (prefill) prepare_prefill(dev);
 
   Scratch s;
   const size_t bytes = layout(nullptr, n, int(E), H, F, path, s);
@@ -527,6 +545,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   problem.inter = F;
   problem.lists = s.lists;
   const float* y = nullptr;
+  int64_t y_stride = H;
   if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed) {
     moe::GroupedFfnArgs a;
     a.experts = table.device;
@@ -544,12 +563,17 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   } else if (prefill) {
     moe::PrefillFfnArgs a;
     a.experts = table.host.data();
-    a.cublas = dev.cublas;
+    a.cublas = dev.cublas.data();
+    a.streams = dev.streams.data();
+    a.events = dev.events.data();
     static_cast<moe::FfnProblem&>(a) = problem;
+    a.xg = s.h16;
     a.act = s.act;
     a.gu = s.gu;
+    a.ld_gu = std::max(2 * F, H);
     moe::run_prefill_ffn(a, ctx.stream);
     y = s.gu;
+    y_stride = a.ld_gu;
   } else {
     moe::DecodeFfnArgs a;
     a.experts = table.device;
@@ -566,7 +590,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     y = s.y;
   }
   moe::launch_combine(y, s.lists.pos, p.weights.ptr<float>(), T, k, S, H, p.out.ptr<float>(),
-                      p.out.row_stride() / 4, ctx.stream);
+                      p.out.row_stride() / 4, ctx.stream, y_stride);
 }
 
 }  // namespace ds::cuda

@@ -109,9 +109,10 @@ void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int s
 
 // out[t, :] = sum_{j < top_k, ascending} weights[t, j] * y[pos[t * slots + j], :], then
 // + y[pos[t * slots + j], :] for the shared slots j in [top_k, slots).
+// y's rows are y_stride floats apart (0: hidden).
 void launch_combine(const float* y, const int* pos, const float* weights, int64_t num_tokens,
                     int top_k, int shared, int hidden, float* out, int64_t out_stride,
-                    cudaStream_t stream);
+                    cudaStream_t stream, int64_t y_stride = 0);
 
 // Weight element type of the decode kernels.
 using WeightKind = wstream::Elem;
@@ -146,11 +147,18 @@ void prepare_decode_kernels();
 // at least one token.
 constexpr int kDecodeStageBytes = 64 * 1024;
 
+// Experts run concurrently on kPrefillStreams side streams (each its own cuBLAS handle), so
+// every buffer region is one expert's rows only: gu row p holds gate | up, then y (ld 2F).
+constexpr int kPrefillStreams = 4;
 struct PrefillFfnArgs : FfnProblem {
-  const ExpertPtrs* experts = nullptr;  // host [E]; BF16 weights
-  cublasHandle_t cublas = nullptr;
-  void* act = nullptr;  // max([N, hidden], [N, F]) BF16: gathered x, then silu(g) * u
-  float* gu = nullptr;  // max([N, 2F], [N, hidden]) F32: gate | up, then y
+  const ExpertPtrs* experts = nullptr;     // host [E]; BF16 weights
+  const cublasHandle_t* cublas = nullptr;  // [kPrefillStreams], handle i bound to streams[i]
+  const cudaStream_t* streams = nullptr;   // [kPrefillStreams]
+  const cudaEvent_t* events = nullptr;     // [kPrefillStreams + 1]: fork, then one join each
+  void* xg = nullptr;                      // [N, hidden] BF16: gathered x
+  void* act = nullptr;                     // [N, F] BF16: silu(g) * u
+  float* gu = nullptr;  // [N, ld_gu] F32: gate | up, then y in the row's first hidden floats
+  int64_t ld_gu = 0;    // max(2F, hidden)
 };
 
 struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
