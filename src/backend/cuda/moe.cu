@@ -566,6 +566,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.cublas = dev.cublas.data();
     a.streams = dev.streams.data();
     a.events = dev.events.data();
+    a.num_streams = moe::prefill_streams();
     static_cast<moe::FfnProblem&>(a) = problem;
     a.xg = s.h16;
     a.act = s.act;

@@ -147,16 +147,19 @@ void prepare_decode_kernels();
 // at least one token.
 constexpr int kDecodeStageBytes = 64 * 1024;
 
-// Experts run concurrently on kPrefillStreams side streams (each its own cuBLAS handle), so
-// every buffer region is one expert's rows only: gu row p holds gate | up, then y (ld 2F).
-constexpr int kPrefillStreams = 4;
+// Experts run concurrently on up to kPrefillStreams side streams (each its own cuBLAS handle),
+// so every buffer region is one expert's rows only: gu row p holds gate | up, then y (ld 2F).
+constexpr int kPrefillStreams = 8;
+// How many of them a step uses: DEEPSERVE_MOE_STREAMS (1-8), else 4.
+int prefill_streams();
 struct PrefillFfnArgs : FfnProblem {
   const ExpertPtrs* experts = nullptr;     // host [E]; BF16 weights
   const cublasHandle_t* cublas = nullptr;  // [kPrefillStreams], handle i bound to streams[i]
   const cudaStream_t* streams = nullptr;   // [kPrefillStreams]
   const cudaEvent_t* events = nullptr;     // [kPrefillStreams + 1]: fork, then one join each
-  void* xg = nullptr;                      // [N, hidden] BF16: gathered x
-  void* act = nullptr;                     // [N, F] BF16: silu(g) * u
+  int num_streams = 1;
+  void* xg = nullptr;   // [N, hidden] BF16: gathered x
+  void* act = nullptr;  // [N, F] BF16: silu(g) * u
   float* gu = nullptr;  // [N, ld_gu] F32: gate | up, then y in the row's first hidden floats
   int64_t ld_gu = 0;    // max(2F, hidden)
 };

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,15 @@ void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_toke
   check(cudaGetLastError(), "gather");
 }
 
+int prefill_streams() {
+  static const int n = [] {
+    const char* v = std::getenv("DEEPSERVE_MOE_STREAMS");
+    const int k = v ? std::atoi(v) : 0;
+    return k >= 1 && k <= kPrefillStreams ? k : 4;
+  }();
+  return n;
+}
+
 void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   const int64_t n = a.num_tokens * a.top_k;
   const int E = a.num_experts;
@@ -116,7 +126,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
     return offsets[size_t(x) + 1] - offsets[size_t(x)] >
            offsets[size_t(y) + 1] - offsets[size_t(y)];
   });
-  const int S = std::min<int>(kPrefillStreams, int(order.size()));
+  const int S = std::min<int>(std::clamp(a.num_streams, 1, kPrefillStreams), int(order.size()));
   if (S == 0) return;
   check(cudaEventRecord(a.events[0], stream), "fork record");
   for (int i = 0; i < S; ++i) check(cudaStreamWaitEvent(a.streams[i], a.events[0]), "fork wait");
