@@ -240,8 +240,8 @@ bool ProfilingBackend::mla_prefill(const MlaPrefillParams& p, const AttentionMet
 }
 
 void ProfilingBackend::mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) {
-  const std::string label = "mla_prepare " + dims(p.kva) + " q_rope " + dims(p.q_rope) + " " +
-                            dt(p.cache.dtype);
+  const std::string label =
+      "mla_prepare " + dims(p.kva) + " q_rope " + dims(p.q_rope) + " " + dt(p.cache.dtype);
   timed("mla_prepare", label, [&] {
     note_meta(meta);
     inner_.mla_prepare(p, meta);

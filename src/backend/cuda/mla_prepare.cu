@@ -96,10 +96,10 @@ void launch_mla_prepare(const MlaPrepareArgs& a, cudaStream_t stream) {
   DS_CHECK(kv.v == nullptr && kv.kv_heads == 1, "mla_prepare: needs a latent cache");
   DS_CHECK(q.dtype == DType::F32 && q.ndim == 3 && q.shape[0] == kva.shape[0],
            "mla_prepare: q_rope " + q.shape_str() + " for kva " + kva.shape_str());
-  DS_CHECK(a.rotary_dim > 0 && a.rotary_dim % 2 == 0 && a.rotary_dim <= q.shape[2] &&
-               a.rotary_dim <= P,
-           "mla_prepare: rotary_dim " + std::to_string(a.rotary_dim) + " for rope dims " +
-               std::to_string(q.shape[2]) + " and " + std::to_string(P));
+  DS_CHECK(
+      a.rotary_dim > 0 && a.rotary_dim % 2 == 0 && a.rotary_dim <= q.shape[2] && a.rotary_dim <= P,
+      "mla_prepare: rotary_dim " + std::to_string(a.rotary_dim) + " for rope dims " +
+          std::to_string(q.shape[2]) + " and " + std::to_string(P));
   DS_CHECK(a.norm != nullptr, "mla_prepare: no norm weight");
   check_inner_dense(kva, "mla_prepare");
   check_inner_dense(q, "mla_prepare");
@@ -121,8 +121,8 @@ void launch_mla_prepare(const MlaPrepareArgs& a, cudaStream_t stream) {
     using T = decltype(tag);
     mla_prepare_kernel<T><<<blocks, threads, size_t(2 * half) * sizeof(float), stream>>>(
         kr, a.norm, a.eps, R, P, norm_threads, qr, int(q.shape[1]), a.positions, a.inv_freq, half,
-        a.style == RopeStyle::Adjacent, a.attn_factor, static_cast<T*>(kv.k), a.slot_mapping,
-        rows, a.num_tokens, capacity, a.errors);
+        a.style == RopeStyle::Adjacent, a.attn_factor, static_cast<T*>(kv.k), a.slot_mapping, rows,
+        a.num_tokens, capacity, a.errors);
   });
   check_cuda(cudaGetLastError(), "mla_prepare");
 }
