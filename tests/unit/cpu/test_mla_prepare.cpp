@@ -189,19 +189,21 @@ TEST(MlaPrepare, MatchesFloat64AndStoresTheRow) {
                       2e-4);
       }
       const int32_t slot = in.slots[size_t(t)];
-      if (slot >= 0)
+      if (slot >= 0) {
         ASSERT_EQ(0, std::memcmp(in.cache.data() + size_t(slot) * (kR + kP) * 4, x1, (kR + kP) * 4))
             << "token " << t;
+      }
     }
     // Slots no token maps to keep their contents (the padding token stored nothing).
     std::vector<bool> used(size_t(kBlocks * kBlock), false);
     for (int32_t s : in.slots)
       if (s >= 0) used[size_t(s)] = true;
     for (size_t s = 0; s < used.size(); ++s)
-      if (!used[s])
+      if (!used[s]) {
         ASSERT_EQ(0, std::memcmp(in.cache.data() + s * (kR + kP) * 4,
                                  orig.cache.data() + s * (kR + kP) * 4, (kR + kP) * 4))
             << "slot " << s;
+      }
   }
 }
 
