@@ -137,7 +137,7 @@ void check_case(const PrepCase& c, uint32_t seed) {
   for (int t = 0; t < c.T; ++t) {
     const int32_t slot = h.slot_mapping[size_t(t)];
     if (slot < 0) continue;
-    std::vector<float> row(size_t(W));
+    std::vector<float> row(static_cast<size_t>(W));
     std::memcpy(row.data(), fused.kva.data() + size_t((t * width + lead) * 4), size_t(W) * 4);
     const std::vector<uint8_t> want = test::encode(c.cache, row);
     ASSERT_EQ(0, std::memcmp(fused.cache.data() + size_t(slot) * size_t(W) * es, want.data(),
