@@ -3,6 +3,7 @@
 #include "backend/cuda/kv_store.cuh"
 #include "backend/cuda/mla_prepare.cuh"
 #include "backend/cuda/norm.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/rope.cuh"
 
 namespace ds::cuda {
@@ -25,6 +26,7 @@ __global__ void mla_prepare_kernel(Rows kva, const float* __restrict__ norm, flo
                                    float attn_factor, T* cache, const int32_t* __restrict__ slots,
                                    int64_t rows, int num_tokens, int64_t capacity,
                                    DeviceErrors* errors) {
+  pdl::enter();
   extern __shared__ float cs_sn[];  // [2 * half]: cos then sin
   const int tid = int(threadIdx.x), nt = int(blockDim.x);
   for (int64_t t = blockIdx.x; t < rows; t += gridDim.x) {
@@ -119,10 +121,10 @@ void launch_mla_prepare(const MlaPrepareArgs& a, cudaStream_t stream) {
   const int64_t capacity = int64_t(kv.num_blocks) * kv.block_size;
   dispatch_float(kv.dtype, "mla_prepare cache", [&](auto tag) {
     using T = decltype(tag);
-    mla_prepare_kernel<T><<<blocks, threads, size_t(2 * half) * sizeof(float), stream>>>(
-        kr, a.norm, a.eps, R, P, norm_threads, qr, int(q.shape[1]), a.positions, a.inv_freq, half,
-        a.style == RopeStyle::Adjacent, a.attn_factor, static_cast<T*>(kv.k), a.slot_mapping, rows,
-        a.num_tokens, capacity, a.errors);
+    pdl::launch(mla_prepare_kernel<T>, blocks, threads, size_t(2 * half) * sizeof(float), stream,
+                kr, a.norm, a.eps, R, P, norm_threads, qr, int(q.shape[1]), a.positions, a.inv_freq,
+                half, a.style == RopeStyle::Adjacent, a.attn_factor, static_cast<T*>(kv.k),
+                a.slot_mapping, rows, a.num_tokens, capacity, a.errors);
   });
   check_cuda(cudaGetLastError(), "mla_prepare");
 }
