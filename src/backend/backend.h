@@ -174,6 +174,22 @@ struct MlaPrefillParams {
   bool causal = true;
 };
 
+// The MLA layer's small ops between the projections and attention, one launch on devices.
+// In place: kva's latent columns [0, R) are RMS-normalized (times norm), its rope key columns
+// [R, R + P) and every head of q_rope are rotated at meta.positions; then kva's first
+// meta.num_tokens rows are stored into the latent cache (as store_kv). The base version runs
+// rms_norm, rope (q_rope), rope (k) and store_kv in that order; a device version must give the
+// same bits. q_rope must not overlap kva.
+struct MlaPrepareParams {
+  TensorView kva;     // [T, R + P] F32, rows may be strided: compressed KV, then the rope key
+  TensorView norm;    // [R] F32: kv_a_layernorm weight
+  float eps = 1e-6f;  // of the latent RMS norm
+  TensorView q_rope;  // [T, H, P] F32, strided in T and heads (the rope dims of q)
+  RopeParams rope;
+  PagedKv cache;         // latent cache, head_dim == R + P
+  int kv_lora_rank = 0;  // R
+};
+
 // DeepSeek-V2 MoE routing (MoEGate): scores = softmax(logits) over experts, then top_k.
 // GroupLimitedGreedy first keeps the topk_group groups (experts split into n_group equal
 // consecutive groups) with the highest max score and takes top_k among their experts.
@@ -304,6 +320,8 @@ class Backend {
   // [H, T, d] view. Each (b, m) result depends on that row alone.
   virtual void batched_matmul(const TensorView& x, const TensorView& w, TensorView out) = 0;
   virtual void mla_attention(const MlaAttentionParams& p, const AttentionMeta& meta) = 0;
+  // See MlaPrepareParams; the base version is the four-op reference.
+  virtual void mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta);
   // MLA in the expanded form when the backend has a fast path for this step (prefill-sized
   // queries): returns true once it has written p.out. False means nothing was done and the
   // caller runs the absorbed form (mla_attention); the base version always says false, so

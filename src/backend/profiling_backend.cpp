@@ -239,6 +239,15 @@ bool ProfilingBackend::mla_prefill(const MlaPrefillParams& p, const AttentionMet
   return done;
 }
 
+void ProfilingBackend::mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) {
+  const std::string label =
+      "mla_prepare " + dims(p.kva) + " q_rope " + dims(p.q_rope) + " " + dt(p.cache.dtype);
+  timed("mla_prepare", label, [&] {
+    note_meta(meta);
+    inner_.mla_prepare(p, meta);
+  });
+}
+
 void ProfilingBackend::moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
                                  TensorView weights) {
   timed("moe_route", "moe_route " + dims(logits) + " k=" + std::to_string(p.top_k),

@@ -87,6 +87,7 @@ class ProfilingBackend final : public Backend {
   void batched_matmul(const TensorView& x, const TensorView& w, TensorView out) override;
   void mla_attention(const MlaAttentionParams& p, const AttentionMeta& meta) override;
   bool mla_prefill(const MlaPrefillParams& p, const AttentionMeta& meta) override;
+  void mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) override;
   void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
                  TensorView weights) override;
   void moe_ffn(const MoeFfnParams& p) override;

@@ -304,16 +304,20 @@ class DeepseekV2 final : public Model {
       be_.matmul(xn, W.wq, q);
       be_.matmul(xn, W.wkv_a, kva);
     }
-    TensorView ckv = cols(kva, 0, R);
-    be_.rms_norm(ckv, W.kv_a_norm, kLatentNormEps, ckv);
-    TensorView k_pe = heads_view(cols(kva, R, P), 1, int(P));
     TensorView qh = heads_view(q, int(H), int(qk));
     TensorView q_pe = sub_heads(qh, nope, P), q_nope = sub_heads(qh, 0, nope);
-    be_.rope(q_pe, in.meta.positions, cfg_.rope);
-    be_.rope(k_pe, in.meta.positions, cfg_.rope);
-    dump(l, "q", q);
+    // Latent norm, rope of q and k, and the cache store: one launch on devices.
+    MlaPrepareParams prep;
+    prep.kva = kva;
+    prep.norm = W.kv_a_norm;
+    prep.eps = kLatentNormEps;
+    prep.q_rope = q_pe;
+    prep.rope = cfg_.rope;
+    prep.cache = cache.layer(l);
+    prep.kv_lora_rank = int(R);
+    be_.mla_prepare(prep, in.meta);
+    dump(l, "q", q);  // rotated, as attention reads them
     dump(l, "kv_latent", kva);
-    be_.store_kv(heads_view(kva, 1, int(R + P)), TensorView{}, cache.layer(l), in.meta);
 
     TensorView o = o_->view(DType::F32, {T, H * v});
     TensorView oh = heads_view(o, int(H), int(v));

@@ -26,6 +26,7 @@
 #include "backend/cuda/kv_store.cuh"
 #include "backend/cuda/memory_pool.h"
 #include "backend/cuda/mla_prefill.cuh"
+#include "backend/cuda/mla_prepare.cuh"
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/rope.cuh"
@@ -375,6 +376,31 @@ class CudaBackend final : public Backend {
     }
     cuda::mla_prefill(ctx_, *gemm_, p, meta);
     return true;
+  }
+  void mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) override {
+    // FP8 caches (per-slot scales) and non-F32 activations take the four separate ops.
+    if (!cuda::mla_prepare_supported(p.cache.dtype) || p.kva.dtype != DType::F32 ||
+        p.norm.dtype != DType::F32)
+      return Backend::mla_prepare(p, meta);
+    require(Op::StoreKv, p.cache.dtype);
+    DS_CHECK(p.norm.numel() == p.kv_lora_rank && (p.norm.ndim == 1 || p.norm.is_contiguous()),
+             "mla_prepare: norm weight " + p.norm.shape_str());
+    cuda::MlaPrepareArgs a;
+    a.kva = p.kva;
+    a.norm = p.norm.ptr<float>();
+    a.eps = p.eps;
+    a.q_rope = p.q_rope;
+    a.positions = meta.positions;
+    a.inv_freq = rope_table(p.rope);
+    a.rotary_dim = p.rope.rotary_dim;
+    a.style = p.rope.style;
+    a.attn_factor = p.rope.attn_factor;
+    a.cache = p.cache;
+    a.kv_lora_rank = p.kv_lora_rank;
+    a.slot_mapping = meta.slot_mapping;
+    a.num_tokens = meta.num_tokens;
+    a.errors = errors_dev_;
+    cuda::launch_mla_prepare(a, stream_);
   }
   void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
                  TensorView weights) override {

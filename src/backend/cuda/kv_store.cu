@@ -12,22 +12,6 @@ struct Src {
   int64_t stride_t, stride_h;  // bytes
 };
 
-// Whether token slot gets stored: not for -1, a padding token (graph buckets), nor for a slot
-// outside [0, capacity), which sets bad_slot.
-__device__ __forceinline__ bool storable(int64_t slot, int64_t capacity, DeviceErrors* errors) {
-  if (slot == -1) return false;
-  if (slot < 0 || slot >= capacity) {
-    if (threadIdx.x == 0) {
-      volatile DeviceErrors* e = errors;
-      e->slot = int(slot);
-      e->capacity = int(capacity);
-      e->bad_slot = 1;
-    }
-    return false;
-  }
-  return true;
-}
-
 // One block per token; threads over (head, dim) of k and then v.
 template <typename T>
 __global__ void store_kv_kernel(Src k, Src v, T* kc, T* vc, const int32_t* __restrict__ slots,

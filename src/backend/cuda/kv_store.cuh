@@ -21,4 +21,22 @@ struct StoreKvArgs {
 
 void launch_store_kv(const StoreKvArgs& a, cudaStream_t stream);
 
+#ifdef __CUDACC__
+// Whether token slot gets stored: not for -1, a padding token (graph buckets), nor for a slot
+// outside [0, capacity), which sets bad_slot.
+__device__ __forceinline__ bool storable(int64_t slot, int64_t capacity, DeviceErrors* errors) {
+  if (slot == -1) return false;
+  if (slot < 0 || slot >= capacity) {
+    if (threadIdx.x == 0) {
+      volatile DeviceErrors* e = errors;
+      e->slot = int(slot);
+      e->capacity = int(capacity);
+      e->bad_slot = 1;
+    }
+    return false;
+  }
+  return true;
+}
+#endif
+
 }  // namespace ds::cuda

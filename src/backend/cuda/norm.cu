@@ -23,12 +23,12 @@ __global__ void rms_norm_kernel(void* x, RowIndex xr, const void* y, RowIndex yr
         v += at_bytes<float>(y, yr.offset(r))[i];
         xp[i] = v;
       }
-      ss += v * v;
+      ss = rms_add_square(ss, v);
     }
     ss = block_sum(ss);
-    const float s = 1.0f / sqrtf(ss / float(n) + eps);
+    const float s = rms_inv(ss, n, eps);
     float* op = at_bytes<float>(out, orow.offset(r));
-    for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) op[i] = xp[i] * s * w[i];
+    for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) op[i] = rms_apply(xp[i], s, w[i]);
   }
 }
 
@@ -51,7 +51,7 @@ void launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
   DS_CHECK(a.w.ndim == 1 || a.w.is_contiguous(), "rms_norm weight must be contiguous");
   if (rows == 0 || n == 0) return;
   // About 4 elements per thread, whole warps, at most 1024 threads.
-  const int threads = int(std::clamp<int64_t>((n / 4 + 31) / 32 * 32, 32, 1024));
+  const int threads = rms_norm_threads(n);
   const unsigned blocks = unsigned(std::min<int64_t>(rows, int64_t(1) << 30));
   if (add) {
     pdl::launch(rms_norm_kernel<true>, blocks, threads, 0, stream, a.x.data, row_index(a.x),

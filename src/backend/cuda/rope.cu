@@ -15,22 +15,19 @@ __global__ void rope_kernel(void* x, int64_t stride_t, int64_t stride_h, int hea
   pdl::enter();
   extern __shared__ float cs_sn[];  // [2 * half]: cos then sin
   const int64_t t = blockIdx.x;
-  const float pos = float(positions[t]);
-  for (int i = int(threadIdx.x); i < half; i += int(blockDim.x)) {
-    float s, c;
-    sincosf(pos * inv_freq[i], &s, &c);
-    cs_sn[i] = c * attn_factor;
-    cs_sn[half + i] = s * attn_factor;
-  }
+  const int32_t pos = positions[t];
+  for (int i = int(threadIdx.x); i < half; i += int(blockDim.x))
+    rope_cos_sin(pos, inv_freq[i], attn_factor, cs_sn[i], cs_sn[half + i]);
   __syncthreads();
   char* row = static_cast<char*>(x) + t * stride_t;
   for (int j = int(threadIdx.x); j < heads * half; j += int(blockDim.x)) {
     const int h = j / half, i = j % half;
     float* v = reinterpret_cast<float*>(row + int64_t(h) * stride_h);
     const int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + half;
-    const float x0 = v[a], x1 = v[b], c = cs_sn[i], s = cs_sn[half + i];
-    v[a] = x0 * c - x1 * s;
-    v[b] = x0 * s + x1 * c;
+    float x0 = v[a], x1 = v[b];
+    rope_rotate(x0, x1, cs_sn[i], cs_sn[half + i]);
+    v[a] = x0;
+    v[b] = x1;
   }
 }
 
