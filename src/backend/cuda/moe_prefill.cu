@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -112,6 +114,10 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
                         cudaMemcpyDeviceToHost, stream),
         "offsets download");
   check(cudaStreamSynchronize(stream), "offsets sync");
+  // DEEPSERVE_MOE_PREFILL_TIMING=1: per call, the host time to enqueue the experts' work and
+  // the GPU time from the fork to the join (diagnostics for the prefill path's speed).
+  static const bool timing = std::getenv("DEEPSERVE_MOE_PREFILL_TIMING") != nullptr;
+  const auto host0 = std::chrono::steady_clock::now();
   const int64_t assigned = offsets[size_t(E)];
   DS_CHECK(assigned >= 0 && assigned <= n, "moe_ffn: bad expert offsets");
 
@@ -128,6 +134,12 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   });
   const int S = std::min<int>(std::clamp(a.num_streams, 1, kPrefillStreams), int(order.size()));
   if (S == 0) return;
+  cudaEvent_t t0 = nullptr, t1 = nullptr;
+  if (timing) {
+    check(cudaEventCreate(&t0), "timing event");
+    check(cudaEventCreate(&t1), "timing event");
+    check(cudaEventRecord(t0, stream), "timing record");
+  }
   check(cudaEventRecord(a.events[0], stream), "fork record");
   for (int i = 0; i < S; ++i) check(cudaStreamWaitEvent(a.streams[i], a.events[0]), "fork wait");
   std::array<int64_t, kPrefillStreams> load{};
@@ -157,6 +169,21 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   for (int i = 0; i < S; ++i) {
     check(cudaEventRecord(a.events[size_t(i) + 1], a.streams[i]), "join record");
     check(cudaStreamWaitEvent(stream, a.events[size_t(i) + 1]), "join wait");
+  }
+  if (timing) {
+    const double host_us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - host0).count();
+    check(cudaEventRecord(t1, stream), "timing record");
+    check(cudaEventSynchronize(t1), "timing sync");
+    float gpu_ms = 0;
+    check(cudaEventElapsedTime(&gpu_ms, t0, t1), "timing elapsed");
+    std::fprintf(stderr,
+                 "moe prefill: %lld assignments, %zu experts, %d streams: enqueue %.0f us, "
+                 "experts on the GPU %.0f us (%.1f TFLOP/s)\n",
+                 static_cast<long long>(assigned), order.size(), S, host_us, gpu_ms * 1e3,
+                 2.0 * double(assigned) * 3.0 * H * F / (gpu_ms * 1e-3) / 1e12);
+    cudaEventDestroy(t0);
+    cudaEventDestroy(t1);
   }
 }
 
