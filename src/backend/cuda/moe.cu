@@ -419,11 +419,12 @@ class Carver {
 
 struct Scratch {
   moe::TokenLists lists;
-  float* h = nullptr;   // decode
-  float* y = nullptr;   // decode, grouped
-  void* act = nullptr;  // prefill; grouped: gathered x
-  float* gu = nullptr;  // prefill
-  void* h16 = nullptr;  // grouped: silu(g) * u; prefill: gathered x
+  float* h = nullptr;           // decode
+  float* y = nullptr;           // decode, grouped
+  void* act = nullptr;          // prefill; grouped: gathered x
+  float* gu = nullptr;          // prefill
+  void* h16 = nullptr;          // grouped: silu(g) * u; prefill: gathered x
+  const void** ptrs = nullptr;  // prefill, grouped-batched cuBLAS: A, B, C arrays
 };
 
 // Lays out the scratch (twice: once with a null base to size it).
@@ -436,6 +437,7 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, Sc
   s.lists.pos = c.take<int>(n);
   if (path == MoeFfnPath::Prefill) {
     s.h16 = c.take<uint16_t>(n * H);  // gathered x
+    s.ptrs = c.take<const void*>(9 * int64_t(E));
     s.act = c.take<uint16_t>(n * F);
     s.gu = c.take<float>(n * std::max(2 * F, H));
   } else if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed) {
@@ -567,6 +569,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.streams = dev.streams.data();
     a.events = dev.events.data();
     a.num_streams = moe::prefill_streams();
+    a.ptrs = s.ptrs;
     static_cast<moe::FfnProblem&>(a) = problem;
     a.xg = s.h16;
     a.act = s.act;

@@ -158,8 +158,9 @@ struct PrefillFfnArgs : FfnProblem {
   const cudaStream_t* streams = nullptr;   // [kPrefillStreams]
   const cudaEvent_t* events = nullptr;     // [kPrefillStreams + 1]: fork, then one join each
   int num_streams = 1;
-  void* xg = nullptr;   // [N, hidden] BF16: gathered x
-  void* act = nullptr;  // [N, F] BF16: silu(g) * u
+  const void** ptrs = nullptr;  // device [9 E]: pointer arrays of the grouped-batched variant
+  void* xg = nullptr;           // [N, hidden] BF16: gathered x
+  void* act = nullptr;          // [N, F] BF16: silu(g) * u
   float* gu = nullptr;  // [N, ld_gu] F32: gate | up, then y in the row's first hidden floats
   int64_t ld_gu = 0;    // max(2F, hidden)
 };

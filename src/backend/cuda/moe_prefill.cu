@@ -90,6 +90,105 @@ void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_toke
   check(cudaGetLastError(), "gather");
 }
 
+namespace {
+
+// DEEPSERVE_MOE_PREFILL=batched: every expert's gate|up in one cublasGemmGroupedBatchedEx
+// call, then one SiLU over all rows, then every down projection in a second call (instead
+// of a cuBLAS call per expert and matrix on the side streams). A/B alternative.
+bool batched_variant() {
+  static const bool on = [] {
+    const char* v = std::getenv("DEEPSERVE_MOE_PREFILL");
+    return v != nullptr && std::string(v) == "batched";
+  }();
+  return on;
+}
+
+struct Problems {
+  std::vector<int> m, n, k, lda, ldb, ldc, size;
+  std::vector<cublasOperation_t> ta, tb;
+  std::vector<float> alpha, beta;
+  std::vector<const void*> A, B;
+  std::vector<void*> C;
+  void add(int mm, int nn, int kk, const void* w, int64_t ldw, const void* x, int64_t ldx, float* c,
+           int64_t ldcc) {
+    m.push_back(mm);
+    n.push_back(nn);
+    k.push_back(kk);
+    lda.push_back(int(ldw));
+    ldb.push_back(int(ldx));
+    ldc.push_back(int(ldcc));
+    size.push_back(1);
+    ta.push_back(CUBLAS_OP_T);
+    tb.push_back(CUBLAS_OP_N);
+    alpha.push_back(1.0f);
+    beta.push_back(0.0f);
+    A.push_back(w);
+    B.push_back(x);
+    C.push_back(c);
+  }
+  // Problems [from, to) in one call; dev holds the A | B | C pointer arrays of all problems.
+  void run(cublasHandle_t h, const void* const* dev, int from, int to) const {
+    const int g = to - from, all = int(A.size());
+    if (g <= 0) return;
+    check(cublasGemmGroupedBatchedEx(h, ta.data() + from, tb.data() + from, m.data() + from,
+                                     n.data() + from, k.data() + from, alpha.data() + from,
+                                     dev + from, CUDA_R_16BF, lda.data() + from, dev + all + from,
+                                     CUDA_R_16BF, ldb.data() + from, beta.data() + from,
+                                     const_cast<void* const*>(dev + 2 * all + from), CUDA_R_32F,
+                                     ldc.data() + from, g, size.data() + from, CUBLAS_COMPUTE_32F),
+          "grouped batched gemm");
+  }
+};
+
+void run_batched(const PrefillFfnArgs& a, const std::vector<int>& offsets,
+                 const std::vector<int>& order, int64_t assigned, cudaStream_t stream) {
+  const int H = a.hidden, F = a.inter;
+  const auto* xg = static_cast<const __nv_bfloat16*>(a.xg);
+  auto* act = static_cast<__nv_bfloat16*>(a.act);
+  Problems p;
+  for (int e : order) {
+    const int begin = offsets[size_t(e)], count = offsets[size_t(e) + 1] - begin;
+    const ExpertPtrs& ex = a.experts[e];
+    const __nv_bfloat16* xe = xg + int64_t(begin) * H;
+    float* gu = a.gu + int64_t(begin) * a.ld_gu;
+    if (ex.gate_ld == ex.up_ld &&
+        static_cast<const char*>(ex.up) ==
+            static_cast<const char*>(ex.gate) + int64_t(F) * ex.gate_ld * 2) {
+      p.add(2 * F, count, H, ex.gate, ex.gate_ld, xe, H, gu, a.ld_gu);
+    } else {
+      p.add(F, count, H, ex.gate, ex.gate_ld, xe, H, gu, a.ld_gu);
+      p.add(F, count, H, ex.up, ex.up_ld, xe, H, gu + F, a.ld_gu);
+    }
+  }
+  const int first = int(p.A.size());
+  for (int e : order) {
+    const int begin = offsets[size_t(e)], count = offsets[size_t(e) + 1] - begin;
+    const ExpertPtrs& ex = a.experts[e];
+    p.add(H, count, F, ex.down, ex.down_ld, act + int64_t(begin) * F, F,
+          a.gu + int64_t(begin) * a.ld_gu, a.ld_gu);
+  }
+  const int all = int(p.A.size());
+  DS_CHECK(all <= 3 * a.num_experts, "moe prefill: too many GEMM problems");
+  std::vector<const void*> ptrs(size_t(3 * all));
+  for (int i = 0; i < all; ++i) {
+    ptrs[size_t(i)] = p.A[size_t(i)];
+    ptrs[size_t(all + i)] = p.B[size_t(i)];
+    ptrs[size_t(2 * all + i)] = p.C[size_t(i)];
+  }
+  check(cudaMemcpyAsync(a.ptrs, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice,
+                        stream),
+        "pointer upload");
+  const cublasHandle_t h = a.cublas[0];
+  check(cublasSetStream(h, stream), "set stream");
+  p.run(h, a.ptrs, 0, first);
+  pdl::launch(silu_mul_bf16_kernel, unsigned(assigned), kThreads, 0, stream, a.gu, a.ld_gu, F, 0,
+              act);
+  p.run(h, a.ptrs, first, all);
+  check(cublasSetStream(h, a.streams[0]), "set stream");
+}
+
+}  // namespace
+
 int prefill_streams() {
   static const int n = [] {
     const char* v = std::getenv("DEEPSERVE_MOE_STREAMS");
@@ -134,16 +233,19 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   });
   const int S = std::min<int>(std::clamp(a.num_streams, 1, kPrefillStreams), int(order.size()));
   if (S == 0) return;
+  const bool batched = batched_variant();
   cudaEvent_t t0 = nullptr, t1 = nullptr;
   if (timing) {
     check(cudaEventCreate(&t0), "timing event");
     check(cudaEventCreate(&t1), "timing event");
     check(cudaEventRecord(t0, stream), "timing record");
   }
-  check(cudaEventRecord(a.events[0], stream), "fork record");
-  for (int i = 0; i < S; ++i) check(cudaStreamWaitEvent(a.streams[i], a.events[0]), "fork wait");
+  if (batched) run_batched(a, offsets, order, assigned, stream);
+  if (!batched) check(cudaEventRecord(a.events[0], stream), "fork record");
+  for (int i = 0; i < S && !batched; ++i)
+    check(cudaStreamWaitEvent(a.streams[i], a.events[0]), "fork wait");
   std::array<int64_t, kPrefillStreams> load{};
-  for (int e : order) {
+  for (int e : batched ? std::vector<int>{} : order) {
     const int i = int(std::min_element(load.begin(), load.begin() + S) - load.begin());
     const int begin = offsets[size_t(e)];
     const int count = offsets[size_t(e) + 1] - begin;
@@ -166,7 +268,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
                 begin, act);
     gemm_bf16(h, H, count, F, ex.down, ex.down_ld, act + int64_t(begin) * F, F, gu, a.ld_gu);
   }
-  for (int i = 0; i < S; ++i) {
+  for (int i = 0; i < S && !batched; ++i) {
     check(cudaEventRecord(a.events[size_t(i) + 1], a.streams[i]), "join record");
     check(cudaStreamWaitEvent(stream, a.events[size_t(i) + 1]), "join wait");
   }
