@@ -197,13 +197,13 @@ if has_stage abpdl; then
 fi
 
 if has_stage abenv; then
-  # A/B runs of AB_WORKLOADS under each of AB_ENVS (space-separated VAR=value items), e.g.
-  # AB_ENVS="DEEPSERVE_MOE_STREAMS=1 DEEPSERVE_MOE_STREAMS=8" AB_WORKLOADS=prefill.
+  # A/B runs of AB_WORKLOADS under each of AB_ENVS (space-separated items, each VAR=value or
+  # several joined by commas), e.g. AB_ENVS="DEEPSERVE_MOE_STREAMS=1 A=1,B=2" AB_WORKLOADS=prefill.
   for kv in ${AB_ENVS:-}; do
-    tag=$(echo "$kv" | tr '=' '-' | tr 'A-Z_' 'a-z-')
+    tag=$(echo "$kv" | tr '=,' '--' | tr 'A-Z_' 'a-z-')
     for w in ${AB_WORKLOADS:-w3 w1}; do
       log "bench $w with $kv"
-      env "$kv" DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
+      env $(echo "$kv" | tr ',' ' ') DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
         --output "$OUT/bench-$tag-$w.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
         >"$OUT/bench-$tag-$w.log" 2>&1
       log "bench $w ($kv) rc=$?"
