@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <random>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -174,7 +175,48 @@ Engine::Engine(Model& model, Backend& backend, const Tokenizer* tokenizer, const
     gc.max_blocks_per_seq = int((len + cfg.block_size - 1) / cfg.block_size);
     graphs_ = std::make_unique<DecodeGraphs>(backend, model, cache_, gc);
   }
+  const bool cpu = backend.device().kind == DeviceKind::CPU;
+  warm_up(cfg.warmup_tokens >= 0 ? cfg.warmup_tokens : cpu ? 0 : cfg.max_num_batched_tokens);
   thread_ = std::thread([this] { loop(); });
+}
+
+// A prefill step of random tokens written into the first blocks of the cache (which the block
+// manager still holds as free: their contents mean nothing to it), so shapes and routing look
+// like a real batch's; nothing of it reaches the scheduler, the stats or the prefix cache.
+void Engine::warm_up(int64_t tokens) {
+  const int bs = cfg_.block_size;
+  const int64_t blocks = cache_.capacity_tokens() / bs;
+  tokens = std::min<int64_t>(tokens, cfg_.max_num_batched_tokens);
+  const int S = int(std::clamp<int64_t>((tokens + 1023) / 1024, 1, cfg_.max_num_seqs));
+  int64_t L = tokens / S;
+  const auto width = [&](int64_t len) { return (len + bs - 1) / bs; };
+  while (L > 0 && S * width(L) > blocks) L = (blocks / S) * bs;
+  if (L <= 0) return;
+  const int W = int(width(L));
+  const int vocab = model_.config().vocab;
+  std::mt19937 rng(20261202);
+  std::uniform_int_distribution<int32_t> pick(0, vocab - 1);
+  StepBatch b;
+  b.max_blocks_per_seq = W;
+  b.query_start.push_back(0);
+  for (int s = 0; s < S; ++s) {
+    for (int64_t i = 0; i < L; ++i) {
+      b.tokens.push_back(pick(rng));
+      b.positions.push_back(int32_t(i));
+      b.slot_mapping.push_back(int32_t(int64_t(s) * W * bs + i));
+    }
+    b.query_start.push_back(int32_t((s + 1) * L));
+    b.context_lens.push_back(int32_t(L));
+    for (int j = 0; j < W; ++j) b.block_tables.push_back(s * W + j);
+    b.logit_rows.push_back(int32_t((s + 1) * L - 1));
+    b.logit_seqs.push_back(SeqId(0));
+  }
+  const double t0 = now_s();
+  const ForwardInput in = place_inputs(b);
+  model_.forward(in, cache_, logits_buf_->view(DType::F32, {int64_t(S), vocab}));
+  backend_.synchronize();
+  log_info("engine warm-up: one prefill step of " + std::to_string(S) + " x " + std::to_string(L) +
+           " tokens in " + std::to_string(int((now_s() - t0) * 1e3)) + " ms");
 }
 
 Engine::~Engine() {

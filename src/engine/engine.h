@@ -38,6 +38,11 @@ struct EngineConfig {
   // Contexts up to this many tokens use graphs (every captured launch is sized for it, so a
   // larger value costs empty work in each replay); longer ones run eagerly.
   int64_t graph_max_context = 4096;
+  // Before serving, one prefill step of this many random prompt tokens (in up to
+  // max_num_seqs sequences of ~1,024) runs through the model, so the first real batch does
+  // not pay one-time costs (library handles, lazily loaded kernels, first-use scratch): -1
+  // means max_num_batched_tokens on a GPU and none on the CPU; 0 turns it off.
+  int64_t warmup_tokens = -1;
   // Fault injection for tests: called for each sampled token before its output is made; what
   // it throws fails that request alone (as a detokenizer or stop-string failure would).
   std::function<void(SeqId, int32_t)> fault_hook;
@@ -157,6 +162,7 @@ class Engine {
 
   void loop();
   void step();
+  void warm_up(int64_t tokens);
   void finish(SeqId id, FinishReason reason, const std::string& error = {});
   void finish_all(FinishReason reason, const std::string& error = {});
   // Ends one sequence whose own work failed (`stage`: sampling, output), never the step.

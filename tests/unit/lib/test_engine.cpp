@@ -88,6 +88,30 @@ TEST(Engine, BatchedEqualsAlone) {
   EXPECT_GT(st.preemptions, 0);
 }
 
+// The start-up warm-up prefills random tokens into cache blocks the block manager still holds
+// as free (here 2 x 320 tokens: capped to a 40-block cache). Nothing of it may show: no steps
+// or KV use in the stats, and the same tokens afterwards as an engine without it, batched,
+// with the prefix cache and with preemptions.
+TEST(Engine, WarmUpLeavesNoTrace) {
+  NEED_MODEL();
+  EngineConfig plain;
+  plain.kv_cache_tokens = 16 * 40;
+  plain.warmup_tokens = 0;
+  EngineConfig warm = plain;
+  warm.warmup_tokens = 2048;
+  {
+    Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), warm);
+    const EngineStats st = engine.stats();
+    EXPECT_EQ(st.steps, 0);
+    EXPECT_EQ(st.prompt_tokens_computed, 0);
+    EXPECT_EQ(st.kv.used_blocks, 0);
+  }
+  const auto want = run_all(f, plain, f->prompts, 8, true);
+  EngineStats st;
+  EXPECT_EQ(run_all(f, warm, f->prompts, 8, true, &st), want);
+  EXPECT_GT(st.preemptions, 0);
+}
+
 TEST(Engine, PrefixCacheComputesASharedSystemPromptOnce) {
   NEED_MODEL();
   // A 400-token shared prefix (the long paragraph, repeated) plus a different question each.
