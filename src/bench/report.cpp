@@ -232,7 +232,8 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
                        {"max_num_seqs", spec.engine.max_num_seqs},
                        {"max_num_batched_tokens", spec.engine.max_num_batched_tokens},
                        {"lower_class_prefill_tokens", spec.engine.lower_class_prefill_tokens},
-                       {"batch_prefill_tokens", spec.engine.batch_prefill_tokens}};
+                       {"batch_prefill_tokens", spec.engine.batch_prefill_tokens},
+                       {"warmup_tokens", spec.engine.warmup_tokens}};
   return {{"schema_version", 1},
           {"name", spec.name},
           {"description", spec.description},

@@ -297,6 +297,7 @@ BenchSpec parse_bench_spec(const std::string& yaml, const std::string& source,
       en.max_num_batched_tokens = int(*v);
     if (auto v = er.integer({"lower_class_prefill_tokens"}, -1, 1 << 24))
       en.lower_class_prefill_tokens = int(*v);
+    if (auto v = er.integer({"warmup_tokens"}, -1, 1 << 24)) en.warmup_tokens = *v;
     if (auto v = er.integer({"batch_prefill_tokens"}, -1, 1 << 24))
       en.batch_prefill_tokens = int(*v);
     er.check_unknown();

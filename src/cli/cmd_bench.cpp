@@ -85,6 +85,7 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   e.max_num_batched_tokens = spec.engine.max_num_batched_tokens;
   e.lower_class_prefill_tokens = spec.engine.lower_class_prefill_tokens;
   e.batch_prefill_tokens = spec.engine.batch_prefill_tokens;
+  e.warmup_tokens = spec.engine.warmup_tokens;
   set_kv_dtype(e, spec.kv_dtype);
   Session s = open_session(m, e);
   const std::string device = s.backend->device().kind == DeviceKind::CUDA ? "cuda" : "cpu";

@@ -81,6 +81,11 @@ void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
                   "pauses their prefill too, -1 = isolation off)")
       ->check(CLI::Range(-1, 1 << 24))
       ->capture_default_str();
+  app->add_option("--warmup-tokens", e.warmup_tokens,
+                  "before serving, prefill this many random tokens once so the first batch "
+                  "does not pay one-time GPU costs (-1 = max-num-batched-tokens on a GPU)")
+      ->check(CLI::Range(int64_t(-1), int64_t(1) << 24))
+      ->capture_default_str();
   app->add_option("--batch-prefill-tokens", e.batch_prefill_tokens,
                   "batch-priority prefill tokens per step, always (-1 or 0 = no cap): bounds "
                   "the step a higher-class request may have to wait for")

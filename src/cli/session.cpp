@@ -171,6 +171,7 @@ Session open_session(const ModelOptions& m, const EngineOptions& e) {
   ec.max_num_batched_tokens = e.max_num_batched_tokens;
   ec.lower_class_prefill_tokens = e.lower_class_prefill_tokens;
   ec.batch_prefill_tokens = e.batch_prefill_tokens;
+  ec.warmup_tokens = e.warmup_tokens;
   s.engine = std::make_unique<Engine>(*s.loaded.model, s.ops(), s.loaded.tokenizer.get(), ec);
   log_info("backend " + s.backend->name() + ", KV cache " +
            std::to_string(s.engine->kv_capacity_tokens()) + " tokens (" +

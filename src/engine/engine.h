@@ -39,10 +39,11 @@ struct EngineConfig {
   // larger value costs empty work in each replay); longer ones run eagerly.
   int64_t graph_max_context = 4096;
   // Before serving, one prefill step of this many random prompt tokens (in up to
-  // max_num_seqs sequences of ~1,024) runs through the model, so the first real batch does
-  // not pay one-time costs (library handles, lazily loaded kernels, first-use scratch): -1
-  // means max_num_batched_tokens on a GPU and none on the CPU; 0 turns it off.
-  int64_t warmup_tokens = -1;
+  // max_num_seqs sequences of ~1,024; at most max_num_batched_tokens and what the cache holds)
+  // runs through the model, so the first real batch does not pay one-time costs (library
+  // handles, lazily loaded kernels, first-use scratch). 0: none (the default until it is
+  // measured on a GPU); -1: max_num_batched_tokens on a GPU, none on the CPU.
+  int64_t warmup_tokens = 0;
   // Fault injection for tests: called for each sampled token before its output is made; what
   // it throws fails that request alone (as a detokenizer or stop-string failure would).
   std::function<void(SeqId, int32_t)> fault_hook;

@@ -9,10 +9,17 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/mla_prepare.cuh"
 #include "gpu_test_util.h"
 
 namespace ds {
 namespace {
+
+// The backend takes the fused kernel only when asked (until it is measured): these tests ask.
+struct FusedOn {
+  FusedOn() { cuda::force_mla_prepare_fused(1); }
+  ~FusedOn() { cuda::force_mla_prepare_fused(-1); }
+};
 
 constexpr int kLead = 24, kPad = 8;  // kva sits at column kLead of a row padded by kPad
 
@@ -148,6 +155,7 @@ void check_case(const PrepCase& c, uint32_t seed) {
 
 TEST(CudaMlaPrepare, FusedMatchesFourOpsBitForBit) {
   DS_REQUIRE_GPU();
+  const FusedOn fused_on;
   uint32_t seed = 100;
   for (int T : {1, 3, 17, 300})
     for (int H : {16, 128})
@@ -169,6 +177,7 @@ TEST(CudaMlaPrepare, FusedMatchesFourOpsBitForBit) {
 // threads) and a rotary_dim below the rope dims (the tail is stored unrotated).
 TEST(CudaMlaPrepare, OtherWidthsDtypesAndPartialRotary) {
   DS_REQUIRE_GPU();
+  const FusedOn fused_on;
   uint32_t seed = 500;
   const PrepCase base;
   std::vector<PrepCase> cases;
@@ -203,6 +212,7 @@ TEST(CudaMlaPrepare, OtherWidthsDtypesAndPartialRotary) {
 // An FP8 cache takes the four-op path inside the CUDA backend; results still match.
 TEST(CudaMlaPrepare, Fp8CacheFallsBackAndMatches) {
   DS_REQUIRE_GPU();
+  const FusedOn fused_on;
   uint32_t seed = 900;
   for (int T : {1, 17})
     for (RopeStyle st : {RopeStyle::Adjacent, RopeStyle::RotateHalf}) {
@@ -217,6 +227,7 @@ TEST(CudaMlaPrepare, Fp8CacheFallsBackAndMatches) {
 // A slot outside the cache is reported at the next synchronize, as store_kv reports it.
 TEST(CudaMlaPrepare, OutOfRangeSlotIsReported) {
   DS_REQUIRE_GPU();
+  const FusedOn fused_on;
   Backend& gpu = test::cuda_backend();
   PrepCase c;
   c.T = 3;

@@ -379,8 +379,8 @@ class CudaBackend final : public Backend {
   }
   void mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) override {
     // FP8 caches (per-slot scales) and non-F32 activations take the four separate ops.
-    if (!cuda::mla_prepare_supported(p.cache.dtype) || p.kva.dtype != DType::F32 ||
-        p.norm.dtype != DType::F32)
+    if (!cuda::mla_prepare_fused() || !cuda::mla_prepare_supported(p.cache.dtype) ||
+        p.kva.dtype != DType::F32 || p.norm.dtype != DType::F32)
       return Backend::mla_prepare(p, meta);
     require(Op::StoreKv, p.cache.dtype);
     DS_CHECK(p.norm.numel() == p.kv_lora_rank && (p.norm.ndim == 1 || p.norm.is_contiguous()),
