@@ -3,7 +3,7 @@
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded, ncu,
 # bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
-# multigpu, w1kv8, abpdl, abenv, mutate.
+# multigpu, w1kv8, abenv, mutate.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -27,8 +27,8 @@
 #           generate tokens/s, bench/gguf-smollm2.yaml, and the GGUF GEMM micro-benchmark
 #   multigpu  (2+ GPUs) the TP/EP GPU tests, the collective micro-benchmark, and W1/W2 on the
 #           lite checkpoint at --tensor-parallel-size 2, with and without expert parallelism
-#   abpdl   bench AB_WORKLOADS (default w3 w1) again with DEEPSERVE_PDL=0 (dependent launch off)
-#   abenv   bench AB_WORKLOADS under each VAR=value of AB_ENVS (A/B of a run-time knob)
+#   abenv   bench AB_WORKLOADS under each VAR=value of AB_ENVS (A/B of a run-time knob), e.g.
+#           AB_ENVS="DEEPSERVE_PDL=0 DEEPSERVE_MLA_PREPARE=1 DEEPSERVE_WARMUP_TOKENS=-1"
 #   w1kv8   bench/w1kv8.yaml: W1 (BF16 weights) with an FP8 KV cache (needs lite)
 #   mutate  (last) shows new tests failing: sed MUTATE_SED on MUTATE_FILE, rebuild the GPU tests,
 #           run MUTATE_TESTS (a gtest filter; failures expected), restore the file. E.g.
@@ -181,18 +181,6 @@ if has_stage bench; then
       >"$OUT/bench-$w.log" 2>&1
     log "bench $w rc=$?"
     tail -6 "$OUT/bench-$w.log"
-  done
-fi
-
-if has_stage abpdl; then
-  # The same workloads with programmatic dependent launch off (A/B against the bench stage).
-  for w in ${AB_WORKLOADS:-w3 w1}; do
-    log "bench $w, DEEPSERVE_PDL=0"
-    DEEPSERVE_PDL=0 DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
-      --output "$OUT/bench-nopdl-$w.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
-      >"$OUT/bench-nopdl-$w.log" 2>&1
-    log "bench $w (no PDL) rc=$?"
-    tail -6 "$OUT/bench-nopdl-$w.log"
   done
 fi
 

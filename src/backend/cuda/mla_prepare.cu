@@ -70,16 +70,8 @@ __global__ void mla_prepare_kernel(Rows kva, const float* __restrict__ norm, flo
     if (dst)  // rope key dims past rotary_dim are stored unrotated
       for (int i = 2 * half + tid; i < P; i += nt) dst[R + i] = from_f32<T>(k[i]);
 
-    char* qrow = static_cast<char*>(q.data) + t * q.stride_t;
-    for (int j = tid; j < heads * half; j += nt) {
-      const int h = j / half, i = j % half;
-      float* v = reinterpret_cast<float*>(qrow + int64_t(h) * q.stride_h);
-      const int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + half;
-      float x0 = v[a], x1 = v[b];
-      rope_rotate(x0, x1, cs_sn[i], cs_sn[half + i]);
-      v[a] = x0;
-      v[b] = x1;
-    }
+    rope_heads(static_cast<char*>(q.data) + t * q.stride_t, q.stride_h, heads, half, adjacent,
+               cs_sn, tid, nt);
   }
 }
 

@@ -19,16 +19,8 @@ __global__ void rope_kernel(void* x, int64_t stride_t, int64_t stride_h, int hea
   for (int i = int(threadIdx.x); i < half; i += int(blockDim.x))
     rope_cos_sin(pos, inv_freq[i], attn_factor, cs_sn[i], cs_sn[half + i]);
   __syncthreads();
-  char* row = static_cast<char*>(x) + t * stride_t;
-  for (int j = int(threadIdx.x); j < heads * half; j += int(blockDim.x)) {
-    const int h = j / half, i = j % half;
-    float* v = reinterpret_cast<float*>(row + int64_t(h) * stride_h);
-    const int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + half;
-    float x0 = v[a], x1 = v[b];
-    rope_rotate(x0, x1, cs_sn[i], cs_sn[half + i]);
-    v[a] = x0;
-    v[b] = x1;
-  }
+  rope_heads(static_cast<char*>(x) + t * stride_t, stride_h, heads, half, adjacent, cs_sn,
+             int(threadIdx.x), int(blockDim.x));
 }
 
 }  // namespace

@@ -38,6 +38,20 @@ __device__ __forceinline__ void rope_rotate(float& x0, float& x1, float c, float
   x0 = r0;
   x1 = r1;
 }
+// Rotates every head of one token's row in place: heads * half pairs spread over nt threads
+// (this one is tid), with the cos / sin table cs_sn ([half] cos, then [half] sin).
+__device__ __forceinline__ void rope_heads(char* row, int64_t stride_h, int heads, int half,
+                                           bool adjacent, const float* cs_sn, int tid, int nt) {
+  for (int j = tid; j < heads * half; j += nt) {
+    const int h = j / half, i = j % half;
+    float* v = reinterpret_cast<float*>(row + int64_t(h) * stride_h);
+    const int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + half;
+    float x0 = v[a], x1 = v[b];
+    rope_rotate(x0, x1, cs_sn[i], cs_sn[half + i]);
+    v[a] = x0;
+    v[b] = x1;
+  }
+}
 #endif
 
 }  // namespace ds::cuda
