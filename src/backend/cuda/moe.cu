@@ -268,7 +268,7 @@ struct DeviceState {
 
 void prepare_prefill(DeviceState& dev) {
   if (dev.prefill_ready) return;
-  for (int i = 0; i < moe::kPrefillStreams; ++i) {
+  for (int i = 0; i < moe::prefill_streams(); ++i) {
     moe::check(cudaStreamCreateWithFlags(&dev.streams[size_t(i)], cudaStreamNonBlocking),
                "prefill stream");
     if (cublasCreate(&dev.cublas[size_t(i)]) != CUBLAS_STATUS_SUCCESS ||

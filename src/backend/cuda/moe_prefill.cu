@@ -92,6 +92,13 @@ void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_toke
 
 namespace {
 
+// Gate and up rows stored back to back with one stride: one GEMM of 2F rows covers both.
+bool gate_up_stacked(const ExpertPtrs& ex, int F) {
+  return ex.gate_ld == ex.up_ld &&
+         static_cast<const char*>(ex.up) ==
+             static_cast<const char*>(ex.gate) + int64_t(F) * ex.gate_ld * 2;
+}
+
 // DEEPSERVE_MOE_PREFILL=batched: every expert's gate|up in one cublasGemmGroupedBatchedEx
 // call, then one SiLU over all rows, then every down projection in a second call (instead
 // of a cuBLAS call per expert and matrix on the side streams). A/B alternative.
@@ -151,9 +158,7 @@ void run_batched(const PrefillFfnArgs& a, const std::vector<int>& offsets,
     const ExpertPtrs& ex = a.experts[e];
     const __nv_bfloat16* xe = xg + int64_t(begin) * H;
     float* gu = a.gu + int64_t(begin) * a.ld_gu;
-    if (ex.gate_ld == ex.up_ld &&
-        static_cast<const char*>(ex.up) ==
-            static_cast<const char*>(ex.gate) + int64_t(F) * ex.gate_ld * 2) {
+    if (gate_up_stacked(ex, F)) {
       p.add(2 * F, count, H, ex.gate, ex.gate_ld, xe, H, gu, a.ld_gu);
     } else {
       p.add(F, count, H, ex.gate, ex.gate_ld, xe, H, gu, a.ld_gu);
@@ -187,6 +192,43 @@ void run_batched(const PrefillFfnArgs& a, const std::vector<int>& offsets,
   check(cublasSetStream(h, a.streams[0]), "set stream");
 }
 
+// One expert's GEMMs fill a fraction of the GPU (~1,000 tokens x F = 1,408 is ~50-90 tiles
+// for 132 SMs), so experts run concurrently: the largest first, each onto the side stream with
+// the least work queued (all of an expert's GEMMs and its SiLU on one stream, so it needs no
+// other synchronization; the rows it touches are its own).
+void run_streams(const PrefillFfnArgs& a, const std::vector<int>& offsets,
+                 const std::vector<int>& order, int S, cudaStream_t stream) {
+  const int H = a.hidden, F = a.inter;
+  const auto* xg = static_cast<const __nv_bfloat16*>(a.xg);
+  auto* act = static_cast<__nv_bfloat16*>(a.act);
+  check(cudaEventRecord(a.events[0], stream), "fork record");
+  for (int i = 0; i < S; ++i) check(cudaStreamWaitEvent(a.streams[i], a.events[0]), "fork wait");
+  std::array<int64_t, kPrefillStreams> load{};
+  for (int e : order) {
+    const int i = int(std::min_element(load.begin(), load.begin() + S) - load.begin());
+    const int begin = offsets[size_t(e)];
+    const int count = offsets[size_t(e) + 1] - begin;
+    load[size_t(i)] += count;
+    const ExpertPtrs& ex = a.experts[e];
+    const cublasHandle_t h = a.cublas[i];
+    const __nv_bfloat16* xe = xg + int64_t(begin) * H;
+    float* gu = a.gu + int64_t(begin) * a.ld_gu;
+    if (gate_up_stacked(ex, F)) {
+      gemm_bf16(h, 2 * F, count, H, ex.gate, ex.gate_ld, xe, H, gu, a.ld_gu);
+    } else {
+      gemm_bf16(h, F, count, H, ex.gate, ex.gate_ld, xe, H, gu, a.ld_gu);
+      gemm_bf16(h, F, count, H, ex.up, ex.up_ld, xe, H, gu + F, a.ld_gu);
+    }
+    pdl::launch(silu_mul_bf16_kernel, unsigned(count), kThreads, 0, a.streams[i], a.gu, a.ld_gu, F,
+                begin, act);
+    gemm_bf16(h, H, count, F, ex.down, ex.down_ld, act + int64_t(begin) * F, F, gu, a.ld_gu);
+  }
+  for (int i = 0; i < S; ++i) {
+    check(cudaEventRecord(a.events[size_t(i) + 1], a.streams[i]), "join record");
+    check(cudaStreamWaitEvent(stream, a.events[size_t(i) + 1]), "join wait");
+  }
+}
+
 }  // namespace
 
 int prefill_streams() {
@@ -204,7 +246,6 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   const int H = a.hidden;
   const int F = a.inter;
   auto* xg = static_cast<__nv_bfloat16*>(a.xg);
-  auto* act = static_cast<__nv_bfloat16*>(a.act);
 
   // Gather first (positions past the last valid one exit), then read the counts.
   launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + E, n, H, xg, stream);
@@ -220,10 +261,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   const int64_t assigned = offsets[size_t(E)];
   DS_CHECK(assigned >= 0 && assigned <= n, "moe_ffn: bad expert offsets");
 
-  // One expert's GEMMs fill a fraction of the GPU (~1,000 tokens x F = 1,408 is ~50-90
-  // tiles for 132 SMs), so experts run concurrently: the largest first, each onto the side
-  // stream with the least work queued (all three GEMMs and the SiLU of an expert on one
-  // stream, so an expert needs no other synchronization; the rows it touches are its own).
+  // Touched experts, the largest first.
   std::vector<int> order;
   for (int e = 0; e < E; ++e)
     if (offsets[size_t(e) + 1] > offsets[size_t(e)]) order.push_back(e);
@@ -233,45 +271,16 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   });
   const int S = std::min<int>(std::clamp(a.num_streams, 1, kPrefillStreams), int(order.size()));
   if (S == 0) return;
-  const bool batched = batched_variant();
   cudaEvent_t t0 = nullptr, t1 = nullptr;
   if (timing) {
     check(cudaEventCreate(&t0), "timing event");
     check(cudaEventCreate(&t1), "timing event");
     check(cudaEventRecord(t0, stream), "timing record");
   }
-  if (batched) run_batched(a, offsets, order, assigned, stream);
-  if (!batched) check(cudaEventRecord(a.events[0], stream), "fork record");
-  for (int i = 0; i < S && !batched; ++i)
-    check(cudaStreamWaitEvent(a.streams[i], a.events[0]), "fork wait");
-  std::array<int64_t, kPrefillStreams> load{};
-  for (int e : batched ? std::vector<int>{} : order) {
-    const int i = int(std::min_element(load.begin(), load.begin() + S) - load.begin());
-    const int begin = offsets[size_t(e)];
-    const int count = offsets[size_t(e) + 1] - begin;
-    load[size_t(i)] += count;
-    const ExpertPtrs& ex = a.experts[e];
-    const cublasHandle_t h = a.cublas[i];
-    const __nv_bfloat16* xe = xg + int64_t(begin) * H;
-    float* gu = a.gu + int64_t(begin) * a.ld_gu;
-    // Gate and up rows stored back to back with one stride: one GEMM of 2F rows.
-    const bool fused = ex.gate_ld == ex.up_ld &&
-                       static_cast<const char*>(ex.up) ==
-                           static_cast<const char*>(ex.gate) + int64_t(F) * ex.gate_ld * 2;
-    if (fused) {
-      gemm_bf16(h, 2 * F, count, H, ex.gate, ex.gate_ld, xe, H, gu, a.ld_gu);
-    } else {
-      gemm_bf16(h, F, count, H, ex.gate, ex.gate_ld, xe, H, gu, a.ld_gu);
-      gemm_bf16(h, F, count, H, ex.up, ex.up_ld, xe, H, gu + F, a.ld_gu);
-    }
-    pdl::launch(silu_mul_bf16_kernel, unsigned(count), kThreads, 0, a.streams[i], a.gu, a.ld_gu, F,
-                begin, act);
-    gemm_bf16(h, H, count, F, ex.down, ex.down_ld, act + int64_t(begin) * F, F, gu, a.ld_gu);
-  }
-  for (int i = 0; i < S && !batched; ++i) {
-    check(cudaEventRecord(a.events[size_t(i) + 1], a.streams[i]), "join record");
-    check(cudaStreamWaitEvent(stream, a.events[size_t(i) + 1]), "join wait");
-  }
+  if (batched_variant())
+    run_batched(a, offsets, order, assigned, stream);
+  else
+    run_streams(a, offsets, order, S, stream);
   if (timing) {
     const double host_us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - host0).count();
