@@ -3,6 +3,7 @@
 // attention_simt.cuh (F32, any shape) and attention_mma.cuh (tensor cores).
 #include <array>
 #include <atomic>
+#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/attention.cuh"
@@ -148,6 +149,16 @@ bool use_tensor_cores(const Context& ctx, const kern::AttnParams& a, AttentionPa
   return fits;
 }
 
+// DEEPSERVE_MLA_DECODE=bf16: Auto takes the BF16 Q / P decode kernel (faster, FlashMLA's
+// precision; an A/B switch until the model-level tolerance tests have run with it).
+bool auto_mla_decode_bf16() {
+  static const bool on = [] {
+    const char* v = std::getenv("DEEPSERVE_MLA_DECODE");
+    return v != nullptr && std::string(v) == "bf16";
+  }();
+  return on;
+}
+
 }  // namespace
 
 void paged_attention(const Context& ctx, const AttentionParams& p, const AttentionMeta& meta) {
@@ -175,7 +186,9 @@ void mla_attention_on(const Context& ctx, const MlaAttentionParams& p, const Att
            "cuda mla_attention: the decode kernel needs a BF16 or FP8 cache, R 512, rope dims a "
            "multiple of 16 up to 64 and one query per sequence");
   if (decode && (path == AttentionPath::Auto || forced)) {
-    run_mla_decode(ctx, a, path == AttentionPath::MlaDecodeBf16);
+    run_mla_decode(ctx, a,
+                   path == AttentionPath::MlaDecodeBf16 ||
+                       (path == AttentionPath::Auto && auto_mla_decode_bf16()));
     return;
   }
   run(ctx, kScratchMla, a, use_tensor_cores(ctx, a, path));
