@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "backend/cpu/sample.h"
+#include "core/tensor_views.h"
 
 namespace ds {
 
@@ -46,27 +47,14 @@ void Backend::add_rms_norm(TensorView x, const TensorView& y, const TensorView& 
 
 void Backend::mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) {
   const TensorView& kva = p.kva;
-  const int64_t R = p.kv_lora_rank, P = kva.cols() - R, T = kva.rows();
+  const int64_t R = p.kv_lora_rank, P = kva.cols() - R;
   DS_CHECK(kva.ndim == 2 && R > 0 && P >= 0,
            "mla_prepare: kva " + kva.shape_str() + " with kv_lora_rank " + std::to_string(R));
-  auto cols = [&](int64_t begin, int64_t n) {
-    TensorView v = kva;
-    v.data = static_cast<uint8_t*>(kva.data) + begin * kva.stride[1];
-    v.shape[1] = n;
-    return v;
-  };
-  auto one_head = [&](TensorView v) {  // [T, n] -> [T, 1, n], as the model's heads_view
-    const int64_t n = v.shape[1];
-    v.ndim = 3;
-    v.shape = {T, 1, n, 0};
-    v.stride = {kva.stride[0], n * 4, 4, 0};
-    return v;
-  };
-  TensorView ckv = cols(0, R);
+  TensorView ckv = cols(kva, 0, R);
   rms_norm(ckv, p.norm, p.eps, ckv);
   rope(p.q_rope, meta.positions, p.rope);
-  rope(one_head(cols(R, P)), meta.positions, p.rope);
-  store_kv(one_head(kva), TensorView{}, p.cache, meta);
+  rope(heads_view(cols(kva, R, P), 1, int(P)), meta.positions, p.rope);
+  store_kv(heads_view(kva, 1, int(R + P)), TensorView{}, p.cache, meta);
 }
 
 void Backend::argmax(const TensorView& logits, TensorView ids) {

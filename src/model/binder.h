@@ -12,17 +12,11 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/tensor_views.h"
 #include "model/config.h"
 #include "model/weights.h"
 
 namespace ds {
-
-// Columns [begin, begin + n) of a 2-D view of a plain (not block-quantized) dtype.
-TensorView cols(const TensorView& t, int64_t begin, int64_t n);
-// A [rows, heads * hd] F32 view (any row stride) as [rows, heads, hd].
-TensorView heads_view(const TensorView& t, int heads, int hd);
-// A [rows, heads, hd] view as [heads, rows, hd] (heads become batches of batched_matmul).
-TensorView heads_first(const TensorView& t);
 
 // Whether a linear weight may be converted to the load-time quantized format (--quantize):
 // the big projections may; the output projection and weights used in other ways (MLA's

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/mla_prepare.cuh"
+#include "backend/cuda/switches.h"
 #include "gpu_test_util.h"
 
 namespace ds {
@@ -17,8 +17,8 @@ namespace {
 
 // The backend takes the fused kernel only when asked (until it is measured): these tests ask.
 struct FusedOn {
-  FusedOn() { cuda::force_mla_prepare_fused(1); }
-  ~FusedOn() { cuda::force_mla_prepare_fused(-1); }
+  FusedOn() { cuda::g_mla_prepare.force(1); }
+  ~FusedOn() { cuda::g_mla_prepare.force(-1); }
 };
 
 constexpr int kLead = 24, kPad = 8;  // kva sits at column kLead of a row padded by kPad

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "../hf_fixtures.h"
-#include "backend/cuda/pdl.h"
+#include "backend/cuda/switches.h"
 #include "engine/engine.h"
 #include "gpu_models.h"
 #include "model/loader.h"
@@ -181,12 +181,12 @@ TEST_P(CudaModels, DependentLaunchChangesNothing) {
   for (int rep = 0; rep < 2; ++rep)
     for (const auto& p : prompts_) ps.push_back(p.ids);
   struct Restore {
-    ~Restore() { cuda::pdl::force(-1); }
+    ~Restore() { cuda::g_pdl.force(-1); }
   } restore;
   std::vector<float> logits[2];
   std::vector<std::vector<int32_t>> tokens[2];
   for (int on = 0; on < 2; ++on) {
-    cuda::pdl::force(on);
+    cuda::g_pdl.force(on);
     logits[on] = gpu_prefill(g, prompts_[0].ids);
     tokens[on] = gpu_greedy(g, ps, 24, true);
   }

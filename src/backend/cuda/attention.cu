@@ -3,7 +3,6 @@
 // attention_simt.cuh (F32, any shape) and attention_mma.cuh (tensor cores).
 #include <array>
 #include <atomic>
-#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/attention.cuh"
@@ -13,6 +12,7 @@
 #include "backend/cuda/attention_simt.cuh"
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
 
 namespace ds::cuda {
 namespace {
@@ -149,16 +149,6 @@ bool use_tensor_cores(const Context& ctx, const kern::AttnParams& a, AttentionPa
   return fits;
 }
 
-// DEEPSERVE_MLA_DECODE=bf16: Auto takes the BF16 Q / P decode kernel (faster, FlashMLA's
-// precision; an A/B switch until the model-level tolerance tests have run with it).
-bool auto_mla_decode_bf16() {
-  static const bool on = [] {
-    const char* v = std::getenv("DEEPSERVE_MLA_DECODE");
-    return v != nullptr && std::string(v) == "bf16";
-  }();
-  return on;
-}
-
 }  // namespace
 
 void paged_attention(const Context& ctx, const AttentionParams& p, const AttentionMeta& meta) {
@@ -188,7 +178,7 @@ void mla_attention_on(const Context& ctx, const MlaAttentionParams& p, const Att
   if (decode && (path == AttentionPath::Auto || forced)) {
     run_mla_decode(ctx, a,
                    path == AttentionPath::MlaDecodeBf16 ||
-                       (path == AttentionPath::Auto && auto_mla_decode_bf16()));
+                       (path == AttentionPath::Auto && g_mla_decode_bf16.on()));
     return;
   }
   run(ctx, kScratchMla, a, use_tensor_cores(ctx, a, path));

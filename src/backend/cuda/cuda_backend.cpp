@@ -31,6 +31,7 @@
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/rope.cuh"
 #include "backend/cuda/sample.cuh"
+#include "backend/cuda/switches.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -379,7 +380,9 @@ class CudaBackend final : public Backend {
   }
   void mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) override {
     // FP8 caches (per-slot scales) and non-F32 activations take the four separate ops.
-    if (!cuda::mla_prepare_fused() || !cuda::mla_prepare_supported(p.cache.dtype) ||
+    // The fused kernel only with DEEPSERVE_MLA_PREPARE=1 (g_mla_prepare) until it has been run
+    // and measured on a GPU.
+    if (!cuda::g_mla_prepare.on() || !cuda::mla_prepare_supported(p.cache.dtype) ||
         p.kva.dtype != DType::F32 || p.norm.dtype != DType::F32)
       return Backend::mla_prepare(p, meta);
     require(Op::StoreKv, p.cache.dtype);

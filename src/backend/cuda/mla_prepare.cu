@@ -1,6 +1,4 @@
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/kv_store.cuh"
@@ -76,23 +74,6 @@ __global__ void mla_prepare_kernel(Rows kva, const float* __restrict__ norm, flo
 }
 
 }  // namespace
-
-namespace {
-std::atomic<int> g_fused_forced{-1};
-}  // namespace
-
-bool mla_prepare_fused() {
-  static const bool env_on = [] {
-    const char* v = std::getenv("DEEPSERVE_MLA_PREPARE");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  const int forced = g_fused_forced.load(std::memory_order_relaxed);
-  return forced < 0 ? env_on : forced != 0;
-}
-
-void force_mla_prepare_fused(int mode) {
-  g_fused_forced.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed);
-}
 
 bool mla_prepare_supported(DType cache_dtype) {
   return cache_dtype == DType::F32 || cache_dtype == DType::F16 || cache_dtype == DType::BF16;

@@ -31,11 +31,6 @@ struct MlaPrepareArgs {
 // Whether the fused kernel takes this cache dtype (FP8 caches use the four ops).
 bool mla_prepare_supported(DType cache_dtype);
 
-// Whether CudaBackend::mla_prepare runs the fused kernel: only with DEEPSERVE_MLA_PREPARE=1
-// until the kernel has been run and measured on a GPU (the four ops otherwise), or as forced:
-// 1 on, 0 off, -1 back to the environment's choice (tests).
-bool mla_prepare_fused();
-void force_mla_prepare_fused(int mode);
 void launch_mla_prepare(const MlaPrepareArgs& a, cudaStream_t stream);
 
 }  // namespace ds::cuda

@@ -14,6 +14,7 @@
 
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
 #include "backend/cuda/wq_kernel.cuh"
 #include "core/error.h"
 
@@ -99,16 +100,10 @@ bool gate_up_stacked(const ExpertPtrs& ex, int F) {
              static_cast<const char*>(ex.gate) + int64_t(F) * ex.gate_ld * 2;
 }
 
-// DEEPSERVE_MOE_PREFILL=batched: every expert's gate|up in one cublasGemmGroupedBatchedEx
-// call, then one SiLU over all rows, then every down projection in a second call (instead
-// of a cuBLAS call per expert and matrix on the side streams). A/B alternative.
-bool batched_variant() {
-  static const bool on = [] {
-    const char* v = std::getenv("DEEPSERVE_MOE_PREFILL");
-    return v != nullptr && std::string(v) == "batched";
-  }();
-  return on;
-}
+// DEEPSERVE_MOE_PREFILL=batched (g_moe_prefill_batched): every expert's gate|up in one
+// cublasGemmGroupedBatchedEx call, then one SiLU over all rows, then every down projection in a
+// second call (instead of a cuBLAS call per expert and matrix on the side streams). An A/B
+// alternative.
 
 struct Problems {
   std::vector<int> m, n, k, lda, ldb, ldc, size;
@@ -256,7 +251,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   check(cudaStreamSynchronize(stream), "offsets sync");
   // DEEPSERVE_MOE_PREFILL_TIMING=1: per call, the host time to enqueue the experts' work and
   // the GPU time from the fork to the join (diagnostics for the prefill path's speed).
-  static const bool timing = std::getenv("DEEPSERVE_MOE_PREFILL_TIMING") != nullptr;
+  const bool timing = g_moe_prefill_timing.on();
   const auto host0 = std::chrono::steady_clock::now();
   const int64_t assigned = offsets[size_t(E)];
   DS_CHECK(assigned >= 0 && assigned <= n, "moe_ffn: bad expert offsets");
@@ -277,7 +272,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
     check(cudaEventCreate(&t1), "timing event");
     check(cudaEventRecord(t0, stream), "timing record");
   }
-  if (batched_variant())
+  if (g_moe_prefill_batched.on())
     run_batched(a, offsets, order, assigned, stream);
   else
     run_streams(a, offsets, order, S, stream);

@@ -2,29 +2,15 @@
 
 #include <array>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/pdl.h"
+#include "backend/cuda/switches.h"
 
 namespace ds::cuda::pdl {
 
-namespace {
-std::atomic<int> g_forced{-1};
-}  // namespace
-
-void force(int mode) {
-  g_forced.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed);
-}
-
 bool enabled() {
-  static const bool env_on = [] {
-    const char* v = std::getenv("DEEPSERVE_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  const int forced = g_forced.load(std::memory_order_relaxed);
-  if (forced == 0 || (forced < 0 && !env_on)) return false;
+  if (!g_pdl.on()) return false;
   // Per device: 0 unknown, 1 no (before sm_90), 2 yes. Launches are frequent, the query is not.
   static std::array<std::atomic<int>, 64> known{};
   int dev = 0;

@@ -3,10 +3,7 @@
 
 namespace ds::cuda::pdl {
 
-// sm_90+ and DEEPSERVE_PDL != "0", unless force() said otherwise.
+// sm_90+ and the switch g_pdl (DEEPSERVE_PDL != "0"; tests force it, switches.h).
 bool enabled();
-
-// Tests and A/B runs: 1 on (where the GPU has it), 0 off, -1 back to the environment's choice.
-void force(int mode);
 
 }  // namespace ds::cuda::pdl

@@ -1,0 +1,29 @@
+#include "backend/cuda/switches.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace ds::cuda {
+
+bool EnvSwitch::on() const {
+  const int forced = forced_.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced != 0;
+  std::call_once(read_, [this] {
+    const char* v = std::getenv(name_);
+    env_ =
+        on_ ? v != nullptr && std::strcmp(v, on_) == 0 : v == nullptr || std::strcmp(v, "0") != 0;
+  });
+  return env_;
+}
+
+void EnvSwitch::force(int mode) {
+  forced_.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed);
+}
+
+EnvSwitch g_pdl{"DEEPSERVE_PDL", nullptr};
+EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "1"};
+EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16"};
+EnvSwitch g_moe_prefill_batched{"DEEPSERVE_MOE_PREFILL", "batched"};
+EnvSwitch g_moe_prefill_timing{"DEEPSERVE_MOE_PREFILL_TIMING", "1"};
+
+}  // namespace ds::cuda
