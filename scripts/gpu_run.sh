@@ -28,7 +28,7 @@
 #   multigpu  (2+ GPUs) the TP/EP GPU tests, the collective micro-benchmark, and W1/W2 on the
 #           lite checkpoint at --tensor-parallel-size 2, with and without expert parallelism
 #   abenv   bench AB_WORKLOADS under each VAR=value of AB_ENVS (A/B of a run-time knob), e.g.
-#           AB_ENVS="DEEPSERVE_PDL=0 DEEPSERVE_MLA_PREPARE=1 DEEPSERVE_WARMUP_TOKENS=-1"
+#           AB_ENVS="DEEPSERVE_PDL=0 DEEPSERVE_MLA_PREPARE=0 DEEPSERVE_MOE_PREFILL=cublas"
 #   w1kv8   bench/w1kv8.yaml: W1 (BF16 weights) with an FP8 KV cache (needs lite)
 #   mutate  (last) shows new tests failing: sed MUTATE_SED on MUTATE_FILE, rebuild the GPU tests,
 #           run MUTATE_TESTS (a gtest filter; failures expected), restore the file. E.g.
@@ -130,7 +130,7 @@ fi
 if has_stage test && [ -n "${TEST_FILTER:-}" ]; then
   # A subset of the GPU tests (gtest filter), when device time is short.
   log "gpu tests --gtest_filter=$TEST_FILTER"
-  "$BUILD/deepserve_gpu_tests" --gtest_filter="$TEST_FILTER" >"$OUT/ctest-gpu.log" 2>&1
+  timeout "${TEST_TIMEOUT:-900}" "$BUILD/deepserve_gpu_tests" --gtest_filter="$TEST_FILTER" >"$OUT/ctest-gpu.log" 2>&1
   log "gpu tests rc=$? : $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/ctest-gpu.log" | tr '\n' ' ')"
   grep -E '^\[  FAILED  \]' "$OUT/ctest-gpu.log" | head -20
 elif has_stage test; then
@@ -253,7 +253,7 @@ fi
 
 if has_stage moebench; then
   log "MoE kernel micro-benchmark"
-  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='MoeBench.*:WqBench.*Moe' \
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter="${MOEBENCH_FILTER:-MoeBench.*:WqBench.*Moe}" \
     >"$OUT/moe-bench.log" 2>&1
   grep -vE "^\[|^$" "$OUT/moe-bench.log" | tail -60
 fi

@@ -20,7 +20,7 @@ struct BenchEngineSpec {
   int max_num_batched_tokens = 2048;
   int lower_class_prefill_tokens = 0;  // priority isolation; -1: off
   int batch_prefill_tokens = 512;      // batch-class prefill per step; -1: no cap
-  int64_t warmup_tokens = 0;           // EngineConfig::warmup_tokens
+  int64_t warmup_tokens = -1;          // EngineConfig::warmup_tokens
 };
 
 // One class of requests of a mixed scenario (`classes:`): its own shape, load and priority.

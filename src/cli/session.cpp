@@ -174,7 +174,7 @@ Session open_session(const ModelOptions& m, const EngineOptions& e) {
   ec.batch_prefill_tokens = e.batch_prefill_tokens;
   ec.warmup_tokens = e.warmup_tokens;
   // DEEPSERVE_WARMUP_TOKENS stands in for an unset option (A/B runs of the bench YAMLs).
-  if (const char* w = std::getenv("DEEPSERVE_WARMUP_TOKENS"); w && ec.warmup_tokens == 0)
+  if (const char* w = std::getenv("DEEPSERVE_WARMUP_TOKENS"); w && ec.warmup_tokens == -1)
     ec.warmup_tokens = std::clamp<int64_t>(std::atoll(w), -1, int64_t(1) << 24);
   s.engine = std::make_unique<Engine>(*s.loaded.model, s.ops(), s.loaded.tokenizer.get(), ec);
   log_info("backend " + s.backend->name() + ", KV cache " +

@@ -43,7 +43,7 @@ struct EngineOptions {
   int lower_class_prefill_tokens = 0;  // priority isolation (docs/ARCHITECTURE.md); -1: off
   int batch_prefill_tokens = 512;      // batch-class prefill tokens per step; -1: no cap
   std::string kv_dtype;                // "f32", "f16", "bf16", "fp8"; "" = the default
-  int64_t warmup_tokens = 0;           // EngineConfig::warmup_tokens
+  int64_t warmup_tokens = -1;          // EngineConfig::warmup_tokens
 };
 
 struct Session {

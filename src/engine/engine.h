@@ -41,9 +41,10 @@ struct EngineConfig {
   // Before serving, one prefill step of this many random prompt tokens (in up to
   // max_num_seqs sequences of ~1,024; at most max_num_batched_tokens and what the cache holds)
   // runs through the model, so the first real batch does not pay one-time costs (library
-  // handles, lazily loaded kernels, first-use scratch). 0: none (the default until it is
-  // measured on a GPU); -1: max_num_batched_tokens on a GPU, none on the CPU.
-  int64_t warmup_tokens = 0;
+  // handles, lazily loaded kernels, first-use scratch). 0: none; -1 (the default):
+  // max_num_batched_tokens on a GPU, none on the CPU. On the H200 it took the first batch's
+  // TTFT of W1 from 463 to 209 ms (bench/results/2026-12-02-h200-1fe840d-*).
+  int64_t warmup_tokens = -1;
   // Fault injection for tests: called for each sampled token before its output is made; what
   // it throws fails that request alone (as a detokenizer or stop-string failure would).
   std::function<void(SeqId, int32_t)> fault_hook;

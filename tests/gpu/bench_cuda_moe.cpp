@@ -39,9 +39,9 @@ void run_moe_bench(int S) {
   cudaEvent_t t0, t1;
   MOE_CUDA_OK(cudaEventCreate(&t0));
   MOE_CUDA_OK(cudaEventCreate(&t1));
-  std::printf("%6s %-14s %10s %9s %9s\n", "T", "path", "us/call", "experts", "GB/s");
-  for (int T : {1, 4, 8, 16, 32, 64, 128, 256, 1024, 8192}) {
-    if (S > 0 && T > 256) break;
+  std::printf("%6s %-14s %10s %9s %9s %8s\n", "T", "path", "us/call", "experts", "GB/s", "TFLOP/s");
+  for (int T : {1, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192}) {
+    if (S > 0 && T == 1024) continue;
     std::vector<std::unique_ptr<FfnCase>> sets;
     double touched = 0;
     for (int s = 0; s < kSets; ++s) {
@@ -51,16 +51,19 @@ void run_moe_bench(int S) {
       touched += double(distinct.size() + size_t(S)) / kSets;
     }
     g.synchronize();
+    // GB/s of touched weights; TFLOP/s at 2 * 3 * H * F flops per (token, expert) assignment.
     auto report = [&](const char* name, double us) {
-      std::printf("%6d %-14s %10.2f %9.1f %9.1f\n", T, name, us, touched,
-                  touched * expert_bytes / (us * 1e-6) / 1e9);
+      std::printf("%6d %-14s %10.2f %9.1f %9.1f %8.1f\n", T, name, us, touched,
+                  touched * expert_bytes / (us * 1e-6) / 1e9,
+                  6.0 * H * F * double(T) * (k + S) / (us * 1e-6) / 1e12);
     };
     const bool big = T > 1024;  // the decode kernels are far off the pace there
     // Graph-capturable paths replayed from a graph of all sets (launch overhead excluded).
-    for (cuda::MoeFfnPath path :
-         {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped, cuda::MoeFfnPath::Streamed}) {
+    for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped,
+                                  cuda::MoeFfnPath::Streamed, cuda::MoeFfnPath::Wide}) {
       if (big && path == cuda::MoeFfnPath::Decode) continue;
       if (path == cuda::MoeFfnPath::Streamed && T > 1024) continue;
+      if (path == cuda::MoeFfnPath::Wide && T < 32) continue;
       for (auto& s : sets) d.ffn(s->gpu, path);
       cudaGraph_t graph = nullptr;
       cudaGraphExec_t exec = nullptr;
@@ -76,9 +79,10 @@ void run_moe_bench(int S) {
       d.sync();
       float ms = 0;
       MOE_CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
-      report(path == cuda::MoeFfnPath::Decode    ? "decode-graph"
-             : path == cuda::MoeFfnPath::Grouped ? "grouped-graph"
-                                                 : "streamed-graph",
+      report(path == cuda::MoeFfnPath::Decode     ? "decode-graph"
+             : path == cuda::MoeFfnPath::Grouped  ? "grouped-graph"
+             : path == cuda::MoeFfnPath::Streamed ? "streamed-graph"
+                                                  : "wide-graph",
              1000.0 * ms / (reps * kSets));
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);

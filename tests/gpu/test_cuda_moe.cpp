@@ -242,6 +242,7 @@ const char* path_name(cuda::MoeFfnPath p) {
          : p == cuda::MoeFfnPath::Decode   ? "decode"
          : p == cuda::MoeFfnPath::Grouped  ? "grouped"
          : p == cuda::MoeFfnPath::Streamed ? "streamed"
+         : p == cuda::MoeFfnPath::Wide     ? "wide"
                                            : "prefill";
 }
 
@@ -264,6 +265,7 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
     paths.push_back(cuda::MoeFfnPath::Prefill);
     paths.push_back(cuda::MoeFfnPath::Grouped);
     paths.push_back(cuda::MoeFfnPath::Streamed);
+    paths.push_back(cuda::MoeFfnPath::Wide);
   }
   for (cuda::MoeFfnPath path : paths) {
     SCOPED_TRACE(path_name(path));
@@ -277,7 +279,7 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
     }
     const std::vector<float> got_buf = test::download_floats(g, c.out.gpu);
     const bool prefill = path == cuda::MoeFfnPath::Prefill || path == cuda::MoeFfnPath::Grouped ||
-                         path == cuda::MoeFfnPath::Streamed ||
+                         path == cuda::MoeFfnPath::Streamed || path == cuda::MoeFfnPath::Wide ||
                          (path == cuda::MoeFfnPath::Auto && auto_rounds_to_bf16(c, ex.dtype));
     EXPECT_TRUE(rows_close(rows_of(got_buf, c.T, c.H, c.out_ld), want, c.T, c.H,
                            prefill ? kPrefillRowTol : kDecodeRowTol,
@@ -375,6 +377,7 @@ TEST(CudaMoeFfn, HalfAndFloatWeightsUseTheDecodeKernels) {
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Prefill), UnsupportedError);
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Grouped), UnsupportedError);
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Streamed), UnsupportedError);
+      EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Wide), UnsupportedError);
     }
   }
 }
@@ -391,7 +394,8 @@ TEST(CudaMoeFfn, DecodeAndGroupedPathsAreBatchInvariantAndDeterministic) {
        {std::pair{cuda::MoeFfnPath::Decode, false}, std::pair{cuda::MoeFfnPath::Decode, true},
         std::pair{cuda::MoeFfnPath::Grouped, false}, std::pair{cuda::MoeFfnPath::Grouped, true},
         std::pair{cuda::MoeFfnPath::Streamed, false},
-        std::pair{cuda::MoeFfnPath::Streamed, true}}) {
+        std::pair{cuda::MoeFfnPath::Streamed, true}, std::pair{cuda::MoeFfnPath::Wide, false},
+        std::pair{cuda::MoeFfnPath::Wide, true}}) {
     const int T = 64;
     SCOPED_TRACE(std::string(path_name(path)) + (skewed ? " skewed" : " uniform"));
     auto c = make_case(*ex, T, k, skewed, skewed ? 91 : 90);

@@ -380,8 +380,7 @@ class CudaBackend final : public Backend {
   }
   void mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) override {
     // FP8 caches (per-slot scales) and non-F32 activations take the four separate ops.
-    // The fused kernel only with DEEPSERVE_MLA_PREPARE=1 (g_mla_prepare) until it has been run
-    // and measured on a GPU.
+    // DEEPSERVE_MLA_PREPARE=0 (g_mla_prepare) takes the four ops too (A/B runs).
     if (!cuda::g_mla_prepare.on() || !cuda::mla_prepare_supported(p.cache.dtype) ||
         p.kva.dtype != DType::F32 || p.norm.dtype != DType::F32)
       return Backend::mla_prepare(p, meta);

@@ -13,6 +13,7 @@
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
 #include "backend/fp8w.h"
 #include "backend/w4a16.h"
 #include "core/error.h"
@@ -101,12 +102,12 @@ __global__ void __launch_bounds__(kListThreads)
     *l.n_active = n_active;
   }
   if (l.tile_expert) {
-    const int tiles = (c + kTileM - 1) / kTileM;
+    const int tiles = (c + l.tile_rows - 1) / l.tile_rows;
     int n_tiles = 0;
     const int first = block_exclusive_scan(tiles, sums, &n_tiles);
     for (int j = 0; j < tiles; ++j) {
       l.tile_expert[first + j] = tid;
-      l.tile_begin[first + j] = off + j * kTileM;
+      l.tile_begin[first + j] = off + j * l.tile_rows;
     }
     if (tid == 0) *l.n_tiles = n_tiles;
   }
@@ -421,10 +422,9 @@ struct Scratch {
   moe::TokenLists lists;
   float* h = nullptr;           // decode
   float* y = nullptr;           // decode, grouped
-  void* act = nullptr;          // prefill; grouped: gathered x
+  void* act = nullptr;          // prefill; grouped: x in BF16; streamed: gathered x
   float* gu = nullptr;          // prefill
   void* h16 = nullptr;          // grouped: silu(g) * u; prefill: gathered x
-  const void** ptrs = nullptr;  // prefill, grouped-batched cuBLAS: A, B, C arrays
 };
 
 // Lays out the scratch (twice: once with a null base to size it).
@@ -437,11 +437,12 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, Sc
   s.lists.pos = c.take<int>(n);
   if (path == MoeFfnPath::Prefill) {
     s.h16 = c.take<uint16_t>(n * H);  // gathered x
-    s.ptrs = c.take<const void*>(9 * int64_t(E));
     s.act = c.take<uint16_t>(n * F);
     s.gu = c.take<float>(n * std::max(2 * F, H));
-  } else if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed) {
-    const int64_t tiles = moe::max_tiles(n, E);
+  } else if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed ||
+             path == MoeFfnPath::Wide) {
+    s.lists.tile_rows = path == MoeFfnPath::Wide ? moe::kWideTileM : moe::kTileM;
+    const int64_t tiles = moe::max_tiles(n, E, s.lists.tile_rows);
     s.lists.tile_expert = c.take<int>(tiles);
     s.lists.tile_begin = c.take<int>(tiles);
     s.lists.n_tiles = c.take<int>(1);
@@ -509,7 +510,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   const bool bf16 = table.dtype == DType::BF16;
   const bool quant = wq_dtype(table.dtype);  // always the tensor-core kernels of gemm_wq.cu
   if (path == MoeFfnPath::Auto && !quant) {
-    path = moe_auto_path(bf16, T, k, S, capturing(ctx.stream));
+    path = moe_auto_path(bf16, T, k, S, capturing(ctx.stream), g_moe_prefill_cublas.on());
     // Streamed reads gate and up rows with one stride: otherwise the grouped kernels.
     if (path == MoeFfnPath::Streamed && !table.gate_up_same_ld) path = MoeFfnPath::Grouped;
   }
@@ -519,7 +520,8 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
         "spaced");
   if (quant) {
     path = MoeFfnPath::Grouped;
-  } else if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped) {
+  } else if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped ||
+             path == MoeFfnPath::Wide) {
     if (!bf16)
       throw UnsupportedError(std::string("cuda moe_ffn: the ") +
                              (path == MoeFfnPath::Prefill ? "prefill" : "grouped") +
@@ -548,7 +550,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   problem.lists = s.lists;
   const float* y = nullptr;
   int64_t y_stride = H;
-  if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed) {
+  if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed || path == MoeFfnPath::Wide) {
     moe::GroupedFfnArgs a;
     a.experts = table.device;
     static_cast<moe::FfnProblem&>(a) = problem;
@@ -569,7 +571,6 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.streams = dev.streams.data();
     a.events = dev.events.data();
     a.num_streams = moe::prefill_streams();
-    a.ptrs = s.ptrs;
     static_cast<moe::FfnProblem&>(a) = problem;
     a.xg = s.h16;
     a.act = s.act;

@@ -1,14 +1,16 @@
 // MoE launchers: routing (softmax + greedy / group-limited top-k) and the routed experts.
 //
-// moe_ffn has two implementations over the same device token lists (per-expert assignment
-// ranges built by one small kernel):
+// moe_ffn's implementations share the device token lists (per-expert assignment ranges built
+// by one small kernel); the main two:
 //   Decode  — per (expert, tile of weight rows) CTAs stream each touched expert's weights once
 //             with 16-byte loads and multiply them against all of its tokens in F32; graph
 //             capturable, deterministic and batch-invariant (a token's output does not depend
 //             on the other tokens of the step).
-//   Prefill — tokens gathered per expert into BF16 rows, cuBLAS tensor-core GEMMs per touched
-//             expert; reads the per-expert counts to the host (one stream sync), BF16 only.
-// Both end in the same deterministic combine: out[t] = sum over k (ascending) of w * y.
+//   Grouped — BF16 activations, mma.sync tensor-core kernels over per-expert tiles of tokens
+//             (moe_grouped.cu; 64-row tiles, or 128 for the Wide variant prefill steps take);
+//             graph capturable, deterministic and batch-invariant too.
+// (Streamed and the cuBLAS Prefill path: see MoeFfnPath.) All end in the same deterministic
+// combine: out[t] = sum over k (ascending) of w * y.
 #pragma once
 
 #include <cublas_v2.h>
@@ -42,7 +44,11 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // it where it would take Grouped with at most kWqBf16MaxTokens tokens (so the steps that ran the
 // F32-activation decode kernels still do: a batch of a few sequences decodes bit for bit as each
 // alone; past 16 tokens it is not measured against Grouped yet). Tests and benchmarks force one.
-enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed };
+// Wide: the grouped kernels with 128-row tiles (a warp owns 64 rows x 64 outputs), for
+// prefill-sized steps; graph capturable like Grouped. Auto takes it where it used to take
+// Prefill (cuBLAS per expert, one host sync per call), which DEEPSERVE_MOE_PREFILL=cublas
+// brings back.
+enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed, Wide };
 // From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
 // grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
 // With shared experts every one of them holds all T tokens, which the decode kernels stream
@@ -56,13 +62,16 @@ constexpr int64_t kMoeGroupedMinSharedTokens = 6;
 // grouped wins up to ~4,000 tokens of top-6 (~24,500 assignments).
 constexpr int64_t kMoePrefillMinAssignments = 24576;
 
-// What Auto picks for T tokens of top_k routed + `shared` shared experts.
-inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, bool capturing) {
+// What Auto picks for T tokens of top_k routed + `shared` shared experts (cublas: the prefill
+// path's cuBLAS variant instead of Wide, DEEPSERVE_MOE_PREFILL=cublas).
+inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, bool capturing,
+                                bool cublas = false) {
   const int64_t n = T * (top_k + shared);
   if (!bf16 || (n < kMoeGroupedMinAssignments && (shared == 0 || T < kMoeGroupedMinSharedTokens)))
     return MoeFfnPath::Decode;
   if (T <= kWqBf16MaxTokens) return MoeFfnPath::Streamed;
-  return n >= kMoePrefillMinAssignments && !capturing ? MoeFfnPath::Prefill : MoeFfnPath::Grouped;
+  if (n < kMoePrefillMinAssignments) return MoeFfnPath::Grouped;
+  return !cublas ? MoeFfnPath::Wide : capturing ? MoeFfnPath::Grouped : MoeFfnPath::Prefill;
 }
 void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
 
@@ -90,15 +99,18 @@ struct TokenLists {
   int* n_active = nullptr;      // [1] how many entries of `active` are valid
   int* sorted_token = nullptr;  // [N] token of each sorted position
   int* pos = nullptr;           // [N] sorted position of assignment i (-1: expert id out of range)
-  // Optional (grouped path): each expert's run cut into kTileM-row tiles, experts ascending.
+  // Optional (grouped paths): each expert's run cut into tile_rows-row tiles, experts ascending.
   int* tile_expert = nullptr;  // [max_tiles] expert of tile s
   int* tile_begin = nullptr;   // [max_tiles] first sorted position of tile s
   int* n_tiles = nullptr;      // [1] valid tiles
+  int tile_rows = 64;          // kTileM, or kWideTileM for the wide path
 };
 
-// Rows per grouped-path tile, and how many tiles N assignments over E experts can need.
+// Rows per grouped-path tile (kWideTileM: the wide path's), and how many tiles N assignments
+// over E experts can need.
 constexpr int kTileM = 64;
-int64_t max_tiles(int64_t assignments, int num_experts);
+constexpr int kWideTileM = 128;
+int64_t max_tiles(int64_t assignments, int num_experts, int tile_rows = kTileM);
 
 // Builds the lists from ids [T, top_k] and `shared` always-on experts (the last ones of
 // num_experts) in one CTA; deterministic (no order races). Routed id e is local expert
@@ -158,7 +170,6 @@ struct PrefillFfnArgs : FfnProblem {
   const cudaStream_t* streams = nullptr;   // [kPrefillStreams]
   const cudaEvent_t* events = nullptr;     // [kPrefillStreams + 1]: fork, then one join each
   int num_streams = 1;
-  const void** ptrs = nullptr;  // device [9 E]: pointer arrays of the grouped-batched variant
   void* xg = nullptr;           // [N, hidden] BF16: gathered x
   void* act = nullptr;          // [N, F] BF16: silu(g) * u
   float* gu = nullptr;  // [N, ld_gu] F32: gate | up, then y in the row's first hidden floats
@@ -167,18 +178,20 @@ struct PrefillFfnArgs : FfnProblem {
 
 struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
   const ExpertPtrs* experts = nullptr;  // device [E]; BF16 weights
-  void* xa = nullptr;                   // [N, hidden] BF16: gathered x
+  void* xa = nullptr;  // [N, hidden] BF16: gathered x (W4A16 / FP8W), x itself ([T, hidden], BF16)
   void* h = nullptr;                    // [N, F] BF16: silu(gate x) * up x
   float* y = nullptr;                   // [N, hidden] F32: down h
 };
 
-// Gather, then the gate/up and down tensor-core kernels; no host sync.
+// x to BF16 [T, hidden], then the gate/up and down tensor-core kernels over the tile table
+// (lists.tile_rows: kTileM, or kWideTileM for the wide kernels); no host sync.
 void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream);
 // The same for W4A16 / FP8W experts (gemm_wq.cu): weights dequantized in registers.
 void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream);
 void prepare_grouped_kernels();
 
-// act[p, :] = bf16(x[sorted_token[p], :]) for p < *assigned (grid n rows); w4_order: each
+// act[p, :] = bf16(x[sorted_token[p], :]) for p < *assigned (grid n rows; sorted_token null:
+// row p of x; assigned null: all n rows); w4_order: each
 // 8-column chunk staged as the W4A16 kernels read it (wq_kernel.cuh, w4_stage_pos; hidden a
 // multiple of 8).
 void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_token,

@@ -1,11 +1,14 @@
 // Grouped-path experts: tensor-core GEMMs over per-expert tiles of tokens, with no host sync
 // (graph capturable). The token lists give every touched expert a run of sorted positions;
-// the tile table cuts each run into kTileM-row tiles, and a CTA owns (tile, block of output
-// columns). Activations are gathered into BF16 rows first (as the prefill path does), the
-// weights stream through a cp.async pipeline, fragments come from ldmatrix and the products
-// from mma.sync m16n8k16 with F32 accumulators.
-//   gate_up: h[p, f] = bf16(silu(x_p . gate_f) * (x_p . up_f))   (CTA: 64 rows x 64 f)
-//   down:    y[p, r] = h_p . down_r                              (CTA: 64 rows x 128 r)
+// the tile table cuts each run into TM-row tiles, and a CTA owns (tile, block of output
+// columns). x is converted to BF16 once ([T, hidden], not per assignment); the A tiles are
+// staged through the sorted positions' token indices, the weights stream through the same
+// cp.async pipeline, fragments come from ldmatrix and the products from mma.sync m16n8k16
+// with F32 accumulators.
+//   gate_up: h[p, f] = bf16(silu(x_p . gate_f) * (x_p . up_f))   (CTA: TM rows x 64 f)
+//   down:    y[p, r] = h_p . down_r                              (CTA: TM rows x 128 r)
+// Two sizes: TM = 64 with 4 stages (decode-sized steps, Grouped) and TM = 128 with 3 stages
+// (the wide path for prefill: a warp owns 64 rows, so each B fragment feeds four mma).
 // Each row's result depends only on its own activations and a fixed k order.
 #include <cuda_bf16.h>
 
@@ -21,9 +24,7 @@ namespace {
 
 constexpr int kThreads = 128;  // 4 warps, 2 x 2 over the CTA tile
 constexpr int kBK = 64;        // k per pipeline stage: 128 bytes of BF16 per row
-constexpr int kStages = 4;
 constexpr int kChunks = kBK / 8;  // 16-byte chunks per staged row
-static_assert(kTileM == 64, "the warp layout assumes 64-row tiles");
 
 // Byte offset of 16-byte chunk c of staged row r: chunks are XOR-swizzled by the row so
 // that ldmatrix's eight row reads of one phase hit eight different bank groups.
@@ -32,15 +33,18 @@ __device__ __forceinline__ uint32_t tile_offset(int r, int c) {
 }
 
 // Stages `rows` rows of [*, K] BF16 (row stride ld elements) starting at src into one
-// swizzled [rows][kBK] stage; rows >= valid_rows and k >= K are zero-filled.
+// swizzled [rows][kBK] stage; rows >= valid_rows and k >= K are zero-filled. With `index`,
+// staged row r is source row index[r] (the tokens of a tile's sorted positions).
 template <int Rows>
 __device__ __forceinline__ void stage_rows(uint32_t dst, const __nv_bfloat16* src, int64_t ld,
-                                           int valid_rows, int k0, int K) {
+                                           int valid_rows, int k0, int K,
+                                           const int* index = nullptr) {
   for (int i = threadIdx.x; i < Rows * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks;
     const int k = k0 + c * 8;
     const bool ok = r < valid_rows && k < K;
-    const __nv_bfloat16* p = ok ? src + int64_t(r) * ld + k : src;
+    const int64_t row = ok ? (index ? index[r] : r) : 0;
+    const __nv_bfloat16* p = ok ? src + row * ld + k : src;
     ptx::cp_async16(dst + tile_offset(r, c), p, ok);
   }
 }
@@ -56,80 +60,95 @@ __device__ __forceinline__ uint32_t b_frag_addr(uint32_t base, int n0, int kk) {
   return base + tile_offset(n0 + (m >> 1) * 8 + i, kk / 8 + (m & 1));
 }
 
-// The k loop of both kernels: a kStages-deep cp.async pipeline over KT tiles of kBK columns;
+// The k loop of both kernels: a Stages-deep cp.async pipeline over KT tiles of kBK columns;
 // load(stage, kt) issues one tile's copies, compute(stage) consumes the tile in that stage.
-template <typename Load, typename Compute>
+template <int Stages, typename Load, typename Compute>
 __device__ __forceinline__ void run_pipeline(int KT, Load&& load, Compute&& compute) {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < Stages - 1; ++s) {
     if (s < KT) load(s, s);
     ptx::cp_async_commit();
   }
   for (int kt = 0; kt < KT; ++kt) {
-    ptx::cp_async_wait<kStages - 2>();
+    ptx::cp_async_wait<Stages - 2>();
     __syncthreads();
-    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    if (kt + Stages - 1 < KT) load((kt + Stages - 1) % Stages, kt + Stages - 1);
     ptx::cp_async_commit();
-    compute(kt % kStages);
+    compute(kt % Stages);
   }
   ptx::cp_async_wait<0>();
 }
 
-// A fragments of the warp's two 16-row blocks (rows wm*32..) at column kk of a staged tile.
-__device__ __forceinline__ void load_a_frags(uint32_t (&af)[2][4], uint32_t s, int wm, int kk) {
+// A fragments of the warp's MI 16-row blocks (rows wm * 16 * MI..) at column kk of a stage.
+template <int MI>
+__device__ __forceinline__ void load_a_frags(uint32_t (&af)[MI][4], uint32_t s, int wm, int kk) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) ptx::ldmatrix_x4(af[i], a_frag_addr(s, wm * 32 + i * 16, kk));
+  for (int i = 0; i < MI; ++i) ptx::ldmatrix_x4(af[i], a_frag_addr(s, (wm * MI + i) * 16, kk));
 }
 
 struct Tile {
-  int e, begin, rows;  // expert, first sorted position, valid rows (<= kTileM); e < 0: none
+  int e, begin, rows;  // expert, first sorted position, valid rows (<= TM); e < 0: none
 };
+template <int TM>
 __device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
   if (slot >= *l.n_tiles) return {-1, 0, 0};
   const int e = l.tile_expert[slot];
   const int begin = l.tile_begin[slot];
-  return {e, begin, min(kTileM, l.offsets[e + 1] - begin)};
+  return {e, begin, min(TM, l.offsets[e + 1] - begin)};
 }
 
-// Grid (ceil(F / 64), max tiles). Warp (wm, wn) owns rows wm*32.. and f columns wn*32.. of
+// Tile shapes: TM rows per CTA (each warp TM / 2 rows, MI = TM / 32 blocks of 16), Stages.
+template <int TM, int Stages>
+struct Shape {
+  static constexpr int MI = TM / 32;
+  static constexpr int stages = Stages;
+  static constexpr size_t gate_up_smem = size_t(Stages) * (TM + 2 * 64) * kBK * 2;
+  static constexpr size_t down_smem = size_t(Stages) * (TM + 128) * kBK * 2;
+};
+using Narrow = Shape<kTileM, 4>;
+using Wide = Shape<kWideTileM, 3>;
+
+// Grid (ceil(F / 64), max tiles). Warp (wm, wn) owns rows wm * TM / 2.. and f columns wn*32.. of
 // both gate and up.
+template <int TM, int Stages>
 __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
   pdl::enter();
-  constexpr int BN = 64;
+  constexpr int BN = 64, MI = TM / 32;
   extern __shared__ __align__(128) uint8_t smem[];
-  const Tile t = tile_of(a.lists, blockIdx.y);
+  const Tile t = tile_of<TM>(a.lists, blockIdx.y);
   if (t.e < 0) return;
   const ExpertPtrs ex = a.experts[t.e];
   const int H = a.hidden, F = a.inter;
   const int f0 = blockIdx.x * BN;
   const int valid_f = min(BN, F - f0);
-  const auto* xa = static_cast<const __nv_bfloat16*>(a.xa) + int64_t(t.begin) * H;
+  const auto* xa = static_cast<const __nv_bfloat16*>(a.xa);
+  const int* rows = a.lists.sorted_token + t.begin;
   const auto* gate = static_cast<const __nv_bfloat16*>(ex.gate) + int64_t(f0) * ex.gate_ld;
   const auto* up = static_cast<const __nv_bfloat16*>(ex.up) + int64_t(f0) * ex.up_ld;
-  constexpr uint32_t kA = kTileM * kBK * 2, kB = BN * kBK * 2, kStage = kA + 2 * kB;
+  constexpr uint32_t kA = TM * kBK * 2, kB = BN * kBK * 2, kStage = kA + 2 * kB;
   const uint32_t s0 = ptx::smem_u32(smem);
   auto load = [&](int stage, int kt) {
     const uint32_t s = s0 + stage * kStage;
     const int k0 = kt * kBK;
-    stage_rows<kTileM>(s, xa, H, t.rows, k0, H);
+    stage_rows<TM>(s, xa, H, t.rows, k0, H, rows);
     stage_rows<BN>(s + kA, gate, ex.gate_ld, valid_f, k0, H);
     stage_rows<BN>(s + kA + kB, up, ex.up_ld, valid_f, k0, H);
   };
   const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
-  float g[2][4][4] = {}, u[2][4][4] = {};
-  run_pipeline((H + kBK - 1) / kBK, load, [&](int stage) {
+  float g[MI][4][4] = {}, u[MI][4][4] = {};
+  run_pipeline<Stages>((H + kBK - 1) / kBK, load, [&](int stage) {
     const uint32_t s = s0 + stage * kStage;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
-      uint32_t af[2][4];
-      load_a_frags(af, s, wm, kk);
+      uint32_t af[MI][4];
+      load_a_frags<MI>(af, s, wm, kk);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {  // pairs of n8 tiles
         uint32_t bg[4], bu[4];
         ptx::ldmatrix_x4(bg, b_frag_addr(s + kA, wn * 32 + j * 16, kk));
         ptx::ldmatrix_x4(bu, b_frag_addr(s + kA + kB, wn * 32 + j * 16, kk));
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < MI; ++i) {
           ptx::mma_bf16(g[i][2 * j], af[i], bg[0], bg[1]);
           ptx::mma_bf16(g[i][2 * j + 1], af[i], bg[2], bg[3]);
           ptx::mma_bf16(u[i][2 * j], af[i], bu[0], bu[1]);
@@ -138,16 +157,16 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
       }
     }
   });
-  // Accumulator (i, n): rows wm*32 + i*16 + lane/4 (+8), columns wn*32 + n*8 + 2*(lane%4) (+1).
+  // Accumulator (i, n): rows (wm*MI + i)*16 + lane/4 (+8), columns wn*32 + n*8 + 2*(lane%4) (+1).
   const int lane = threadIdx.x & 31;
   auto* h = static_cast<__nv_bfloat16*>(a.h);
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < MI; ++i)
 #pragma unroll
     for (int n = 0; n < 4; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int r = wm * 32 + i * 16 + (lane >> 2) + half * 8;
+        const int r = (wm * MI + i) * 16 + (lane >> 2) + half * 8;
         const int c = wn * 32 + n * 8 + 2 * (lane & 3);
         if (r >= t.rows || c >= valid_f) continue;
         const float g0 = g[i][n][2 * half], g1 = g[i][n][2 * half + 1];
@@ -158,12 +177,14 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
       }
 }
 
-// Grid (ceil(hidden / 128), max tiles). Warp (wm, wn) owns rows wm*32.. and columns wn*64..
+// Grid (ceil(hidden / 128), max tiles). Warp (wm, wn) owns rows wm * TM / 2.. and columns
+// wn*64..
+template <int TM, int Stages>
 __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
   pdl::enter();
-  constexpr int BN = 128;
+  constexpr int BN = 128, MI = TM / 32;
   extern __shared__ __align__(128) uint8_t smem[];
-  const Tile t = tile_of(a.lists, blockIdx.y);
+  const Tile t = tile_of<TM>(a.lists, blockIdx.y);
   if (t.e < 0) return;
   const ExpertPtrs ex = a.experts[t.e];
   const int H = a.hidden, F = a.inter;
@@ -171,28 +192,28 @@ __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
   const int valid_n = min(BN, H - n0);
   const auto* ha = static_cast<const __nv_bfloat16*>(a.h) + int64_t(t.begin) * F;
   const auto* down = static_cast<const __nv_bfloat16*>(ex.down) + int64_t(n0) * ex.down_ld;
-  constexpr uint32_t kA = kTileM * kBK * 2, kB = BN * kBK * 2, kStage = kA + kB;
+  constexpr uint32_t kA = TM * kBK * 2, kB = BN * kBK * 2, kStage = kA + kB;
   const uint32_t s0 = ptx::smem_u32(smem);
   auto load = [&](int stage, int kt) {
     const uint32_t s = s0 + stage * kStage;
     const int k0 = kt * kBK;
-    stage_rows<kTileM>(s, ha, F, t.rows, k0, F);
+    stage_rows<TM>(s, ha, F, t.rows, k0, F);
     stage_rows<BN>(s + kA, down, ex.down_ld, valid_n, k0, F);
   };
   const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
-  float acc[2][8][4] = {};
-  run_pipeline((F + kBK - 1) / kBK, load, [&](int stage) {
+  float acc[MI][8][4] = {};
+  run_pipeline<Stages>((F + kBK - 1) / kBK, load, [&](int stage) {
     const uint32_t s = s0 + stage * kStage;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
-      uint32_t af[2][4];
-      load_a_frags(af, s, wm, kk);
+      uint32_t af[MI][4];
+      load_a_frags<MI>(af, s, wm, kk);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t b[4];
         ptx::ldmatrix_x4(b, b_frag_addr(s + kA, wn * 64 + j * 16, kk));
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < MI; ++i) {
           ptx::mma_bf16(acc[i][2 * j], af[i], b[0], b[1]);
           ptx::mma_bf16(acc[i][2 * j + 1], af[i], b[2], b[3]);
         }
@@ -201,12 +222,12 @@ __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
   });
   const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < MI; ++i)
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int r = wm * 32 + i * 16 + (lane >> 2) + half * 8;
+        const int r = (wm * MI + i) * 16 + (lane >> 2) + half * 8;
         const int c = wn * 64 + n * 8 + 2 * (lane & 3);
         if (r >= t.rows || c >= valid_n) continue;
         *reinterpret_cast<float2*>(a.y + int64_t(t.begin + r) * H + n0 + c) =
@@ -214,23 +235,41 @@ __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
       }
 }
 
-constexpr size_t kGateUpSmem = size_t(kStages) * (kTileM + 2 * 64) * kBK * 2;
-constexpr size_t kDownSmem = size_t(kStages) * (kTileM + 128) * kBK * 2;
-
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw Error(std::string("CUDA moe ") + what + ": " + cudaGetErrorString(e));
+}
+
+template <typename S>
+void prepare_shape() {
+  constexpr int TM = S::MI * 32;
+  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  check(cudaFuncSetAttribute(gate_up_kernel<TM, S::stages>, attr, int(S::gate_up_smem)),
+        "grouped smem limit");
+  check(cudaFuncSetAttribute(down_kernel<TM, S::stages>, attr, int(S::down_smem)),
+        "grouped smem limit");
+}
+
+template <typename S>
+void launch_shape(const GroupedFfnArgs& a, int64_t n, cudaStream_t stream) {
+  constexpr int TM = S::MI * 32;
+  const unsigned tiles = unsigned(max_tiles(n, a.num_experts, TM));
+  pdl::launch(gate_up_kernel<TM, S::stages>, dim3(unsigned((a.inter + 63) / 64), tiles), kThreads,
+              S::gate_up_smem, stream, a);
+  check(cudaGetLastError(), "grouped gate_up");
+  pdl::launch(down_kernel<TM, S::stages>, dim3(unsigned((a.hidden + 127) / 128), tiles), kThreads,
+              S::down_smem, stream, a);
+  check(cudaGetLastError(), "grouped down");
 }
 
 }  // namespace
 
 void prepare_grouped_kernels() {
-  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  check(cudaFuncSetAttribute(gate_up_kernel, attr, int(kGateUpSmem)), "grouped smem limit");
-  check(cudaFuncSetAttribute(down_kernel, attr, int(kDownSmem)), "grouped smem limit");
+  prepare_shape<Narrow>();
+  prepare_shape<Wide>();
 }
 
-int64_t max_tiles(int64_t assignments, int num_experts) {
-  return assignments / kTileM + std::min<int64_t>(num_experts, assignments);
+int64_t max_tiles(int64_t assignments, int num_experts, int tile_rows) {
+  return assignments / tile_rows + std::min<int64_t>(num_experts, assignments);
 }
 
 void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
@@ -238,15 +277,14 @@ void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   if (a.hidden % 8 != 0 || a.inter % 8 != 0)
     throw UnsupportedError("cuda moe_ffn: the grouped path needs hidden and F multiples of 8");
   if (n == 0) return;
-  launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts, n,
-                     a.hidden, a.xa, stream);
-  const unsigned tiles = unsigned(max_tiles(n, a.num_experts));
-  pdl::launch(gate_up_kernel, dim3(unsigned((a.inter + 63) / 64), tiles), kThreads, kGateUpSmem,
-              stream, a);
-  check(cudaGetLastError(), "grouped gate_up");
-  pdl::launch(down_kernel, dim3(unsigned((a.hidden + 127) / 128), tiles), kThreads, kDownSmem,
-              stream, a);
-  check(cudaGetLastError(), "grouped down");
+  DS_CHECK(a.lists.tile_rows == kTileM || a.lists.tile_rows == kWideTileM,
+           "grouped moe: tile table of " + std::to_string(a.lists.tile_rows) + " rows");
+  // x once in BF16, row t for token t (the kernels index it through sorted_token).
+  launch_gather_bf16(a.x, a.x_stride, nullptr, nullptr, a.num_tokens, a.hidden, a.xa, stream);
+  if (a.lists.tile_rows == kWideTileM)
+    launch_shape<Wide>(a, n, stream);
+  else
+    launch_shape<Narrow>(a, n, stream);
 }
 
 }  // namespace ds::cuda::moe

@@ -23,7 +23,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// act[p, :] = bf16(x[sorted_token[p], :]); one block per sorted position below *assigned.
+// act[p, :] = bf16(x[sorted_token[p], :]); one block per sorted position below *assigned
+// (sorted_token null: row p of x; assigned null: every block).
 // W4: each 8-column chunk in the order the W4A16 kernels read (wq_kernel.cuh's staged_col).
 template <bool W4>
 __global__ void gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride,
@@ -32,8 +33,8 @@ __global__ void gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride
                                    __nv_bfloat16* __restrict__ act) {
   pdl::enter();
   const int64_t p = blockIdx.x;
-  if (p >= *assigned) return;
-  const float* src = x + int64_t(sorted_token[p]) * x_stride;
+  if (assigned && p >= *assigned) return;
+  const float* src = x + (sorted_token ? int64_t(sorted_token[p]) : p) * x_stride;
   __nv_bfloat16* dst = act + p * hidden;
   for (int k = threadIdx.x; k < hidden; k += kThreads) {
     dst[W4 ? wqk::staged_col<WqFormat::W4A16>(k) : k] = __float2bfloat16_rn(src[k]);
@@ -98,93 +99,6 @@ bool gate_up_stacked(const ExpertPtrs& ex, int F) {
   return ex.gate_ld == ex.up_ld &&
          static_cast<const char*>(ex.up) ==
              static_cast<const char*>(ex.gate) + int64_t(F) * ex.gate_ld * 2;
-}
-
-// DEEPSERVE_MOE_PREFILL=batched (g_moe_prefill_batched): every expert's gate|up in one
-// cublasGemmGroupedBatchedEx call, then one SiLU over all rows, then every down projection in a
-// second call (instead of a cuBLAS call per expert and matrix on the side streams). An A/B
-// alternative.
-
-struct Problems {
-  std::vector<int> m, n, k, lda, ldb, ldc, size;
-  std::vector<cublasOperation_t> ta, tb;
-  std::vector<float> alpha, beta;
-  std::vector<const void*> A, B;
-  std::vector<void*> C;
-  void add(int mm, int nn, int kk, const void* w, int64_t ldw, const void* x, int64_t ldx, float* c,
-           int64_t ldcc) {
-    m.push_back(mm);
-    n.push_back(nn);
-    k.push_back(kk);
-    lda.push_back(int(ldw));
-    ldb.push_back(int(ldx));
-    ldc.push_back(int(ldcc));
-    size.push_back(1);
-    ta.push_back(CUBLAS_OP_T);
-    tb.push_back(CUBLAS_OP_N);
-    alpha.push_back(1.0f);
-    beta.push_back(0.0f);
-    A.push_back(w);
-    B.push_back(x);
-    C.push_back(c);
-  }
-  // Problems [from, to) in one call; dev holds the A | B | C pointer arrays of all problems.
-  void run(cublasHandle_t h, const void* const* dev, int from, int to) const {
-    const int g = to - from, all = int(A.size());
-    if (g <= 0) return;
-    check(cublasGemmGroupedBatchedEx(h, ta.data() + from, tb.data() + from, m.data() + from,
-                                     n.data() + from, k.data() + from, alpha.data() + from,
-                                     dev + from, CUDA_R_16BF, lda.data() + from, dev + all + from,
-                                     CUDA_R_16BF, ldb.data() + from, beta.data() + from,
-                                     const_cast<void* const*>(dev + 2 * all + from), CUDA_R_32F,
-                                     ldc.data() + from, g, size.data() + from, CUBLAS_COMPUTE_32F),
-          "grouped batched gemm");
-  }
-};
-
-void run_batched(const PrefillFfnArgs& a, const std::vector<int>& offsets,
-                 const std::vector<int>& order, int64_t assigned, cudaStream_t stream) {
-  const int H = a.hidden, F = a.inter;
-  const auto* xg = static_cast<const __nv_bfloat16*>(a.xg);
-  auto* act = static_cast<__nv_bfloat16*>(a.act);
-  Problems p;
-  for (int e : order) {
-    const int begin = offsets[size_t(e)], count = offsets[size_t(e) + 1] - begin;
-    const ExpertPtrs& ex = a.experts[e];
-    const __nv_bfloat16* xe = xg + int64_t(begin) * H;
-    float* gu = a.gu + int64_t(begin) * a.ld_gu;
-    if (gate_up_stacked(ex, F)) {
-      p.add(2 * F, count, H, ex.gate, ex.gate_ld, xe, H, gu, a.ld_gu);
-    } else {
-      p.add(F, count, H, ex.gate, ex.gate_ld, xe, H, gu, a.ld_gu);
-      p.add(F, count, H, ex.up, ex.up_ld, xe, H, gu + F, a.ld_gu);
-    }
-  }
-  const int first = int(p.A.size());
-  for (int e : order) {
-    const int begin = offsets[size_t(e)], count = offsets[size_t(e) + 1] - begin;
-    const ExpertPtrs& ex = a.experts[e];
-    p.add(H, count, F, ex.down, ex.down_ld, act + int64_t(begin) * F, F,
-          a.gu + int64_t(begin) * a.ld_gu, a.ld_gu);
-  }
-  const int all = int(p.A.size());
-  DS_CHECK(all <= 3 * a.num_experts, "moe prefill: too many GEMM problems");
-  std::vector<const void*> ptrs(size_t(3 * all));
-  for (int i = 0; i < all; ++i) {
-    ptrs[size_t(i)] = p.A[size_t(i)];
-    ptrs[size_t(all + i)] = p.B[size_t(i)];
-    ptrs[size_t(2 * all + i)] = p.C[size_t(i)];
-  }
-  check(cudaMemcpyAsync(a.ptrs, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice,
-                        stream),
-        "pointer upload");
-  const cublasHandle_t h = a.cublas[0];
-  check(cublasSetStream(h, stream), "set stream");
-  p.run(h, a.ptrs, 0, first);
-  pdl::launch(silu_mul_bf16_kernel, unsigned(assigned), kThreads, 0, stream, a.gu, a.ld_gu, F, 0,
-              act);
-  p.run(h, a.ptrs, first, all);
-  check(cublasSetStream(h, a.streams[0]), "set stream");
 }
 
 // One expert's GEMMs fill a fraction of the GPU (~1,000 tokens x F = 1,408 is ~50-90 tiles
@@ -272,10 +186,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
     check(cudaEventCreate(&t1), "timing event");
     check(cudaEventRecord(t0, stream), "timing record");
   }
-  if (g_moe_prefill_batched.on())
-    run_batched(a, offsets, order, assigned, stream);
-  else
-    run_streams(a, offsets, order, S, stream);
+  run_streams(a, offsets, order, S, stream);
   if (timing) {
     const double host_us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - host0).count();

@@ -10,8 +10,7 @@ bool EnvSwitch::on() const {
   if (forced >= 0) return forced != 0;
   std::call_once(read_, [this] {
     const char* v = std::getenv(name_);
-    env_ =
-        on_ ? v != nullptr && std::strcmp(v, on_) == 0 : v == nullptr || std::strcmp(v, "0") != 0;
+    env_ = default_on_ != (v != nullptr && std::strcmp(v, flip_) == 0);
   });
   return env_;
 }
@@ -20,10 +19,10 @@ void EnvSwitch::force(int mode) {
   forced_.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed);
 }
 
-EnvSwitch g_pdl{"DEEPSERVE_PDL", nullptr};
-EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "1"};
-EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16"};
-EnvSwitch g_moe_prefill_batched{"DEEPSERVE_MOE_PREFILL", "batched"};
-EnvSwitch g_moe_prefill_timing{"DEEPSERVE_MOE_PREFILL_TIMING", "1"};
+EnvSwitch g_pdl{"DEEPSERVE_PDL", "0", true};
+EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "0", true};
+EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "hilo", true};
+EnvSwitch g_moe_prefill_cublas{"DEEPSERVE_MOE_PREFILL", "cublas", false};
+EnvSwitch g_moe_prefill_timing{"DEEPSERVE_MOE_PREFILL_TIMING", "1", false};
 
 }  // namespace ds::cuda

@@ -9,24 +9,26 @@ namespace ds::cuda {
 
 class EnvSwitch {
  public:
-  // On when the variable `name` equals `on_value`; with on_value null, on unless it is "0".
-  constexpr EnvSwitch(const char* name, const char* on_value) : name_(name), on_(on_value) {}
+  // default_on, flipped when the variable `name` equals `flip_value`.
+  constexpr EnvSwitch(const char* name, const char* flip_value, bool default_on)
+      : name_(name), flip_(flip_value), default_on_(default_on) {}
   bool on() const;       // the forced value, else the environment's
   void force(int mode);  // 1 on, 0 off, -1 back to the environment
 
  private:
   const char* name_;
-  const char* on_;
+  const char* flip_;
+  bool default_on_;
   mutable std::once_flag read_;
   mutable bool env_ = false;
   std::atomic<int> forced_{-1};
 };
 
 // The switches (each documented where it acts).
-extern EnvSwitch g_pdl;                  // DEEPSERVE_PDL (on unless "0")
-extern EnvSwitch g_mla_prepare;          // DEEPSERVE_MLA_PREPARE=1
-extern EnvSwitch g_mla_decode_bf16;      // DEEPSERVE_MLA_DECODE=bf16
-extern EnvSwitch g_moe_prefill_batched;  // DEEPSERVE_MOE_PREFILL=batched
-extern EnvSwitch g_moe_prefill_timing;   // DEEPSERVE_MOE_PREFILL_TIMING=1
+extern EnvSwitch g_pdl;                 // on; DEEPSERVE_PDL=0 turns it off
+extern EnvSwitch g_mla_prepare;         // on; DEEPSERVE_MLA_PREPARE=0 turns it off
+extern EnvSwitch g_mla_decode_bf16;     // on; DEEPSERVE_MLA_DECODE=hilo turns it off
+extern EnvSwitch g_moe_prefill_cublas;  // off; DEEPSERVE_MOE_PREFILL=cublas turns it on
+extern EnvSwitch g_moe_prefill_timing;  // off; DEEPSERVE_MOE_PREFILL_TIMING=1 turns it on
 
 }  // namespace ds::cuda
