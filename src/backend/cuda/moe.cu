@@ -526,7 +526,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
       throw UnsupportedError(std::string("cuda moe_ffn: the ") +
                              (path == MoeFfnPath::Prefill ? "prefill" : "grouped") +
                              " path needs BF16 experts");
-    DS_CHECK(path == MoeFfnPath::Grouped || !capturing(ctx.stream),
+    DS_CHECK(path != MoeFfnPath::Prefill || !capturing(ctx.stream),
              "moe_ffn: the prefill path cannot be graph-captured");
   }
   const bool prefill = path == MoeFfnPath::Prefill;
