@@ -8,7 +8,6 @@
 #include <set>
 #include <vector>
 
-#include "backend/cuda/switches.h"
 #include "moe_test_util.h"
 
 namespace ds {
@@ -85,24 +84,6 @@ void run_moe_bench(int S) {
              : path == cuda::MoeFfnPath::Streamed ? "streamed-graph"
                                                   : "wide-graph",
              1000.0 * ms / (reps * kSets));
-      if (path == cuda::MoeFfnPath::Wide && T >= 1024) {  // the 4-stage variant, same graph
-        cuda::g_moe_wide4.force(1);
-        MOE_CUDA_OK(cudaGraphExecDestroy(exec));
-        MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
-        for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, path);
-        cudaGraph_t g4 = nullptr;
-        MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &g4));
-        MOE_CUDA_OK(cudaGraphInstantiate(&exec, g4, 0));
-        MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
-        MOE_CUDA_OK(cudaEventRecord(t0, d.stream()));
-        for (int r = 0; r < reps; ++r) MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
-        MOE_CUDA_OK(cudaEventRecord(t1, d.stream()));
-        d.sync();
-        MOE_CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
-        report("wide4-graph", 1000.0 * ms / (reps * kSets));
-        cuda::g_moe_wide4.force(-1);
-        cudaGraphDestroy(g4);
-      }
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
     }

@@ -510,7 +510,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   const bool bf16 = table.dtype == DType::BF16;
   const bool quant = wq_dtype(table.dtype);  // always the tensor-core kernels of gemm_wq.cu
   if (path == MoeFfnPath::Auto && !quant) {
-    path = moe_auto_path(bf16, T, k, S, capturing(ctx.stream), g_moe_prefill_cublas.on());
+    path = moe_auto_path(bf16, T, k, S, capturing(ctx.stream), g_moe_prefill_wide.on());
     // Streamed reads gate and up rows with one stride: otherwise the grouped kernels.
     if (path == MoeFfnPath::Streamed && !table.gate_up_same_ld) path = MoeFfnPath::Grouped;
   }

@@ -7,8 +7,8 @@
 //             capturable, deterministic and batch-invariant (a token's output does not depend
 //             on the other tokens of the step).
 //   Grouped — BF16 activations, mma.sync tensor-core kernels over per-expert tiles of tokens
-//             (moe_grouped.cu; 64-row tiles, or 128 for the Wide variant prefill steps take);
-//             graph capturable, deterministic and batch-invariant too.
+//             (moe_grouped.cu; 64-row tiles, or 128 for the Wide variant); graph capturable,
+//             deterministic and batch-invariant too.
 // (Streamed and the cuBLAS Prefill path: see MoeFfnPath.) All end in the same deterministic
 // combine: out[t] = sum over k (ascending) of w * y.
 #pragma once
@@ -38,16 +38,17 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // Which moe_ffn implementation runs (W4A16 / FP8W experts: always their own tensor-core
 // kernels, gemm_wq.cu, on the Grouped path's scratch, whatever the path asked). Auto, for BF16
 // experts: Decode below kMoeGroupedMinAssignments (token, expert) pairs, Prefill from
-// kMoePrefillMinAssignments while the stream is not being captured, Grouped in between (and above,
-// when capturing); F16 / F32 experts always take Decode. Streamed (BF16): the quantized-weight
+// kMoePrefillMinAssignments while the stream is not being captured (Wide when it is), Grouped in
+// between; F16 / F32 experts always take Decode. Streamed (BF16): the quantized-weight
 // tensor-core kernels (gemm_wq.cu) on BF16 rows, any T (8, 16 or 64 tokens per CTA); Auto takes
 // it where it would take Grouped with at most kWqBf16MaxTokens tokens (so the steps that ran the
 // F32-activation decode kernels still do: a batch of a few sequences decodes bit for bit as each
 // alone; past 16 tokens it is not measured against Grouped yet). Tests and benchmarks force one.
-// Wide: the grouped kernels with 128-row tiles (a warp owns 64 rows x 64 outputs), for
-// prefill-sized steps; graph capturable like Grouped. Auto takes it where it used to take
-// Prefill (cuBLAS per expert, one host sync per call), which DEEPSERVE_MOE_PREFILL=cublas
-// brings back.
+// Wide: the grouped kernels with 128-row tiles (a warp owns 64 rows x 64 outputs); graph
+// capturable like Grouped, 20-25% faster than it from T = 4096 (H200, V2-Lite + 2 shared:
+// 5,508 vs 6,994 us at T = 8192) but slower than Prefill's cuBLAS (3,372 us there), so Auto
+// takes it for prefill-sized steps under capture only (DEEPSERVE_MOE_PREFILL=wide: always,
+// for A/B runs).
 enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed, Wide };
 // From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
 // grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
@@ -62,16 +63,16 @@ constexpr int64_t kMoeGroupedMinSharedTokens = 6;
 // grouped wins up to ~4,000 tokens of top-6 (~24,500 assignments).
 constexpr int64_t kMoePrefillMinAssignments = 24576;
 
-// What Auto picks for T tokens of top_k routed + `shared` shared experts (cublas: the prefill
-// path's cuBLAS variant instead of Wide, DEEPSERVE_MOE_PREFILL=cublas).
+// What Auto picks for T tokens of top_k routed + `shared` shared experts (wide: Wide instead of
+// Prefill outside capture too, DEEPSERVE_MOE_PREFILL=wide).
 inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, bool capturing,
-                                bool cublas = false) {
+                                bool wide = false) {
   const int64_t n = T * (top_k + shared);
   if (!bf16 || (n < kMoeGroupedMinAssignments && (shared == 0 || T < kMoeGroupedMinSharedTokens)))
     return MoeFfnPath::Decode;
   if (T <= kWqBf16MaxTokens) return MoeFfnPath::Streamed;
   if (n < kMoePrefillMinAssignments) return MoeFfnPath::Grouped;
-  return !cublas ? MoeFfnPath::Wide : capturing ? MoeFfnPath::Grouped : MoeFfnPath::Prefill;
+  return capturing || wide ? MoeFfnPath::Wide : MoeFfnPath::Prefill;
 }
 void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
 

@@ -17,7 +17,6 @@
 #include "backend/cuda/mma_ptx.cuh"
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/pdl.cuh"
-#include "backend/cuda/switches.h"
 #include "core/error.h"
 
 namespace ds::cuda::moe {
@@ -107,8 +106,9 @@ struct Shape {
   static constexpr size_t down_smem = size_t(Stages) * (TM + 128) * kBK * 2;
 };
 using Narrow = Shape<kTileM, 4>;
-using Wide = Shape<kWideTileM, 3>;   // 96 KB of shared memory: 2 CTAs per SM
-using Wide4 = Shape<kWideTileM, 4>;  // 128 KB: 1 CTA per SM (DEEPSERVE_MOE_WIDE_STAGES=4, A/B)
+// 96 KB of shared memory, 2 CTAs per SM (4 stages, 1 CTA per SM, was slower on the H200:
+// 8,552 vs 5,508 us at T = 8192 of V2-Lite + 2 shared, bench/results/...-cb1d80d-moebench.txt).
+using Wide = Shape<kWideTileM, 3>;
 
 // Grid (ceil(F / 64), max tiles). Warp (wm, wn) owns rows wm * TM / 2.. and f columns wn*32.. of
 // both gate and up.
@@ -268,7 +268,6 @@ void launch_shape(const GroupedFfnArgs& a, int64_t n, cudaStream_t stream) {
 void prepare_grouped_kernels() {
   prepare_shape<Narrow>();
   prepare_shape<Wide>();
-  prepare_shape<Wide4>();
 }
 
 int64_t max_tiles(int64_t assignments, int num_experts, int tile_rows) {
@@ -284,9 +283,7 @@ void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
            "grouped moe: tile table of " + std::to_string(a.lists.tile_rows) + " rows");
   // x once in BF16, row t for token t (the kernels index it through sorted_token).
   launch_gather_bf16(a.x, a.x_stride, nullptr, nullptr, a.num_tokens, a.hidden, a.xa, stream);
-  if (a.lists.tile_rows == kWideTileM && g_moe_wide4.on())
-    launch_shape<Wide4>(a, n, stream);
-  else if (a.lists.tile_rows == kWideTileM)
+  if (a.lists.tile_rows == kWideTileM)
     launch_shape<Wide>(a, n, stream);
   else
     launch_shape<Narrow>(a, n, stream);
