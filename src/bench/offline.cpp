@@ -62,10 +62,12 @@ BenchResult OfflineTarget::run(const BenchRequest& req) {
   try {
     h = engine_.submit(std::move(er));
   } catch (const std::exception& e) {
+    submitted();
     r.end_s = steady_now_s();
     r.error = e.what();
     return r;
   }
+  submitted();
   while (auto ev = h->next()) {
     if (ev->token >= 0) {
       r.token_s.push_back(ev->time_s);
@@ -82,6 +84,24 @@ BenchResult OfflineTarget::run(const BenchRequest& req) {
   r.ok = r.finish_reason == "stop" || r.finish_reason == "length";
   if (!r.ok && r.error.empty()) r.error = "finished with '" + r.finish_reason + "'";
   return r;
+}
+
+void OfflineTarget::begin_wave(int n) {
+  if (n <= 1) return;  // one request starts alone anyway
+  wave_left_ = n;
+  engine_.hold_admission(true);
+}
+
+void OfflineTarget::end_wave() {
+  if (wave_left_.exchange(0) > 0) engine_.hold_admission(false);
+}
+
+void OfflineTarget::submitted() {
+  // The wave's last submission releases the hold; later ones find wave_left_ at 0.
+  int left = wave_left_.load();
+  while (left > 0 && !wave_left_.compare_exchange_weak(left, left - 1)) {
+  }
+  if (left == 1) engine_.hold_admission(false);
 }
 
 TargetSnapshot OfflineTarget::snapshot() {

@@ -2,6 +2,7 @@
 // own timestamps, so step times are exact.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <string>
 
@@ -29,11 +30,17 @@ class OfflineTarget : public BenchTarget {
   bool engine_timestamps() const override { return true; }
   void reset_op_profile() override;
   std::optional<OpProfile> op_profile() override;
+  // Holds the engine's admission until n submissions are in (Engine::hold_admission).
+  void begin_wave(int n) override;
+  void end_wave() override;
 
  private:
+  void submitted();  // one submission (or failed attempt) of the wave is done
+
   Engine& engine_;
   Model& model_;
   OfflineTargetConfig cfg_;
+  std::atomic<int> wave_left_{0};
 };
 
 // This process's peak resident set (VmHWM in /proc/self/status), in bytes.

@@ -109,6 +109,15 @@ BenchRun run_bench(const BenchSpec& spec, BenchTarget& target, const PromptMaker
 
     target.reset_op_profile();  // the engine is idle: earlier steps stay out of this scenario
     std::vector<TargetSnapshot> snaps{target.snapshot()};
+    // Closed-loop classes send their first requests together (one per worker, at t = 0): the
+    // target admits them as one batch, as a client's batch of `concurrency` requests would
+    // arrive, rather than in whichever engine steps the worker threads happen to reach.
+    int wave = 0;
+    for (const auto& cr : classes)
+      if (!cr->cls->rate && cr->cls->start_s <= 0)
+        wave += std::min(cr->cls->concurrency, cr->cls->num_prompts);
+    target.begin_wave(wave);
+    bool wave_open = wave > 1;
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<std::thread> workers;
     for (auto& cr : classes) {
@@ -139,11 +148,17 @@ BenchRun run_bench(const BenchSpec& spec, BenchTarget& target, const PromptMaker
     }
     while (done.load() < n) {
       std::this_thread::sleep_for(std::chrono::duration<double>(opts.snapshot_interval_s));
+      if (wave_open &&  // a worker that never submitted must not hold the others back
+          std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(500)) {
+        target.end_wave();
+        wave_open = false;
+      }
       snaps.push_back(target.snapshot());
       if (tty)
         draw_bar(si, scenarios.size(), s, done.load(),
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
+    target.end_wave();
     for (auto& w : workers) w.join();  // background requests in flight run to their end
     snaps.push_back(target.snapshot());
     std::vector<BenchResult> results;

@@ -69,6 +69,11 @@ class BenchTarget {
   // before each scenario), and summarize the steps since then (after it).
   virtual void reset_op_profile() {}
   virtual std::optional<OpProfile> op_profile() { return std::nullopt; }
+  // A scenario's closed-loop start (offline): the next n requests run() submits are admitted
+  // together, as one batch, once the last of them is in; end_wave() admits what came so far
+  // (the runner's safety net when fewer arrive).
+  virtual void begin_wave(int n) { (void)n; }
+  virtual void end_wave() {}
 };
 
 double steady_now_s();  // the clock every BenchResult uses

@@ -247,6 +247,14 @@ std::shared_ptr<RequestHandle> Engine::submit(EngineRequest req) {
   return handle;
 }
 
+void Engine::hold_admission(bool hold) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ = hold;
+  }
+  cv_.notify_all();
+}
+
 void Engine::cancel(SeqId id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -267,11 +275,22 @@ void Engine::loop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] {
-        return stop_ || !inbox_.empty() || !cancels_.empty() || sched_.has_unfinished();
+        return stop_ || (!held_ && !inbox_.empty()) || !cancels_.empty() ||
+               sched_.has_unfinished();
       });
       if (stop_) break;
-      arrived.swap(inbox_);
       cancels.swap(cancels_);
+      if (!held_) {
+        arrived.swap(inbox_);
+      } else {
+        // Held: only the cancelled ones leave the inbox (admitted, then finished below).
+        auto cancelled = [&](const auto& a) {
+          return std::find(cancels.begin(), cancels.end(), a.first) != cancels.end();
+        };
+        for (auto& a : inbox_)
+          if (cancelled(a)) arrived.push_back(std::move(a));
+        std::erase_if(inbox_, [](const auto& a) { return a.second == nullptr; });
+      }
     }
     for (auto& [id, live] : arrived) {
       Request r;

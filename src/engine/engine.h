@@ -147,6 +147,11 @@ class Engine {
 
   std::shared_ptr<RequestHandle> submit(EngineRequest req);
   void cancel(SeqId id);
+  // While held, submitted requests wait in the inbox: the scheduler sees none of them (steps
+  // of sequences already running go on). Releasing admits them together, so a batch that a
+  // client submits from several threads starts in one step (the offline bench's closed-loop
+  // start) instead of in whichever steps its submissions happen to reach.
+  void hold_admission(bool hold);
   EngineStats stats() const;
   int graphs_captured() const { return graphs_ ? graphs_->captured() : 0; }
   int64_t kv_capacity_tokens() const { return cache_.capacity_tokens(); }
@@ -189,11 +194,12 @@ class Engine {
   double expert_load_read_s_ = -1e9;  // when the model's expert counters were last read
   bool expert_load_stale_ = false;    // steps ran since then
 
-  mutable std::mutex mu_;  // guards the inbox, cancels, stats_ and stop_
+  mutable std::mutex mu_;  // guards the inbox, cancels, stats_, held_ and stop_
   std::condition_variable cv_;
   std::vector<std::pair<SeqId, std::unique_ptr<Live>>> inbox_;
   std::vector<SeqId> cancels_;
   EngineStats stats_;
+  bool held_ = false;  // hold_admission
   bool stop_ = false;
   SeqId next_id_ = 1;
   std::thread thread_;

@@ -112,6 +112,47 @@ TEST(Engine, WarmUpLeavesNoTrace) {
   EXPECT_GT(st.preemptions, 0);
 }
 
+// hold_admission: requests submitted while held do not run (a cancelled one still finishes);
+// released, they start together: one prefill step for all four, then their decode steps.
+TEST(Engine, HeldAdmissionStartsTheBatchInOneStep) {
+  NEED_MODEL();
+  EngineConfig cfg;
+  cfg.prefix_cache = false;
+  Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), cfg);
+  engine.hold_admission(true);
+  std::vector<std::shared_ptr<RequestHandle>> hs;
+  for (int i = 0; i < 4; ++i) {
+    EngineRequest r;
+    r.prompt = f->prompts[size_t(i)];
+    r.max_tokens = 3;
+    r.ignore_eos = true;
+    hs.push_back(engine.submit(std::move(r)));
+  }
+  EngineRequest rc;
+  rc.prompt = f->prompts[5];
+  rc.max_tokens = 3;
+  auto hc = engine.submit(std::move(rc));
+  engine.cancel(hc->id());
+  const auto cancelled = hc->next_for(10.0);
+  ASSERT_TRUE(cancelled.has_value());
+  EXPECT_TRUE(cancelled->final);
+  EXPECT_EQ(cancelled->finish_reason, "cancelled");
+  EXPECT_FALSE(hs[0]->next_for(0.3).has_value()) << "a held request ran";
+  for (auto& h : hs) EXPECT_FALSE(h->try_next().has_value()) << "a held request ran";
+  EXPECT_EQ(engine.stats().steps, 0);
+
+  engine.hold_admission(false);
+  for (auto& h : hs) {
+    int tokens = 0;
+    while (auto ev = h->next()) {
+      if (ev->token >= 0) ++tokens;
+      if (ev->final) break;
+    }
+    EXPECT_EQ(tokens, 3);
+  }
+  EXPECT_EQ(engine.stats().steps, 3) << "not one prefill step for the four, then two decodes";
+}
+
 TEST(Engine, PrefixCacheComputesASharedSystemPromptOnce) {
   NEED_MODEL();
   // A 400-token shared prefix (the long paragraph, repeated) plus a different question each.
