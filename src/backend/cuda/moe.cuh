@@ -179,7 +179,8 @@ struct PrefillFfnArgs : FfnProblem {
 
 struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
   const ExpertPtrs* experts = nullptr;  // device [E]; BF16 weights
-  void* xa = nullptr;  // [N, hidden] BF16: gathered x (W4A16 / FP8W), x itself ([T, hidden], BF16)
+  void* xa = nullptr;  // BF16: x gathered per sorted position [N, hidden] (W4A16 / FP8W /
+                       // Streamed), or x itself [T, hidden] (Grouped / Wide)
   void* h = nullptr;                    // [N, F] BF16: silu(gate x) * up x
   float* y = nullptr;                   // [N, hidden] F32: down h
 };
