@@ -18,9 +18,10 @@ void mla_attention(const Context& ctx, const MlaAttentionParams& p, const Attent
 // MlaDecode: MLA only, BF16 latent cache, one query per sequence (attention_mla_decode.cuh).
 // MlaDecodeBf16: the same kernel with Q and P rounded to BF16 once instead of split into hi + lo
 // (half the products; H200, W2 shape 217 vs 239 us). Not Auto's choice: made the default, it
-// failed CudaKvFp8.MlaDecodeKernelMatchesReference (FP8 cache: wrong signs, so a bug in its FP8
-// variant) and CudaModels.DependentLaunchChangesNothing on one fixture (8aecfd4, H200);
-// DEEPSERVE_MLA_DECODE=bf16 makes Auto take it.
+// failed CudaKvFp8.MlaDecodeKernelMatchesReference (FP8 cache, 128 heads: |err| 0.08 on values
+// of scale 3, against the hi/lo kernel's bound; its FP8 branch or only the bound, not settled)
+// and CudaModels.DependentLaunchChangesNothing on one fixture (greedy tokens differed with PDL
+// on and off; not diagnosed) (8aecfd4, H200). DEEPSERVE_MLA_DECODE=bf16 makes Auto take it.
 enum class AttentionPath { Auto, Simt, TensorCore, MlaDecode, MlaDecodeBf16 };
 void paged_attention_on(const Context& ctx, const AttentionParams& p, const AttentionMeta& meta,
                         AttentionPath path);
