@@ -83,7 +83,8 @@ void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
       ->capture_default_str();
   app->add_option("--warmup-tokens", e.warmup_tokens,
                   "before serving, prefill this many random tokens once so the first batch "
-                  "does not pay one-time GPU costs (-1 = max-num-batched-tokens on a GPU, none on the CPU; 0 = none)")
+                  "does not pay one-time GPU costs (-1 = max-num-batched-tokens on a GPU, none on "
+                  "the CPU; 0 = none)")
       ->check(CLI::Range(int64_t(-1), int64_t(1) << 24))
       ->capture_default_str();
   app->add_option("--batch-prefill-tokens", e.batch_prefill_tokens,

@@ -275,8 +275,7 @@ void Engine::loop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] {
-        return stop_ || (!held_ && !inbox_.empty()) || !cancels_.empty() ||
-               sched_.has_unfinished();
+        return stop_ || (!held_ && !inbox_.empty()) || !cancels_.empty() || sched_.has_unfinished();
       });
       if (stop_) break;
       cancels.swap(cancels_);

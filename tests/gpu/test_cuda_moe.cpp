@@ -393,9 +393,8 @@ TEST(CudaMoeFfn, DecodeAndGroupedPathsAreBatchInvariantAndDeterministic) {
   for (auto [path, skewed] :
        {std::pair{cuda::MoeFfnPath::Decode, false}, std::pair{cuda::MoeFfnPath::Decode, true},
         std::pair{cuda::MoeFfnPath::Grouped, false}, std::pair{cuda::MoeFfnPath::Grouped, true},
-        std::pair{cuda::MoeFfnPath::Streamed, false},
-        std::pair{cuda::MoeFfnPath::Streamed, true}, std::pair{cuda::MoeFfnPath::Wide, false},
-        std::pair{cuda::MoeFfnPath::Wide, true}}) {
+        std::pair{cuda::MoeFfnPath::Streamed, false}, std::pair{cuda::MoeFfnPath::Streamed, true},
+        std::pair{cuda::MoeFfnPath::Wide, false}, std::pair{cuda::MoeFfnPath::Wide, true}}) {
     const int T = 64;
     SCOPED_TRACE(std::string(path_name(path)) + (skewed ? " skewed" : " uniform"));
     auto c = make_case(*ex, T, k, skewed, skewed ? 91 : 90);

@@ -420,11 +420,11 @@ class Carver {
 
 struct Scratch {
   moe::TokenLists lists;
-  float* h = nullptr;           // decode
-  float* y = nullptr;           // decode, grouped
-  void* act = nullptr;          // prefill; grouped: x in BF16; streamed: gathered x
-  float* gu = nullptr;          // prefill
-  void* h16 = nullptr;          // grouped: silu(g) * u; prefill: gathered x
+  float* h = nullptr;   // decode
+  float* y = nullptr;   // decode, grouped
+  void* act = nullptr;  // prefill; grouped: x in BF16; streamed: gathered x
+  float* gu = nullptr;  // prefill
+  void* h16 = nullptr;  // grouped: silu(g) * u; prefill: gathered x
 };
 
 // Lays out the scratch (twice: once with a null base to size it).

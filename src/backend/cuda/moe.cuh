@@ -171,8 +171,8 @@ struct PrefillFfnArgs : FfnProblem {
   const cudaStream_t* streams = nullptr;   // [kPrefillStreams]
   const cudaEvent_t* events = nullptr;     // [kPrefillStreams + 1]: fork, then one join each
   int num_streams = 1;
-  void* xg = nullptr;           // [N, hidden] BF16: gathered x
-  void* act = nullptr;          // [N, F] BF16: silu(g) * u
+  void* xg = nullptr;   // [N, hidden] BF16: gathered x
+  void* act = nullptr;  // [N, F] BF16: silu(g) * u
   float* gu = nullptr;  // [N, ld_gu] F32: gate | up, then y in the row's first hidden floats
   int64_t ld_gu = 0;    // max(2F, hidden)
 };
@@ -181,8 +181,8 @@ struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
   const ExpertPtrs* experts = nullptr;  // device [E]; BF16 weights
   void* xa = nullptr;  // BF16: x gathered per sorted position [N, hidden] (W4A16 / FP8W /
                        // Streamed), or x itself [T, hidden] (Grouped / Wide)
-  void* h = nullptr;                    // [N, F] BF16: silu(gate x) * up x
-  float* y = nullptr;                   // [N, hidden] F32: down h
+  void* h = nullptr;   // [N, F] BF16: silu(gate x) * up x
+  float* y = nullptr;  // [N, hidden] F32: down h
 };
 
 // x to BF16 [T, hidden], then the gate/up and down tensor-core kernels over the tile table

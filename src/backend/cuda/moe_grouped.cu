@@ -22,8 +22,8 @@
 namespace ds::cuda::moe {
 namespace {
 
-constexpr int kThreads = 128;  // 4 warps, 2 x 2 over the CTA tile
-constexpr int kBK = 64;        // k per pipeline stage: 128 bytes of BF16 per row
+constexpr int kThreads = 128;     // 4 warps, 2 x 2 over the CTA tile
+constexpr int kBK = 64;           // k per pipeline stage: 128 bytes of BF16 per row
 constexpr int kChunks = kBK / 8;  // 16-byte chunks per staged row
 
 // Byte offset of 16-byte chunk c of staged row r: chunks are XOR-swizzled by the row so
