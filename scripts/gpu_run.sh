@@ -28,7 +28,7 @@
 #   multigpu  (2+ GPUs) the TP/EP GPU tests, the collective micro-benchmark, and W1/W2 on the
 #           lite checkpoint at --tensor-parallel-size 2, with and without expert parallelism
 #   abenv   bench AB_WORKLOADS under each VAR=value of AB_ENVS (A/B of a run-time knob), e.g.
-#           AB_ENVS="DEEPSERVE_PDL=0 DEEPSERVE_MLA_PREPARE=0 DEEPSERVE_MOE_PREFILL=cublas"
+#           AB_ENVS="DEEPSERVE_PDL=0 DEEPSERVE_MLA_PREPARE=0 DEEPSERVE_MOE_PREFILL=wide"
 #   w1kv8   bench/w1kv8.yaml: W1 (BF16 weights) with an FP8 KV cache (needs lite)
 #   mutate  (last) shows new tests failing: sed MUTATE_SED on MUTATE_FILE, rebuild the GPU tests,
 #           run MUTATE_TESTS (a gtest filter; failures expected), restore the file. E.g.
