@@ -8,6 +8,7 @@
 #include <set>
 #include <vector>
 
+#include "backend/cuda/switches.h"
 #include "moe_test_util.h"
 
 namespace ds {
@@ -59,11 +60,8 @@ void run_moe_bench(int S) {
     };
     const bool big = T > 1024;  // the decode kernels are far off the pace there
     // Graph-capturable paths replayed from a graph of all sets (launch overhead excluded).
-    for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped,
-                                  cuda::MoeFfnPath::Streamed, cuda::MoeFfnPath::Wide}) {
-      if (big && path == cuda::MoeFfnPath::Decode) continue;
-      if (path == cuda::MoeFfnPath::Streamed && T > 1024) continue;
-      if (path == cuda::MoeFfnPath::Wide && T < 32) continue;
+    // (MOE_CUDA_OK asserts, so the time comes back through us.)
+    auto graph_us = [&](cuda::MoeFfnPath path, double& us) {
       for (auto& s : sets) d.ffn(s->gpu, path);
       cudaGraph_t graph = nullptr;
       cudaGraphExec_t exec = nullptr;
@@ -79,13 +77,28 @@ void run_moe_bench(int S) {
       d.sync();
       float ms = 0;
       MOE_CUDA_OK(cudaEventElapsedTime(&ms, t0, t1));
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      us = 1000.0 * ms / (reps * kSets);
+    };
+    for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped,
+                                  cuda::MoeFfnPath::Streamed, cuda::MoeFfnPath::Wide}) {
+      if (big && path == cuda::MoeFfnPath::Decode) continue;
+      if (path == cuda::MoeFfnPath::Streamed && T > 1024) continue;
+      if (path == cuda::MoeFfnPath::Wide && T < 32) continue;
+      double us = 0;
+      graph_us(path, us);
       report(path == cuda::MoeFfnPath::Decode     ? "decode-graph"
              : path == cuda::MoeFfnPath::Grouped  ? "grouped-graph"
              : path == cuda::MoeFfnPath::Streamed ? "streamed-graph"
                                                   : "wide-graph",
-             1000.0 * ms / (reps * kSets));
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
+             us);
+      if (path == cuda::MoeFfnPath::Grouped && T >= 32 && T <= 1024) {  // 32-row tiles
+        cuda::g_moe_tile32.force(1);
+        graph_us(path, us);
+        report("grouped32-graph", us);
+        cuda::g_moe_tile32.force(-1);
+      }
     }
 
     // Eager launches, then the prefill path (syncs once per call).

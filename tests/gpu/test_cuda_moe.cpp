@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cuda/switches.h"
 #include "moe_test_util.h"
 
 namespace ds {
@@ -253,7 +254,8 @@ bool auto_rounds_to_bf16(const FfnCase& c, DType t) {
 }
 
 // The CPU result, then each path on the GPU against it; the sentinel padding of out must
-// survive.
+// survive. The grouped kernels with 128-row tiles (Wide) and with 32-row tiles
+// (DEEPSERVE_MOE_TILE=32) give every row the same k order as the 64-row ones: bit for bit.
 void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
   Backend &g = test::cuda_backend(), &cpu = test::cpu_backend();
   cpu.moe_ffn(c.cpu);
@@ -267,8 +269,8 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
     paths.push_back(cuda::MoeFfnPath::Streamed);
     paths.push_back(cuda::MoeFfnPath::Wide);
   }
-  for (cuda::MoeFfnPath path : paths) {
-    SCOPED_TRACE(path_name(path));
+  std::vector<float> grouped;
+  auto run = [&](cuda::MoeFfnPath path) {
     const std::vector<float> sentinel(c.out.gpu.numel(), 7.25f);
     g.upload(c.out.gpu.view, sentinel.data(), c.out.gpu.view.nbytes());
     g.synchronize();
@@ -277,7 +279,13 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
     } else {
       d.ffn(c.gpu, path);
     }
-    const std::vector<float> got_buf = test::download_floats(g, c.out.gpu);
+    return test::download_floats(g, c.out.gpu);
+  };
+  for (cuda::MoeFfnPath path : paths) {
+    SCOPED_TRACE(path_name(path));
+    const std::vector<float> got_buf = run(path);
+    if (path == cuda::MoeFfnPath::Grouped) grouped = got_buf;
+    if (path == cuda::MoeFfnPath::Wide) EXPECT_EQ(got_buf, grouped) << "wide differs from grouped";
     const bool prefill = path == cuda::MoeFfnPath::Prefill || path == cuda::MoeFfnPath::Grouped ||
                          path == cuda::MoeFfnPath::Streamed || path == cuda::MoeFfnPath::Wide ||
                          (path == cuda::MoeFfnPath::Auto && auto_rounds_to_bf16(c, ex.dtype));
@@ -287,6 +295,11 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
     for (int t = 0; t < c.T; ++t)
       for (int64_t i = c.H; i < c.out_ld; ++i)
         ASSERT_EQ(got_buf[size_t(t * c.out_ld + i)], 7.25f) << "padding written, token " << t;
+  }
+  if (with_bf16_paths) {
+    cuda::g_moe_tile32.force(1);
+    EXPECT_EQ(run(cuda::MoeFfnPath::Grouped), grouped) << "32-row tiles differ from 64-row ones";
+    cuda::g_moe_tile32.force(-1);
   }
 }
 

@@ -427,8 +427,10 @@ struct Scratch {
   void* h16 = nullptr;  // grouped: silu(g) * u; prefill: gathered x
 };
 
-// Lays out the scratch (twice: once with a null base to size it).
-size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, Scratch& s) {
+// Lays out the scratch (twice: once with a null base to size it); tile_rows: of the grouped
+// paths' tile table.
+size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, int tile_rows,
+              Scratch& s) {
   Carver c(base);
   s.lists.offsets = c.take<int>(E + 1);
   s.lists.active = c.take<int>(E);
@@ -441,7 +443,7 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, Sc
     s.gu = c.take<float>(n * std::max(2 * F, H));
   } else if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed ||
              path == MoeFfnPath::Wide) {
-    s.lists.tile_rows = path == MoeFfnPath::Wide ? moe::kWideTileM : moe::kTileM;
+    s.lists.tile_rows = tile_rows;
     const int64_t tiles = moe::max_tiles(n, E, s.lists.tile_rows);
     s.lists.tile_expert = c.take<int>(tiles);
     s.lists.tile_begin = c.take<int>(tiles);
@@ -532,10 +534,16 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   const bool prefill = path == MoeFfnPath::Prefill;
   if (prefill) prepare_prefill(dev);
 
+  // Tile rows: 128 for Wide; 32 for Grouped's BF16 kernels under DEEPSERVE_MOE_TILE=32 (the
+  // quantized and streamed kernels take 64-row tiles only).
+  const int tile_rows = path == MoeFfnPath::Wide ? moe::kWideTileM
+                        : path == MoeFfnPath::Grouped && !quant && g_moe_tile32.on()
+                            ? moe::kSmallTileM
+                            : moe::kTileM;
   Scratch s;
-  const size_t bytes = layout(nullptr, n, int(E), H, F, path, s);
+  const size_t bytes = layout(nullptr, n, int(E), H, F, path, tile_rows, s);
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));
-  layout(base, n, int(E), H, F, path, s);
+  layout(base, n, int(E), H, F, path, tile_rows, s);
 
   moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream,
                           p.expert_base);

@@ -111,6 +111,10 @@ struct TokenLists {
 // over E experts can need.
 constexpr int kTileM = 64;
 constexpr int kWideTileM = 128;
+// DEEPSERVE_MOE_TILE=32 (g_moe_tile32): the Grouped path's BF16 kernels on 32-row tiles, for
+// decode steps whose experts hold a few dozen tokens each (W2: ~24 of 64 rows were padding).
+// An A/B switch, not yet measured.
+constexpr int kSmallTileM = 32;
 int64_t max_tiles(int64_t assignments, int num_experts, int tile_rows = kTileM);
 
 // Builds the lists from ids [T, top_k] and `shared` always-on experts (the last ones of

@@ -106,6 +106,7 @@ struct Shape {
   static constexpr size_t down_smem = size_t(Stages) * (TM + 128) * kBK * 2;
 };
 using Narrow = Shape<kTileM, 4>;
+using Small = Shape<kSmallTileM, 4>;  // warps of 16 rows (g_moe_tile32, A/B)
 // 96 KB of shared memory, 2 CTAs per SM (4 stages, 1 CTA per SM, was slower on the H200:
 // 8,552 vs 5,508 us at T = 8192 of V2-Lite + 2 shared, bench/results/...-cb1d80d-moebench.txt).
 using Wide = Shape<kWideTileM, 3>;
@@ -267,6 +268,7 @@ void launch_shape(const GroupedFfnArgs& a, int64_t n, cudaStream_t stream) {
 
 void prepare_grouped_kernels() {
   prepare_shape<Narrow>();
+  prepare_shape<Small>();
   prepare_shape<Wide>();
 }
 
@@ -279,12 +281,15 @@ void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   if (a.hidden % 8 != 0 || a.inter % 8 != 0)
     throw UnsupportedError("cuda moe_ffn: the grouped path needs hidden and F multiples of 8");
   if (n == 0) return;
-  DS_CHECK(a.lists.tile_rows == kTileM || a.lists.tile_rows == kWideTileM,
+  DS_CHECK(a.lists.tile_rows == kTileM || a.lists.tile_rows == kWideTileM ||
+               a.lists.tile_rows == kSmallTileM,
            "grouped moe: tile table of " + std::to_string(a.lists.tile_rows) + " rows");
   // x once in BF16, row t for token t (the kernels index it through sorted_token).
   launch_gather_bf16(a.x, a.x_stride, nullptr, nullptr, a.num_tokens, a.hidden, a.xa, stream);
   if (a.lists.tile_rows == kWideTileM)
     launch_shape<Wide>(a, n, stream);
+  else if (a.lists.tile_rows == kSmallTileM)
+    launch_shape<Small>(a, n, stream);
   else
     launch_shape<Narrow>(a, n, stream);
 }
