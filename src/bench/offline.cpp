@@ -97,11 +97,8 @@ void OfflineTarget::end_wave() {
 }
 
 void OfflineTarget::submitted() {
-  // The wave's last submission releases the hold; later ones find wave_left_ at 0.
-  int left = wave_left_.load();
-  while (left > 0 && !wave_left_.compare_exchange_weak(left, left - 1)) {
-  }
-  if (left == 1) engine_.hold_admission(false);
+  // The wave's last submission releases the hold (later ones count below zero, harmlessly).
+  if (wave_left_.fetch_sub(1) == 1) engine_.hold_admission(false);
 }
 
 TargetSnapshot OfflineTarget::snapshot() {

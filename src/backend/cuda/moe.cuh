@@ -104,11 +104,11 @@ struct TokenLists {
   int* tile_expert = nullptr;  // [max_tiles] expert of tile s
   int* tile_begin = nullptr;   // [max_tiles] first sorted position of tile s
   int* n_tiles = nullptr;      // [1] valid tiles
-  int tile_rows = 64;          // kTileM, or kWideTileM for the wide path
+  int tile_rows = 64;          // kTileM, kSmallTileM or kWideTileM (below)
 };
 
-// Rows per grouped-path tile (kWideTileM: the wide path's), and how many tiles N assignments
-// over E experts can need.
+// Rows per grouped-path tile (kWideTileM: the wide path's; kSmallTileM below), and how many
+// tiles N assignments over E experts can need.
 constexpr int kTileM = 64;
 constexpr int kWideTileM = 128;
 // DEEPSERVE_MOE_TILE=32 (g_moe_tile32): the Grouped path's BF16 kernels on 32-row tiles, for
@@ -190,7 +190,7 @@ struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
 };
 
 // x to BF16 [T, hidden], then the gate/up and down tensor-core kernels over the tile table
-// (lists.tile_rows: kTileM, or kWideTileM for the wide kernels); no host sync.
+// (lists.tile_rows: kTileM, kSmallTileM or kWideTileM); no host sync.
 void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream);
 // The same for W4A16 / FP8W experts (gemm_wq.cu): weights dequantized in registers.
 void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream);

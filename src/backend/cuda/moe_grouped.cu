@@ -97,10 +97,10 @@ __device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
   return {e, begin, min(TM, l.offsets[e + 1] - begin)};
 }
 
-// Tile shapes: TM rows per CTA (each warp TM / 2 rows, MI = TM / 32 blocks of 16), Stages.
+// Tile shapes: TM rows per CTA (each warp TM / 2 rows: TM / 32 blocks of 16), Stages.
 template <int TM, int Stages>
 struct Shape {
-  static constexpr int MI = TM / 32;
+  static constexpr int tm = TM;
   static constexpr int stages = Stages;
   static constexpr size_t gate_up_smem = size_t(Stages) * (TM + 2 * 64) * kBK * 2;
   static constexpr size_t down_smem = size_t(Stages) * (TM + 128) * kBK * 2;
@@ -244,23 +244,21 @@ void check(cudaError_t e, const char* what) {
 
 template <typename S>
 void prepare_shape() {
-  constexpr int TM = S::MI * 32;
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  check(cudaFuncSetAttribute(gate_up_kernel<TM, S::stages>, attr, int(S::gate_up_smem)),
+  check(cudaFuncSetAttribute(gate_up_kernel<S::tm, S::stages>, attr, int(S::gate_up_smem)),
         "grouped smem limit");
-  check(cudaFuncSetAttribute(down_kernel<TM, S::stages>, attr, int(S::down_smem)),
+  check(cudaFuncSetAttribute(down_kernel<S::tm, S::stages>, attr, int(S::down_smem)),
         "grouped smem limit");
 }
 
 template <typename S>
 void launch_shape(const GroupedFfnArgs& a, int64_t n, cudaStream_t stream) {
-  constexpr int TM = S::MI * 32;
-  const unsigned tiles = unsigned(max_tiles(n, a.num_experts, TM));
-  pdl::launch(gate_up_kernel<TM, S::stages>, dim3(unsigned((a.inter + 63) / 64), tiles), kThreads,
-              S::gate_up_smem, stream, a);
+  const unsigned tiles = unsigned(max_tiles(n, a.num_experts, S::tm));
+  pdl::launch(gate_up_kernel<S::tm, S::stages>, dim3(unsigned((a.inter + 63) / 64), tiles),
+              kThreads, S::gate_up_smem, stream, a);
   check(cudaGetLastError(), "grouped gate_up");
-  pdl::launch(down_kernel<TM, S::stages>, dim3(unsigned((a.hidden + 127) / 128), tiles), kThreads,
-              S::down_smem, stream, a);
+  pdl::launch(down_kernel<S::tm, S::stages>, dim3(unsigned((a.hidden + 127) / 128), tiles),
+              kThreads, S::down_smem, stream, a);
   check(cudaGetLastError(), "grouped down");
 }
 
