@@ -262,6 +262,11 @@ TensorView fp8w_view(void* data, int64_t rows, int64_t cols, Device device = {})
 size_t fp8w_bytes(int64_t rows, int64_t cols);
 void quantize_fp8w_row(const float* x, int64_t K, uint8_t* dst);
 void dequantize_fp8w_row(const uint8_t* row, int64_t K, float* out);
+// Columns [begin, begin + n) of one W4A16 or FP8W row of K columns as a row of that format
+// with n columns (begin and n multiples of 128: whole scale groups), bit for bit: dst holds
+// row_stride(n) bytes.
+void slice_packed_row(DType dt, const uint8_t* row, int64_t K, int64_t begin, int64_t n,
+                      uint8_t* dst);
 
 // fill_random's view of dst as [dims[0], dims[1], dims[2]] with the effective index map and
 // the multiplier random_value takes; checks what the op accepts.

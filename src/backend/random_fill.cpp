@@ -95,6 +95,26 @@ void dequantize_w4a16_row(const uint8_t* row, int64_t K, float* out) {
   for (int64_t k = 0; k < K; ++k) out[k] = w4a16::element(row, K, k);
 }
 
+void slice_packed_row(DType dt, const uint8_t* row, int64_t K, int64_t begin, int64_t n,
+                      uint8_t* dst) {
+  constexpr int64_t G = 128;
+  static_assert(w4a16::kGroup == G && fp8w::kGroup == G, "one group size");
+  DS_CHECK(dt == DType::W4A16 || dt == DType::FP8W, "slice_packed_row takes W4A16 or FP8W");
+  DS_CHECK(begin >= 0 && n > 0 && begin % G == 0 && n % G == 0 && begin + n <= K,
+           "packed column slices are whole groups of 128 inside the row");
+  const bool w4 = dt == DType::W4A16;
+  const int64_t stride = w4 ? w4a16::row_stride(n) : fp8w::row_stride(n);
+  std::memset(dst, 0, size_t(stride));
+  // Codes: half a byte (W4A16) or one byte (FP8W) per column; then one scale per group
+  // (BF16, 2 bytes, right after the codes; F32, 4 bytes, after the padded codes).
+  const int64_t code_from = w4 ? begin / 2 : begin, code_n = w4 ? n / 2 : n;
+  std::memcpy(dst, row + code_from, size_t(code_n));
+  const int64_t sb = w4 ? 2 : 4;
+  const int64_t src_scales = w4 ? K / 2 : fp8w::code_bytes(K);
+  const int64_t dst_scales = w4 ? n / 2 : fp8w::code_bytes(n);
+  std::memcpy(dst + dst_scales, row + src_scales + (begin / G) * sb, size_t((n / G) * sb));
+}
+
 void Backend::fill_random(TensorView dst, const RandomFill& p) {
   const RandomFillShape s = random_fill_shape(dst, p);
   const int64_t rows = s.dims[0] * s.dims[1], C = s.dims[2];

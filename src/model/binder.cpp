@@ -88,6 +88,23 @@ TensorView WeightBinder::place(const TensorView& host) {
   return d;
 }
 
+TensorView WeightBinder::slice_cols(const TensorView& w, int64_t begin, int64_t n) {
+  if (w.dtype != DType::W4A16 && w.dtype != DType::FP8W) return cols(w, begin, n);
+  DS_CHECK(w.ndim == 2 && begin >= 0 && n > 0 && begin + n <= w.cols(),
+           "slice_cols: columns out of range");
+  const int64_t rows = w.rows(), K = w.cols(), src = w.row_stride();
+  std::vector<uint8_t> all(size_t(rows * src));
+  be_.download(all.data(), w, all.size());
+  TensorView out = alloc_weight(w.dtype, rows, n);
+  const int64_t dst = out.row_stride();
+  std::vector<uint8_t> packed(size_t(rows * dst));
+  for (int64_t r = 0; r < rows; ++r)
+    slice_packed_row(w.dtype, all.data() + r * src, K, begin, n, packed.data() + r * dst);
+  be_.upload(out, packed.data(), packed.size());
+  be_.synchronize();  // `packed` goes away on return
+  return out;
+}
+
 TensorView WeightBinder::upload(const void* host, DType dtype,
                                 std::initializer_list<int64_t> dims) {
   TensorView h = TensorView::contiguous(const_cast<void*>(host), dtype, dims);

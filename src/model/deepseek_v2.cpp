@@ -110,7 +110,7 @@ class DeepseekV2 final : public Model {
           const int64_t F = cfg.moe_intermediate, shared = cfg.shared_ffn();
           L.mlp = bind_mlp(b, p + "mlp.shared_experts.", hidden, shared);
           // Slices of the routed width (a tensor-parallel rank may hold a fraction of one).
-          if (shared % F == 0) L.num_shared = fold_shared(L, int(shared / F), F);
+          if (shared % F == 0) L.num_shared = fold_shared(b, L, int(shared / F), F);
         }
       } else {
         L.mlp = bind_mlp(b, p + "mlp.", hidden, cfg.intermediate);
@@ -217,21 +217,27 @@ class DeepseekV2 final : public Model {
   // The shared MLP (intermediate n * F) is n experts of F: slices of its gate/up rows and down
   // columns, appended to the routed ones so moe_ffn runs them in the same launches. Only when
   // the slices look like the routed experts (dtype, 16-byte aligned rows); returns n, or 0.
-  static int fold_shared(DsLayer& L, int n, int64_t F) {
-    const DsMlp& m = L.mlp;
+  // W4A16 / FP8W rows end in their scales, so down's column slices are repacked copies (F a
+  // multiple of their 128-groups) and the unsliced down is freed.
+  static int fold_shared(WeightBinder& b, DsLayer& L, int n, int64_t F) {
+    DsMlp& m = L.mlp;
     const DType t = L.experts.front().gate.dtype;
     const TensorView g = m.gate_up ? *m.gate_up : m.gate;
     if (g.dtype != t || m.down.dtype != t || (m.gate_up ? false : m.up.dtype != t)) return 0;
+    const bool packed = t == DType::W4A16 || t == DType::FP8W;
     const int64_t esize = int64_t(dtype_info(t).type_size);
-    // FP8W rows end in their scales: a column range is not an FP8W tensor.
-    if (dtype_info(t).block_size != 1 || t == DType::FP8W || (F * esize) % 16 != 0) return 0;
+    if (packed ? F % 128 != 0 : dtype_info(t).block_size != 1 || (F * esize) % 16 != 0) return 0;
     for (int i = 0; i < n; ++i) {
       ExpertWeights w;
       w.gate = g.slice_rows(i * F, (i + 1) * F);
       w.up = m.gate_up ? g.slice_rows((n + i) * F, (n + i + 1) * F)
                        : m.up.slice_rows(i * F, (i + 1) * F);
-      w.down = cols(m.down, i * F, F);
+      w.down = b.slice_cols(m.down, i * F, F);
       L.experts.push_back(w);
+    }
+    if (packed) {
+      b.drop(m.down);
+      m.down = TensorView{};
     }
     return n;
   }

@@ -8,7 +8,9 @@
 #include <map>
 
 #include "../../hf_fixtures.h"
+#include "backend/fp8w.h"
 #include "backend/w4a16.h"
+#include "core/error.h"
 #include "dummy_model.h"
 #include "model/binder.h"
 #include "model/loader.h"
@@ -108,6 +110,41 @@ TEST(W4A16, PackingRoundTripAndLayout) {
   EXPECT_EQ(row[2] >> 4, 8) << "x[5] is 0";
   EXPECT_FLOAT_EQ(back[5], 0.0f);
   for (int64_t i = K / 2 + K / 64; i < w4a16::row_stride(K); ++i) EXPECT_EQ(row[size_t(i)], 0);
+}
+
+// Column slices of packed rows (the shared MLP's down split into experts): every value of
+// the slice is the source row's, scales included, for odd and even group offsets.
+TEST(W4A16, PackedColumnSlicesKeepEveryValue) {
+  const int64_t K = 640;  // 5 groups
+  std::vector<float> x(static_cast<size_t>(K));
+  for (int64_t k = 0; k < K; ++k)
+    x[size_t(k)] = std::sin(0.29f * float(k)) * float(1 + 3 * (k / 128));
+  for (DType dt : {DType::W4A16, DType::FP8W}) {
+    const bool w4 = dt == DType::W4A16;
+    auto stride = [&](int64_t k) { return w4 ? w4a16::row_stride(k) : fp8w::row_stride(k); };
+    std::vector<uint8_t> row(size_t(stride(K)));
+    if (w4)
+      quantize_w4a16_row(x.data(), K, row.data());
+    else
+      quantize_fp8w_row(x.data(), K, row.data());
+    std::vector<float> full(static_cast<size_t>(K));
+    (w4 ? dequantize_w4a16_row : dequantize_fp8w_row)(row.data(), K, full.data());
+    for (auto [begin, n] :
+         {std::pair<int64_t, int64_t>{0, 128}, {128, 256}, {384, 256}, {0, 640}}) {
+      std::vector<uint8_t> dst(size_t(stride(n)), 0xee);
+      slice_packed_row(dt, row.data(), K, begin, n, dst.data());
+      std::vector<float> back(static_cast<size_t>(n));
+      (w4 ? dequantize_w4a16_row : dequantize_fp8w_row)(dst.data(), n, back.data());
+      for (int64_t k = 0; k < n; ++k)
+        ASSERT_EQ(back[size_t(k)], full[size_t(begin + k)])
+            << dtype_name(dt) << " " << begin << "+" << k;
+      const int64_t used = w4 ? n / 2 + n / 64 : fp8w::code_bytes(n) + 4 * (n / 128);
+      for (int64_t i = used; i < stride(n); ++i) EXPECT_EQ(dst[size_t(i)], 0) << "padding";
+    }
+    std::vector<uint8_t> dst(size_t(stride(K)));
+    EXPECT_THROW(slice_packed_row(dt, row.data(), K, 64, 128, dst.data()), Error);
+    EXPECT_THROW(slice_packed_row(dt, row.data(), K, 512, 256, dst.data()), Error);
+  }
 }
 
 TEST(W4A16, FillRandomQuantizesTheBf16Values) {
