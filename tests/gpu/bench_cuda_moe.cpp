@@ -87,13 +87,15 @@ void run_moe_bench(int S) {
       if (path == cuda::MoeFfnPath::Streamed && T > 1024) continue;
       if (path == cuda::MoeFfnPath::Wide && T < 32) continue;
       double us = 0;
+      if (path == cuda::MoeFfnPath::Grouped) cuda::g_moe_tile32.force(0);  // 64-row tiles
       graph_us(path, us);
+      cuda::g_moe_tile32.force(-1);
       report(path == cuda::MoeFfnPath::Decode     ? "decode-graph"
              : path == cuda::MoeFfnPath::Grouped  ? "grouped-graph"
              : path == cuda::MoeFfnPath::Streamed ? "streamed-graph"
                                                   : "wide-graph",
              us);
-      if (path == cuda::MoeFfnPath::Grouped && T >= 32 && T <= 1024) {  // 32-row tiles
+      if (path == cuda::MoeFfnPath::Grouped && T <= cuda::moe::kSmallTileMaxTokens) {  // 32-row
         cuda::g_moe_tile32.force(1);
         graph_us(path, us);
         report("grouped32-graph", us);

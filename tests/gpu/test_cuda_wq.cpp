@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/cuda/gemm_wq.cuh"
+#include "backend/fp8w.h"
 #include "launch_context.h"
 #include "moe_test_util.h"
 #include "wq_test_util.h"
@@ -88,6 +89,30 @@ TEST(CudaWq, MatmulMatchesTheDequantizedProduct) {
         }
       }
     }
+  }
+}
+
+// Every e4m3 code through the FP8W kernel, exactly: one weight row holds codes 0..255 (the two
+// NaN codes as 0) with scale 1, and token m is the one-hot row at column m, so out[m] is code
+// m's value with nothing rounded: subnormals, signed zeros, the largest codes.
+TEST(CudaWq, Fp8wDecodesEveryCodeExactly) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  const int64_t K = 256, M = 256;
+  std::vector<uint8_t> row(size_t(fp8w::row_stride(K)), 0);
+  for (int c = 0; c < 256; ++c) row[size_t(c)] = (c & 0x7f) == 0x7f ? 0 : uint8_t(c);
+  const float one = 1.0f;
+  for (int g = 0; g < 2; ++g) std::memcpy(row.data() + fp8w::code_bytes(K) + 4 * g, &one, 4);
+  auto wd = be.alloc(row.size());
+  TensorView w = fp8w_view(wd->data(), 1, K, be.device());
+  be.upload(w, row.data(), row.size());
+  std::vector<float> x(size_t(M * K), 0.0f);
+  for (int64_t m = 0; m < M; ++m) x[size_t(m * K + m)] = 1.0f;
+  const auto out = gpu_matmul(w, x, M, K, K, 1, 1);
+  for (int c = 0; c < 256; ++c) {
+    const float want = fp8w::decode(row[size_t(c)]);
+    EXPECT_EQ(std::memcmp(&out[size_t(c)], &want, 4), 0)
+        << "code 0x" << std::hex << c << ": " << out[size_t(c)] << " vs " << want;
   }
 }
 

@@ -534,12 +534,13 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   const bool prefill = path == MoeFfnPath::Prefill;
   if (prefill) prepare_prefill(dev);
 
-  // Tile rows: 128 for Wide; 32 for Grouped's BF16 kernels under DEEPSERVE_MOE_TILE=32 (the
-  // quantized and streamed kernels take 64-row tiles only).
-  const int tile_rows = path == MoeFfnPath::Wide ? moe::kWideTileM
-                        : path == MoeFfnPath::Grouped && !quant && g_moe_tile32.on()
-                            ? moe::kSmallTileM
-                            : moe::kTileM;
+  // Tile rows: 128 for Wide; 32 for Grouped's BF16 kernels on steps of up to 256 tokens
+  // (g_moe_tile32; the quantized and streamed kernels take 64-row tiles only).
+  const int tile_rows =
+      path == MoeFfnPath::Wide ? moe::kWideTileM
+      : path == MoeFfnPath::Grouped && !quant && g_moe_tile32.on() && T <= moe::kSmallTileMaxTokens
+          ? moe::kSmallTileM
+          : moe::kTileM;
   Scratch s;
   const size_t bytes = layout(nullptr, n, int(E), H, F, path, tile_rows, s);
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));

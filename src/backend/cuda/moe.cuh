@@ -111,10 +111,12 @@ struct TokenLists {
 // tiles N assignments over E experts can need.
 constexpr int kTileM = 64;
 constexpr int kWideTileM = 128;
-// DEEPSERVE_MOE_TILE=32 (g_moe_tile32): the Grouped path's BF16 kernels on 32-row tiles, for
-// decode steps whose experts hold a few dozen tokens each (W2: ~24 of 64 rows were padding).
-// An A/B switch, not yet measured.
+// The Grouped path's BF16 kernels take 32-row tiles for steps of up to kSmallTileMaxTokens
+// tokens (experts holding a few dozen tokens each: W2's decode left ~24 of 64 rows as padding).
+// MoeBench on the H200 (V2-Lite + 2 shared, graph replay): 338 vs 387 us at T = 32, 384 vs 426
+// at T = 256. DEEPSERVE_MOE_TILE=64 (g_moe_tile32 off) keeps 64-row tiles.
 constexpr int kSmallTileM = 32;
+constexpr int64_t kSmallTileMaxTokens = 256;
 int64_t max_tiles(int64_t assignments, int num_experts, int tile_rows = kTileM);
 
 // Builds the lists from ids [T, top_k] and `shared` always-on experts (the last ones of
