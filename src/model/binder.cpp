@@ -88,20 +88,28 @@ TensorView WeightBinder::place(const TensorView& host) {
   return d;
 }
 
-TensorView WeightBinder::slice_cols(const TensorView& w, int64_t begin, int64_t n) {
-  if (w.dtype != DType::W4A16 && w.dtype != DType::FP8W) return cols(w, begin, n);
-  DS_CHECK(w.ndim == 2 && begin >= 0 && n > 0 && begin + n <= w.cols(),
-           "slice_cols: columns out of range");
+std::vector<TensorView> WeightBinder::split_cols(const TensorView& w, int parts) {
+  DS_CHECK(w.ndim == 2 && parts > 0 && w.cols() % parts == 0,
+           "split_cols: the columns do not split evenly");
+  const int64_t n = w.cols() / parts;
+  std::vector<TensorView> out;
+  if (w.dtype != DType::W4A16 && w.dtype != DType::FP8W) {
+    for (int i = 0; i < parts; ++i) out.push_back(cols(w, i * n, n));
+    return out;
+  }
   const int64_t rows = w.rows(), K = w.cols(), src = w.row_stride();
   std::vector<uint8_t> all(size_t(rows * src));
   be_.download(all.data(), w, all.size());
-  TensorView out = alloc_weight(w.dtype, rows, n);
-  const int64_t dst = out.row_stride();
-  std::vector<uint8_t> packed(size_t(rows * dst));
-  for (int64_t r = 0; r < rows; ++r)
-    slice_packed_row(w.dtype, all.data() + r * src, K, begin, n, packed.data() + r * dst);
-  be_.upload(out, packed.data(), packed.size());
-  be_.synchronize();  // `packed` goes away on return
+  std::vector<uint8_t> packed;
+  for (int i = 0; i < parts; ++i) {
+    out.push_back(alloc_weight(w.dtype, rows, n));
+    const int64_t dst = out.back().row_stride();
+    packed.resize(size_t(rows * dst));
+    for (int64_t r = 0; r < rows; ++r)
+      slice_packed_row(w.dtype, all.data() + r * src, K, i * n, n, packed.data() + r * dst);
+    be_.upload(out.back(), packed.data(), packed.size());
+    be_.synchronize();  // `packed` is refilled next
+  }
   return out;
 }
 

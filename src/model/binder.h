@@ -71,10 +71,10 @@ class WeightBinder {
   std::optional<TensorView> fuse_rows(std::initializer_list<TensorView> parts);
   // A host tensor's bytes in backend memory (the same view on the CPU, a copy elsewhere).
   TensorView place(const TensorView& host);
-  // Columns [begin, begin + n) of a bound [rows, cols] weight as a weight of its own: a view
-  // for plain dtypes; W4A16 / FP8W rows end in their scales, so theirs is a repacked copy in
-  // backend memory (begin and n whole groups of 128), bit for bit the same values.
-  TensorView slice_cols(const TensorView& w, int64_t begin, int64_t n);
+  // A bound [rows, cols] weight as `parts` weights of cols / parts columns each: views for
+  // plain dtypes; W4A16 / FP8W rows end in their scales, so theirs are repacked copies in
+  // backend memory (whole groups of 128 per part), bit for bit the same values.
+  std::vector<TensorView> split_cols(const TensorView& w, int parts);
   // Frees a bound weight the model no longer uses (a no-op for one it does not own).
   void drop(const TensorView& w) { release(w.data); }
   // A new backend buffer holding `host` as a contiguous tensor of `dtype` and `dims`.

@@ -227,12 +227,13 @@ class DeepseekV2 final : public Model {
     const bool packed = t == DType::W4A16 || t == DType::FP8W;
     const int64_t esize = int64_t(dtype_info(t).type_size);
     if (packed ? F % 128 != 0 : dtype_info(t).block_size != 1 || (F * esize) % 16 != 0) return 0;
+    const std::vector<TensorView> downs = b.split_cols(m.down, n);
     for (int i = 0; i < n; ++i) {
       ExpertWeights w;
       w.gate = g.slice_rows(i * F, (i + 1) * F);
       w.up = m.gate_up ? g.slice_rows((n + i) * F, (n + i + 1) * F)
                        : m.up.slice_rows(i * F, (i + 1) * F);
-      w.down = b.slice_cols(m.down, i * F, F);
+      w.down = downs[size_t(i)];
       L.experts.push_back(w);
     }
     if (packed) {

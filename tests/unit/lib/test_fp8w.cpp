@@ -10,6 +10,7 @@
 #include "../../hf_fixtures.h"
 #include "backend/cpu/quants.h"
 #include "backend/fp8w.h"
+#include "backend/w4a16.h"
 #include "dummy_model.h"
 #include "model/accuracy.h"
 #include "model/binder.h"
@@ -174,6 +175,46 @@ TEST(FP8W, BinderBindsFp8CheckpointTensorsExactly) {
   EXPECT_EQ(f.ptr<float>()[1 * K + 260], fp8_e4m3_to_f32(codes[size_t(K + 260)]) * 3.0f);
   EXPECT_THROW(b.linear("bad.weight", N, K), UnsupportedError);  // no scales
   EXPECT_GT(b.formats().at("FP8W").second, 0u);
+}
+
+// split_cols (the shared MLP's down as experts): every part of a W4A16 / FP8W weight holds
+// that column range's values, bit for bit; plain dtypes give views.
+TEST(FP8W, BinderSplitsPackedWeightsByColumns) {
+  const int64_t N = 3, K = 512;
+  std::vector<float> x(size_t(N * K));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.7f * float(i)) * float(1 + i % 5);
+  Fp8Source src;
+  src.add("w.weight", DType::F32, {N, K}, f32_bytes(x));
+  BackendOptions bo;
+  auto be = make_cpu_backend(bo);
+  for (WeightQuant q : {WeightQuant::W4A16, WeightQuant::FP8, WeightQuant::None}) {
+    WeightBinder b(src, *be, q);
+    const TensorView w = b.linear("w.weight", N, K);
+    for (int parts : {2, 4}) {
+      const std::vector<TensorView> p = b.split_cols(w, parts);
+      ASSERT_EQ(p.size(), size_t(parts));
+      const int64_t n = K / parts;
+      for (int i = 0; i < parts; ++i) {
+        ASSERT_EQ(p[size_t(i)].dtype, w.dtype);
+        ASSERT_EQ(p[size_t(i)].cols(), n);
+        for (int64_t r = 0; r < N; ++r)
+          for (int64_t k = 0; k < n; ++k) {
+            const int64_t c = i * n + k;
+            const float want = w.dtype == DType::W4A16  ? w4a16::element(w.row(r), K, c)
+                               : w.dtype == DType::FP8W ? fp8w::element(w.row(r), K, c)
+                                                        : w.ptr<float>()[r * K + c];
+            const float got =
+                w.dtype == DType::W4A16 ? w4a16::element(p[size_t(i)].row(r), n, k)
+                : w.dtype == DType::FP8W
+                    ? fp8w::element(p[size_t(i)].row(r), n, k)
+                    : p[size_t(i)].ptr<float>()[r * p[size_t(i)].row_stride() / 4 + k];
+            ASSERT_EQ(got, want) << weight_quant_name(q) << " part " << i << " (" << r << ", " << k
+                                 << ")";
+          }
+      }
+    }
+    EXPECT_THROW(b.split_cols(w, 3), Error);
+  }
 }
 
 // GGUF blocks are converted only when --quantize asks: none keeps Q8_0 / Q4_1 as stored; bf16,
