@@ -249,6 +249,11 @@ struct RandomFill {
   std::array<int64_t, 3> map{};
 };
 
+// W4A16 and FP8W: packed rows that end in their scales (row_stride covers codes, scales and
+// padding), so a range of columns is not a tensor of the format.
+inline bool row_scaled_dtype(DType t) {
+  return t == DType::W4A16 || t == DType::FP8W;
+}
 // A [rows, cols] W4A16 view (backend/w4a16.h layout) and the bytes it takes.
 TensorView w4a16_view(void* data, int64_t rows, int64_t cols, Device device = {});
 size_t w4a16_bytes(int64_t rows, int64_t cols);

@@ -99,7 +99,7 @@ void slice_packed_row(DType dt, const uint8_t* row, int64_t K, int64_t begin, in
                       uint8_t* dst) {
   constexpr int64_t G = 128;
   static_assert(w4a16::kGroup == G && fp8w::kGroup == G, "one group size");
-  DS_CHECK(dt == DType::W4A16 || dt == DType::FP8W, "slice_packed_row takes W4A16 or FP8W");
+  DS_CHECK(row_scaled_dtype(dt), "slice_packed_row takes W4A16 or FP8W");
   DS_CHECK(begin >= 0 && n > 0 && begin % G == 0 && n % G == 0 && begin + n <= K,
            "packed column slices are whole groups of 128 inside the row");
   const bool w4 = dt == DType::W4A16;

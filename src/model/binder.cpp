@@ -44,7 +44,7 @@ float host_element(const TensorView& t, int64_t i) {
 }
 
 void WeightBinder::count(const TensorView& t) {
-  const bool padded = t.dtype == DType::W4A16 || t.dtype == DType::FP8W;
+  const bool padded = row_scaled_dtype(t.dtype);
   const uint64_t b = padded ? uint64_t(t.rows()) * uint64_t(t.row_stride()) : uint64_t(t.nbytes());
   bytes_ += b;
   auto& f = formats_[std::string(dtype_name(t.dtype))];
@@ -93,7 +93,7 @@ std::vector<TensorView> WeightBinder::split_cols(const TensorView& w, int parts)
            "split_cols: the columns do not split evenly");
   const int64_t n = w.cols() / parts;
   std::vector<TensorView> out;
-  if (w.dtype != DType::W4A16 && w.dtype != DType::FP8W) {
+  if (!row_scaled_dtype(w.dtype)) {
     for (int i = 0; i < parts; ++i) out.push_back(cols(w, i * n, n));
     return out;
   }

@@ -224,7 +224,7 @@ class DeepseekV2 final : public Model {
     const DType t = L.experts.front().gate.dtype;
     const TensorView g = m.gate_up ? *m.gate_up : m.gate;
     if (g.dtype != t || m.down.dtype != t || (m.gate_up ? false : m.up.dtype != t)) return 0;
-    const bool packed = t == DType::W4A16 || t == DType::FP8W;
+    const bool packed = row_scaled_dtype(t);
     const int64_t esize = int64_t(dtype_info(t).type_size);
     if (packed ? F % 128 != 0 : dtype_info(t).block_size != 1 || (F * esize) % 16 != 0) return 0;
     const std::vector<TensorView> downs = b.split_cols(m.down, n);
