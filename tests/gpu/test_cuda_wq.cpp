@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/cuda/gemm_wq.cuh"
+#include "backend/cuda/switches.h"
 #include "backend/fp8w.h"
 #include "launch_context.h"
 #include "moe_test_util.h"
@@ -214,6 +215,74 @@ TEST(CudaWq, Bf16MatmulMatchesTheReferenceAndIsBatchInvariant) {
       const auto via_backend = run(8, 8, true);
       EXPECT_EQ(0, std::memcmp(via_backend.data(), all.data() + 8 * N, size_t(8 * N) * 4))
           << "Backend::matmul at M = 8 on a " << N << " x " << K << " BF16 weight";
+    }
+  }
+}
+
+// The one-launch decode path (F32 x rounded in the kernel, split-K partials summed by each
+// tile's last CTA) against the three-launch one (conversion, kernel, reduce): the same bits for
+// every format, M of both token variants, one split and many, N not a multiple of the tile,
+// FP8W K not a multiple of 8, and rows the kernel cannot stage (ld not a multiple of 4: those
+// take the conversion). Each product runs twice, so a tile counter left dirty by the first
+// launch shows as a missing or doubled sum in the second.
+TEST(CudaWq, OneLaunchDecodeMatchesTheStagedPath) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  const cuda::Context& ctx = launch_context().get();
+  struct Restore {
+    ~Restore() { cuda::g_wq_fused.force(-1); }
+  } restore;
+  struct Case {
+    DType t;
+    int64_t n, k;
+  };
+  const Case cases[] = {{DType::W4A16, 200, 384},   {DType::W4A16, 1000, 5120},
+                        {DType::W4A16, 3072, 2048}, {DType::FP8W, 200, 100},
+                        {DType::FP8W, 576, 2048},   {DType::FP8W, 1000, 1408},
+                        {DType::BF16, 130, 1000},   {DType::BF16, 2048, 2048}};
+  for (const Case& c : cases) {
+    const int64_t N = c.n, K = c.k;
+    std::unique_ptr<Buffer> wbuf;
+    TensorView w;
+    test::QWeight q;
+    if (c.t == DType::BF16) {
+      const float amp = 0.6f / std::sqrt(float(K)) * 1.7f;
+      const auto wr = test::random_floats(size_t(N * K), uint32_t(N + K), -amp, amp);
+      test::BackendTensor wb = test::upload_floats(be, DType::BF16, {N, K}, wr);
+      wbuf = std::move(wb.buffer);
+      w = wb.view;
+    } else {
+      q = test::make_qweight(be, c.t, N, K, uint32_t(N * 3 + K), false);
+      w = q.dev;
+    }
+    for (const int64_t pad : {4, 1}) {
+      const int64_t ldx = K + pad;
+      const auto x = test::random_floats(size_t(16 * ldx), uint32_t(K + N + pad));
+      auto xd = be.alloc(size_t(16 * ldx) * 4), od = be.alloc(size_t(16 * N) * 4);
+      be.upload(test::make_view(xd->data(), DType::F32, {16 * ldx}, be.device()), x.data(),
+                x.size() * 4);
+      be.synchronize();
+      for (const int64_t M : {1, 3, 8, 12, 16}) {
+        TensorView xv = test::make_view(xd->data(), DType::F32, {M, K}, be.device());
+        xv.stride[0] = ldx * 4;
+        const TensorView ov = test::make_view(od->data(), DType::F32, {M, N}, be.device());
+        auto run = [&](int fused) {
+          cuda::g_wq_fused.force(fused);
+          cuda::wq_matmul(ctx, xv, w, ov);
+          EXPECT_EQ(cudaSuccess, cudaStreamSynchronize(launch_context().stream()));
+          std::vector<float> out(size_t(M * N));
+          be.download(out.data(), test::make_view(od->data(), DType::F32, {M * N}, be.device()),
+                      out.size() * 4);
+          return out;
+        };
+        const auto staged = run(0);
+        for (int rep = 0; rep < 2; ++rep) {
+          const auto one = run(1);
+          EXPECT_EQ(0, std::memcmp(one.data(), staged.data(), one.size() * 4))
+              << dtype_name(c.t) << " N " << N << " K " << K << " M " << M << " ld " << ldx
+              << " (run " << rep << ")";
+        }
+      }
     }
   }
 }

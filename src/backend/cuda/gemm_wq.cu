@@ -1,7 +1,9 @@
 // Quantized-weight tensor-core GEMMs (wq_kernel.cuh): the dense launcher behind
 // Backend::matmul and the MoE experts (gate + up fused with SiLU * up, then down) over the
-// grouped token lists. Activations are converted to BF16 rows first (the only rounding beyond
-// F32 sums: relative error ~2^-9 per product, so ~2^-9 of the row's sum of |x * w|).
+// grouped token lists. Activations are rounded to BF16 (the only rounding beyond F32 sums:
+// relative error ~2^-9 per product, so ~2^-9 of the row's sum of |x * w|): by a conversion
+// launch into staged rows, or, for the dense decode variants, in the kernel from F32 rows
+// (stages_f32), whose split-K partials the last CTA of each tile sums: one launch a product.
 #include <algorithm>
 #include <string>
 
@@ -9,6 +11,7 @@
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
 #include "backend/cuda/wq_kernel.cuh"
 #include "core/error.h"
 
@@ -22,10 +25,16 @@ struct DenseArgs {
   int64_t w_stride = 0, n = 0, k = 0, m = 0;
   const __nv_bfloat16* xb = nullptr;  // [m, kp] BF16, zero past k
   int kp = 0;
-  float* out = nullptr;  // [m, n] ld ldo, or partial sums [splits, m, n] when splits > 1
+  const float* xf = nullptr;  // or F32 x as it is (ld ldxf), for dense_kernel<F, BT, true>
+  int64_t ldxf = 0;
+  float* part = nullptr;  // partial sums [splits, m, n] when splits > 1
+  float* out = nullptr;   // [m, n] ld ldo
   int64_t ldo = 0;
   int groups_per_split = 0;
   int splits = 1;
+  // One per output tile (row block, token block), zero between launches: with them the last
+  // CTA of a tile to finish sums its splits (no reduce launch); nullptr: reduce_kernel does.
+  unsigned* tile_done = nullptr;
 };
 
 // Tokens per CTA for a step of m tokens (rows of x, or the most one expert can get): decode
@@ -47,18 +56,19 @@ void with_bt(int64_t m, Fn&& f) {
   }
 }
 
-template <WqFormat F, int BT, typename Kernel>
+template <WqFormat F, int BT, bool XF, typename Kernel>
 void set_smem_limit(Kernel k) {
   check_cuda(
-      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem<F, BT>)),
+      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem<F, BT, XF>)),
       "wq kernel smem limit");
 }
 
-// Grid (row blocks, token blocks, splits).
-template <WqFormat F, int BT>
+// Grid (row blocks, token blocks, splits). XF: x is F32 (a.xf), rounded in the kernel.
+template <WqFormat F, int BT, bool XF>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) dense_kernel(DenseArgs a) {
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ bool last;
   const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * BT;
   const int G = int((a.k + kGroup - 1) / kGroup);
   CtaJob jb;
@@ -66,21 +76,47 @@ __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) dense_kernel(Den
   jb.w1 = nullptr;
   jb.w_stride = a.w_stride;
   jb.rows = int(min(int64_t(kBN), a.n - n0));
-  jb.x = a.xb + t0 * a.kp;
-  jb.ldx = a.kp;
+  if constexpr (XF) {
+    jb.xf = a.xf + t0 * a.ldxf;
+    jb.ldx = a.ldxf;
+  } else {
+    jb.x = a.xb + t0 * a.kp;
+    jb.ldx = a.kp;
+  }
   jb.kp = a.kp;
   jb.tokens = int(min(int64_t(BT), a.m - t0));
   jb.K = a.k;
   jb.g_begin = int(blockIdx.z) * a.groups_per_split;
   jb.g_end = min(G, jb.g_begin + a.groups_per_split);
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT>(jb, smem, acc);
-  float* out = a.splits > 1 ? a.out + int64_t(blockIdx.z) * a.m * a.n : a.out;
+  run_cta<F, BT, XF>(jb, smem, acc);
+  float* out = a.splits > 1 ? a.part + int64_t(blockIdx.z) * a.m * a.n : a.out;
   const int64_t ld = a.splits > 1 ? a.n : a.ldo;
   for_each_out<F>(acc, [&](int r, int k, float v) {
     const int64_t row = n0 + r, tok = t0 + k;
     if (row < a.n && tok < a.m) out[tok * ld + row] = v;
   });
+  if (a.splits == 1 || a.tile_done == nullptr) return;
+  // Split-K: the tile's last CTA to finish (any split) sums the partials in split order, as
+  // reduce_kernel does, so the bits do not depend on which CTA that is.
+  __threadfence();  // this CTA's partials, visible before its arrival is counted
+  __syncthreads();
+  unsigned* done = a.tile_done + blockIdx.y * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == unsigned(a.splits - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int rows = jb.rows, toks = jb.tokens;
+  const int64_t plane = a.m * a.n;
+  for (int e = threadIdx.x; e < toks * kBN; e += kThreads) {
+    const int r = e % kBN, k = e / kBN;
+    if (r >= rows) continue;
+    const float* p = a.part + (t0 + k) * a.n + n0 + r;
+    float s = __ldcg(p);  // L2: other SMs wrote them
+    for (int z = 1; z < a.splits; ++z) s += __ldcg(p + z * plane);
+    a.out[(t0 + k) * a.ldo + n0 + r] = s;
+  }
+  if (threadIdx.x == 0) *done = 0;  // ready for the next launch (graph replays included)
 }
 
 // out[m, n] = sum over s (ascending) of part[s, m, n].
@@ -104,19 +140,39 @@ __global__ void to_bf16_kernel(const float* x, int64_t ldx, int64_t K, int kp, _
     xb[r * kp + staged_col<F>(k)] = __float2bfloat16_rn(k < K ? x[r * ldx + k] : 0.0f);
 }
 
-template <WqFormat F>
+template <WqFormat F, bool XF>
 void launch_dense(const DenseArgs& a, cudaStream_t stream) {
   with_bt(a.m, [&]<int BT>() {
-    static const bool ready = [] {  // once per process (same smem need on every device)
-      set_smem_limit<F, BT>(dense_kernel<F, BT>);
-      return true;
-    }();
-    (void)ready;
-    const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, BT), unsigned(a.splits));
-    DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x");
-    pdl::launch(dense_kernel<F, BT>, grid, kThreads, kSmem<F, BT>, stream, a);
-    check_cuda(cudaGetLastError(), "wq gemm launch");
+    if constexpr (XF && BT == kBT) {
+      throw Error("wq gemm: F32 x is staged for decode-sized M only");
+    } else {
+      static const bool ready = [] {  // once per process (same smem need on every device)
+        set_smem_limit<F, BT, XF>(dense_kernel<F, BT, XF>);
+        return true;
+      }();
+      (void)ready;
+      const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, BT), unsigned(a.splits));
+      DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x");
+      pdl::launch(dense_kernel<F, BT, XF>, grid, kThreads, kSmem<F, BT, XF>, stream, a);
+      check_cuda(cudaGetLastError(), "wq gemm launch");
+    }
   });
+}
+
+template <WqFormat F>
+void launch_dense(const DenseArgs& a, cudaStream_t stream) {
+  if (a.xf)
+    launch_dense<F, true>(a, stream);
+  else
+    launch_dense<F, false>(a, stream);
+}
+
+// Whether dense_kernel reads x as F32 (no conversion launch): decode-sized M whose F32 rows
+// cp.async can take whole (16-byte units), where the larger token rows cost the kernel no
+// resident CTA it needs (BF16 weights' 16-token variant would drop to one CTA per SM).
+bool stages_f32(WqFormat f, int64_t m, int64_t k, int64_t ldx, const void* x) {
+  return g_wq_fused.on() && m <= 16 && (m <= 8 || f != WqFormat::BF16) && k % 4 == 0 &&
+         ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
 int ctas_per_sm(WqFormat f) {
@@ -175,30 +231,41 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   a.splits = M <= kWqSplitMaxM ? wq_splits(N, K, ctx.sm_count * ctas_per_sm(f)) : 1;
   const int64_t groups = (K + kGroup - 1) / kGroup;
   a.groups_per_split = int((groups + a.splits - 1) / a.splits);
-  const size_t xb_bytes = (size_t(M) * size_t(a.kp) * 2 + 255) / 256 * 256;
+  const int64_t ldx = M > 1 ? x.row_stride() / 4 : K;
+  const bool xf = stages_f32(f, M, K, ldx, x.data);
+  const size_t xb_bytes = xf ? 0 : (size_t(M) * size_t(a.kp) * 2 + 255) / 256 * 256;
   const size_t part_bytes = a.splits > 1 ? size_t(a.splits) * size_t(M * N) * 4 : 0;
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMatmul, xb_bytes + part_bytes));
-  auto* xb = reinterpret_cast<__nv_bfloat16*>(base);
-  const int64_t ldx = M > 1 ? x.row_stride() / 4 : K;
-  const dim3 cgrid(ceil_div(a.kp, 256 * 4), unsigned(M));
-  if (f == WqFormat::W4A16)
-    pdl::launch(to_bf16_kernel<WqFormat::W4A16>, cgrid, 256, 0, ctx.stream, x.ptr<float>(), ldx, K,
-                a.kp, xb);
-  else  // natural order (FP8W, BF16)
-    pdl::launch(to_bf16_kernel<WqFormat::FP8W>, cgrid, 256, 0, ctx.stream, x.ptr<float>(), ldx, K,
-                a.kp, xb);
-  check_cuda(cudaGetLastError(), "wq gemm convert");
-  a.xb = xb;
-  a.out = a.splits > 1 ? reinterpret_cast<float*>(base + xb_bytes) : out.ptr<float>();
+  if (xf) {
+    a.xf = x.ptr<float>();
+    a.ldxf = ldx;
+  } else {
+    auto* xb = reinterpret_cast<__nv_bfloat16*>(base);
+    const dim3 cgrid(ceil_div(a.kp, 256 * 4), unsigned(M));
+    if (f == WqFormat::W4A16)
+      pdl::launch(to_bf16_kernel<WqFormat::W4A16>, cgrid, 256, 0, ctx.stream, x.ptr<float>(), ldx,
+                  K, a.kp, xb);
+    else  // natural order (FP8W, BF16)
+      pdl::launch(to_bf16_kernel<WqFormat::FP8W>, cgrid, 256, 0, ctx.stream, x.ptr<float>(), ldx, K,
+                  a.kp, xb);
+    check_cuda(cudaGetLastError(), "wq gemm convert");
+    a.xb = xb;
+  }
+  a.part = a.splits > 1 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
+  a.out = out.ptr<float>();
   a.ldo = M > 1 ? out.row_stride() / 4 : N;
+  const int64_t tiles = ceil_div(N, kBN) * ceil_div(M, tokens_per_cta(M));
+  if (a.splits > 1 && g_wq_fused.on() && tiles <= kWqTileCounters)
+    a.tile_done = static_cast<unsigned*>(
+        ctx.scratch(kScratchWqTiles, size_t(kWqTileCounters) * sizeof(unsigned)));
   if (f == WqFormat::W4A16)
     launch_dense<WqFormat::W4A16>(a, ctx.stream);
   else if (f == WqFormat::BF16)
     launch_dense<WqFormat::BF16>(a, ctx.stream);
   else
     launch_dense<WqFormat::FP8W>(a, ctx.stream);
-  if (a.splits > 1) {
-    pdl::launch(reduce_kernel, ceil_div(M * N, 256), 256, 0, ctx.stream, a.out, a.splits, M, N,
+  if (a.splits > 1 && a.tile_done == nullptr) {
+    pdl::launch(reduce_kernel, ceil_div(M * N, 256), 256, 0, ctx.stream, a.part, a.splits, M, N,
                 out.ptr<float>(), a.ldo);
     check_cuda(cudaGetLastError(), "wq gemm reduce");
   }
@@ -301,8 +368,8 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   static_assert(kTileM == kBT, "a tile's tokens fit one CTA");
   with_bt(a.num_tokens, [&]<int BT>() {
     static const bool ready = [] {
-      set_smem_limit<F, BT>(gate_up_kernel<F, BT>);
-      set_smem_limit<F, BT>(down_kernel<F, BT>);
+      set_smem_limit<F, BT, false>(gate_up_kernel<F, BT>);
+      set_smem_limit<F, BT, false>(down_kernel<F, BT>);
       return true;
     }();
     (void)ready;

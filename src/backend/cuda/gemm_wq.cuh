@@ -41,6 +41,9 @@ bool wq_bf16_fits(const TensorView& w);
 // Split-K (chosen from N, K and the SM count alone, so batch-invariant) only up to this M:
 // above it one pass over K, so a token's bits can differ between M <= 64 and M > 64.
 constexpr int64_t kWqSplitMaxM = 64;
+// Split-K output tiles whose last CTA sums the partials in the kernel (kScratchWqTiles holds
+// one counter each); a product with more tiles takes a reduce launch.
+constexpr int64_t kWqTileCounters = 8192;
 int wq_splits(int64_t n, int64_t k, int sm_count);
 
 }  // namespace ds::cuda

@@ -25,5 +25,9 @@ EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16", false};
 EnvSwitch g_moe_prefill_wide{"DEEPSERVE_MOE_PREFILL", "wide", false};
 EnvSwitch g_moe_tile32{"DEEPSERVE_MOE_TILE", "64", true};
 EnvSwitch g_moe_prefill_timing{"DEEPSERVE_MOE_PREFILL_TIMING", "1", false};
+// The dense wq GEMM's decode variants read F32 x in the kernel and sum their split-K
+// partials in the tile's last CTA (one launch); off: a conversion and a reduce launch around
+// it. The same bits either way.
+EnvSwitch g_wq_fused{"DEEPSERVE_WQ_FUSED", "0", true};
 
 }  // namespace ds::cuda

@@ -83,10 +83,14 @@ template <WqFormat F>
 constexpr uint32_t kStageA = uint32_t(kBN) * Fmt<F>::kRowBytes;
 template <WqFormat F>
 constexpr uint32_t kStageS = F == WqFormat::BF16 ? 0 : uint32_t(kBN) * 4;
-template <WqFormat F, int BT>
-constexpr uint32_t kStageBytes = kStageA<F> + kStageS<F> + uint32_t(BT) * kTokRow;
-template <WqFormat F, int BT>
-constexpr size_t kSmem = size_t(kStagesOf<F>) * kStageBytes<F, BT>;
+// Token rows staged as F32 (XF: the dense decode variants read x as it is and round each value
+// to BF16 where they build the mma fragment, so no conversion pass runs before them).
+constexpr int kTokRowF32 = kGroup * 4;
+template <WqFormat F, int BT, bool XF = false>
+constexpr uint32_t kStageBytes = kStageA<F> + kStageS<F> +
+                                 uint32_t(BT) * uint32_t(XF ? kTokRowF32 : kTokRow);
+template <WqFormat F, int BT, bool XF = false>
+constexpr size_t kSmem = size_t(kStagesOf<F>) * kStageBytes<F, BT, XF>;
 
 // Where element e (0..7) of each aligned 8-k chunk of a W4A16 activation row is staged: the
 // codes pair as (k, k + 4), so the row is x0 x4 x1 x5 x2 x6 x3 x7 per chunk.
@@ -109,6 +113,18 @@ __device__ __forceinline__ int b_chunk(int r, int c) {
 template <WqFormat F>
 __device__ __forceinline__ int a_chunk(int r, int c) {
   return F == WqFormat::FP8W ? (c ^ (r & 1)) : F == WqFormat::BF16 ? b_chunk(r, c) : c;
+}
+
+// Physical 16-byte unit of unit u (4 floats) of F32 token row r: lanes (g, t) of step p read
+// units 8t + 2p + h of rows 2i, 2i + 1 in one phase, so t and the row's parity pick eight
+// different bank groups.
+__device__ __forceinline__ int f32_unit(int r, int u) {
+  return u ^ ((u >> 2) & 6) ^ (r & 1);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);  // lo in the low half, as staged
+  return *reinterpret_cast<const uint32_t*>(&b);
 }
 
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
@@ -152,15 +168,16 @@ __device__ __forceinline__ void dequant8_f8(uint32_t lo, uint32_t hi, uint32_t (
 
 // What a CTA works on: weight rows (A) and token rows (B, BF16, ld elements, k >= kp zero).
 struct CtaJob {
-  const uint8_t* w0;  // rows [0, rows0) of the first matrix
-  const uint8_t* w1;  // gate/up: up's rows (CTA rows kBN/2..), else nullptr
-  int64_t w_stride;   // bytes
-  int rows;           // valid rows in each matrix from the CTA's first
-  const __nv_bfloat16* x;
-  int64_t ldx;
-  int kp;      // valid (padded) activation columns
-  int tokens;  // valid tokens (<= kBT)
-  int64_t K;   // weight columns
+  const uint8_t* w0;       // rows [0, rows0) of the first matrix
+  const uint8_t* w1;       // gate/up: up's rows (CTA rows kBN/2..), else nullptr
+  int64_t w_stride;        // bytes
+  int rows;                // valid rows in each matrix from the CTA's first
+  const __nv_bfloat16* x;  // BF16 rows as staged (k >= kp zero); or, for run_cta<..., true>,
+  const float* xf;         // F32 rows as they are (K a multiple of 4, rows 16-byte aligned)
+  int64_t ldx;             // elements
+  int kp;                  // valid (padded) activation columns
+  int tokens;              // valid tokens (<= kBT)
+  int64_t K;               // weight columns
   int g_begin, g_end;
 };
 
@@ -199,13 +216,14 @@ __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
       }
 }
 
-template <WqFormat F, int BT>
+template <WqFormat F, int BT, bool XF = false>
 __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
   using Fm = Fmt<F>;
   constexpr bool kBf16 = F == WqFormat::BF16;  // no scales: products go straight into acc
   constexpr int kStages = kStagesOf<F>;
   constexpr int kTN = BT / 8;
-  constexpr uint32_t kStage = kStageBytes<F, BT>;
+  constexpr uint32_t kStage = kStageBytes<F, BT, XF>;
+  constexpr int kTokBytes = XF ? kTokRowF32 : kTokRow;
   constexpr int kCa = Fm::kRowBytes / 16;  // weight chunks per row and group
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const bool gate_up = jb.w1 != nullptr;
@@ -231,12 +249,22 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
         cp_async4(ss + r * 4, ok ? base + rr * jb.w_stride + Fm::scale_off(jb.K, gi) : base, ok);
       }
     }
-    for (int i = tid; i < jb.tokens * 16; i += kThreads) {
-      const int r = i / 16, c = i % 16;
-      const int64_t k = gi * kGroup + 8 * c;
-      const bool ok = k < jb.kp;
-      const __nv_bfloat16* src = ok ? jb.x + r * jb.ldx + k : jb.x;
-      ptx::cp_async16(sb + r * kTokRow + b_chunk(r, c) * 16, src, ok);
+    if constexpr (XF) {
+      for (int i = tid; i < jb.tokens * 32; i += kThreads) {
+        const int r = i / 32, u = i % 32;
+        const int64_t k = gi * kGroup + 4 * u;
+        const bool ok = k < jb.K;  // zeros past K
+        const float* src = ok ? jb.xf + r * jb.ldx + k : jb.xf;
+        ptx::cp_async16(sb + r * kTokRowF32 + f32_unit(r, u) * 16, src, ok);
+      }
+    } else {
+      for (int i = tid; i < jb.tokens * 16; i += kThreads) {
+        const int r = i / 16, c = i % 16;
+        const int64_t k = gi * kGroup + 8 * c;
+        const bool ok = k < jb.kp;
+        const __nv_bfloat16* src = ok ? jb.x + r * jb.ldx + k : jb.x;
+        ptx::cp_async16(sb + r * kTokRow + b_chunk(r, c) * 16, src, ok);
+      }
     }
   };
 #pragma unroll
@@ -322,8 +350,22 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       for (int j = 0; j < kTN; ++j) {
         if (j >= tn) break;
         const int r = j * 8 + g;
-        const uint4 b =
-            *reinterpret_cast<const uint4*>(sb + r * kTokRow + b_chunk(r, 4 * t + p) * 16);
+        uint4 b;
+        if constexpr (XF) {  // chunk 4t + p is units 8t + 2p, + 1; rounded as to_bf16 would
+          const uint8_t* row = sb + r * kTokBytes;
+          const float4 lo = *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p) * 16);
+          const float4 hi =
+              *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p + 1) * 16);
+          if constexpr (F == WqFormat::W4A16) {  // x0 x4 x1 x5 x2 x6 x3 x7 (w4_stage_pos)
+            b = make_uint4(bf16x2_bits(lo.x, hi.x), bf16x2_bits(lo.y, hi.y),
+                           bf16x2_bits(lo.z, hi.z), bf16x2_bits(lo.w, hi.w));
+          } else {
+            b = make_uint4(bf16x2_bits(lo.x, lo.y), bf16x2_bits(lo.z, lo.w),
+                           bf16x2_bits(hi.x, hi.y), bf16x2_bits(hi.z, hi.w));
+          }
+        } else {
+          b = *reinterpret_cast<const uint4*>(sb + r * kTokBytes + b_chunk(r, 4 * t + p) * 16);
+        }
 #pragma unroll
         for (int i = 0; i < kRM; ++i) {
           ptx::mma_bf16(sum[i][j], a[i][0], b.x, b.y);
