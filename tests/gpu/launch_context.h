@@ -31,7 +31,6 @@ class LaunchContext {
         s.ptr = nullptr;
         s.bytes = 0;
         if (cudaMalloc(&s.ptr, bytes) != cudaSuccess) return nullptr;
-        if (cudaMemsetAsync(s.ptr, 0, bytes, stream_) != cudaSuccess) return nullptr;
         s.bytes = bytes;
       }
       return s.ptr;

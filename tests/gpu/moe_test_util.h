@@ -59,7 +59,6 @@ class DirectCuda {
       cudaFree(p);
       p = nullptr;
       if (cudaMalloc(&p, bytes) != cudaSuccess) throw Error("scratch alloc");
-      if (cudaMemsetAsync(p, 0, bytes, stream_) != cudaSuccess) throw Error("scratch zero");
       n = bytes;
     }
     return p;

@@ -219,18 +219,20 @@ TEST(CudaWq, Bf16MatmulMatchesTheReferenceAndIsBatchInvariant) {
   }
 }
 
-// The one-launch decode path (F32 x rounded in the kernel, split-K partials summed by each
-// tile's last CTA) against the three-launch one (conversion, kernel, reduce): the same bits for
-// every format, M of both token variants, one split and many, N not a multiple of the tile,
-// FP8W K not a multiple of 8, and rows the kernel cannot stage (ld not a multiple of 4: those
-// take the conversion). Each product runs twice, so a tile counter left dirty by the first
-// launch shows as a missing or doubled sum in the second.
+// The one-launch decode path (F32 x rounded in the kernel, split-K partials summed across a
+// thread-block cluster) against the three-launch one (conversion, kernel, reduce), and each
+// half alone: the same bits for every format, M of both token variants, one split and up to
+// 16, N not a multiple of the tile, FP8W K not a multiple of 8, and rows the kernel cannot
+// stage (ld not a multiple of 4: those take the conversion). Each product runs twice.
 TEST(CudaWq, OneLaunchDecodeMatchesTheStagedPath) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
   const cuda::Context& ctx = launch_context().get();
   struct Restore {
-    ~Restore() { cuda::g_wq_fused.force(-1); }
+    ~Restore() {
+      cuda::g_wq_stage_f32.force(-1);
+      cuda::g_wq_cluster.force(-1);
+    }
   } restore;
   struct Case {
     DType t;
@@ -266,8 +268,9 @@ TEST(CudaWq, OneLaunchDecodeMatchesTheStagedPath) {
         TensorView xv = test::make_view(xd->data(), DType::F32, {M, K}, be.device());
         xv.stride[0] = ldx * 4;
         const TensorView ov = test::make_view(od->data(), DType::F32, {M, N}, be.device());
-        auto run = [&](int fused) {
-          cuda::g_wq_fused.force(fused);
+        auto run = [&](int xf32, int cluster) {
+          cuda::g_wq_stage_f32.force(xf32);
+          cuda::g_wq_cluster.force(cluster);
           cuda::wq_matmul(ctx, xv, w, ov);
           EXPECT_EQ(cudaSuccess, cudaStreamSynchronize(launch_context().stream()));
           std::vector<float> out(size_t(M * N));
@@ -275,12 +278,13 @@ TEST(CudaWq, OneLaunchDecodeMatchesTheStagedPath) {
                       out.size() * 4);
           return out;
         };
-        const auto staged = run(0);
-        for (int rep = 0; rep < 2; ++rep) {
-          const auto one = run(1);
+        const auto staged = run(0, 0);
+        const int modes[][2] = {{1, 0}, {0, 1}, {1, 1}, {1, 1}};  // F32 x, clusters
+        for (const auto& md : modes) {
+          const auto one = run(md[0], md[1]);
           EXPECT_EQ(0, std::memcmp(one.data(), staged.data(), one.size() * 4))
               << dtype_name(c.t) << " N " << N << " K " << K << " M " << M << " ld " << ldx
-              << " (run " << rep << ")";
+              << " (F32 x " << md[0] << ", clusters " << md[1] << ")";
         }
       }
     }

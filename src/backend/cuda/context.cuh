@@ -13,8 +13,7 @@ struct Context {
   int sm_count = 0;
   // Device scratch owned by the backend, one buffer per `slot` (use a distinct slot per op
   // family); grows on demand, so call it outside CUDA-graph capture with the largest size
-  // first, or size it from bounds that do not change between replays. A buffer reads as
-  // zeros when it is handed out new (first call, or grown), ordered on `stream`.
+  // first, or size it from bounds that do not change between replays.
   std::function<void*(int slot, size_t bytes)> scratch;
 };
 
@@ -25,8 +24,7 @@ enum ScratchSlot : int {
   kScratchMla = 2,
   kScratchMoe = 3,
   kScratchMlaPrefill = 4,
-  kScratchWqTiles = 5,  // the dense wq GEMM's split-K tile counters (kept zero between launches)
-  kScratchCount = 6,
+  kScratchCount = 5,
 };
 
 }  // namespace ds::cuda

@@ -465,7 +465,6 @@ class CudaBackend final : public Backend {
       const size_t grown = std::max(bytes, b ? b->size() + b->size() / 2 : size_t(0));
       b.reset();  // back to the pool first, so the grown buffer may reuse its range
       b = alloc((grown + kMiB - 1) / kMiB * kMiB);
-      check_cuda(cudaMemsetAsync(b->data(), 0, b->size(), stream_), "scratch zero");
     }
     return b->data();
   }

@@ -3,7 +3,10 @@
 // grouped token lists. Activations are rounded to BF16 (the only rounding beyond F32 sums:
 // relative error ~2^-9 per product, so ~2^-9 of the row's sum of |x * w|): by a conversion
 // launch into staged rows, or, for the dense decode variants, in the kernel from F32 rows
-// (stages_f32), whose split-K partials the last CTA of each tile sums: one launch a product.
+// (stages_f32); their split-K partials are summed in the kernel too, across a thread-block
+// cluster (cluster_splits): one launch a product where it was three.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <string>
 
@@ -25,16 +28,13 @@ struct DenseArgs {
   int64_t w_stride = 0, n = 0, k = 0, m = 0;
   const __nv_bfloat16* xb = nullptr;  // [m, kp] BF16, zero past k
   int kp = 0;
-  const float* xf = nullptr;  // or F32 x as it is (ld ldxf), for dense_kernel<F, BT, true>
+  const float* xf = nullptr;  // or F32 x as it is (ld ldxf), for dense_kernel<F, BT, true, *>
   int64_t ldxf = 0;
-  float* part = nullptr;  // partial sums [splits, m, n] when splits > 1
+  float* part = nullptr;  // partial sums [splits, m, n] for reduce_kernel (splits > 1, no CL)
   float* out = nullptr;   // [m, n] ld ldo
   int64_t ldo = 0;
   int groups_per_split = 0;
   int splits = 1;
-  // One per output tile (row block, token block), zero between launches: with them the last
-  // CTA of a tile to finish sums its splits (no reduce launch); nullptr: reduce_kernel does.
-  unsigned* tile_done = nullptr;
 };
 
 // Tokens per CTA for a step of m tokens (rows of x, or the most one expert can get): decode
@@ -63,12 +63,50 @@ void set_smem_limit(Kernel k) {
       "wq kernel smem limit");
 }
 
-// Grid (row blocks, token blocks, splits). XF: x is F32 (a.xf), rounded in the kernel.
-template <WqFormat F, int BT, bool XF>
+// Split-K in one launch (sm_90): the splits of a tile are one thread-block cluster; each CTA
+// puts its sums in its shared memory, and CTA z of the cluster adds up slice z of the tile over
+// the cluster's CTAs in split order, as reduce_kernel does (the same bits).
+constexpr int kMaxClusterSplits = 16;  // non-portable cluster size: H100 / H200 take 16
+constexpr int kTileLd = kBN + 4;       // floats per token row of the tile (t spreads banks)
+
+template <WqFormat F, int BT>
+__device__ void reduce_in_cluster(const DenseArgs& a, const float (&acc)[kRM][BT / 8][4],
+                                  uint8_t* smem, int64_t n0, int64_t t0, int rows, int toks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  float* tile = reinterpret_cast<float*>(smem);  // [BT][kTileLd]
+  __syncthreads();                               // every warp is past the pipeline's stages
+  for_each_out<F>(acc, [&](int r, int k, float v) { tile[k * kTileLd + r] = v; });
+  cluster.sync();
+  const int S = a.splits, z = int(cluster.block_rank());
+  constexpr int kE = BT * kBN;
+  const int per = (kE + S - 1) / S;
+  const int e1 = min(kE, (z + 1) * per);
+  for (int e = z * per + int(threadIdx.x); e < e1; e += kThreads) {
+    const int r = e % kBN, k = e / kBN, at = k * kTileLd + r;
+    float v[kMaxClusterSplits];
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSplits; ++c)
+      if (c < S) v[c] = *cluster.map_shared_rank(tile + at, c);
+    float sum = v[0];
+#pragma unroll
+    for (int c = 1; c < kMaxClusterSplits; ++c)
+      if (c < S) sum += v[c];
+    if (r < rows && k < toks) a.out[(t0 + k) * a.ldo + n0 + r] = sum;
+  }
+  cluster.sync();  // the other CTAs read this one's tile up to here
+#else
+  __trap();  // launched on sm_90+ only (cluster_splits)
+#endif
+}
+
+// Grid (row blocks, token blocks, splits). XF: x is F32 (a.xf), rounded in the kernel. CL: the
+// splits are clusters (reduce_in_cluster); else each split writes a.part for reduce_kernel.
+template <WqFormat F, int BT, bool XF, bool CL>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) dense_kernel(DenseArgs a) {
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ bool last;
   const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * BT;
   const int G = int((a.k + kGroup - 1) / kGroup);
   CtaJob jb;
@@ -90,33 +128,16 @@ __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) dense_kernel(Den
   jb.g_end = min(G, jb.g_begin + a.groups_per_split);
   float acc[kRM][BT / 8][4];
   run_cta<F, BT, XF>(jb, smem, acc);
-  float* out = a.splits > 1 ? a.part + int64_t(blockIdx.z) * a.m * a.n : a.out;
-  const int64_t ld = a.splits > 1 ? a.n : a.ldo;
-  for_each_out<F>(acc, [&](int r, int k, float v) {
-    const int64_t row = n0 + r, tok = t0 + k;
-    if (row < a.n && tok < a.m) out[tok * ld + row] = v;
-  });
-  if (a.splits == 1 || a.tile_done == nullptr) return;
-  // Split-K: the tile's last CTA to finish (any split) sums the partials in split order, as
-  // reduce_kernel does, so the bits do not depend on which CTA that is.
-  __threadfence();  // this CTA's partials, visible before its arrival is counted
-  __syncthreads();
-  unsigned* done = a.tile_done + blockIdx.y * gridDim.x + blockIdx.x;
-  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == unsigned(a.splits - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int rows = jb.rows, toks = jb.tokens;
-  const int64_t plane = a.m * a.n;
-  for (int e = threadIdx.x; e < toks * kBN; e += kThreads) {
-    const int r = e % kBN, k = e / kBN;
-    if (r >= rows) continue;
-    const float* p = a.part + (t0 + k) * a.n + n0 + r;
-    float s = __ldcg(p);  // L2: other SMs wrote them
-    for (int z = 1; z < a.splits; ++z) s += __ldcg(p + z * plane);
-    a.out[(t0 + k) * a.ldo + n0 + r] = s;
+  if constexpr (CL) {
+    reduce_in_cluster<F, BT>(a, acc, smem, n0, t0, jb.rows, jb.tokens);
+  } else {
+    float* out = a.splits > 1 ? a.part + int64_t(blockIdx.z) * a.m * a.n : a.out;
+    const int64_t ld = a.splits > 1 ? a.n : a.ldo;
+    for_each_out<F>(acc, [&](int r, int k, float v) {
+      const int64_t row = n0 + r, tok = t0 + k;
+      if (row < a.n && tok < a.m) out[tok * ld + row] = v;
+    });
   }
-  if (threadIdx.x == 0) *done = 0;  // ready for the next launch (graph replays included)
 }
 
 // out[m, n] = sum over s (ascending) of part[s, m, n].
@@ -140,39 +161,53 @@ __global__ void to_bf16_kernel(const float* x, int64_t ldx, int64_t K, int kp, _
     xb[r * kp + staged_col<F>(k)] = __float2bfloat16_rn(k < K ? x[r * ldx + k] : 0.0f);
 }
 
-template <WqFormat F, bool XF>
+template <WqFormat F, bool XF, bool CL>
 void launch_dense(const DenseArgs& a, cudaStream_t stream) {
   with_bt(a.m, [&]<int BT>() {
-    if constexpr (XF && BT == kBT) {
-      throw Error("wq gemm: F32 x is staged for decode-sized M only");
+    if constexpr ((XF || CL) && BT == kBT) {
+      throw Error("wq gemm: F32 x and cluster split-K are for decode-sized M only");
     } else {
       static const bool ready = [] {  // once per process (same smem need on every device)
-        set_smem_limit<F, BT, XF>(dense_kernel<F, BT, XF>);
+        set_smem_limit<F, BT, XF>(dense_kernel<F, BT, XF, CL>);
+        if constexpr (CL)
+          check_cuda(cudaFuncSetAttribute(dense_kernel<F, BT, XF, CL>,
+                                          cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+                     "wq kernel cluster size");
         return true;
       }();
       (void)ready;
       const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, BT), unsigned(a.splits));
       DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x");
-      pdl::launch(dense_kernel<F, BT, XF>, grid, kThreads, kSmem<F, BT, XF>, stream, a);
+      pdl::launch_clusters(dense_kernel<F, BT, XF, CL>, grid, kThreads, kSmem<F, BT, XF>, stream,
+                           dim3(1, 1, CL ? unsigned(a.splits) : 1u), a);
       check_cuda(cudaGetLastError(), "wq gemm launch");
     }
   });
 }
 
 template <WqFormat F>
-void launch_dense(const DenseArgs& a, cudaStream_t stream) {
-  if (a.xf)
-    launch_dense<F, true>(a, stream);
+void launch_dense(const DenseArgs& a, bool cluster, cudaStream_t stream) {
+  if (a.xf && cluster)
+    launch_dense<F, true, true>(a, stream);
+  else if (a.xf)
+    launch_dense<F, true, false>(a, stream);
+  else if (cluster)
+    launch_dense<F, false, true>(a, stream);
   else
-    launch_dense<F, false>(a, stream);
+    launch_dense<F, false, false>(a, stream);
 }
 
 // Whether dense_kernel reads x as F32 (no conversion launch): decode-sized M whose F32 rows
 // cp.async can take whole (16-byte units), where the larger token rows cost the kernel no
 // resident CTA it needs (BF16 weights' 16-token variant would drop to one CTA per SM).
 bool stages_f32(WqFormat f, int64_t m, int64_t k, int64_t ldx, const void* x) {
-  return g_wq_fused.on() && m <= 16 && (m <= 8 || f != WqFormat::BF16) && k % 4 == 0 &&
+  return g_wq_stage_f32.on() && m <= 16 && (m <= 8 || f != WqFormat::BF16) && k % 4 == 0 &&
          ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+}
+
+// Whether the splits sum in the kernel (reduce_in_cluster): decode-sized M on sm_90+.
+bool cluster_splits(int64_t m, int splits) {
+  return splits > 1 && splits <= kMaxClusterSplits && m <= 16 && g_wq_cluster.on() && pdl::hopper();
 }
 
 int ctas_per_sm(WqFormat f) {
@@ -233,9 +268,12 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   a.groups_per_split = int((groups + a.splits - 1) / a.splits);
   const int64_t ldx = M > 1 ? x.row_stride() / 4 : K;
   const bool xf = stages_f32(f, M, K, ldx, x.data);
+  const bool cluster = cluster_splits(M, a.splits);
   const size_t xb_bytes = xf ? 0 : (size_t(M) * size_t(a.kp) * 2 + 255) / 256 * 256;
-  const size_t part_bytes = a.splits > 1 ? size_t(a.splits) * size_t(M * N) * 4 : 0;
-  auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMatmul, xb_bytes + part_bytes));
+  const size_t part_bytes = a.splits > 1 && !cluster ? size_t(a.splits) * size_t(M * N) * 4 : 0;
+  uint8_t* base = xb_bytes + part_bytes == 0
+                      ? nullptr
+                      : static_cast<uint8_t*>(ctx.scratch(kScratchMatmul, xb_bytes + part_bytes));
   if (xf) {
     a.xf = x.ptr<float>();
     a.ldxf = ldx;
@@ -251,20 +289,16 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
     check_cuda(cudaGetLastError(), "wq gemm convert");
     a.xb = xb;
   }
-  a.part = a.splits > 1 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
+  a.part = part_bytes > 0 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
   a.out = out.ptr<float>();
   a.ldo = M > 1 ? out.row_stride() / 4 : N;
-  const int64_t tiles = ceil_div(N, kBN) * ceil_div(M, tokens_per_cta(M));
-  if (a.splits > 1 && g_wq_fused.on() && tiles <= kWqTileCounters)
-    a.tile_done = static_cast<unsigned*>(
-        ctx.scratch(kScratchWqTiles, size_t(kWqTileCounters) * sizeof(unsigned)));
   if (f == WqFormat::W4A16)
-    launch_dense<WqFormat::W4A16>(a, ctx.stream);
+    launch_dense<WqFormat::W4A16>(a, cluster, ctx.stream);
   else if (f == WqFormat::BF16)
-    launch_dense<WqFormat::BF16>(a, ctx.stream);
+    launch_dense<WqFormat::BF16>(a, cluster, ctx.stream);
   else
-    launch_dense<WqFormat::FP8W>(a, ctx.stream);
-  if (a.splits > 1 && a.tile_done == nullptr) {
+    launch_dense<WqFormat::FP8W>(a, cluster, ctx.stream);
+  if (a.part) {
     pdl::launch(reduce_kernel, ceil_div(M * N, 256), 256, 0, ctx.stream, a.part, a.splits, M, N,
                 out.ptr<float>(), a.ldo);
     check_cuda(cudaGetLastError(), "wq gemm reduce");

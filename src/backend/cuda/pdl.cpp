@@ -10,7 +10,10 @@
 namespace ds::cuda::pdl {
 
 bool enabled() {
-  if (!g_pdl.on()) return false;
+  return g_pdl.on() && hopper();
+}
+
+bool hopper() {
   // Per device: 0 unknown, 1 no (before sm_90), 2 yes. Launches are frequent, the query is not.
   static std::array<std::atomic<int>, 64> known{};
   int dev = 0;

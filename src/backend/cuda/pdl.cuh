@@ -27,22 +27,39 @@ __device__ __forceinline__ void enter() {
 #endif
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...), with the programmatic-serialization attribute
-// when enabled(). Launch errors are thrown, like check_cuda(cudaGetLastError()) after <<<>>>.
+// kernel<<<grid, block, smem, stream>>>(args...) in thread-block clusters of `cluster` CTAs
+// (sm_90+; grid a multiple of it), with the programmatic-serialization attribute when
+// enabled(). Launch errors are thrown, like check_cuda(cudaGetLastError()) after <<<>>>.
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-            Args&&... args) {
-  cudaLaunchAttribute attr[1] = {};
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+void launch_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                     cudaStream_t stream, dim3 cluster, Args&&... args) {
+  cudaLaunchAttribute attr[2] = {};
+  unsigned n = 0;
+  if (enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n++].val.clusterDim.z = cluster.z;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = enabled() ? 1 : 0;
+  cfg.numAttrs = n;
   check_cuda(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "kernel launch");
+}
+
+// The same without clusters: kernel<<<grid, block, smem, stream>>>(args...).
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+            Args&&... args) {
+  launch_clusters(kernel, grid, block, smem, stream, dim3(1, 1, 1), std::forward<Args>(args)...);
 }
 
 }  // namespace ds::cuda::pdl

@@ -5,5 +5,7 @@ namespace ds::cuda::pdl {
 
 // sm_90+ and the switch g_pdl (DEEPSERVE_PDL != "0"; tests force it, switches.h).
 bool enabled();
+// Whether the current device is sm_90 or newer (thread-block clusters, dependent launch).
+bool hopper();
 
 }  // namespace ds::cuda::pdl

@@ -25,9 +25,10 @@ EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16", false};
 EnvSwitch g_moe_prefill_wide{"DEEPSERVE_MOE_PREFILL", "wide", false};
 EnvSwitch g_moe_tile32{"DEEPSERVE_MOE_TILE", "64", true};
 EnvSwitch g_moe_prefill_timing{"DEEPSERVE_MOE_PREFILL_TIMING", "1", false};
-// The dense wq GEMM's decode variants read F32 x in the kernel and sum their split-K
-// partials in the tile's last CTA (one launch); off: a conversion and a reduce launch around
-// it. The same bits either way.
-EnvSwitch g_wq_fused{"DEEPSERVE_WQ_FUSED", "0", true};
+// The dense wq GEMM's decode variants read F32 x in the kernel (off: a conversion launch
+// before it) and sum their split-K partials across a thread-block cluster (off: a reduce
+// launch after it). The same bits either way.
+EnvSwitch g_wq_stage_f32{"DEEPSERVE_WQ_XF32", "0", true};
+EnvSwitch g_wq_cluster{"DEEPSERVE_WQ_CLUSTER", "0", true};
 
 }  // namespace ds::cuda

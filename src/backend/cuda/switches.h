@@ -31,6 +31,7 @@ extern EnvSwitch g_mla_decode_bf16;     // off; DEEPSERVE_MLA_DECODE=bf16 turns 
 extern EnvSwitch g_moe_prefill_wide;    // off; DEEPSERVE_MOE_PREFILL=wide turns it on
 extern EnvSwitch g_moe_tile32;          // on; DEEPSERVE_MOE_TILE=64 turns it off
 extern EnvSwitch g_moe_prefill_timing;  // off; DEEPSERVE_MOE_PREFILL_TIMING=1 turns it on
-extern EnvSwitch g_wq_fused;            // on; DEEPSERVE_WQ_FUSED=0 turns it off
+extern EnvSwitch g_wq_stage_f32;        // on; DEEPSERVE_WQ_XF32=0 turns it off
+extern EnvSwitch g_wq_cluster;          // on; DEEPSERVE_WQ_CLUSTER=0 turns it off
 
 }  // namespace ds::cuda
