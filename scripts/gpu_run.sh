@@ -356,13 +356,19 @@ if has_stage ncu; then
     # NCU_RANGE=1: only the launches between cudaProfilerStart/Stop (the *Ncu* tests).
     range=()
     [ "${NCU_RANGE:-0}" = 1 ] && range=(--profile-from-start off)
+    # Stall reasons per issued instruction (the WarpStateStats text names only the top one).
+    stalls=""
+    for r in barrier long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle \
+      lg_throttle not_selected selected dispatch_stall no_instruction branch_resolving; do
+      stalls+="${stalls:+,}smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
+    done
     ncu --clock-control none "${range[@]}" -k "regex:$NCU_KERNELS" --launch-count "${NCU_COUNT:-12}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-      --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats --metrics "$stalls" \
       "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter="$NCU_TESTS" \
       >"$OUT/ncu.txt" 2>&1
     log "ncu rc=$?"
-    grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slot|No Eligible|Waves Per SM" \
+    grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slot|No Eligible|Waves Per SM|issue_stalled" \
       "$OUT/ncu.txt" | head -${NCU_LINES:-120}
   fi
 fi

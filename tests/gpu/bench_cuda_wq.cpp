@@ -174,9 +174,10 @@ TEST(WqBench, DISABLED_Moe) {
     }
 }
 
-// The decode-step MoE layers as W1 (V2-Lite, BF16), W3 (the same at T = 1) and W5 (V2.5, W4A16;
-// and FP8W) run them, shared experts folded in, one call each inside cudaProfilerStart/Stop:
-// the targets of gpu_run.sh's ncu stage (NCU_RANGE=1 profiles only that range).
+// The decode-step MoE layers as W1 (V2-Lite, BF16), W3 (the same at T = 1), W1q (V2-Lite,
+// W4A16) and W5 (V2.5, W4A16; and FP8W) run them, shared experts folded in, one call each inside
+// cudaProfilerStart/Stop: the targets of gpu_run.sh's ncu stage (NCU_RANGE=1 profiles only that
+// range).
 TEST(WqBench, DISABLED_NcuDecodeStep) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
@@ -189,6 +190,7 @@ TEST(WqBench, DISABLED_NcuDecodeStep) {
   };
   const Case cases[] = {{"V2-Lite BF16 T=8", 64, 2048, 1408, DType::BF16, 8},
                         {"V2-Lite BF16 T=1", 64, 2048, 1408, DType::BF16, 1},
+                        {"V2-Lite W4A16 T=8", 64, 2048, 1408, DType::W4A16, 8},
                         {"V2.5 W4A16 T=8", 160, 5120, 1536, DType::W4A16, 8},
                         {"V2.5 FP8W T=8", 160, 5120, 1536, DType::FP8W, 8}};
   const int k = 6, S = 2;
