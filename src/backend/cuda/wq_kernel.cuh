@@ -33,13 +33,16 @@ constexpr int kBT = 64;   // tokens per CTA (prefill); decode variants take 8 or
 template <WqFormat F>
 constexpr int kStagesOf = F == WqFormat::BF16 ? 3 : 4;
 // CTAs per SM the register budget is cut for: decode variants are latency-bound, so they keep
-// several CTAs resident (their shared memory allows 5; fewer registers than this spill).
+// several CTAs resident (W4A16's 8-token variant five, in 96 registers since each thread's
+// copy addresses are computed once, not per stage; fewer registers than these spill).
 __host__ __device__ constexpr int min_ctas(int bt) {
   return bt <= 8 ? 4 : bt <= 16 ? 3 : 1;
 }
 template <WqFormat F>
 __host__ __device__ constexpr int min_ctas_of(int bt) {
-  return F == WqFormat::BF16 ? (bt <= 16 ? 2 : 1) : min_ctas(bt);
+  return F == WqFormat::BF16               ? (bt <= 16 ? 2 : 1)
+         : F == WqFormat::W4A16 && bt <= 8 ? 5
+                                           : min_ctas(bt);
 }
 constexpr int kGroup = 128;
 constexpr int kTokRow = kGroup * 2;  // staged bytes per token row (BF16)
@@ -229,42 +232,69 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   const bool gate_up = jb.w1 != nullptr;
   const uint32_t s0 = ptx::smem_u32(smem);
   const int64_t climit = Fm::code_limit(jb.K);
+  // Each thread's share of a stage, fixed over the groups (so a group's copies are an offset
+  // add each): weight chunk c_a of rows r0 + m * kRowStep (m < kCa; gate/up: the first half
+  // from w0, the second from w1), the scale word of row tid, and token chunks of rows
+  // tr0 + m * kTokStep. The steps are even, so each row keeps r0's chunk swizzle.
+  constexpr int kRowStep = kThreads / kCa;
+  constexpr int kTokChunks = XF ? kTokRowF32 / 16 : kTokRow / 16;  // 16-byte units per row
+  constexpr int kTokStep = kThreads / kTokChunks;
+  const int c_a = tid % kCa, r0 = tid / kCa;
+  const int64_t w_step = int64_t(kRowStep) * jb.w_stride;
+  const uint8_t* wa0 = jb.w0 + int64_t(r0) * jb.w_stride + 16 * c_a;
+  const uint8_t* wa1 = gate_up ? jb.w1 + int64_t(r0) * jb.w_stride + 16 * c_a : wa0;
+  uint32_t rows_ok = 0;  // bit m: row r0 + m * kRowStep (of its matrix) exists
+#pragma unroll
+  for (int m = 0; m < kCa; ++m) {
+    const int rr = r0 + (gate_up ? m % (kCa / 2) : m) * kRowStep;
+    rows_ok |= uint32_t(rr < jb.rows) << m;
+  }
+  const uint32_t a_dst = uint32_t(r0 * Fm::kRowBytes + a_chunk<F>(r0, c_a) * 16);
+  const uint8_t* s_src = nullptr;  // row tid's scale words (group 0's)
+  bool s_ok = false;
+  if constexpr (!kBf16) {
+    const int rr = gate_up ? tid % (kBN / 2) : tid;
+    const uint8_t* base = gate_up && tid >= kBN / 2 ? jb.w1 : jb.w0;
+    s_ok = rr < jb.rows;
+    s_src = s_ok ? base + int64_t(rr) * jb.w_stride + Fm::scale_off(jb.K, 0) : base;
+  }
+  const int tc = tid % kTokChunks, tr0 = tid / kTokChunks;
+  const int64_t x_k0 = int64_t(XF ? 4 : 8) * tc;  // the chunk's first k in a group
+  uint32_t b_dst;
+  const uint8_t* x_src;
+  if constexpr (XF) {
+    b_dst = uint32_t(tr0 * kTokRowF32 + f32_unit(tr0, tc) * 16);
+    x_src = reinterpret_cast<const uint8_t*>(jb.xf + tr0 * jb.ldx + x_k0);
+  } else {
+    b_dst = uint32_t(tr0 * kTokRow + b_chunk(tr0, tc) * 16);
+    x_src = reinterpret_cast<const uint8_t*>(jb.x + tr0 * jb.ldx + x_k0);
+  }
+  const int64_t x_step = int64_t(kTokStep) * jb.ldx * (XF ? 4 : 2);  // bytes between its rows
+  const int64_t x_limit = XF ? jb.K : jb.kp;  // zeros from here (K for F32 rows, kp staged)
   auto load = [&](int stage, int kt) {
     const int64_t gi = jb.g_begin + kt;
     const uint32_t sa = s0 + stage * kStage, ss = sa + kStageA<F>, sb = ss + kStageS<F>;
-    for (int i = tid; i < kBN * kCa; i += kThreads) {
-      const int r = i / kCa, c = i % kCa;
-      const int rr = gate_up ? r % (kBN / 2) : r;
-      const uint8_t* base = gate_up && r >= kBN / 2 ? jb.w1 : jb.w0;
-      const int64_t off = Fm::code_off(gi) + 16 * c;
-      const bool ok = rr < jb.rows && off < climit;
-      const uint8_t* src = ok ? base + rr * jb.w_stride + off : base;
-      ptx::cp_async16(sa + r * Fm::kRowBytes + a_chunk<F>(r, c) * 16, src, ok);
+    const int64_t goff = Fm::code_off(gi);
+    const bool g_ok = goff + 16 * c_a < climit;
+#pragma unroll
+    for (int m = 0; m < kCa; ++m) {
+      const bool ok = g_ok && (rows_ok >> m & 1u);
+      const uint8_t* row =
+          gate_up && m >= kCa / 2 ? wa1 + (m - kCa / 2) * w_step : wa0 + m * w_step;
+      ptx::cp_async16(sa + a_dst + uint32_t(m * kRowStep * Fm::kRowBytes), ok ? row + goff : jb.w0,
+                      ok);
     }
-    if constexpr (!kBf16) {
-      for (int r = tid; r < kBN; r += kThreads) {
-        const int rr = gate_up ? r % (kBN / 2) : r;
-        const uint8_t* base = gate_up && r >= kBN / 2 ? jb.w1 : jb.w0;
-        const bool ok = rr < jb.rows;
-        cp_async4(ss + r * 4, ok ? base + rr * jb.w_stride + Fm::scale_off(jb.K, gi) : base, ok);
-      }
-    }
-    if constexpr (XF) {
-      for (int i = tid; i < jb.tokens * 32; i += kThreads) {
-        const int r = i / 32, u = i % 32;
-        const int64_t k = gi * kGroup + 4 * u;
-        const bool ok = k < jb.K;  // zeros past K
-        const float* src = ok ? jb.xf + r * jb.ldx + k : jb.xf;
-        ptx::cp_async16(sb + r * kTokRowF32 + f32_unit(r, u) * 16, src, ok);
-      }
-    } else {
-      for (int i = tid; i < jb.tokens * 16; i += kThreads) {
-        const int r = i / 16, c = i % 16;
-        const int64_t k = gi * kGroup + 8 * c;
-        const bool ok = k < jb.kp;
-        const __nv_bfloat16* src = ok ? jb.x + r * jb.ldx + k : jb.x;
-        ptx::cp_async16(sb + r * kTokRow + b_chunk(r, c) * 16, src, ok);
-      }
+    if constexpr (!kBf16)
+      cp_async4(ss + tid * 4,
+                s_ok ? s_src + (Fm::scale_off(jb.K, gi) - Fm::scale_off(jb.K, 0)) : s_src, s_ok);
+    const int64_t k = gi * kGroup + x_k0;
+    const bool k_ok = k < x_limit;
+    const int64_t x_off = gi * kGroup * (XF ? 4 : 2);
+#pragma unroll
+    for (int m = 0; m < BT / kTokStep; ++m) {
+      if (tr0 + m * kTokStep >= jb.tokens) break;
+      ptx::cp_async16(sb + b_dst + uint32_t(m * kTokStep * (XF ? kTokRowF32 : kTokRow)),
+                      k_ok ? x_src + m * x_step + x_off : x_src, k_ok);
     }
   };
 #pragma unroll
