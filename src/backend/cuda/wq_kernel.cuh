@@ -33,16 +33,15 @@ constexpr int kBT = 64;   // tokens per CTA (prefill); decode variants take 8 or
 template <WqFormat F>
 constexpr int kStagesOf = F == WqFormat::BF16 ? 3 : 4;
 // CTAs per SM the register budget is cut for: decode variants are latency-bound, so they keep
-// several CTAs resident (W4A16's 8-token variant five, in 96 registers since each thread's
-// copy addresses are computed once, not per stage; fewer registers than these spill).
+// several CTAs resident (their shared memory allows 5; fewer registers than this spill or, for
+// W4A16, serialize the dequantization: at 5 CTAs (96 registers) its MoE at T = 8 went 95 ->
+// 106 us on the H200).
 __host__ __device__ constexpr int min_ctas(int bt) {
   return bt <= 8 ? 4 : bt <= 16 ? 3 : 1;
 }
 template <WqFormat F>
 __host__ __device__ constexpr int min_ctas_of(int bt) {
-  return F == WqFormat::BF16               ? (bt <= 16 ? 2 : 1)
-         : F == WqFormat::W4A16 && bt <= 8 ? 5
-                                           : min_ctas(bt);
+  return F == WqFormat::BF16 ? (bt <= 16 ? 2 : 1) : min_ctas(bt);
 }
 constexpr int kGroup = 128;
 constexpr int kTokRow = kGroup * 2;  // staged bytes per token row (BF16)
