@@ -67,13 +67,13 @@ void set_smem_limit(Kernel k) {
 // puts its sums in its shared memory, and CTA z of the cluster adds up slice z of the tile over
 // the cluster's CTAs in split order, as reduce_kernel does (the same bits).
 constexpr int kMaxClusterSplits = 16;  // non-portable cluster size: H100 / H200 take 16
-constexpr int kTileLd = kBN + 4;       // floats per token row of the tile (t spreads banks)
 
 template <WqFormat F, int BT>
 __device__ void reduce_in_cluster(const DenseArgs& a, const float (&acc)[kRM][BT / 8][4],
                                   uint8_t* smem, int64_t n0, int64_t t0, int rows, int toks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
+  constexpr int kTileLd = kBN + 4;  // floats per token row of the tile (t spreads banks)
   const cg::cluster_group cluster = cg::this_cluster();
   float* tile = reinterpret_cast<float*>(smem);  // [BT][kTileLd]
   __syncthreads();                               // every warp is past the pipeline's stages
