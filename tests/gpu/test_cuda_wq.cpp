@@ -50,6 +50,23 @@ std::vector<float> gpu_matmul(const TensorView& w, const std::vector<float>& x, 
   return out;
 }
 
+// A dense F32 tensor of the backend's, downloaded.
+std::vector<float> download_f32(const TensorView& v) {
+  Backend& be = cuda_backend();
+  std::vector<float> host(size_t(v.numel()));
+  be.download(host.data(), test::make_view(v.data, DType::F32, {v.numel()}, be.device()),
+              host.size() * 4);
+  return host;
+}
+
+// out = x . w^T through cuda::wq_matmul on the test's own stream (the backend's own choice of
+// kernel bypassed), downloaded.
+std::vector<float> wq_direct(const TensorView& x, const TensorView& w, const TensorView& out) {
+  cuda::wq_matmul(launch_context().get(), x, w, out);
+  EXPECT_EQ(cudaSuccess, cudaStreamSynchronize(launch_context().stream()));
+  return download_f32(out);
+}
+
 TEST(CudaWq, MatmulMatchesTheDequantizedProduct) {
   DS_REQUIRE_GPU();
   for (DType t : {DType::W4A16, DType::FP8W}) {
@@ -151,7 +168,6 @@ TEST(CudaWq, MatmulIsBatchInvariantUpTo64Rows) {
 TEST(CudaWq, Bf16MatmulMatchesTheReferenceAndIsBatchInvariant) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
-  const cuda::Context& ctx = launch_context().get();
   struct Shape {
     int64_t n, k;
   };
@@ -176,17 +192,10 @@ TEST(CudaWq, Bf16MatmulMatchesTheReferenceAndIsBatchInvariant) {
       TensorView xv = test::make_view(xd->data(), DType::F32, {M, K}, be.device());
       xv.stride[0] = ldx * 4;
       TensorView ov = test::make_view(od->data(), DType::F32, {M, N}, be.device());
-      if (backend) {
-        be.matmul(xv, w, ov);
-        be.synchronize();
-      } else {
-        cuda::wq_matmul(ctx, xv, w, ov);
-        EXPECT_EQ(cudaSuccess, cudaStreamSynchronize(launch_context().stream()));
-      }
-      std::vector<float> out(size_t(M * N));
-      be.download(out.data(), test::make_view(od->data(), DType::F32, {M * N}, be.device()),
-                  out.size() * 4);
-      return out;
+      if (!backend) return wq_direct(xv, w, ov);
+      be.matmul(xv, w, ov);
+      be.synchronize();
+      return download_f32(ov);
     };
     const auto all = run(16, 0, false);
     int bad = 0;
@@ -227,7 +236,6 @@ TEST(CudaWq, Bf16MatmulMatchesTheReferenceAndIsBatchInvariant) {
 TEST(CudaWq, OneLaunchDecodeMatchesTheStagedPath) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
-  const cuda::Context& ctx = launch_context().get();
   struct Restore {
     ~Restore() {
       cuda::g_wq_stage_f32.force(-1);
@@ -271,12 +279,7 @@ TEST(CudaWq, OneLaunchDecodeMatchesTheStagedPath) {
         auto run = [&](int xf32, int cluster) {
           cuda::g_wq_stage_f32.force(xf32);
           cuda::g_wq_cluster.force(cluster);
-          cuda::wq_matmul(ctx, xv, w, ov);
-          EXPECT_EQ(cudaSuccess, cudaStreamSynchronize(launch_context().stream()));
-          std::vector<float> out(size_t(M * N));
-          be.download(out.data(), test::make_view(od->data(), DType::F32, {M * N}, be.device()),
-                      out.size() * 4);
-          return out;
+          return wq_direct(xv, w, ov);
         };
         const auto staged = run(0, 0);
         const int modes[][2] = {{1, 0}, {0, 1}, {1, 1}, {1, 1}};  // F32 x, clusters
