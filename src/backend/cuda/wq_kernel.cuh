@@ -225,8 +225,9 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   constexpr int kStages = kStagesOf<F>;
   constexpr int kTN = BT / 8;
   constexpr uint32_t kStage = kStageBytes<F, BT, XF>;
-  constexpr int kTokBytes = XF ? kTokRowF32 : kTokRow;
-  constexpr int kCa = Fm::kRowBytes / 16;  // weight chunks per row and group
+  constexpr int kTokBytes = XF ? kTokRowF32 : kTokRow;  // staged bytes per token row
+  constexpr int kXBytes = XF ? 4 : 2;                   // bytes per element of x
+  constexpr int kCa = Fm::kRowBytes / 16;               // weight chunks per row and group
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const bool gate_up = jb.w1 != nullptr;
   const uint32_t s0 = ptx::smem_u32(smem);
@@ -236,7 +237,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   // from w0, the second from w1), the scale word of row tid, and token chunks of rows
   // tr0 + m * kTokStep. The steps are even, so each row keeps r0's chunk swizzle.
   constexpr int kRowStep = kThreads / kCa;
-  constexpr int kTokChunks = XF ? kTokRowF32 / 16 : kTokRow / 16;  // 16-byte units per row
+  constexpr int kTokChunks = kTokBytes / 16;  // 16-byte units per row
   constexpr int kTokStep = kThreads / kTokChunks;
   const int c_a = tid % kCa, r0 = tid / kCa;
   const int64_t w_step = int64_t(kRowStep) * jb.w_stride;
@@ -258,17 +259,17 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     s_src = s_ok ? base + int64_t(rr) * jb.w_stride + Fm::scale_off(jb.K, 0) : base;
   }
   const int tc = tid % kTokChunks, tr0 = tid / kTokChunks;
-  const int64_t x_k0 = int64_t(XF ? 4 : 8) * tc;  // the chunk's first k in a group
+  const int64_t x_k0 = int64_t(16 / kXBytes) * tc;  // the chunk's first k in a group
   uint32_t b_dst;
   const uint8_t* x_src;
   if constexpr (XF) {
-    b_dst = uint32_t(tr0 * kTokRowF32 + f32_unit(tr0, tc) * 16);
+    b_dst = uint32_t(tr0 * kTokBytes + f32_unit(tr0, tc) * 16);
     x_src = reinterpret_cast<const uint8_t*>(jb.xf + tr0 * jb.ldx + x_k0);
   } else {
-    b_dst = uint32_t(tr0 * kTokRow + b_chunk(tr0, tc) * 16);
+    b_dst = uint32_t(tr0 * kTokBytes + b_chunk(tr0, tc) * 16);
     x_src = reinterpret_cast<const uint8_t*>(jb.x + tr0 * jb.ldx + x_k0);
   }
-  const int64_t x_step = int64_t(kTokStep) * jb.ldx * (XF ? 4 : 2);  // bytes between its rows
+  const int64_t x_step = int64_t(kTokStep) * jb.ldx * kXBytes;  // bytes between its rows
   const int64_t x_limit = XF ? jb.K : jb.kp;  // zeros from here (K for F32 rows, kp staged)
   auto load = [&](int stage, int kt) {
     const int64_t gi = jb.g_begin + kt;
@@ -288,11 +289,11 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
                 s_ok ? s_src + (Fm::scale_off(jb.K, gi) - Fm::scale_off(jb.K, 0)) : s_src, s_ok);
     const int64_t k = gi * kGroup + x_k0;
     const bool k_ok = k < x_limit;
-    const int64_t x_off = gi * kGroup * (XF ? 4 : 2);
+    const int64_t x_off = gi * kGroup * kXBytes;
 #pragma unroll
     for (int m = 0; m < BT / kTokStep; ++m) {
       if (tr0 + m * kTokStep >= jb.tokens) break;
-      ptx::cp_async16(sb + b_dst + uint32_t(m * kTokStep * (XF ? kTokRowF32 : kTokRow)),
+      ptx::cp_async16(sb + b_dst + uint32_t(m * kTokStep * kTokBytes),
                       k_ok ? x_src + m * x_step + x_off : x_src, k_ok);
     }
   };
