@@ -13,7 +13,8 @@
 #   http    deepserve serve on that checkpoint, then bench --url: mixed-idle, mixed, w2, http-1024
 #   profile the same with --profile-ops (eager, per-op times of the steady decode step)
 #   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks (with WqBench.*:
-#           W4A16 / FP8W tensor-core kernels, TB/s of weights and TFLOP/s)
+#           W4A16 / FP8W tensor-core kernels, TB/s of weights and TFLOP/s); MOEBENCH_ENVS
+#           runs the MoE one under each of several settings (as AB_ENVS)
 #   attnbench  MLA prefill attention TFLOP/s (expanded path; 8 x 1024 and 1 x 32768, 16/128 heads)
 #           and the attention kernels' timing table (decode GB/s at the W1/W2/W3 shapes)
 #   hfbase  the Hugging Face transformers baseline on the same checkpoint (tools/hf_baseline.py)
@@ -252,10 +253,16 @@ if has_stage gemmbench; then
 fi
 
 if has_stage moebench; then
-  log "MoE kernel micro-benchmark"
-  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter="${MOEBENCH_FILTER:-MoeBench.*:WqBench.*Moe}" \
-    >"$OUT/moe-bench.log" 2>&1
-  grep -vE "^\[|^$" "$OUT/moe-bench.log" | tail -60
+  # MOEBENCH_ENVS: run it once under each item (VAR=value, several joined by commas; "-" for
+  # the environment as it is), logs moe-bench-<item>.log; unset: once, moe-bench.log.
+  for kv in ${MOEBENCH_ENVS:--}; do
+    tag=""
+    [ "$kv" != - ] && tag=-$(echo "$kv" | tr '=,' '--' | tr 'A-Z_' 'a-z-')
+    log "MoE kernel micro-benchmark ${kv/#-/(as is)}"
+    env $([ "$kv" != - ] && echo "$kv" | tr ',' ' ') "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests \
+      --gtest_filter="${MOEBENCH_FILTER:-MoeBench.*:WqBench.*Moe}" >"$OUT/moe-bench$tag.log" 2>&1
+    grep -vE "^\[|^$" "$OUT/moe-bench$tag.log" | tail -60
+  done
 fi
 
 if has_stage attnbench; then
