@@ -512,12 +512,13 @@ void launch_ffn(const GroupedFfnArgs& a, const ExpertSplits& s, cudaStream_t str
   check_cuda(cudaGetLastError(), "wq moe down");
 }
 
-// Whether gate/up reads x's F32 rows itself (no gather launch): the decode variants, where the
-// larger token rows cost no resident CTA (as stages_f32 decides for the dense kernel).
+// Whether gate/up reads x's F32 rows itself (no gather launch): FP8W's decode variants. On the
+// H200 (1beb961, WqBench.Moe) that took FP8W's MoE at T = 8 from 125.5 to 118.1 us (V2-Lite)
+// and 348.2 to 329.5 (V2.5), but W4A16's from 84.9 to 103.2 and 229.0 to 287.1: its CTAs
+// stream half the weight bytes against the same F32 rows.
 bool experts_stage_f32(WqFormat f, const GroupedFfnArgs& a) {
-  return g_moe_wq_stage_f32.on() && a.num_tokens <= 16 &&
-         (a.num_tokens <= 8 || f != WqFormat::BF16) && a.hidden % 4 == 0 && a.x_stride % 4 == 0 &&
-         reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+  return g_moe_wq_stage_f32.on() && f == WqFormat::FP8W && a.num_tokens <= 16 &&
+         a.hidden % 4 == 0 && a.x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
 }
 
 // An expert holds each token at most once, so a step of T tokens never puts more than
@@ -534,14 +535,18 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
         launch_ffn<F, BT, true, false>(a, s, stream);
       else
         launch_ffn<F, BT, false, false>(a, s, stream);
-    } else if (cl) {
-      if (xi)
+    } else if constexpr (F == WqFormat::FP8W) {  // experts_stage_f32's only format
+      if (cl && xi)
         launch_ffn<F, BT, true, true>(a, s, stream);
-      else
+      else if (cl)
         launch_ffn<F, BT, true, false>(a, s, stream);
-    } else {
-      if (xi)
+      else if (xi)
         launch_ffn<F, BT, false, true>(a, s, stream);
+      else
+        launch_ffn<F, BT, false, false>(a, s, stream);
+    } else {
+      if (cl)
+        launch_ffn<F, BT, true, false>(a, s, stream);
       else
         launch_ffn<F, BT, false, false>(a, s, stream);
     }

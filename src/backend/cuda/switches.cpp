@@ -50,7 +50,7 @@ EnvSwitch g_wq_cluster{"DEEPSERVE_WQ_CLUSTER", "0", true};
 // 128-groups), summed across a thread-block cluster (sm_90; 1 elsewhere). The count depends on
 // K alone, never on the step's tokens, so a token's bits do not depend on its batch.
 EnvInt g_moe_wq_splits{"DEEPSERVE_MOE_WQ_SPLITS", 1, 1, 8};
-// Their decode variants read x's F32 rows through the sorted tokens and round them in the
+// FP8W's decode variants read x's F32 rows through the sorted tokens and round them in the
 // kernel (off: a gather launch into BF16 rows first). The same bits either way.
 EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
 
