@@ -7,7 +7,7 @@
 // group reads 16-byte chunk t of its rows (real k 32t .. 32t + 31) and, for k32 step p, feeds
 // real k 32t + 8p .. + 7 into two mmas. The token side uses the same permutation of k, so the
 // products are the true ones. W4A16 also pairs the codes of each 8-k chunk as (k, k + 4)
-// (two per 32-bit lop3, see dequant8_w4_biased): its activations are staged in that order
+// (two per 32-bit lop3, see dequant8_w4): its activations are staged in that order
 // (w4_stage_pos), by the producers of the BF16 rows.
 #pragma once
 
@@ -140,17 +140,20 @@ __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint3
   return r;
 }
 
-// Eight int4 codes (k order, low nibble first) -> four BF16x2 of 128 + code, exact: pair q
+// Eight int4 codes (k order, low nibble first) -> four BF16x2 of (code - 8), exact: pair q
 // holds codes (q, q + 4), nibbles q and q + 4 of w, which sit 16 bits apart, so one shift and
-// one lop3 place both in the mantissas of bf16 128. The codes' zero point (8) and the 128 come
-// off once per group and token: run_cta subtracts 136 times the group's activation sum (kBias),
-// where a subtraction per weight pair used to run (a third of the dequantization's issue).
-__device__ __forceinline__ void dequant8_w4_biased(uint32_t w, uint32_t (&o)[4]) {
+// one lop3 place both in the mantissas of bf16 128 (128 + code is exact), and one subtraction
+// removes 136.
+__device__ __forceinline__ void dequant8_w4(uint32_t w, uint32_t (&o)[4]) {
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
 #pragma unroll
-  for (int q = 0; q < 4; ++q) o[q] = lop3_and_or(w >> (4 * q), 0x000f000fu, 0x43004300u);
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t x = lop3_and_or(w >> (4 * q), 0x000f000fu, 0x43004300u);
+    __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&x);
+    h = __hsub2(h, bias);
+    o[q] = *reinterpret_cast<const uint32_t*>(&h);
+  }
 }
-constexpr float kW4Bias = 136.0f;  // 128 (the exponent trick) + 8 (the codes' zero point)
-
 // Eight e4m3 codes (two words, k order) -> four BF16x2, exact (e4m3 fits f16 and bf16).
 // (An integer form, sign and 7 bits shifted into a BF16 then one exact multiply by 2^120,
 // was ~6% slower on the H200 at T = 8: five issued instructions per pair against four.)
@@ -219,16 +222,6 @@ __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
 template <WqFormat F, int BT, bool XF = false, bool XI = false>
 __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
   static_assert(XF || !XI, "indexed token rows are F32");
-  // W4A16 multiplies 128 + code (dequant8_w4_biased) and takes 136 x the group's sum of the
-  // token's BF16 activations off each group's sum. That sum comes from mma with an all-ones A
-  // in the same k16 steps and order in every variant (so a token's bits do not depend on BT):
-  // each warp computes it for the decode variants (<= 2 token blocks), the warps share the
-  // blocks of the 64-token one through shared memory.
-  constexpr bool kBias = F == WqFormat::W4A16;
-  constexpr bool kXsShared = kBias && BT / 8 > 2;
-  __shared__ float xs_smem[kXsShared ? BT : 1];
-  constexpr uint32_t kOne2 = 0x3f803f80u;  // BF16x2 (1, 1)
-  const uint32_t ones[4] = {kOne2, kOne2, kOne2, kOne2};
   using Fm = Fmt<F>;
   constexpr bool kBf16 = F == WqFormat::BF16;  // no scales: products go straight into acc
   constexpr int kStages = kStagesOf<F>;
@@ -325,24 +318,6 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     for (int j = 0; j < kTN; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-  // B fragment of token block j at k32 step p from stage sb: chunk 4t + p of row 8j + g.
-  auto b_frag = [&](const uint8_t* sb, int j, int p) {
-    const int r = j * 8 + g;
-    if constexpr (XF) {  // chunk 4t + p is units 8t + 2p, + 1; rounded as to_bf16 would
-      const uint8_t* row = sb + r * kTokBytes;
-      const float4 lo = *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p) * 16);
-      const float4 hi = *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p + 1) * 16);
-      if constexpr (F == WqFormat::W4A16) {  // x0 x4 x1 x5 x2 x6 x3 x7 (w4_stage_pos)
-        return make_uint4(bf16x2_bits(lo.x, hi.x), bf16x2_bits(lo.y, hi.y), bf16x2_bits(lo.z, hi.z),
-                          bf16x2_bits(lo.w, hi.w));
-      } else {
-        return make_uint4(bf16x2_bits(lo.x, lo.y), bf16x2_bits(lo.z, lo.w), bf16x2_bits(hi.x, hi.y),
-                          bf16x2_bits(hi.z, hi.w));
-      }
-    } else {
-      return *reinterpret_cast<const uint4*>(sb + r * kTokBytes + b_chunk(r, 4 * t + p) * 16);
-    }
-  };
   const int KT = jb.g_end - jb.g_begin;
   const int tn = (jb.tokens + 7) / 8;  // token blocks with work
 #pragma unroll 1
@@ -386,32 +361,6 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     float part[kRM][kTN][4];  // this group's sums; token blocks >= tn stay untouched
     if constexpr (!kBf16)
       for_live_frags<kTN>(tn, [&](int i, int j, int q) { part[i][j][q] = 0.0f; });
-    // The token-side sums (kBias): xs[j] here, or warp w's blocks j = w, w + 4, ... into xs_smem.
-    float xs[kXsShared ? 1 : kTN][4];
-    if constexpr (kBias && !kXsShared) {
-#pragma unroll
-      for (int j = 0; j < kTN; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) xs[j][q] = 0.0f;
-    }
-    if constexpr (kXsShared) {
-#pragma unroll
-      for (int jw = 0; jw < kTN / kWarps; ++jw) {
-        const int j = jw * kWarps + warp;
-        if (j >= tn) break;
-        float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          const uint4 b = b_frag(sb, j, p);
-          ptx::mma_bf16(s4, ones, b.x, b.y);
-          ptx::mma_bf16(s4, ones, b.z, b.w);
-        }
-        if (g == 0) {
-          xs_smem[j * 8 + 2 * t] = s4[0];
-          xs_smem[j * 8 + 2 * t + 1] = s4[1];
-        }
-      }
-    }
     float(*sum)[kTN][4] = kBf16 ? acc : part;  // where this group's products go
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
@@ -431,7 +380,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
             dequant8_f8((p & 1) ? v.z : v.x, (p & 1) ? v.w : v.y, d[h]);
           } else {
             const uint4 v = raw[i][h][0];
-            dequant8_w4_biased(p == 0 ? v.x : p == 1 ? v.y : p == 2 ? v.z : v.w, d[h]);
+            dequant8_w4(p == 0 ? v.x : p == 1 ? v.y : p == 2 ? v.z : v.w, d[h]);
           }
         }
 #pragma unroll
@@ -445,27 +394,33 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
 #pragma unroll
       for (int j = 0; j < kTN; ++j) {
         if (j >= tn) break;
-        const uint4 b = b_frag(sb, j, p);
+        const int r = j * 8 + g;
+        uint4 b;
+        if constexpr (XF) {  // chunk 4t + p is units 8t + 2p, + 1; rounded as to_bf16 would
+          const uint8_t* row = sb + r * kTokBytes;
+          const float4 lo = *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p) * 16);
+          const float4 hi =
+              *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p + 1) * 16);
+          if constexpr (F == WqFormat::W4A16) {  // x0 x4 x1 x5 x2 x6 x3 x7 (w4_stage_pos)
+            b = make_uint4(bf16x2_bits(lo.x, hi.x), bf16x2_bits(lo.y, hi.y),
+                           bf16x2_bits(lo.z, hi.z), bf16x2_bits(lo.w, hi.w));
+          } else {
+            b = make_uint4(bf16x2_bits(lo.x, lo.y), bf16x2_bits(lo.z, lo.w),
+                           bf16x2_bits(hi.x, hi.y), bf16x2_bits(hi.z, hi.w));
+          }
+        } else {
+          b = *reinterpret_cast<const uint4*>(sb + r * kTokBytes + b_chunk(r, 4 * t + p) * 16);
+        }
 #pragma unroll
         for (int i = 0; i < kRM; ++i) {
           ptx::mma_bf16(sum[i][j], a[i][0], b.x, b.y);
           ptx::mma_bf16(sum[i][j], a[i][1], b.z, b.w);
         }
-        if constexpr (kBias && !kXsShared) {
-          ptx::mma_bf16(xs[j], ones, b.x, b.y);
-          ptx::mma_bf16(xs[j], ones, b.z, b.w);
-        }
       }
     }
-    if constexpr (kXsShared) asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads));  // xs_smem
     if constexpr (!kBf16)
       for_live_frags<kTN>(tn, [&](int i, int j, int q) {
-        float v = part[i][j][q];
-        if constexpr (kXsShared)
-          v = fmaf(-kW4Bias, xs_smem[j * 8 + 2 * t + (q & 1)], v);
-        else if constexpr (kBias)
-          v = fmaf(-kW4Bias, xs[j][q & 1], v);
-        acc[i][j][q] = fmaf(v, sc[i][q >> 1], acc[i][j][q]);
+        acc[i][j][q] = fmaf(part[i][j][q], sc[i][q >> 1], acc[i][j][q]);
       });
   }
   ptx::cp_async_wait<0>();
