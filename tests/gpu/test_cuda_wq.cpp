@@ -344,12 +344,6 @@ void expert_ref(const QExperts& q, int e, const std::vector<double>& x, int64_t 
     }
 }
 
-// Forces g_moe_wq_splits for a scope (back to the environment's after).
-struct ForceSplits {
-  explicit ForceSplits(int s) { cuda::g_moe_wq_splits.force(s); }
-  ~ForceSplits() { cuda::g_moe_wq_splits.force(-1); }
-};
-
 // Routing for T tokens over E - shared routed experts: slot 0 is expert 0 for every token (more
 // than two 64-token tiles at T = 150); the rest spread over the others except expert 3, which
 // never gets a token.
@@ -370,91 +364,83 @@ void spread_routing(int64_t T, int k, int routed, std::vector<int32_t>& ids,
   }
 }
 
-// Each K split count the kernels take (g_moe_wq_splits: 1, and 4 where K has the groups: the
-// partial sums meet across a thread-block cluster on sm_90).
 TEST(CudaWq, MoeFfnMatchesTheDequantizedExperts) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
   const int E = 12, k = 6;
-  for (int splits : {1, 4})
-    for (DType t : {DType::W4A16, DType::FP8W}) {
-      SCOPED_TRACE("splits " + std::to_string(splits));
-      const ForceSplits force(splits);
-      // W4A16: 9 and 5 groups (3 x 3 and 3 + 2 at 4 splits); FP8W: DeepSeek-V2-Lite's
-      // F = 1408 (11 groups) and H = 1288 (10 whole groups and 8 columns: 3 + 3 + 3 + 2).
-      const int64_t H = t == DType::W4A16 ? 1152 : 1288, F = t == DType::W4A16 ? 640 : 1408;
-      const QExperts q = make_experts(t, E, H, F);
-      for (int shared : {0, 2}) {
-        for (int64_t T : {1, 3, 8, 12, 17, 64, 150}) {
-          std::vector<int32_t> ids;
-          std::vector<float> wts;
-          spread_routing(T, k, E - shared, ids, wts);
-          const auto x = test::random_floats(size_t(T * H), uint32_t(T + 11 * shared));
-          const auto got = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
-          int bad = 0;
-          for (int64_t i = 0; i < T && bad < 5; ++i) {
-            if (T > 17 && i % 5 != 0 && i != T - 1) continue;  // a sample keeps the host quick
-            std::vector<double> xr(static_cast<size_t>(H)), want(size_t(H), 0.0),
-                mag(size_t(H), 0.0), y, ym;
-            for (int64_t c = 0; c < H; ++c) xr[size_t(c)] = test::bf16_round(x[size_t(i * H + c)]);
-            for (int j = 0; j < k + shared; ++j) {
-              const int e = j < k ? ids[size_t(i * k + j)] : E - shared + (j - k);
-              const double wj = j < k ? wts[size_t(i * k + j)] : 1.0;
-              expert_ref(q, e, xr, H, F, y, ym);
-              for (int64_t c = 0; c < H; ++c) {
-                want[size_t(c)] += wj * y[size_t(c)];
-                mag[size_t(c)] += std::fabs(wj) * ym[size_t(c)];
-              }
+  for (DType t : {DType::W4A16, DType::FP8W}) {
+    // W4A16: 9 and 5 groups; FP8W: DeepSeek-V2-Lite's F = 1408 (11 groups) and H = 1288 (10
+    // whole groups and 8 columns).
+    const int64_t H = t == DType::W4A16 ? 1152 : 1288, F = t == DType::W4A16 ? 640 : 1408;
+    const QExperts q = make_experts(t, E, H, F);
+    for (int shared : {0, 2}) {
+      for (int64_t T : {1, 3, 8, 12, 17, 64, 150}) {
+        std::vector<int32_t> ids;
+        std::vector<float> wts;
+        spread_routing(T, k, E - shared, ids, wts);
+        const auto x = test::random_floats(size_t(T * H), uint32_t(T + 11 * shared));
+        const auto got = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+        int bad = 0;
+        for (int64_t i = 0; i < T && bad < 5; ++i) {
+          if (T > 17 && i % 5 != 0 && i != T - 1) continue;  // a sample keeps the host quick
+          std::vector<double> xr(static_cast<size_t>(H)), want(size_t(H), 0.0), mag(size_t(H), 0.0),
+              y, ym;
+          for (int64_t c = 0; c < H; ++c) xr[size_t(c)] = test::bf16_round(x[size_t(i * H + c)]);
+          for (int j = 0; j < k + shared; ++j) {
+            const int e = j < k ? ids[size_t(i * k + j)] : E - shared + (j - k);
+            const double wj = j < k ? wts[size_t(i * k + j)] : 1.0;
+            expert_ref(q, e, xr, H, F, y, ym);
+            for (int64_t c = 0; c < H; ++c) {
+              want[size_t(c)] += wj * y[size_t(c)];
+              mag[size_t(c)] += std::fabs(wj) * ym[size_t(c)];
             }
-            for (int64_t c = 0; c < H && bad < 5; ++c) {
-              const double g = got[size_t(i * H + c)];
-              // h may round to the other BF16 neighbour: 2^-8 of the magnitude covers it.
-              if (!(std::fabs(g - want[size_t(c)]) <= mag[size_t(c)] / 256 + 1e-6)) {
-                ADD_FAILURE() << fmt_name(t) << " T " << T << " shared " << shared << " token " << i
-                              << " col " << c << ": " << g << " vs " << want[size_t(c)]
-                              << " (magnitude " << mag[size_t(c)] << ")";
-                ++bad;
-              }
+          }
+          for (int64_t c = 0; c < H && bad < 5; ++c) {
+            const double g = got[size_t(i * H + c)];
+            // h may round to the other BF16 neighbour: 2^-8 of the magnitude covers it.
+            if (!(std::fabs(g - want[size_t(c)]) <= mag[size_t(c)] / 256 + 1e-6)) {
+              ADD_FAILURE() << fmt_name(t) << " T " << T << " shared " << shared << " token " << i
+                            << " col " << c << ": " << g << " vs " << want[size_t(c)]
+                            << " (magnitude " << mag[size_t(c)] << ")";
+              ++bad;
             }
           }
         }
       }
     }
+  }
 }
 
-// A token's output does not depend on its batch: alone (the 8-token kernels), among 12 (the
-// 16-token ones) and among 150 (the 64-token prefill tiles) it is the same bits, with K split
-// across a cluster (3 parts of the 8 and 6 groups) and without.
-TEST(CudaWq, MoeFfnIsBatchInvariantWithSplitK) {
+// A token's output does not depend on its batch: alone and among 12 (the 8- and 16-token
+// kernels; FP8W's read x's F32 rows through the sorted tokens) it is the same bits as among
+// 150 (the 64-token tiles over the BF16 rows gathered first).
+TEST(CudaWq, MoeFfnIsBatchInvariant) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
   const int E = 12, k = 6, shared = 2;
   const int64_t H = 1024, F = 768, T = 150;
   for (DType t : {DType::W4A16, DType::FP8W}) {
+    SCOPED_TRACE(fmt_name(t));
     const QExperts q = make_experts(t, E, H, F);
     std::vector<int32_t> ids;
     std::vector<float> wts;
     spread_routing(T, k, E - shared, ids, wts);
     const auto x = test::random_floats(size_t(T * H), 77);
-    for (int splits : {1, 3}) {
-      SCOPED_TRACE(std::string(fmt_name(t)) + " splits " + std::to_string(splits));
-      const ForceSplits force(splits);
-      const auto batch = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
-      const auto first12 = moe_test::run_moe_ffn(
-          be, std::span(x).first(size_t(12 * H)), std::span(ids).first(size_t(12 * k)),
-          std::span(wts).first(size_t(12 * k)), q.dev, shared, 12, H, k);
-      EXPECT_EQ(0, std::memcmp(first12.data(), batch.data(), first12.size() * 4))
-          << "the first 12 tokens differ from the same tokens among 150";
-      int mismatched = 0;
-      for (int64_t i = 0; i < T && mismatched < 3; i += 7) {
-        const auto alone = moe_test::run_moe_ffn(be, std::span(x).subspan(size_t(i * H), size_t(H)),
-                                                 std::span(ids).subspan(size_t(i * k), size_t(k)),
-                                                 std::span(wts).subspan(size_t(i * k), size_t(k)),
-                                                 q.dev, shared, 1, H, k);
-        if (std::memcmp(alone.data(), batch.data() + i * H, size_t(H) * 4) != 0) {
-          ADD_FAILURE() << "token " << i << " alone differs from the batch";
-          ++mismatched;
-        }
+    const auto batch = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+    const auto first12 = moe_test::run_moe_ffn(
+        be, std::span(x).first(size_t(12 * H)), std::span(ids).first(size_t(12 * k)),
+        std::span(wts).first(size_t(12 * k)), q.dev, shared, 12, H, k);
+    EXPECT_EQ(0, std::memcmp(first12.data(), batch.data(), first12.size() * 4))
+        << "the first 12 tokens differ from the same tokens among 150";
+    int mismatched = 0;
+    for (int64_t i = 0; i < T && mismatched < 3; i += 7) {
+      const auto alone = moe_test::run_moe_ffn(be, std::span(x).subspan(size_t(i * H), size_t(H)),
+                                               std::span(ids).subspan(size_t(i * k), size_t(k)),
+                                               std::span(wts).subspan(size_t(i * k), size_t(k)),
+                                               q.dev, shared, 1, H, k);
+      if (std::memcmp(alone.data(), batch.data() + i * H, size_t(H) * 4) != 0) {
+        ADD_FAILURE() << "token " << i << " alone differs from the batch";
+        ++mismatched;
       }
     }
   }

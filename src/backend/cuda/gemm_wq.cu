@@ -9,8 +9,6 @@
 
 #include <algorithm>
 #include <string>
-#include <tuple>
-#include <utility>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm_wq.cuh"
@@ -70,56 +68,36 @@ void set_smem_limit(Kernel k) {
 // the cluster's CTAs in split order, as reduce_kernel does (the same bits).
 constexpr int kMaxClusterSplits = 16;  // non-portable cluster size: H100 / H200 take 16
 
-constexpr int kTileLd = kBN + 4;  // floats per token row of a parked tile (t spreads banks)
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Parks the CTA's sums in its shared memory as tile[tok][row] (GU: run_cta's gate/up rows) and
-// waits for the whole cluster to have done the same.
-template <WqFormat F, int BT, bool GU = false>
-__device__ float* park_in_cluster(const float (&acc)[kRM][BT / 8][4], uint8_t* smem) {
-  float* tile = reinterpret_cast<float*>(smem);  // [BT][kTileLd]
-  __syncthreads();                               // every warp is past the pipeline's stages
-  for_each_out<F, BT / 8, GU>(acc, [&](int r, int k, float v) { tile[k * kTileLd + r] = v; });
-  cooperative_groups::this_cluster().sync();
-  return tile;
-}
-
-// Element `at` of the parked tiles summed over the cluster's S CTAs in split order.
-__device__ __forceinline__ float cluster_sum(const float* tile, int at, int S) {
-  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  float v[kMaxClusterSplits];
-#pragma unroll
-  for (int c = 0; c < kMaxClusterSplits; ++c)
-    if (c < S) v[c] = *cluster.map_shared_rank(const_cast<float*>(tile) + at, c);
-  float sum = v[0];
-#pragma unroll
-  for (int c = 1; c < kMaxClusterSplits; ++c)
-    if (c < S) sum += v[c];
-  return sum;
-}
-
-// Calls f(e) for this CTA's slice of n elements (CTA z of S takes the z-th of S slices).
-template <typename Fn>
-__device__ __forceinline__ void for_cluster_slice(int n, int S, Fn&& f) {
-  const int z = int(cooperative_groups::this_cluster().block_rank());
-  const int per = (n + S - 1) / S, e1 = min(n, (z + 1) * per);
-  for (int e = z * per + int(threadIdx.x); e < e1; e += kThreads) f(e);
-}
-#endif
-
 template <WqFormat F, int BT>
 __device__ void reduce_in_cluster(const DenseArgs& a, const float (&acc)[kRM][BT / 8][4],
                                   uint8_t* smem, int64_t n0, int64_t t0, int rows, int toks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const float* tile = park_in_cluster<F, BT>(acc, smem);
-  for_cluster_slice(BT * kBN, a.splits, [&](int e) {
-    const int r = e % kBN, k = e / kBN;
-    const float sum = cluster_sum(tile, k * kTileLd + r, a.splits);
+  namespace cg = cooperative_groups;
+  constexpr int kTileLd = kBN + 4;  // floats per token row of the tile (t spreads banks)
+  const cg::cluster_group cluster = cg::this_cluster();
+  float* tile = reinterpret_cast<float*>(smem);  // [BT][kTileLd]
+  __syncthreads();                               // every warp is past the pipeline's stages
+  for_each_out<F>(acc, [&](int r, int k, float v) { tile[k * kTileLd + r] = v; });
+  cluster.sync();
+  const int S = a.splits, z = int(cluster.block_rank());
+  constexpr int kE = BT * kBN;
+  const int per = (kE + S - 1) / S;
+  const int e1 = min(kE, (z + 1) * per);
+  for (int e = z * per + int(threadIdx.x); e < e1; e += kThreads) {
+    const int r = e % kBN, k = e / kBN, at = k * kTileLd + r;
+    float v[kMaxClusterSplits];
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSplits; ++c)
+      if (c < S) v[c] = *cluster.map_shared_rank(tile + at, c);
+    float sum = v[0];
+#pragma unroll
+    for (int c = 1; c < kMaxClusterSplits; ++c)
+      if (c < S) sum += v[c];
     if (r < rows && k < toks) a.out[(t0 + k) * a.ldo + n0 + r] = sum;
-  });
-  cooperative_groups::this_cluster().sync();  // the other CTAs read this one's tile up to here
+  }
+  cluster.sync();  // the other CTAs read this one's tile up to here
 #else
-  __trap();    // launched on sm_90+ only (cluster_splits)
+  __trap();  // launched on sm_90+ only (cluster_splits)
 #endif
 }
 
@@ -342,10 +320,9 @@ __device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
 }
 
 // The CtaJob of a tile's tokens (rows of x, K wide) against `rows` weight rows at w0 (and w1,
-// gate/up), over K's groups in split blockIdx.z (gps groups each).
+// gate/up), over all of K's groups.
 __device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, const uint8_t* w1,
-                                           int64_t w_stride, int rows, const void* x, int K,
-                                           int gps) {
+                                           int64_t w_stride, int rows, const void* x, int K) {
   CtaJob jb;
   jb.w0 = w0;
   jb.w1 = w1;
@@ -356,8 +333,8 @@ __device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, co
   jb.kp = K;
   jb.tokens = tl.rows;
   jb.K = K;
-  jb.g_begin = int(blockIdx.z) * gps;
-  jb.g_end = min((K + kGroup - 1) / kGroup, jb.g_begin + gps);
+  jb.g_begin = 0;
+  jb.g_end = (K + kGroup - 1) / kGroup;
   return jb;
 }
 
@@ -367,33 +344,22 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
   return F == WqFormat::BF16 ? ld * 2 : ld;
 }
 
-__device__ __forceinline__ __nv_bfloat16 silu_mul(float g, float u) {
-  return __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
-}
-
-// K splits of the expert kernels (ExpertSplits): S CTAs of one cluster (grid z) each take gps
-// of K's 128-groups; CL: S > 1 (sums across the cluster, sm_90).
-struct ExpertSplits {
-  int gate_up = 1, gate_up_gps = 0, down = 1, down_gps = 0;
-};
-
-// Grid (ceil(F / 64), tiles, splits): h[p, f] = bf16(silu(gate_f . x_p) * (up_f . x_p)), h
-// staged for down's format (staged_col). BT >= the most tokens a tile can hold. XI: x's F32
-// rows staged through the sorted tokens (rounded in the kernel), else a.xa gathered in BF16.
-template <WqFormat F, int BT, bool CL, bool XI>
-__global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT))
-    gate_up_kernel(GroupedFfnArgs a, int S, int gps) {
+// Grid (ceil(F / 64), tiles): h[p, f] = bf16(silu(gate_f . x_p) * (up_f . x_p)), h staged
+// for down's format (staged_col). BT >= the most tokens a tile can hold. XI: x's F32 rows
+// staged through the sorted tokens (rounded in the kernel), else a.xa gathered in BF16.
+template <WqFormat F, int BT, bool XI>
+__global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) gate_up_kernel(GroupedFfnArgs a) {
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile tl = tile_of(a.lists, blockIdx.y);
-  if (tl.e < 0) return;  // the whole cluster (one tile)
+  if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
   const int H = a.hidden, Fi = a.inter, f0 = blockIdx.x * (kBN / 2);
   const int64_t gate_ld = ld_bytes<F>(ex.gate_ld), up_ld = ld_bytes<F>(ex.up_ld);
   // One row stride serves both matrices (the table's check: gate and up rows alike).
   CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * gate_ld,
                        static_cast<const uint8_t*>(ex.up) + int64_t(f0) * up_ld, gate_ld,
-                       min(kBN / 2, Fi - f0), a.xa, H, gps);
+                       min(kBN / 2, Fi - f0), a.xa, H);
   if constexpr (XI) {
     jb.xf = a.x;
     jb.ldx = a.x_stride;
@@ -401,38 +367,23 @@ __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT))
   }
   float acc[kRM][BT / 8][4];
   run_cta<F, BT, XI, XI>(jb, smem, acc);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   auto* h = static_cast<__nv_bfloat16*>(a.h);
-  if constexpr (CL) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const float* tile = park_in_cluster<F, BT, true>(acc, smem);
-    for_cluster_slice(BT * (kBN / 2), S, [&](int e) {
-      const int f = e % (kBN / 2), tok = e / (kBN / 2);
-      const float gv = cluster_sum(tile, tok * kTileLd + f, S);
-      const float uv = cluster_sum(tile, tok * kTileLd + kBN / 2 + f, S);
-      if (f0 + f < Fi && tok < tl.rows)
-        h[int64_t(tl.begin + tok) * Fi + staged_col<F>(f0 + f)] = silu_mul(gv, uv);
-    });
-    cooperative_groups::this_cluster().sync();
-#else
-    __trap();  // launched on sm_90+ only
-#endif
-  } else {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int j = 0; j < BT / 8; ++j)
+  for (int j = 0; j < BT / 8; ++j)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int f = f0 + warp * 16 + g + 8 * (q >> 1), tok = j * 8 + 2 * t + (q & 1);
-        if (f >= Fi || tok >= tl.rows) continue;
-        h[int64_t(tl.begin + tok) * Fi + staged_col<F>(f)] = silu_mul(acc[0][j][q], acc[1][j][q]);
-      }
-  }
+    for (int q = 0; q < 4; ++q) {
+      const int f = f0 + warp * 16 + g + 8 * (q >> 1), tok = j * 8 + 2 * t + (q & 1);
+      if (f >= Fi || tok >= tl.rows) continue;
+      const float gv = acc[0][j][q], uv = acc[1][j][q];
+      h[int64_t(tl.begin + tok) * Fi + staged_col<F>(f)] =
+          __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv);
+    }
 }
 
-// Grid (ceil(hidden / 128), tiles, splits): y[p, n] = down_n . h_p.
-template <WqFormat F, int BT, bool CL>
-__global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT))
-    down_kernel(GroupedFfnArgs a, int S, int gps) {
+// Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p.
+template <WqFormat F, int BT>
+__global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) down_kernel(GroupedFfnArgs a) {
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile tl = tile_of(a.lists, blockIdx.y);
@@ -441,58 +392,20 @@ __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT))
   const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
   const int64_t down_ld = ld_bytes<F>(ex.down_ld);
   const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
-                             nullptr, down_ld, min(kBN, H - n0), a.h, Fi, gps);
+                             nullptr, down_ld, min(kBN, H - n0), a.h, Fi);
   float acc[kRM][BT / 8][4];
   run_cta<F, BT>(jb, smem, acc);
-  if constexpr (CL) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const float* tile = park_in_cluster<F, BT>(acc, smem);
-    for_cluster_slice(BT * kBN, S, [&](int e) {
-      const int r = e % kBN, tok = e / kBN;
-      const float sum = cluster_sum(tile, tok * kTileLd + r, S);
-      if (n0 + r < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + n0 + r] = sum;
-    });
-    cooperative_groups::this_cluster().sync();
-#else
-    __trap();
-#endif
-  } else {
-    for_each_out<F, BT / 8>(acc, [&](int r, int tok, float v) {
-      const int row = n0 + r;
-      if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
-    });
-  }
+  for_each_out<F>(acc, [&](int r, int tok, float v) {
+    const int row = n0 + r;
+    if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
+  });
 }
 
-// K in S parts of gps groups: at most `want` and G / 2 parts, none empty.
-std::pair<int, int> split_groups(int64_t K, int want) {
-  const int G = int((K + kGroup - 1) / kGroup);
-  const int s = std::clamp(want, 1, std::max(1, G / 2));
-  const int gps = (G + s - 1) / s;
-  return {(G + gps - 1) / gps, gps};
-}
-
-// The splits for experts of hidden H and F: from g_moe_wq_splits and K alone (never from the
-// step's tokens: a token's sums keep their order in every batch), 1 without clusters (sm_90).
-ExpertSplits expert_splits(int64_t H, int64_t Fi) {
-  const int want = pdl::hopper() ? g_moe_wq_splits.value() : 1;
-  ExpertSplits s;
-  std::tie(s.gate_up, s.gate_up_gps) = split_groups(H, want);
-  std::tie(s.down, s.down_gps) = split_groups(Fi, want);
-  return s;
-}
-
-template <WqFormat F, int BT, bool XF, typename Kernel>
-void prepare_expert_kernel(Kernel k) {
-  set_smem_limit<F, BT, XF>(k);
-  static_assert(size_t(BT) * kTileLd * 4 <= kSmem<F, BT, XF>, "a parked tile fits the stages");
-}
-
-template <WqFormat F, int BT, bool CL, bool XI>
-void launch_ffn(const GroupedFfnArgs& a, const ExpertSplits& s, cudaStream_t stream) {
+template <WqFormat F, int BT, bool XI>
+void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   static const bool ready = [] {
-    prepare_expert_kernel<F, BT, XI>(gate_up_kernel<F, BT, CL, XI>);
-    prepare_expert_kernel<F, BT, false>(down_kernel<F, BT, CL>);
+    set_smem_limit<F, BT, XI>(gate_up_kernel<F, BT, XI>);
+    set_smem_limit<F, BT, false>(down_kernel<F, BT>);
     return true;
   }();
   (void)ready;
@@ -501,14 +414,11 @@ void launch_ffn(const GroupedFfnArgs& a, const ExpertSplits& s, cudaStream_t str
                        a.num_tokens * a.top_k, a.hidden, a.xa, stream,
                        /*w4_order=*/F == WqFormat::W4A16);
   const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
-  pdl::launch_clusters(gate_up_kernel<F, BT, CL, XI>,
-                       dim3(ceil_div(a.inter, kBN / 2), tiles, unsigned(s.gate_up)), kThreads,
-                       kSmem<F, BT, XI>, stream, dim3(1, 1, unsigned(s.gate_up)), a, s.gate_up,
-                       s.gate_up_gps);
+  pdl::launch(gate_up_kernel<F, BT, XI>, dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads,
+              kSmem<F, BT, XI>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe gate/up");
-  pdl::launch_clusters(down_kernel<F, BT, CL>,
-                       dim3(ceil_div(a.hidden, kBN), tiles, unsigned(s.down)), kThreads,
-                       kSmem<F, BT>, stream, dim3(1, 1, unsigned(s.down)), a, s.down, s.down_gps);
+  pdl::launch(down_kernel<F, BT>, dim3(ceil_div(a.hidden, kBN), tiles), kThreads, kSmem<F, BT>,
+              stream, a);
   check_cuda(cudaGetLastError(), "wq moe down");
 }
 
@@ -516,9 +426,9 @@ void launch_ffn(const GroupedFfnArgs& a, const ExpertSplits& s, cudaStream_t str
 // H200 (1beb961, WqBench.Moe) that took FP8W's MoE at T = 8 from 125.5 to 118.1 us (V2-Lite)
 // and 348.2 to 329.5 (V2.5), but W4A16's from 84.9 to 103.2 and 229.0 to 287.1: its CTAs
 // stream half the weight bytes against the same F32 rows.
-bool experts_stage_f32(WqFormat f, const GroupedFfnArgs& a) {
-  return g_moe_wq_stage_f32.on() && f == WqFormat::FP8W && a.num_tokens <= 16 &&
-         a.hidden % 4 == 0 && a.x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+bool experts_stage_f32(const GroupedFfnArgs& a) {
+  return g_moe_wq_stage_f32.on() && a.num_tokens <= 16 && a.hidden % 4 == 0 &&
+         a.x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
 }
 
 // An expert holds each token at most once, so a step of T tokens never puts more than
@@ -526,30 +436,11 @@ bool experts_stage_f32(WqFormat f, const GroupedFfnArgs& a) {
 template <WqFormat F>
 void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   static_assert(kTileM == kBT, "a tile's tokens fit one CTA");
-  const ExpertSplits s = expert_splits(a.hidden, a.inter);
-  const bool cl = s.gate_up > 1 || s.down > 1;  // both launches cluster or neither
-  const bool xi = experts_stage_f32(F, a);
   with_bt(a.num_tokens, [&]<int BT>() {
-    if constexpr (BT == kBT) {  // prefill tiles: BF16 rows gathered
-      if (cl)
-        launch_ffn<F, BT, true, false>(a, s, stream);
-      else
-        launch_ffn<F, BT, false, false>(a, s, stream);
-    } else if constexpr (F == WqFormat::FP8W) {  // experts_stage_f32's only format
-      if (cl && xi)
-        launch_ffn<F, BT, true, true>(a, s, stream);
-      else if (cl)
-        launch_ffn<F, BT, true, false>(a, s, stream);
-      else if (xi)
-        launch_ffn<F, BT, false, true>(a, s, stream);
-      else
-        launch_ffn<F, BT, false, false>(a, s, stream);
-    } else {
-      if (cl)
-        launch_ffn<F, BT, true, false>(a, s, stream);
-      else
-        launch_ffn<F, BT, false, false>(a, s, stream);
+    if constexpr (F == WqFormat::FP8W && BT != kBT) {
+      if (experts_stage_f32(a)) return launch_ffn<F, BT, true>(a, stream);
     }
+    launch_ffn<F, BT, false>(a, stream);
   });
 }
 

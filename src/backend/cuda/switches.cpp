@@ -19,22 +19,6 @@ void EnvSwitch::force(int mode) {
   forced_.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed);
 }
 
-int EnvInt::value() const {
-  const int forced = forced_.load(std::memory_order_relaxed);
-  if (forced >= lo_ && forced <= hi_) return forced;
-  std::call_once(read_, [this] {
-    const char* v = std::getenv(name_);
-    char* end = nullptr;
-    const long n = v ? std::strtol(v, &end, 10) : 0;
-    env_ = v && end != v && *end == '\0' && n >= lo_ && n <= hi_ ? int(n) : default_;
-  });
-  return env_;
-}
-
-void EnvInt::force(int v) {
-  forced_.store(v >= lo_ && v <= hi_ ? v : -1, std::memory_order_relaxed);
-}
-
 EnvSwitch g_pdl{"DEEPSERVE_PDL", "0", true};
 EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "0", true};
 EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16", false};
@@ -46,10 +30,6 @@ EnvSwitch g_moe_prefill_timing{"DEEPSERVE_MOE_PREFILL_TIMING", "1", false};
 // launch after it). The same bits either way.
 EnvSwitch g_wq_stage_f32{"DEEPSERVE_WQ_XF32", "0", true};
 EnvSwitch g_wq_cluster{"DEEPSERVE_WQ_CLUSTER", "0", true};
-// The quantized MoE kernels split K into this many parts (at most, and at most half K's
-// 128-groups), summed across a thread-block cluster (sm_90; 1 elsewhere). The count depends on
-// K alone, never on the step's tokens, so a token's bits do not depend on its batch.
-EnvInt g_moe_wq_splits{"DEEPSERVE_MOE_WQ_SPLITS", 1, 1, 8};
 // FP8W's decode variants read x's F32 rows through the sorted tokens and round them in the
 // kernel (off: a gather launch into BF16 rows first). The same bits either way.
 EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};

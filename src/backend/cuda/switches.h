@@ -24,23 +24,6 @@ class EnvSwitch {
   std::atomic<int> forced_{-1};
 };
 
-// A small integer setting: default_value unless the variable `name` holds an integer in
-// [lo, hi].
-class EnvInt {
- public:
-  constexpr EnvInt(const char* name, int default_value, int lo, int hi)
-      : name_(name), default_(default_value), lo_(lo), hi_(hi) {}
-  int value() const;  // the forced value, else the environment's
-  void force(int v);  // v in [lo, hi]; anything else goes back to the environment
-
- private:
-  const char* name_;
-  int default_, lo_, hi_;
-  mutable std::once_flag read_;
-  mutable int env_ = 0;
-  std::atomic<int> forced_{-1};
-};
-
 // The switches (each documented where it acts).
 extern EnvSwitch g_pdl;                 // on; DEEPSERVE_PDL=0 turns it off
 extern EnvSwitch g_mla_prepare;         // on; DEEPSERVE_MLA_PREPARE=0 turns it off
@@ -50,7 +33,6 @@ extern EnvSwitch g_moe_tile32;          // on; DEEPSERVE_MOE_TILE=64 turns it of
 extern EnvSwitch g_moe_prefill_timing;  // off; DEEPSERVE_MOE_PREFILL_TIMING=1 turns it on
 extern EnvSwitch g_wq_stage_f32;        // on; DEEPSERVE_WQ_XF32=0 turns it off
 extern EnvSwitch g_wq_cluster;          // on; DEEPSERVE_WQ_CLUSTER=0 turns it off
-extern EnvInt g_moe_wq_splits;          // DEEPSERVE_MOE_WQ_SPLITS=1..8
 extern EnvSwitch g_moe_wq_stage_f32;    // on; DEEPSERVE_MOE_WQ_XF32=0 turns it off
 
 }  // namespace ds::cuda

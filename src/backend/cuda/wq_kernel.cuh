@@ -192,9 +192,9 @@ __device__ __forceinline__ int warp_row(bool gate_up, int warp, int i) {
   return gate_up ? i * (kBN / 2) + warp * 16 : warp * 32 + i * 16;
 }
 
-// Calls f(row, tok, v) for each value v of run_cta's acc, at the CTA row (gate/up: gate's
-// rows 0..63, up's 64..127) and token (from the CTA's first) that the thread's fragment holds.
-template <WqFormat F, int TN, bool GU = false, typename Fn>
+// Calls f(row, tok, v) for each value v of run_cta's acc without gate/up, at row and token
+// (from the CTA's first) that the thread's fragment holds.
+template <WqFormat F, int TN, typename Fn>
 __device__ __forceinline__ void for_each_out(const float (&acc)[kRM][TN][4], Fn&& f) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -203,7 +203,7 @@ __device__ __forceinline__ void for_each_out(const float (&acc)[kRM][TN][4], Fn&
     for (int j = 0; j < TN; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q)
-        f(warp_row<F>(GU, warp, i) + g + 8 * (q >> 1), j * 8 + 2 * t + (q & 1), acc[i][j][q]);
+        f(warp_row<F>(false, warp, i) + g + 8 * (q >> 1), j * 8 + 2 * t + (q & 1), acc[i][j][q]);
 }
 
 // Calls f(i, j, q) for the accumulator fragments of the token blocks with work (j < tn), unrolled.
@@ -261,8 +261,8 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     s_src = s_ok ? base + int64_t(rr) * jb.w_stride + Fm::scale_off(jb.K, 0) : base;
   }
   const int tc = tid % kTokChunks, tr0 = tid / kTokChunks;
-  const int64_t x_k0 = int64_t(16 / kXBytes) * tc;          // the chunk's first k in a group
-  constexpr int kTokRows = (BT + kTokStep - 1) / kTokStep;  // token rows a thread copies
+  const int64_t x_k0 = int64_t(16 / kXBytes) * tc;  // the chunk's first k in a group
+  constexpr int kTokRows = BT / kTokStep;           // token rows a thread copies
   uint32_t b_dst;
   const uint8_t* x_src;
   const uint8_t* x_row[XI ? kTokRows : 1];  // XI: each of them through jb.xrow
@@ -305,7 +305,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     const bool k_ok = k < x_limit;
     const int64_t x_off = gi * kGroup * kXBytes;
 #pragma unroll
-    for (int m = 0; m < BT / kTokStep; ++m) {
+    for (int m = 0; m < kTokRows; ++m) {
       if (tr0 + m * kTokStep >= jb.tokens) break;
       const uint8_t* row = XI ? x_row[XI ? m : 0] : x_src + m * x_step;
       ptx::cp_async16(sb + b_dst + uint32_t(m * kTokStep * kTokBytes), k_ok ? row + x_off : x_src,
