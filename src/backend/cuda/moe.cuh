@@ -186,7 +186,8 @@ struct PrefillFfnArgs : FfnProblem {
 struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
   const ExpertPtrs* experts = nullptr;  // device [E]; BF16 weights
   void* xa = nullptr;  // BF16: x gathered per sorted position [N, hidden] (W4A16 / FP8W /
-                       // Streamed), or x itself [T, hidden] (Grouped / Wide)
+                       // Streamed; not FP8W's decode variants, which read x's F32 rows), or x
+                       // itself [T, hidden] (Grouped / Wide)
   void* h = nullptr;   // [N, F] BF16: silu(gate x) * up x
   float* y = nullptr;  // [N, hidden] F32: down h
 };
