@@ -422,13 +422,14 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "wq moe down");
 }
 
-// Whether gate/up reads x's F32 rows itself (no gather launch): FP8W's decode variants. On the
+// Whether FP8W's decode variants (the caller's BT < kBT) read x's F32 rows themselves (no
+// gather launch): x's rows must take whole 16-byte cp.async units. On the
 // H200 (1beb961, WqBench.Moe) that took FP8W's MoE at T = 8 from 125.5 to 118.1 us (V2-Lite)
 // and 348.2 to 329.5 (V2.5), but W4A16's from 84.9 to 103.2 and 229.0 to 287.1: its CTAs
 // stream half the weight bytes against the same F32 rows.
 bool experts_stage_f32(const GroupedFfnArgs& a) {
-  return g_moe_wq_stage_f32.on() && a.num_tokens <= 16 && a.hidden % 4 == 0 &&
-         a.x_stride % 4 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+  return g_moe_wq_stage_f32.on() && a.hidden % 4 == 0 && a.x_stride % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
 }
 
 // An expert holds each token at most once, so a step of T tokens never puts more than

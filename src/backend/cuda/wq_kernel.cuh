@@ -284,6 +284,13 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     x_src = reinterpret_cast<const uint8_t*>(jb.x + tr0 * jb.ldx + x_k0);
   }
   const int64_t x_step = int64_t(kTokStep) * jb.ldx * kXBytes;  // bytes between its rows
+  // Where the thread's token row m starts (XI: the pointer looked up above).
+  auto x_row_src = [&](int m) {
+    if constexpr (XI)
+      return x_row[m];
+    else
+      return x_src + m * x_step;
+  };
   const int64_t x_limit = XF ? jb.K : jb.kp;  // zeros from here (K for F32 rows, kp staged)
   auto load = [&](int stage, int kt) {
     const int64_t gi = jb.g_begin + kt;
@@ -307,9 +314,8 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
 #pragma unroll
     for (int m = 0; m < kTokRows; ++m) {
       if (tr0 + m * kTokStep >= jb.tokens) break;
-      const uint8_t* row = XI ? x_row[XI ? m : 0] : x_src + m * x_step;
-      ptx::cp_async16(sb + b_dst + uint32_t(m * kTokStep * kTokBytes), k_ok ? row + x_off : x_src,
-                      k_ok);
+      ptx::cp_async16(sb + b_dst + uint32_t(m * kTokStep * kTokBytes),
+                      k_ok ? x_row_src(m) + x_off : x_src, k_ok);
     }
   };
 #pragma unroll
