@@ -66,6 +66,9 @@ mkdir -p "$OUT"
 
 log() { echo "[gpu_run $(date +%T)] $*" | tee -a "$OUT/gpu_run.log"; }
 has_stage() { local s; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+# An A/B item (VAR=value, several joined by commas) as a file-name tag, and as `env` arguments.
+env_tag() { echo "$1" | tr '=,' '--' | tr 'A-Z_' 'a-z-'; }
+env_args() { echo "$1" | tr ',' ' '; }
 
 deps_env() {
   local deps=$ROOT/.carry/deps
@@ -189,10 +192,10 @@ if has_stage abenv; then
   # A/B runs of AB_WORKLOADS under each of AB_ENVS (space-separated items, each VAR=value or
   # several joined by commas), e.g. AB_ENVS="DEEPSERVE_MOE_STREAMS=1 A=1,B=2" AB_WORKLOADS=prefill.
   for kv in ${AB_ENVS:-}; do
-    tag=$(echo "$kv" | tr '=,' '--' | tr 'A-Z_' 'a-z-')
+    tag=$(env_tag "$kv")
     for w in ${AB_WORKLOADS:-w3 w1}; do
       log "bench $w with $kv"
-      env $(echo "$kv" | tr ',' ' ') DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
+      env $(env_args "$kv") DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
         --output "$OUT/bench-$tag-$w.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
         >"$OUT/bench-$tag-$w.log" 2>&1
       log "bench $w ($kv) rc=$?"
@@ -257,9 +260,9 @@ if has_stage moebench; then
   # the environment as it is), logs moe-bench-<item>.log; unset: once, moe-bench.log.
   for kv in ${MOEBENCH_ENVS:--}; do
     tag=""
-    [ "$kv" != - ] && tag=-$(echo "$kv" | tr '=,' '--' | tr 'A-Z_' 'a-z-')
+    [ "$kv" != - ] && tag=-$(env_tag "$kv")
     log "MoE kernel micro-benchmark ${kv/#-/(as is)}"
-    env $([ "$kv" != - ] && echo "$kv" | tr ',' ' ') "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests \
+    env $([ "$kv" != - ] && env_args "$kv") "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests \
       --gtest_filter="${MOEBENCH_FILTER:-MoeBench.*:WqBench.*Moe}" >"$OUT/moe-bench$tag.log" 2>&1
     grep -vE "^\[|^$" "$OUT/moe-bench$tag.log" | tail -60
   done
