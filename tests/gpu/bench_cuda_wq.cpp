@@ -87,7 +87,8 @@ TEST(WqBench, DISABLED_Dense) {
   };
   const Shape shapes[] = {{"V2.5 ffn gate/up", 12288, 5120},
                           {"V2.5 ffn down", 5120, 12288},
-                          {"V2.5 q_b-like", 3072, 1536}};
+                          {"V2.5 q_b-like", 3072, 1536},
+                          {"V2-Lite q", 3072, 2048}};
   std::printf("%-18s %-6s %5s %10s %8s %9s\n", "shape (N x K)", "fmt", "M", "us/call", "TB/s",
               "TFLOP/s");
   for (const Shape& s : shapes)
@@ -96,11 +97,11 @@ TEST(WqBench, DISABLED_Dense) {
       const int copies = int(std::clamp(512e6 / w_bytes, 1.0, 16.0));
       std::vector<test::BackendTensor> ws;
       for (int c = 0; c < copies; ++c) ws.push_back(pattern_weight(t, s.n, s.k));
-      for (int64_t M : {1, 8, 64, 256, 8192}) {
+      for (int64_t M : {1, 8, 64, 256, 512, 1024, 2048, 8192}) {
         auto x =
             test::upload_floats(be, DType::F32, {M, s.k}, test::random_floats(size_t(M * s.k), 3));
         auto out = test::zeros(be, DType::F32, {M, s.n});
-        const double us = time_calls(copies, M <= 256, M >= 8192 ? 3 : 20, [&](int i) {
+        const double us = time_calls(copies, M <= 256, M >= 2048 ? 3 : 20, [&](int i) {
           be.matmul(x.view, ws[size_t(i)].view, out.view);
         });
         std::printf("%-18s %-6s %5lld %10.2f %8.2f %9.1f\n", s.name,
@@ -130,7 +131,7 @@ TEST(WqBench, DISABLED_Moe) {
       const std::vector<ExpertWeights>& experts = pe.experts;
       const double expert_bytes = 2.0 * double(m.F) * double(test::wq_row_stride(t, m.H)) +
                                   double(m.H) * double(test::wq_row_stride(t, m.F));
-      for (int64_t T : {1, 8, 64, 256, 8192}) {
+      for (int64_t T : {1, 8, 64, 256, 512, 1024, 2048, 4096, 8192}) {
         auto x =
             test::upload_floats(be, DType::F32, {T, m.H}, test::random_floats(size_t(T * m.H), 5));
         auto out = test::zeros(be, DType::F32, {T, m.H});
@@ -156,7 +157,7 @@ TEST(WqBench, DISABLED_Moe) {
           touched += double(distinct.size()) / kSets;
           ids.push_back(test::upload_bytes(be, DType::I32, {T, k}, id.data(), id.size() * 4));
         }
-        const double us = time_calls(kSets, T <= 256, T >= 8192 ? 2 : 10, [&](int s) {
+        const double us = time_calls(kSets, T <= 256, T >= 2048 ? 2 : 10, [&](int s) {
           MoeFfnParams p;
           p.x = x.view;
           p.ids = ids[size_t(s)].view;

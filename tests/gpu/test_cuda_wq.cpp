@@ -17,6 +17,7 @@
 
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/switches.h"
+#include "backend/cuda/wq_dequant.cuh"
 #include "backend/fp8w.h"
 #include "launch_context.h"
 #include "moe_test_util.h"
@@ -67,8 +68,24 @@ std::vector<float> wq_direct(const TensorView& x, const TensorView& w, const Ten
   return download_f32(out);
 }
 
+// Forces a switch or threshold of the backend for one scope.
+struct Forced {
+  cuda::EnvSwitch* sw = nullptr;
+  cuda::EnvCount* count = nullptr;
+  Forced(cuda::EnvSwitch& s, int mode) : sw(&s) { s.force(mode); }
+  Forced(cuda::EnvCount& c, long long v) : count(&c) { c.force(v); }
+  ~Forced() {
+    if (sw) sw->force(-1);
+    if (count) count->force(0);
+  }
+  Forced(const Forced&) = delete;
+  Forced& operator=(const Forced&) = delete;
+};
+
+// The in-register kernels at every M (prefill-sized M would take the BF16 expansion: below).
 TEST(CudaWq, MatmulMatchesTheDequantizedProduct) {
   DS_REQUIRE_GPU();
+  const Forced kernels_only(cuda::g_wq_dequant, 0);
   for (DType t : {DType::W4A16, DType::FP8W}) {
     std::vector<int64_t> ks = {128, 384, 5120};
     if (t == DType::FP8W) ks = {100, 384, 1408, 5120};
@@ -99,6 +116,92 @@ TEST(CudaWq, MatmulMatchesTheDequantizedProduct) {
                   std::fabs(got - s32) > mag / 256 + 1e-6) {
                 ADD_FAILURE() << fmt_name(t) << " M " << M << " N " << N << " K " << K << " at ("
                               << m << ", " << n << "): " << got << " vs " << s << " (F32 x " << s32
+                              << ", magnitude " << mag << ")";
+                ++bad;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The BF16 expansion (wq_dequant.cuh) is each element rounded to nearest even, bit for bit, in
+// one launch of three matrices of different K (an expert's gate, up and down).
+TEST(CudaWq, ExpandedRowsAreTheRoundedElements) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  for (DType t : {DType::W4A16, DType::FP8W}) {
+    SCOPED_TRACE(fmt_name(t));
+    // W4A16: 9 groups and 1; FP8W: 10 whole groups and 8 columns, and 8 columns alone.
+    const std::vector<std::pair<int64_t, int64_t>> shapes =
+        t == DType::W4A16
+            ? std::vector<std::pair<int64_t, int64_t>>{{37, 1152}, {5, 128}, {300, 384}}
+            : std::vector<std::pair<int64_t, int64_t>>{{37, 1288}, {5, 8}, {300, 384}};
+    std::vector<test::QWeight> ws;
+    std::vector<std::unique_ptr<Buffer>> outs;
+    cuda::WqDequantJob jobs[3];
+    for (int i = 0; i < 3; ++i) {
+      const auto [N, K] = shapes[size_t(i)];
+      ws.push_back(test::make_qweight(be, t, N, K, uint32_t(40 + i)));
+      outs.push_back(be.alloc(size_t(N * K) * 2));
+      jobs[i] = {ws.back().dev.data, ws.back().dev.row_stride(), N, K, outs.back()->data()};
+    }
+    cuda::launch_wq_dequant(t, jobs, 3, launch_context().stream());
+    ASSERT_EQ(cudaSuccess, cudaStreamSynchronize(launch_context().stream()));
+    for (int i = 0; i < 3; ++i) {
+      const test::QWeight& w = ws[size_t(i)];
+      std::vector<uint16_t> got(size_t(w.n * w.k));
+      be.download(got.data(),
+                  test::make_view(outs[size_t(i)]->data(), DType::BF16, {w.n * w.k}, be.device()),
+                  got.size() * 2);
+      int bad = 0;
+      for (size_t e = 0; e < got.size() && bad < 5; ++e)
+        if (got[e] != w4a16::to_bf16(w.deq[e])) {
+          ADD_FAILURE() << "matrix " << i << " row " << int64_t(e) / w.k << " col "
+                        << int64_t(e) % w.k << ": " << w4a16::from_bf16(got[e]) << " vs "
+                        << w.deq[e];
+          ++bad;
+        }
+    }
+  }
+}
+
+// Prefill-sized products go through the expansion and cuBLAS (forced here from one row): the
+// result is the product with the weights rounded to BF16 (sharp), within 2^-8 of the exact
+// one; a K the expansion cannot take (FP8W K = 100) stays with the kernels.
+TEST(CudaWq, PrefillSizedMatmulTakesTheExpandedWeights) {
+  DS_REQUIRE_GPU();
+  const Forced from_one_row(cuda::g_wq_dequant_min_rows, 1);
+  for (DType t : {DType::W4A16, DType::FP8W}) {
+    const std::vector<int64_t> ks =
+        t == DType::W4A16 ? std::vector<int64_t>{128, 1152} : std::vector<int64_t>{100, 1288};
+    for (int64_t K : ks) {
+      for (int64_t N : {200, 1000}) {
+        const test::QWeight w = test::make_qweight(cuda_backend(), t, N, K, uint32_t(K + N));
+        for (int64_t M : {3, 64, 700}) {
+          const int64_t ldx = K + 4, ldo = N + 3;
+          const auto x = test::random_floats(size_t(M * ldx), uint32_t(M * 3 + K + N));
+          const auto out = gpu_matmul(w.dev, x, M, K, ldx, N, ldo);
+          const bool expanded = cuda::wq_dequant_fits(t, K);
+          int bad = 0;
+          for (int64_t m = 0; m < M && bad < 5; m += (M > 64 ? 13 : 1)) {
+            for (int64_t n = 0; n < N && bad < 5; ++n) {
+              const float* wr = w.deq.data() + n * K;
+              double s = 0, s32 = 0, mag = 0;
+              for (int64_t k = 0; k < K; ++k) {
+                const double xk = x[size_t(m * ldx + k)];
+                s += double(expanded ? test::bf16_round(wr[k]) : wr[k]) *
+                     test::bf16_round(float(xk));
+                s32 += double(wr[k]) * xk;
+                mag += std::fabs(double(wr[k]) * xk);
+              }
+              const double got = out[size_t(m * ldo + n)];
+              if (std::fabs(got - s) > 1e-4 * mag + 1e-6 ||
+                  std::fabs(got - s32) > mag / 256 + 1e-6) {
+                ADD_FAILURE() << fmt_name(t) << " M " << M << " N " << N << " K " << K << " at ("
+                              << m << ", " << n << "): " << got << " vs " << s << " (exact " << s32
                               << ", magnitude " << mag << ")";
                 ++bad;
               }
@@ -319,10 +422,15 @@ QExperts make_experts(DType t, int E, int64_t H, int64_t F) {
   return q;
 }
 
-// y = down . bf16(silu(gate . x) * (up . x)) for one expert, with x already BF16-rounded; mag
-// gets sum_n-wise |down| . |h| (the scale of each output's rounding).
+// y = down . bf16(silu(gate . x) * (up . x)) for one expert, with x already BF16-rounded (and
+// the weights too when `rounded`: the BF16 expansion's products); mag gets sum_n-wise
+// |down| . |h| (the scale of each output's rounding).
 void expert_ref(const QExperts& q, int e, const std::vector<double>& x, int64_t H, int64_t F,
-                std::vector<double>& y, std::vector<double>& mag) {
+                std::vector<double>& y, std::vector<double>& mag, bool rounded = false) {
+  const auto wv = [&](const test::QWeight& m, int64_t i) {
+    const float v = m.deq[size_t(i)];
+    return double(rounded ? test::bf16_round(v) : v);
+  };
   const test::QWeight& g = q.mats[size_t(3 * e)];
   const test::QWeight& u = q.mats[size_t(3 * e + 1)];
   const test::QWeight& d = q.mats[size_t(3 * e + 2)];
@@ -330,8 +438,8 @@ void expert_ref(const QExperts& q, int e, const std::vector<double>& x, int64_t 
   for (int64_t f = 0; f < F; ++f) {
     double gv = 0, uv = 0;
     for (int64_t k = 0; k < H; ++k) {
-      gv += double(g.deq[size_t(f * H + k)]) * x[size_t(k)];
-      uv += double(u.deq[size_t(f * H + k)]) * x[size_t(k)];
+      gv += wv(g, f * H + k) * x[size_t(k)];
+      uv += wv(u, f * H + k) * x[size_t(k)];
     }
     h[size_t(f)] = test::bf16_round(float(gv / (1.0 + std::exp(-gv)) * uv));
   }
@@ -339,8 +447,8 @@ void expert_ref(const QExperts& q, int e, const std::vector<double>& x, int64_t 
   mag.assign(size_t(H), 0.0);
   for (int64_t n = 0; n < H; ++n)
     for (int64_t f = 0; f < F; ++f) {
-      y[size_t(n)] += double(d.deq[size_t(n * F + f)]) * h[size_t(f)];
-      mag[size_t(n)] += std::fabs(double(d.deq[size_t(n * F + f)]) * h[size_t(f)]);
+      y[size_t(n)] += wv(d, n * F + f) * h[size_t(f)];
+      mag[size_t(n)] += std::fabs(wv(d, n * F + f) * h[size_t(f)]);
     }
 }
 
@@ -364,8 +472,21 @@ void spread_routing(int64_t T, int k, int routed, std::vector<int32_t>& ids,
   }
 }
 
+void check_moe_against_reference(bool expand);
+
+// Both paths: the in-register kernels, and the prefill path on BF16 expansions (forced from one
+// assignment per expert; each expert expanded into its stream's slot, reused by the next).
 TEST(CudaWq, MoeFfnMatchesTheDequantizedExperts) {
   DS_REQUIRE_GPU();
+  for (const bool expand : {false, true}) {
+    SCOPED_TRACE(expand ? "expanded to BF16" : "in-register kernels");
+    const Forced path(cuda::g_wq_dequant, expand ? 1 : 0);
+    const Forced from_one(cuda::g_moe_wq_dequant_min, 1);
+    check_moe_against_reference(expand);
+  }
+}
+
+void check_moe_against_reference(bool expand) {
   Backend& be = cuda_backend();
   const int E = 12, k = 6;
   for (DType t : {DType::W4A16, DType::FP8W}) {
@@ -389,7 +510,7 @@ TEST(CudaWq, MoeFfnMatchesTheDequantizedExperts) {
           for (int j = 0; j < k + shared; ++j) {
             const int e = j < k ? ids[size_t(i * k + j)] : E - shared + (j - k);
             const double wj = j < k ? wts[size_t(i * k + j)] : 1.0;
-            expert_ref(q, e, xr, H, F, y, ym);
+            expert_ref(q, e, xr, H, F, y, ym, expand);
             for (int64_t c = 0; c < H; ++c) {
               want[size_t(c)] += wj * y[size_t(c)];
               mag[size_t(c)] += std::fabs(wj) * ym[size_t(c)];
@@ -419,6 +540,7 @@ TEST(CudaWq, MoeFfnIsBatchInvariant) {
   Backend& be = cuda_backend();
   const int E = 12, k = 6, shared = 2;
   const int64_t H = 1024, F = 768, T = 150;
+  const Forced kernels_only(cuda::g_wq_dequant, 0);  // 150 tokens would take it when forced
   for (DType t : {DType::W4A16, DType::FP8W}) {
     SCOPED_TRACE(fmt_name(t));
     const QExperts q = make_experts(t, E, H, F);

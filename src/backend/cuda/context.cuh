@@ -24,7 +24,8 @@ enum ScratchSlot : int {
   kScratchMla = 2,
   kScratchMoe = 3,
   kScratchMlaPrefill = 4,
-  kScratchCount = 5,
+  kScratchDequant = 5,  // a quantized weight expanded to BF16 (wq_dequant.cuh)
+  kScratchCount = 6,
 };
 
 }  // namespace ds::cuda

@@ -32,6 +32,7 @@
 #include "backend/cuda/rope.cuh"
 #include "backend/cuda/sample.cuh"
 #include "backend/cuda/switches.h"
+#include "backend/cuda/wq_dequant.cuh"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -270,8 +271,8 @@ class CudaBackend final : public Backend {
     if (cuda::is_gguf_block_type(w.dtype))
       return cuda::launch_gguf_gemm(cuda::gguf_matmul_args(x, w, out), stream_);
     if (cuda::wq_dtype(w.dtype)) {
-      cuda::wq_matmul(ctx_, x, w, out);
-      return;
+      if (!cuda::wq_dequant_dense(x.rows(), w, stream_)) return cuda::wq_matmul(ctx_, x, w, out);
+      return matmul(x, expanded(w), out);  // prefill-sized: BF16 through cuBLAS below
     }
     DS_CHECK(x.cols() == w.cols() && out.cols() == w.rows() && out.rows() == x.rows(),
              "matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " + out.shape_str());
@@ -453,6 +454,16 @@ class CudaBackend final : public Backend {
     g.x = buf;
     g.ldx = ld;
     g.stride_x = g.m * ld;
+  }
+
+  // A quantized weight expanded to BF16 rows (wq_dequant.cuh) in its scratch slot, valid until
+  // the next expansion.
+  TensorView expanded(const TensorView& w) {
+    const int64_t n = w.rows(), k = w.cols();
+    void* buf = scratch(cuda::kScratchDequant, size_t(n * k * 2));
+    const cuda::WqDequantJob job{w.data, w.row_stride(), n, k, buf};
+    cuda::launch_wq_dequant(w.dtype, &job, 1, stream_);
+    return TensorView::contiguous(buf, DType::BF16, {n, k}, w.device);
   }
 
   // Per-slot device scratch from the pool; grows (never shrinks) to the largest request. A

@@ -14,6 +14,7 @@
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/switches.h"
+#include "backend/cuda/wq_dequant.cuh"
 #include "backend/fp8w.h"
 #include "backend/w4a16.h"
 #include "core/error.h"
@@ -294,9 +295,7 @@ MoeRegistry& registry() {
 }
 
 bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  moe::check(cudaStreamIsCapturing(s, &status), "capture status");
-  return status != cudaStreamCaptureStatusNone;
+  return stream_capturing(s);
 }
 
 moe::ExpertPtrs expert_ptrs(const ExpertWeights& w) {
@@ -420,17 +419,18 @@ class Carver {
 
 struct Scratch {
   moe::TokenLists lists;
-  float* h = nullptr;   // decode
-  float* y = nullptr;   // decode, grouped
-  void* act = nullptr;  // prefill; grouped: x in BF16; streamed: gathered x
-  float* gu = nullptr;  // prefill
-  void* h16 = nullptr;  // grouped: silu(g) * u; prefill: gathered x
+  float* h = nullptr;      // decode
+  float* y = nullptr;      // decode, grouped
+  void* act = nullptr;     // prefill; grouped: x in BF16; streamed: gathered x
+  float* gu = nullptr;     // prefill
+  void* h16 = nullptr;     // grouped: silu(g) * u; prefill: gathered x
+  void* wslots = nullptr;  // prefill on quantized experts: BF16 expansions, one per stream
 };
 
 // Lays out the scratch (twice: once with a null base to size it); tile_rows: of the grouped
 // paths' tile table.
 size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, int tile_rows,
-              Scratch& s) {
+              bool expand, Scratch& s) {
   Carver c(base);
   s.lists.offsets = c.take<int>(E + 1);
   s.lists.active = c.take<int>(E);
@@ -441,6 +441,7 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, in
     s.h16 = c.take<uint16_t>(n * H);  // gathered x
     s.act = c.take<uint16_t>(n * F);
     s.gu = c.take<float>(n * std::max(2 * F, H));
+    if (expand) s.wslots = c.take<uint16_t>(int64_t(moe::prefill_streams()) * 3 * F * H);
   } else if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed ||
              path == MoeFfnPath::Wide) {
     s.lists.tile_rows = tile_rows;
@@ -510,7 +511,9 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   const int64_t n = T * ks;
 
   const bool bf16 = table.dtype == DType::BF16;
-  const bool quant = wq_dtype(table.dtype);  // always the tensor-core kernels of gemm_wq.cu
+  // Quantized experts: the tensor-core kernels of gemm_wq.cu, or, for prefill-sized steps, the
+  // prefill path on BF16 expansions (wq_dequant.cuh).
+  const bool quant = wq_dtype(table.dtype);
   if (path == MoeFfnPath::Auto && !quant) {
     path = moe_auto_path(bf16, T, k, S, capturing(ctx.stream), g_moe_prefill_wide.on());
     // Streamed reads gate and up rows with one stride: otherwise the grouped kernels.
@@ -521,7 +524,13 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
         "cuda moe_ffn: the streamed path takes BF16 experts with gate and up rows equally "
         "spaced");
   if (quant) {
-    path = MoeFfnPath::Grouped;
+    const bool expand =
+        path == MoeFfnPath::Prefill ||
+        (path == MoeFfnPath::Auto && wq_dequant_moe(n, int(E), table.dtype, H, F, ctx.stream));
+    DS_CHECK(!expand || (wq_dequant_fits(table.dtype, H) && wq_dequant_fits(table.dtype, F)),
+             "moe_ffn: these experts cannot be expanded to BF16");
+    DS_CHECK(!expand || !capturing(ctx.stream), "moe_ffn: the prefill path cannot be captured");
+    path = expand ? MoeFfnPath::Prefill : MoeFfnPath::Grouped;
   } else if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped ||
              path == MoeFfnPath::Wide) {
     if (!bf16)
@@ -542,9 +551,9 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
           ? moe::kSmallTileM
           : moe::kTileM;
   Scratch s;
-  const size_t bytes = layout(nullptr, n, int(E), H, F, path, tile_rows, s);
+  const size_t bytes = layout(nullptr, n, int(E), H, F, path, tile_rows, quant, s);
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));
-  layout(base, n, int(E), H, F, path, tile_rows, s);
+  layout(base, n, int(E), H, F, path, tile_rows, quant, s);
 
   moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream,
                           p.expert_base);
@@ -585,6 +594,10 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.act = s.act;
     a.gu = s.gu;
     a.ld_gu = std::max(2 * F, H);
+    if (quant) {
+      a.wdtype = table.dtype;
+      a.wslots = s.wslots;
+    }
     moe::run_prefill_ffn(a, ctx.stream);
     y = s.gu;
     y_stride = a.ld_gu;

@@ -172,7 +172,7 @@ constexpr int kPrefillStreams = 8;
 // How many of them a step uses: DEEPSERVE_MOE_STREAMS (1-8), else 4.
 int prefill_streams();
 struct PrefillFfnArgs : FfnProblem {
-  const ExpertPtrs* experts = nullptr;     // host [E]; BF16 weights
+  const ExpertPtrs* experts = nullptr;     // host [E]; BF16 weights, or W4A16 / FP8W (wdtype)
   const cublasHandle_t* cublas = nullptr;  // [kPrefillStreams], handle i bound to streams[i]
   const cudaStream_t* streams = nullptr;   // [kPrefillStreams]
   const cudaEvent_t* events = nullptr;     // [kPrefillStreams + 1]: fork, then one join each
@@ -181,6 +181,10 @@ struct PrefillFfnArgs : FfnProblem {
   void* act = nullptr;  // [N, F] BF16: silu(g) * u
   float* gu = nullptr;  // [N, ld_gu] F32: gate | up, then y in the row's first hidden floats
   int64_t ld_gu = 0;    // max(2F, hidden)
+  // Quantized experts (wdtype W4A16 / FP8W): each is expanded to BF16 (wq_dequant.cuh) in its
+  // stream's slot of wslots ([num_streams][3 * F * hidden]: gate, up, down) before its GEMMs.
+  DType wdtype = DType::BF16;
+  void* wslots = nullptr;
 };
 
 struct GroupedFfnArgs : FfnProblem {    // lists with the tile table

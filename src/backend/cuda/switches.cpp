@@ -19,6 +19,22 @@ void EnvSwitch::force(int mode) {
   forced_.store(mode < 0 ? -1 : mode != 0, std::memory_order_relaxed);
 }
 
+long long EnvCount::get() const {
+  const long long forced = forced_.load(std::memory_order_relaxed);
+  if (forced > 0) return forced;
+  std::call_once(read_, [this] {
+    const char* v = std::getenv(name_);
+    char* end = nullptr;
+    const long long n = v ? std::strtoll(v, &end, 10) : 0;
+    env_ = v && end != v && *end == '\0' && n > 0 ? n : default_;
+  });
+  return env_;
+}
+
+void EnvCount::force(long long value) {
+  forced_.store(value > 0 ? value : 0, std::memory_order_relaxed);
+}
+
 EnvSwitch g_pdl{"DEEPSERVE_PDL", "0", true};
 EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "0", true};
 EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16", false};
@@ -33,5 +49,11 @@ EnvSwitch g_wq_cluster{"DEEPSERVE_WQ_CLUSTER", "0", true};
 // FP8W's decode variants read x's F32 rows through the sorted tokens and round them in the
 // kernel (off: a gather launch into BF16 rows first). The same bits either way.
 EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
+
+// Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
+// and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.
+EnvSwitch g_wq_dequant{"DEEPSERVE_WQ_DEQUANT", "0", true};
+EnvCount g_wq_dequant_min_rows{"DEEPSERVE_WQ_DEQUANT_MIN_ROWS", 512};
+EnvCount g_moe_wq_dequant_min{"DEEPSERVE_MOE_WQ_DEQUANT_MIN", 192};
 
 }  // namespace ds::cuda

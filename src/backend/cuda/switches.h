@@ -24,6 +24,22 @@ class EnvSwitch {
   std::atomic<int> forced_{-1};
 };
 
+// A positive count from the environment (a threshold for A/B runs), overridable by tests.
+class EnvCount {
+ public:
+  constexpr EnvCount(const char* name, long long default_value)
+      : name_(name), default_(default_value) {}
+  long long get() const;        // the forced value, else the environment's, else the default
+  void force(long long value);  // > 0 that value, else back to the environment
+
+ private:
+  const char* name_;
+  long long default_;
+  mutable std::once_flag read_;
+  mutable long long env_ = 0;
+  std::atomic<long long> forced_{0};
+};
+
 // The switches (each documented where it acts).
 extern EnvSwitch g_pdl;                 // on; DEEPSERVE_PDL=0 turns it off
 extern EnvSwitch g_mla_prepare;         // on; DEEPSERVE_MLA_PREPARE=0 turns it off
@@ -34,5 +50,8 @@ extern EnvSwitch g_moe_prefill_timing;  // off; DEEPSERVE_MOE_PREFILL_TIMING=1 t
 extern EnvSwitch g_wq_stage_f32;        // on; DEEPSERVE_WQ_XF32=0 turns it off
 extern EnvSwitch g_wq_cluster;          // on; DEEPSERVE_WQ_CLUSTER=0 turns it off
 extern EnvSwitch g_moe_wq_stage_f32;    // on; DEEPSERVE_MOE_WQ_XF32=0 turns it off
+extern EnvSwitch g_wq_dequant;          // on; DEEPSERVE_WQ_DEQUANT=0 turns it off
+extern EnvCount g_wq_dequant_min_rows;  // DEEPSERVE_WQ_DEQUANT_MIN_ROWS (wq_dequant.cuh)
+extern EnvCount g_moe_wq_dequant_min;   // DEEPSERVE_MOE_WQ_DEQUANT_MIN (wq_dequant.cuh)
 
 }  // namespace ds::cuda

@@ -1,0 +1,125 @@
+// BF16 expansion of quantized weights (wq_dequant.cuh): one thread per 8-element chunk of a
+// row, one 16-byte store each.
+#include "backend/cuda/wq_dequant.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <string>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
+#include "backend/fp8w.h"
+#include "backend/w4a16.h"
+#include "core/error.h"
+
+namespace ds::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct Jobs {
+  WqDequantJob job[kWqDequantMaxJobs];
+};
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// Grid (chunks of the largest job / kThreads, jobs).
+template <bool W4>
+__global__ void __launch_bounds__(kThreads) dequant_kernel(Jobs jobs) {
+  pdl::enter();
+  const WqDequantJob& j = jobs.job[blockIdx.y];
+  const int64_t per_row = j.k / 8, total = j.rows * per_row;
+  for (int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x; c < total;
+       c += int64_t(gridDim.x) * kThreads) {
+    const int64_t r = c / per_row, k0 = (c - r * per_row) * 8;
+    const uint8_t* row = static_cast<const uint8_t*>(j.w) + r * j.w_stride;
+    float v[8];
+    if constexpr (W4) {
+      // Eight codes, element e in nibble e; one BF16 scale per 128-group.
+      const uint32_t word = *reinterpret_cast<const uint32_t*>(row + k0 / 2);
+      const int64_t g = k0 / w4a16::kGroup;
+      const float s = w4a16::from_bf16(
+          *reinterpret_cast<const uint16_t*>(row + w4a16::code_bytes(j.k) + 2 * g));
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = w4a16::mul_rn(float(int((word >> (4 * e)) & 15u) - 8), s);
+    } else {
+      // Eight e4m3 codes (exact in half), one F32 scale per 128-group.
+      const uint2 codes = *reinterpret_cast<const uint2*>(row + k0);
+      const float s = fp8w::scale(row, j.k, k0 / fp8w::kGroup);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const uint32_t w = q < 2 ? codes.x : codes.y;
+        const auto pair = static_cast<__nv_fp8x2_storage_t>((w >> (16 * (q & 1))) & 0xffffu);
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+        v[2 * q] = __fmul_rn(f.x, s);
+        v[2 * q + 1] = __fmul_rn(f.y, s);
+      }
+    }
+    uint4 o;
+    o.x = pack_bf16(v[0], v[1]);
+    o.y = pack_bf16(v[2], v[3]);
+    o.z = pack_bf16(v[4], v[5]);
+    o.w = pack_bf16(v[6], v[7]);
+    *reinterpret_cast<uint4*>(static_cast<uint8_t*>(j.out) + (r * j.k + k0) * 2) = o;
+  }
+}
+
+}  // namespace
+
+bool wq_dequant_fits(DType t, int64_t k) {
+  return (t == DType::W4A16 && k % w4a16::kGroup == 0) || (t == DType::FP8W && k % 8 == 0);
+}
+
+void launch_wq_dequant(DType t, const WqDequantJob* jobs, int num_jobs, cudaStream_t stream) {
+  DS_CHECK(num_jobs >= 1 && num_jobs <= kWqDequantMaxJobs, "wq dequant: 1 to 3 matrices");
+  DS_CHECK(t == DType::W4A16 || t == DType::FP8W, "wq dequant: W4A16 or FP8W weights");
+  Jobs a{};
+  int64_t most = 0;
+  for (int i = 0; i < num_jobs; ++i) {
+    const WqDequantJob& j = jobs[i];
+    DS_CHECK(wq_dequant_fits(t, j.k) && j.rows >= 0, "wq dequant: K must be whole 8-chunks");
+    DS_CHECK(j.w_stride == (t == DType::W4A16 ? w4a16::row_stride(j.k) : fp8w::row_stride(j.k)),
+             "wq dequant: rows must be packed");
+    DS_CHECK(
+        reinterpret_cast<uintptr_t>(j.w) % 16 == 0 && reinterpret_cast<uintptr_t>(j.out) % 16 == 0,
+        "wq dequant: 16-byte aligned weights and output");
+    a.job[i] = j;
+    most = std::max(most, j.rows * (j.k / 8));
+  }
+  if (most == 0) return;
+  // Up to 8 chunks per thread: enough blocks to fill the GPU, few enough to reuse threads.
+  const unsigned blocks = unsigned(std::min<int64_t>((most + kThreads - 1) / kThreads, 8192));
+  const dim3 grid(blocks, unsigned(num_jobs));
+  if (t == DType::W4A16)
+    pdl::launch(dequant_kernel<true>, grid, kThreads, 0, stream, a);
+  else
+    pdl::launch(dequant_kernel<false>, grid, kThreads, 0, stream, a);
+  check_cuda(cudaGetLastError(), "wq dequant launch");
+}
+
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &status), "capture status");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+bool wq_dequant_dense(int64_t rows, const TensorView& w, cudaStream_t stream) {
+  return g_wq_dequant.on() && rows >= g_wq_dequant_min_rows.get() && w.ndim == 2 &&
+         wq_dequant_fits(w.dtype, w.cols()) && !stream_capturing(stream);
+}
+
+bool wq_dequant_moe(int64_t assignments, int num_experts, DType t, int64_t hidden, int64_t inter,
+                    cudaStream_t stream) {
+  return g_wq_dequant.on() && num_experts > 0 &&
+         assignments >= g_moe_wq_dequant_min.get() * num_experts && wq_dequant_fits(t, hidden) &&
+         wq_dequant_fits(t, inter) && !stream_capturing(stream);
+}
+
+}  // namespace ds::cuda

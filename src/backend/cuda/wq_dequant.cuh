@@ -1,0 +1,53 @@
+// Quantized weights (W4A16, FP8W) expanded into BF16 rows in device memory, so prefill-sized
+// products run as BF16 tensor-core GEMMs (cuBLAS). The in-register kernels of gemm_wq.cu read
+// 4-8x fewer weight bytes, which wins while a product is bound by memory (decode); past a few
+// hundred tokens per matrix it is bound by math, where their mma.sync tiles reach about half
+// of cuBLAS's rate (H200: ~240 vs ~400+ TFLOP/s), and one extra pass over the weights costs
+// less than the difference. Only one matrix (dense) or one expert per prefill stream (MoE) is
+// expanded at a time, into scratch: the model itself is never held in BF16.
+//
+// The expanded value of element k is bf16((code - 8) * scale) (W4A16) or
+// bf16(e4m3(code) * scale) (FP8W), w4a16::element / fp8w::element rounded to nearest even. The
+// in-register kernels keep each 128-group's scale out of the products (scale * sum of
+// code * x), so the two paths differ by that rounding (relative 2^-9 per weight): a token's
+// bits depend on whether its step is prefill-sized, as with BF16 weights (cuBLAS above the
+// decode kernels' range).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace ds::cuda {
+
+// One matrix to expand: rows of K elements at w (row stride w_stride bytes, the packed layout)
+// into BF16 rows of K elements at out (ld = K).
+struct WqDequantJob {
+  const void* w = nullptr;
+  int64_t w_stride = 0;
+  int64_t rows = 0;
+  int64_t k = 0;
+  void* out = nullptr;
+};
+constexpr int kWqDequantMaxJobs = 3;  // an expert's gate, up and down
+
+// Whether these K can be expanded (whole 8-element chunks; W4A16 also whole groups).
+bool wq_dequant_fits(DType t, int64_t k);
+// Expands up to kWqDequantMaxJobs matrices of format t (W4A16 or FP8W) in one launch.
+void launch_wq_dequant(DType t, const WqDequantJob* jobs, int num_jobs, cudaStream_t stream);
+
+// Whether the stream is being captured into a graph (the expansion buffers grow on demand, so
+// captured steps keep the in-register kernels).
+bool stream_capturing(cudaStream_t stream);
+
+// Backend::matmul expands a quantized weight for x of at least this many rows
+// (DEEPSERVE_WQ_DEQUANT_MIN_ROWS); the MoE expands its experts when the step's assignments
+// average at least this many per expert (DEEPSERVE_MOE_WQ_DEQUANT_MIN). Either off with
+// DEEPSERVE_WQ_DEQUANT=0.
+bool wq_dequant_dense(int64_t rows, const TensorView& w, cudaStream_t stream);
+bool wq_dequant_moe(int64_t assignments, int num_experts, DType t, int64_t hidden, int64_t inter,
+                    cudaStream_t stream);
+
+}  // namespace ds::cuda
