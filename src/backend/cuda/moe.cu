@@ -424,7 +424,7 @@ struct Scratch {
   void* act = nullptr;     // prefill; grouped: x in BF16; streamed: gathered x
   float* gu = nullptr;     // prefill
   void* h16 = nullptr;     // grouped: silu(g) * u; prefill: gathered x
-  void* wslots = nullptr;  // prefill on quantized experts: BF16 expansions, one per stream
+  void* wslots = nullptr;  // prefill on quantized experts: their BF16 expansions
 };
 
 // Lays out the scratch (twice: once with a null base to size it); tile_rows: of the grouped
@@ -441,7 +441,7 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, in
     s.h16 = c.take<uint16_t>(n * H);  // gathered x
     s.act = c.take<uint16_t>(n * F);
     s.gu = c.take<float>(n * std::max(2 * F, H));
-    if (expand) s.wslots = c.take<uint16_t>(int64_t(moe::prefill_streams()) * 3 * F * H);
+    if (expand) s.wslots = c.take<uint16_t>(int64_t(E) * 3 * F * H);
   } else if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed ||
              path == MoeFfnPath::Wide) {
     s.lists.tile_rows = tile_rows;
@@ -596,6 +596,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.ld_gu = std::max(2 * F, H);
     if (quant) {
       a.wdtype = table.dtype;
+      a.experts_device = table.device;
       a.wslots = s.wslots;
     }
     moe::run_prefill_ffn(a, ctx.stream);

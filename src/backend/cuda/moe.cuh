@@ -181,9 +181,10 @@ struct PrefillFfnArgs : FfnProblem {
   void* act = nullptr;  // [N, F] BF16: silu(g) * u
   float* gu = nullptr;  // [N, ld_gu] F32: gate | up, then y in the row's first hidden floats
   int64_t ld_gu = 0;    // max(2F, hidden)
-  // Quantized experts (wdtype W4A16 / FP8W): each is expanded to BF16 (wq_dequant.cuh) in its
-  // stream's slot of wslots ([num_streams][3 * F * hidden]: gate, up, down) before its GEMMs.
+  // Quantized experts (wdtype W4A16 / FP8W): all are expanded to BF16 (wq_dequant.cuh) into
+  // wslots ([E][3 * F * hidden]: gate, up, down) from the device table first.
   DType wdtype = DType::BF16;
+  const ExpertPtrs* experts_device = nullptr;
   void* wslots = nullptr;
 };
 

@@ -1,8 +1,8 @@
 // Prefill-path experts: tokens gathered per expert into contiguous BF16 rows, then cuBLAS
 // tensor-core GEMMs for every touched expert (gate and up into one F32 [n, 2F] block, SiLU
 // and multiply to BF16, down into F32), experts spread over side streams so several run at
-// once; quantized experts are expanded to BF16 first, one per stream at a time. Reads the
-// per-expert counts to the host once.
+// once; quantized experts are all expanded to BF16 first. Reads the per-expert counts to the
+// host once.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -103,18 +103,6 @@ bool gate_up_stacked(const ExpertPtrs& ex, int F) {
              static_cast<const char*>(ex.gate) + int64_t(F) * ex.gate_ld * 2;
 }
 
-// Expands quantized expert ex into stream i's slot (on that stream, so the expert before it
-// on the stream has finished reading the slot) and returns the BF16 copy, gate and up stacked.
-ExpertPtrs expand_expert(const PrefillFfnArgs& a, const ExpertPtrs& ex, int i) {
-  const int64_t H = a.hidden, F = a.inter;
-  auto* slot = static_cast<__nv_bfloat16*>(a.wslots) + int64_t(i) * 3 * F * H;
-  const WqDequantJob jobs[3] = {{ex.gate, ex.gate_ld, F, H, slot},
-                                {ex.up, ex.up_ld, F, H, slot + F * H},
-                                {ex.down, ex.down_ld, H, F, slot + 2 * F * H}};
-  launch_wq_dequant(a.wdtype, jobs, 3, a.streams[i]);
-  return {slot, slot + F * H, slot + 2 * F * H, H, H, F};
-}
-
 // One expert's GEMMs fill a fraction of the GPU (~1,000 tokens x F = 1,408 is ~50-90 tiles
 // for 132 SMs), so experts run concurrently: the largest first, each onto the side stream with
 // the least work queued (all of an expert's GEMMs and its SiLU on one stream, so it needs no
@@ -132,7 +120,7 @@ void run_streams(const PrefillFfnArgs& a, const std::vector<int>& offsets,
     const int begin = offsets[size_t(e)];
     const int count = offsets[size_t(e) + 1] - begin;
     load[size_t(i)] += count;
-    const ExpertPtrs ex = a.wslots ? expand_expert(a, a.experts[e], i) : a.experts[e];
+    const ExpertPtrs& ex = a.experts[e];
     const cublasHandle_t h = a.cublas[i];
     const __nv_bfloat16* xe = xg + int64_t(begin) * H;
     float* gu = a.gu + int64_t(begin) * a.ld_gu;
@@ -170,6 +158,19 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   const int F = a.inter;
   auto* xg = static_cast<__nv_bfloat16*>(a.xg);
 
+  // Quantized experts: every one expanded to BF16 first (one launch at full bandwidth; per
+  // expert on the side streams it ran at a third of it, H200). The GEMMs then read the copies.
+  std::vector<ExpertPtrs> expanded;
+  PrefillFfnArgs args = a;
+  if (a.wslots) {
+    launch_wq_dequant_experts(a.wdtype, a.experts_device, E, H, F, a.wslots, stream);
+    auto* base = static_cast<__nv_bfloat16*>(a.wslots);
+    for (int e = 0; e < E; ++e) {
+      const __nv_bfloat16* g = base + int64_t(e) * 3 * F * H;
+      expanded.push_back({g, g + int64_t(F) * H, g + 2 * int64_t(F) * H, H, H, F});
+    }
+    args.experts = expanded.data();
+  }
   // Gather first (positions past the last valid one exit), then read the counts.
   launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + E, n, H, xg, stream);
   std::vector<int> offsets(size_t(E) + 1);
@@ -200,7 +201,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
     check(cudaEventCreate(&t1), "timing event");
     check(cudaEventRecord(t0, stream), "timing record");
   }
-  run_streams(a, offsets, order, S, stream);
+  run_streams(args, offsets, order, S, stream);
   if (timing) {
     const double host_us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - host0).count();

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/moe.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/switches.h"
 #include "backend/fp8w.h"
@@ -30,14 +31,11 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// Grid (chunks of the largest job / kThreads, jobs).
+// Expands rows [0, j.rows) of job j, chunks from `first` in steps of `step`.
 template <bool W4>
-__global__ void __launch_bounds__(kThreads) dequant_kernel(Jobs jobs) {
-  pdl::enter();
-  const WqDequantJob& j = jobs.job[blockIdx.y];
+__device__ void expand_rows(const WqDequantJob& j, int64_t first, int64_t step) {
   const int64_t per_row = j.k / 8, total = j.rows * per_row;
-  for (int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x; c < total;
-       c += int64_t(gridDim.x) * kThreads) {
+  for (int64_t c = first; c < total; c += step) {
     const int64_t r = c / per_row, k0 = (c - r * per_row) * 8;
     const uint8_t* row = static_cast<const uint8_t*>(j.w) + r * j.w_stride;
     float v[8];
@@ -71,6 +69,36 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(Jobs jobs) {
   }
 }
 
+// Grid (chunks of the largest job / kThreads, jobs).
+template <bool W4>
+__global__ void __launch_bounds__(kThreads) dequant_kernel(Jobs jobs) {
+  pdl::enter();
+  expand_rows<W4>(jobs.job[blockIdx.y], int64_t(blockIdx.x) * kThreads + threadIdx.x,
+                  int64_t(gridDim.x) * kThreads);
+}
+
+// Grid (chunks, experts, 3): matrix z (gate, up, down) of expert y into out + y * 3FH.
+template <bool W4>
+__global__ void __launch_bounds__(kThreads)
+    dequant_experts_kernel(const moe::ExpertPtrs* experts, int64_t H, int64_t F, void* out) {
+  pdl::enter();
+  const moe::ExpertPtrs ex = experts[blockIdx.y];
+  const int z = int(blockIdx.z);
+  auto* base = static_cast<__nv_bfloat16*>(out) + int64_t(blockIdx.y) * 3 * F * H;
+  WqDequantJob j;
+  j.w = z == 0 ? ex.gate : z == 1 ? ex.up : ex.down;
+  j.w_stride = z == 0 ? ex.gate_ld : z == 1 ? ex.up_ld : ex.down_ld;  // bytes (packed formats)
+  j.rows = z == 2 ? H : F;
+  j.k = z == 2 ? F : H;
+  j.out = base + int64_t(z) * F * H;
+  expand_rows<W4>(j, int64_t(blockIdx.x) * kThreads + threadIdx.x, int64_t(gridDim.x) * kThreads);
+}
+
+// Enough blocks to fill the GPU several times over, each thread then taking a few chunks.
+unsigned expand_blocks(int64_t chunks) {
+  return unsigned(std::min<int64_t>((chunks + kThreads - 1) / kThreads, 4096));
+}
+
 }  // namespace
 
 bool wq_dequant_fits(DType t, int64_t k) {
@@ -94,14 +122,29 @@ void launch_wq_dequant(DType t, const WqDequantJob* jobs, int num_jobs, cudaStre
     most = std::max(most, j.rows * (j.k / 8));
   }
   if (most == 0) return;
-  // Up to 8 chunks per thread: enough blocks to fill the GPU, few enough to reuse threads.
-  const unsigned blocks = unsigned(std::min<int64_t>((most + kThreads - 1) / kThreads, 8192));
-  const dim3 grid(blocks, unsigned(num_jobs));
+  const dim3 grid(expand_blocks(most), unsigned(num_jobs));
   if (t == DType::W4A16)
     pdl::launch(dequant_kernel<true>, grid, kThreads, 0, stream, a);
   else
     pdl::launch(dequant_kernel<false>, grid, kThreads, 0, stream, a);
   check_cuda(cudaGetLastError(), "wq dequant launch");
+}
+
+void launch_wq_dequant_experts(DType t, const moe::ExpertPtrs* experts, int num_experts,
+                               int64_t hidden, int64_t inter, void* out, cudaStream_t stream) {
+  DS_CHECK(t == DType::W4A16 || t == DType::FP8W, "wq dequant: W4A16 or FP8W experts");
+  DS_CHECK(wq_dequant_fits(t, hidden) && wq_dequant_fits(t, inter),
+           "wq dequant: expert dims must be whole 8-chunks");
+  DS_CHECK(reinterpret_cast<uintptr_t>(out) % 16 == 0, "wq dequant: 16-byte aligned output");
+  if (num_experts == 0) return;
+  const dim3 grid(expand_blocks(hidden * inter / 8), unsigned(num_experts), 3);
+  if (t == DType::W4A16)
+    pdl::launch(dequant_experts_kernel<true>, grid, kThreads, 0, stream, experts, hidden, inter,
+                out);
+  else
+    pdl::launch(dequant_experts_kernel<false>, grid, kThreads, 0, stream, experts, hidden, inter,
+                out);
+  check_cuda(cudaGetLastError(), "wq dequant experts launch");
 }
 
 bool stream_capturing(cudaStream_t stream) {
@@ -119,7 +162,9 @@ bool wq_dequant_moe(int64_t assignments, int num_experts, DType t, int64_t hidde
                     cudaStream_t stream) {
   return g_wq_dequant.on() && num_experts > 0 &&
          assignments >= g_moe_wq_dequant_min.get() * num_experts && wq_dequant_fits(t, hidden) &&
-         wq_dequant_fits(t, inter) && !stream_capturing(stream);
+         wq_dequant_fits(t, inter) &&
+         int64_t(num_experts) * 3 * hidden * inter * 2 <= kMoeWqExpandMaxBytes &&
+         !stream_capturing(stream);
 }
 
 }  // namespace ds::cuda

@@ -2,9 +2,9 @@
 // products run as BF16 tensor-core GEMMs (cuBLAS). The in-register kernels of gemm_wq.cu read
 // 4-8x fewer weight bytes, which wins while a product is bound by memory (decode); past a few
 // hundred tokens per matrix it is bound by math, where their mma.sync tiles reach about half
-// of cuBLAS's rate (H200: ~240 vs ~400+ TFLOP/s), and one extra pass over the weights costs
-// less than the difference. Only one matrix (dense) or one expert per prefill stream (MoE) is
-// expanded at a time, into scratch: the model itself is never held in BF16.
+// of cuBLAS's rate (H200: ~200 vs ~400-700 TFLOP/s), and one extra pass over the weights costs
+// less than the difference. Only one matrix (dense) or one MoE layer's experts are expanded at
+// a time, into scratch: the model itself is never held in BF16.
 //
 // The expanded value of element k is bf16((code - 8) * scale) (W4A16) or
 // bf16(e4m3(code) * scale) (FP8W), w4a16::element / fp8w::element rounded to nearest even. The
@@ -38,14 +38,25 @@ bool wq_dequant_fits(DType t, int64_t k);
 // Expands up to kWqDequantMaxJobs matrices of format t (W4A16 or FP8W) in one launch.
 void launch_wq_dequant(DType t, const WqDequantJob* jobs, int num_jobs, cudaStream_t stream);
 
+namespace moe {
+struct ExpertPtrs;
+}
+// Expands every expert of a device table (W4A16 / FP8W rows, strides in bytes) in one launch:
+// expert e's gate, up and down rows at out + e * 3 * F * hidden, + F * hidden, + 2 * F * hidden.
+void launch_wq_dequant_experts(DType t, const moe::ExpertPtrs* experts, int num_experts,
+                               int64_t hidden, int64_t inter, void* out, cudaStream_t stream);
+// The most BF16 bytes a layer's expansion may take (DeepSeek-V2-Lite's 66 experts: 1.1 GiB;
+// V2.5's 162: 7.1 GiB, so its experts stay with the kernels).
+constexpr int64_t kMoeWqExpandMaxBytes = int64_t(4) << 30;
+
 // Whether the stream is being captured into a graph (the expansion buffers grow on demand, so
 // captured steps keep the in-register kernels).
 bool stream_capturing(cudaStream_t stream);
 
 // Backend::matmul expands a quantized weight for x of at least this many rows
-// (DEEPSERVE_WQ_DEQUANT_MIN_ROWS); the MoE expands its experts when the step's assignments
-// average at least this many per expert (DEEPSERVE_MOE_WQ_DEQUANT_MIN). Either off with
-// DEEPSERVE_WQ_DEQUANT=0.
+// (DEEPSERVE_WQ_DEQUANT_MIN_ROWS); the MoE expands all its experts at once when the step's
+// assignments average at least this many per expert (DEEPSERVE_MOE_WQ_DEQUANT_MIN) and they
+// fit kMoeWqExpandMaxBytes. Either off with DEEPSERVE_WQ_DEQUANT=0.
 bool wq_dequant_dense(int64_t rows, const TensorView& w, cudaStream_t stream);
 bool wq_dequant_moe(int64_t assignments, int num_experts, DType t, int64_t hidden, int64_t inter,
                     cudaStream_t stream);
