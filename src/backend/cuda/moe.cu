@@ -261,10 +261,11 @@ struct ExpertTable {
 struct DeviceState {
   std::map<const ExpertWeights*, ExpertTable> tables;
   std::vector<void*> retired;  // tables replaced while kernels may still read them
-  // The prefill path's side streams, their cuBLAS handles and the fork / join events.
+  // The prefill path's side streams, their cuBLAS handles, the fork / join events and the
+  // expansion chunks' events.
   std::array<cudaStream_t, moe::kPrefillStreams> streams{};
   std::array<cublasHandle_t, moe::kPrefillStreams> cublas{};
-  std::array<cudaEvent_t, moe::kPrefillStreams + 1> events{};
+  std::array<cudaEvent_t, moe::kPrefillStreams + 1 + moe::kExpandChunks> events{};
   bool prefill_ready = false;
 };
 
@@ -588,6 +589,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.cublas = dev.cublas.data();
     a.streams = dev.streams.data();
     a.events = dev.events.data();
+    a.expand_events = dev.events.data() + moe::kPrefillStreams + 1;
     a.num_streams = moe::prefill_streams();
     static_cast<moe::FfnProblem&>(a) = problem;
     a.xg = s.h16;

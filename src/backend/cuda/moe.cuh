@@ -169,20 +169,24 @@ constexpr int kDecodeStageBytes = 64 * 1024;
 // Experts run concurrently on up to kPrefillStreams side streams (each its own cuBLAS handle),
 // so every buffer region is one expert's rows only: gu row p holds gate | up, then y (ld 2F).
 constexpr int kPrefillStreams = 8;
+constexpr int kExpandChunks = 8;
 // How many of them a step uses: DEEPSERVE_MOE_STREAMS (1-8), else 4.
 int prefill_streams();
 struct PrefillFfnArgs : FfnProblem {
-  const ExpertPtrs* experts = nullptr;     // host [E]; BF16 weights, or W4A16 / FP8W (wdtype)
-  const cublasHandle_t* cublas = nullptr;  // [kPrefillStreams], handle i bound to streams[i]
-  const cudaStream_t* streams = nullptr;   // [kPrefillStreams]
-  const cudaEvent_t* events = nullptr;     // [kPrefillStreams + 1]: fork, then one join each
+  const ExpertPtrs* experts = nullptr;         // host [E]; BF16 weights, or W4A16 / FP8W (wdtype)
+  const cublasHandle_t* cublas = nullptr;      // [kPrefillStreams], handle i bound to streams[i]
+  const cudaStream_t* streams = nullptr;       // [kPrefillStreams]
+  const cudaEvent_t* events = nullptr;         // [kPrefillStreams + 1]: fork, then one join each
+  const cudaEvent_t* expand_events = nullptr;  // [kExpandChunks]: quantized experts expanded
   int num_streams = 1;
   void* xg = nullptr;   // [N, hidden] BF16: gathered x
   void* act = nullptr;  // [N, F] BF16: silu(g) * u
   float* gu = nullptr;  // [N, ld_gu] F32: gate | up, then y in the row's first hidden floats
   int64_t ld_gu = 0;    // max(2F, hidden)
-  // Quantized experts (wdtype W4A16 / FP8W): all are expanded to BF16 (wq_dequant.cuh) into
-  // wslots ([E][3 * F * hidden]: gate, up, down) from the device table first.
+  // Quantized experts (wdtype W4A16 / FP8W): expanded to BF16 (wq_dequant.cuh) into wslots
+  // ([E][3 * F * hidden]: gate, up, down) from the device table, on the calling stream in
+  // kExpandChunks launches (in the order the GEMMs take them) while the side streams run
+  // the GEMMs of the experts already expanded.
   DType wdtype = DType::BF16;
   const ExpertPtrs* experts_device = nullptr;
   void* wslots = nullptr;

@@ -1,8 +1,8 @@
 // Prefill-path experts: tokens gathered per expert into contiguous BF16 rows, then cuBLAS
 // tensor-core GEMMs for every touched expert (gate and up into one F32 [n, 2F] block, SiLU
 // and multiply to BF16, down into F32), experts spread over side streams so several run at
-// once; quantized experts are all expanded to BF16 first. Reads the per-expert counts to the
-// host once.
+// once; quantized experts are expanded to BF16 beside them (run_streams). Reads the
+// per-expert counts to the host once.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -106,7 +106,9 @@ bool gate_up_stacked(const ExpertPtrs& ex, int F) {
 // One expert's GEMMs fill a fraction of the GPU (~1,000 tokens x F = 1,408 is ~50-90 tiles
 // for 132 SMs), so experts run concurrently: the largest first, each onto the side stream with
 // the least work queued (all of an expert's GEMMs and its SiLU on one stream, so it needs no
-// other synchronization; the rows it touches are its own).
+// other synchronization; the rows it touches are its own). Quantized experts: the calling
+// stream expands them in chunks of that order after the fork (memory-bound, beside the
+// GEMMs), and a side stream waits for a chunk's event before its first expert of the chunk.
 void run_streams(const PrefillFfnArgs& a, const std::vector<int>& offsets,
                  const std::vector<int>& order, int S, cudaStream_t stream) {
   const int H = a.hidden, F = a.inter;
@@ -114,12 +116,29 @@ void run_streams(const PrefillFfnArgs& a, const std::vector<int>& offsets,
   auto* act = static_cast<__nv_bfloat16*>(a.act);
   check(cudaEventRecord(a.events[0], stream), "fork record");
   for (int i = 0; i < S; ++i) check(cudaStreamWaitEvent(a.streams[i], a.events[0]), "fork wait");
+  const int n_order = int(order.size());
+  const int per_chunk = std::max((n_order + kExpandChunks - 1) / kExpandChunks,
+                                 (n_order + kWqDequantMaxExperts - 1) / kWqDequantMaxExperts);
+  DS_CHECK(!a.wslots || per_chunk <= kWqDequantMaxExperts, "moe prefill: too many experts");
+  if (a.wslots)
+    for (int c = 0; c * per_chunk < n_order; ++c) {
+      const int first = c * per_chunk, count = std::min(per_chunk, n_order - first);
+      launch_wq_dequant_experts(a.wdtype, a.experts_device, order.data() + first, count, H, F,
+                                a.wslots, stream);
+      check(cudaEventRecord(a.expand_events[c], stream), "expand record");
+    }
   std::array<int64_t, kPrefillStreams> load{};
-  for (int e : order) {
+  std::array<int, kPrefillStreams> waited{};  // expansion chunks each side stream waited for
+  for (int j = 0; j < n_order; ++j) {
+    const int e = order[size_t(j)];
     const int i = int(std::min_element(load.begin(), load.begin() + S) - load.begin());
     const int begin = offsets[size_t(e)];
     const int count = offsets[size_t(e) + 1] - begin;
     load[size_t(i)] += count;
+    if (a.wslots && waited[size_t(i)] <= j / per_chunk) {
+      check(cudaStreamWaitEvent(a.streams[i], a.expand_events[j / per_chunk]), "expand wait");
+      waited[size_t(i)] = j / per_chunk + 1;
+    }
     const ExpertPtrs& ex = a.experts[e];
     const cublasHandle_t h = a.cublas[i];
     const __nv_bfloat16* xe = xg + int64_t(begin) * H;
@@ -158,12 +177,10 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   const int F = a.inter;
   auto* xg = static_cast<__nv_bfloat16*>(a.xg);
 
-  // Quantized experts: every one expanded to BF16 first (one launch at full bandwidth; per
-  // expert on the side streams it ran at a third of it, H200). The GEMMs then read the copies.
+  // Quantized experts: the GEMMs read their BF16 expansions (made in run_streams).
   std::vector<ExpertPtrs> expanded;
   PrefillFfnArgs args = a;
   if (a.wslots) {
-    launch_wq_dequant_experts(a.wdtype, a.experts_device, E, H, F, a.wslots, stream);
     auto* base = static_cast<__nv_bfloat16*>(a.wslots);
     for (int e = 0; e < E; ++e) {
       const __nv_bfloat16* g = base + int64_t(e) * 3 * F * H;

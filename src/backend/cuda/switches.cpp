@@ -54,6 +54,6 @@ EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.
 EnvSwitch g_wq_dequant{"DEEPSERVE_WQ_DEQUANT", "0", true};
 EnvCount g_wq_dequant_min_rows{"DEEPSERVE_WQ_DEQUANT_MIN_ROWS", 512};
-EnvCount g_moe_wq_dequant_min{"DEEPSERVE_MOE_WQ_DEQUANT_MIN", 512};
+EnvCount g_moe_wq_dequant_min{"DEEPSERVE_MOE_WQ_DEQUANT_MIN", 384};
 
 }  // namespace ds::cuda

@@ -77,14 +77,21 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(Jobs jobs) {
                   int64_t(gridDim.x) * kThreads);
 }
 
-// Grid (chunks, experts, 3): matrix z (gate, up, down) of expert y into out + y * 3FH.
+struct ExpertIds {
+  int id[kWqDequantMaxExperts];
+};
+
+// Grid (chunks, experts, 3): matrix z (gate, up, down) of expert e = ids.id[y] into
+// out + e * 3FH.
 template <bool W4>
 __global__ void __launch_bounds__(kThreads)
-    dequant_experts_kernel(const moe::ExpertPtrs* experts, int64_t H, int64_t F, void* out) {
+    dequant_experts_kernel(const moe::ExpertPtrs* experts, ExpertIds ids, int64_t H, int64_t F,
+                           void* out) {
   pdl::enter();
-  const moe::ExpertPtrs ex = experts[blockIdx.y];
+  const int e = ids.id[blockIdx.y];
+  const moe::ExpertPtrs ex = experts[e];
   const int z = int(blockIdx.z);
-  auto* base = static_cast<__nv_bfloat16*>(out) + int64_t(blockIdx.y) * 3 * F * H;
+  auto* base = static_cast<__nv_bfloat16*>(out) + int64_t(e) * 3 * F * H;
   WqDequantJob j;
   j.w = z == 0 ? ex.gate : z == 1 ? ex.up : ex.down;
   j.w_stride = z == 0 ? ex.gate_ld : z == 1 ? ex.up_ld : ex.down_ld;  // bytes (packed formats)
@@ -130,20 +137,23 @@ void launch_wq_dequant(DType t, const WqDequantJob* jobs, int num_jobs, cudaStre
   check_cuda(cudaGetLastError(), "wq dequant launch");
 }
 
-void launch_wq_dequant_experts(DType t, const moe::ExpertPtrs* experts, int num_experts,
+void launch_wq_dequant_experts(DType t, const moe::ExpertPtrs* experts, const int* ids, int n,
                                int64_t hidden, int64_t inter, void* out, cudaStream_t stream) {
   DS_CHECK(t == DType::W4A16 || t == DType::FP8W, "wq dequant: W4A16 or FP8W experts");
   DS_CHECK(wq_dequant_fits(t, hidden) && wq_dequant_fits(t, inter),
            "wq dequant: expert dims must be whole 8-chunks");
   DS_CHECK(reinterpret_cast<uintptr_t>(out) % 16 == 0, "wq dequant: 16-byte aligned output");
-  if (num_experts == 0) return;
-  const dim3 grid(expand_blocks(hidden * inter / 8), unsigned(num_experts), 3);
+  DS_CHECK(n >= 0 && n <= kWqDequantMaxExperts, "wq dequant: too many experts in one launch");
+  if (n == 0) return;
+  ExpertIds list{};
+  std::copy(ids, ids + n, list.id);
+  const dim3 grid(expand_blocks(hidden * inter / 8), unsigned(n), 3);
   if (t == DType::W4A16)
-    pdl::launch(dequant_experts_kernel<true>, grid, kThreads, 0, stream, experts, hidden, inter,
-                out);
+    pdl::launch(dequant_experts_kernel<true>, grid, kThreads, 0, stream, experts, list, hidden,
+                inter, out);
   else
-    pdl::launch(dequant_experts_kernel<false>, grid, kThreads, 0, stream, experts, hidden, inter,
-                out);
+    pdl::launch(dequant_experts_kernel<false>, grid, kThreads, 0, stream, experts, list, hidden,
+                inter, out);
   check_cuda(cudaGetLastError(), "wq dequant experts launch");
 }
 

@@ -41,9 +41,11 @@ void launch_wq_dequant(DType t, const WqDequantJob* jobs, int num_jobs, cudaStre
 namespace moe {
 struct ExpertPtrs;
 }
-// Expands every expert of a device table (W4A16 / FP8W rows, strides in bytes) in one launch:
-// expert e's gate, up and down rows at out + e * 3 * F * hidden, + F * hidden, + 2 * F * hidden.
-void launch_wq_dequant_experts(DType t, const moe::ExpertPtrs* experts, int num_experts,
+// Expands experts ids[0..n) (n <= kWqDequantMaxExperts) of a device table (W4A16 / FP8W rows,
+// strides in bytes) in one launch: expert e's gate, up and down rows at
+// out + e * 3 * F * hidden, + F * hidden, + 2 * F * hidden.
+constexpr int kWqDequantMaxExperts = 64;
+void launch_wq_dequant_experts(DType t, const moe::ExpertPtrs* experts, const int* ids, int n,
                                int64_t hidden, int64_t inter, void* out, cudaStream_t stream);
 // The most BF16 bytes a layer's expansion may take (DeepSeek-V2-Lite's 66 experts: 1.1 GiB;
 // V2.5's 162: 7.1 GiB, so its experts stay with the kernels).
