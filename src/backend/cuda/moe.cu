@@ -295,10 +295,6 @@ MoeRegistry& registry() {
   return *r;
 }
 
-bool capturing(cudaStream_t s) {
-  return stream_capturing(s);
-}
-
 moe::ExpertPtrs expert_ptrs(const ExpertWeights& w) {
   const auto ld = [](const TensorView& t) {  // W4A16, FP8W and GGUF blocks: bytes
     return wq_dtype(t.dtype) || is_gguf_block_type(t.dtype)
@@ -377,7 +373,7 @@ const ExpertTable& expert_table(DeviceState& dev, std::span<const ExpertWeights>
                                 cudaStream_t stream) {
   ExpertTable& t = dev.tables[experts.data()];
   if (table_matches(t, experts)) return t;
-  if (capturing(stream))
+  if (stream_capturing(stream))
     throw Error("cuda moe_ffn: expert tables must be built before graph capture");
   ExpertTable fresh;  // t changes only once the new table is complete
   validate_experts(experts, fresh);
@@ -494,7 +490,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   auto [it, fresh] = reg.devices.try_emplace(device);
   DeviceState& dev = it->second;
   if (fresh) {
-    if (capturing(ctx.stream)) {
+    if (stream_capturing(ctx.stream)) {
       reg.devices.erase(it);
       throw Error("cuda moe_ffn: first call on a device must happen before graph capture");
     }
@@ -516,7 +512,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   // prefill path on BF16 expansions (wq_dequant.cuh).
   const bool quant = wq_dtype(table.dtype);
   if (path == MoeFfnPath::Auto && !quant) {
-    path = moe_auto_path(bf16, T, k, S, capturing(ctx.stream), g_moe_prefill_wide.on());
+    path = moe_auto_path(bf16, T, k, S, stream_capturing(ctx.stream), g_moe_prefill_wide.on());
     // Streamed reads gate and up rows with one stride: otherwise the grouped kernels.
     if (path == MoeFfnPath::Streamed && !table.gate_up_same_ld) path = MoeFfnPath::Grouped;
   }
@@ -530,7 +526,8 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
         (path == MoeFfnPath::Auto && wq_dequant_moe(n, int(E), table.dtype, H, F, ctx.stream));
     DS_CHECK(!expand || (wq_dequant_fits(table.dtype, H) && wq_dequant_fits(table.dtype, F)),
              "moe_ffn: these experts cannot be expanded to BF16");
-    DS_CHECK(!expand || !capturing(ctx.stream), "moe_ffn: the prefill path cannot be captured");
+    DS_CHECK(!expand || !stream_capturing(ctx.stream),
+             "moe_ffn: the prefill path cannot be captured");
     path = expand ? MoeFfnPath::Prefill : MoeFfnPath::Grouped;
   } else if (path == MoeFfnPath::Prefill || path == MoeFfnPath::Grouped ||
              path == MoeFfnPath::Wide) {
@@ -538,7 +535,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
       throw UnsupportedError(std::string("cuda moe_ffn: the ") +
                              (path == MoeFfnPath::Prefill ? "prefill" : "grouped") +
                              " path needs BF16 experts");
-    DS_CHECK(path != MoeFfnPath::Prefill || !capturing(ctx.stream),
+    DS_CHECK(path != MoeFfnPath::Prefill || !stream_capturing(ctx.stream),
              "moe_ffn: the prefill path cannot be graph-captured");
   }
   const bool prefill = path == MoeFfnPath::Prefill;

@@ -13,6 +13,7 @@
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/switches.h"
+#include "backend/cuda/wq_kernel.cuh"
 #include "backend/fp8w.h"
 #include "backend/w4a16.h"
 #include "core/error.h"
@@ -54,8 +55,7 @@ __device__ void expand_rows(const WqDequantJob& j, int64_t first, int64_t step) 
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const uint32_t w = q < 2 ? codes.x : codes.y;
-        const auto pair = static_cast<__nv_fp8x2_storage_t>((w >> (16 * (q & 1))) & 0xffffu);
-        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+        const float2 f = wqk::e4m3x2_to_float2(w >> (16 * (q & 1)));
         v[2 * q] = __fmul_rn(f.x, s);
         v[2 * q + 1] = __fmul_rn(f.y, s);
       }
