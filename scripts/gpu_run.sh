@@ -413,7 +413,9 @@ fi
 log "done"
 # The device tool brings back at most 8 files: pack everything into one archive and keep the
 # JSON results beside it while they fit (else the archive alone, which holds them too; a run
-# that wrote 9 JSON files once lost both the 9th and the archive).
+# that wrote 9 JSON files once lost both the 9th and the archive). KEEP_LOOSE=1 skips the
+# archive: only for runs that write at most 8 files (a full run with it lost its test and
+# micro-benchmark logs).
 if [ -z "${KEEP_LOOSE:-}" ]; then
   (cd "$OUT" && tar -czf gpu-run-logs.tgz $(ls | grep -v '\.tgz$') &&
     find . -maxdepth 1 -type f ! -name '*.tgz' ! -name 'bench-*.json' ! -name 'hf-baseline.json' \
