@@ -117,8 +117,7 @@ void run_streams(const PrefillFfnArgs& a, const std::vector<int>& offsets,
   check(cudaEventRecord(a.events[0], stream), "fork record");
   for (int i = 0; i < S; ++i) check(cudaStreamWaitEvent(a.streams[i], a.events[0]), "fork wait");
   const int n_order = int(order.size());
-  const int per_chunk = std::max((n_order + kExpandChunks - 1) / kExpandChunks,
-                                 (n_order + kWqDequantMaxExperts - 1) / kWqDequantMaxExperts);
+  const int per_chunk = (n_order + kExpandChunks - 1) / kExpandChunks;
   DS_CHECK(!a.wslots || per_chunk <= kWqDequantMaxExperts, "moe prefill: too many experts");
   if (a.wslots)
     for (int c = 0; c * per_chunk < n_order; ++c) {
