@@ -30,6 +30,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/switches.h"
 #include "backend/kv_fp8.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -594,5 +595,19 @@ inline BackendKv random_paged_kv(Backend& b, const KvSpec& s, uint32_t seed, int
   }
   return r;
 }
+
+// Forces a switch or threshold of the CUDA backend for one scope.
+struct Forced {
+  cuda::EnvSwitch* sw = nullptr;
+  cuda::EnvCount* count = nullptr;
+  Forced(cuda::EnvSwitch& s, int mode) : sw(&s) { s.force(mode); }
+  Forced(cuda::EnvCount& c, long long v) : count(&c) { c.force(v); }
+  ~Forced() {
+    if (sw) sw->force(-1);
+    if (count) count->force(0);
+  }
+  Forced(const Forced&) = delete;
+  Forced& operator=(const Forced&) = delete;
+};
 
 }  // namespace ds::test

@@ -349,6 +349,10 @@ TEST(CudaAttention, WholePromptSweep) {
         }
 }
 
+// The MLA decode kernels: the register-Q kernel (the default for a BF16 cache with 64 rope
+// dims) and the first one (DEEPSERVE_MLA_DECODE_REGQ=0; FP8 caches and other rope sizes).
+constexpr int kMlaDecodeKernels[] = {1, 0};
+
 TEST(CudaAttention, MlaDecodeBatches) {
   DS_REQUIRE_GPU();
   // W1's shape (8 sequences, contexts ~1280) and W2's (256 sequences).
@@ -359,7 +363,12 @@ TEST(CudaAttention, MlaDecodeBatches) {
       c.seqs = decodes(n, 1400, uint32_t(n));
       c.heads = 16, c.hd = 512, c.rope = 64;
       c.path = path;
-      check_case(c, 2100 + uint32_t(n));
+      for (int regq : kMlaDecodeKernels) {
+        if (path != AttentionPath::MlaDecode && regq == 0) continue;
+        const test::Forced kernel(cuda::g_mla_decode_regq, regq);
+        SCOPED_TRACE(regq ? "register-Q kernel" : "first kernel");
+        check_case(c, 2100 + uint32_t(n));
+      }
     }
 }
 
@@ -382,13 +391,17 @@ TEST(CudaAttention, MlaDecodeKernelEdges) {
                           {16, 64, 16, {{1, 5000}}}, {16, 64, 16, {{1, 20000}}},
                           {16, 64, 16, {{1, 1}}}};
   uint32_t seed = 2300;
-  for (const Shape& sh : shapes) {
-    Case c;
-    c.seqs = sh.seqs;
-    c.heads = sh.heads, c.hd = 512, c.rope = sh.P, c.block_size = sh.block_size;
-    c.strided = sh.strided;
-    c.path = AttentionPath::MlaDecode;
-    check_case(c, seed++);
+  for (int regq : kMlaDecodeKernels) {
+    const test::Forced kernel(cuda::g_mla_decode_regq, regq);
+    SCOPED_TRACE(regq ? "register-Q kernel" : "first kernel");
+    for (const Shape& sh : shapes) {
+      Case c;
+      c.seqs = sh.seqs;
+      c.heads = sh.heads, c.hd = 512, c.rope = sh.P, c.block_size = sh.block_size;
+      c.strided = sh.strided;
+      c.path = AttentionPath::MlaDecode;
+      check_case(c, seed++);
+    }
   }
   Case f;  // F32 cache: Auto falls back to the other kernels, a forced MlaDecode refuses
   f.seqs = {{1, 100}};
@@ -449,23 +462,26 @@ TEST(CudaAttention, MlaDecodeBf16QueriesMatchReference) {
                           {16, 32, {{1, 100}, {1, 17}}},
                           {16, 64, {{1, 20000}}}};
   uint32_t seed = 2600;
-  for (const Shape& sh : shapes) {
-    Case c;
-    c.seqs = sh.seqs;
-    c.heads = sh.heads, c.hd = 512, c.rope = sh.P;
-    c.path = AttentionPath::MlaDecodeBf16;
-    SCOPED_TRACE(describe(c));
-    const Inputs in = make_inputs(c, seed++);
-    launch(c, in);
-    const std::vector<float> got = read_out(c, in);
-    std::vector<float> q = in.q, q_rope = in.q_rope;
-    for (float& v : q) v = bf16_to_f32(f32_to_bf16(v));
-    for (float& v : q_rope) v = bf16_to_f32(f32_to_bf16(v));
-    const std::vector<double> want = test::reference_mla(
-        in.h, q, q_rope, in.kv.k_host, c.heads, c.hd, c.rope, c.block_size, in.scale, c.causal);
-    EXPECT_TRUE(test::all_close(got, want, {.abs = 2.5e-3, .rel = 0.0}, "vs float64 (BF16 q)",
-                                {in.h.num_tokens, c.heads, c.hd}));
-  }
+  for (int regq : kMlaDecodeKernels)
+    for (const Shape& sh : shapes) {
+      const test::Forced kernel(cuda::g_mla_decode_regq, regq);
+      SCOPED_TRACE(regq ? "register-Q kernel" : "first kernel");
+      Case c;
+      c.seqs = sh.seqs;
+      c.heads = sh.heads, c.hd = 512, c.rope = sh.P;
+      c.path = AttentionPath::MlaDecodeBf16;
+      SCOPED_TRACE(describe(c));
+      const Inputs in = make_inputs(c, seed++);
+      launch(c, in);
+      const std::vector<float> got = read_out(c, in);
+      std::vector<float> q = in.q, q_rope = in.q_rope;
+      for (float& v : q) v = bf16_to_f32(f32_to_bf16(v));
+      for (float& v : q_rope) v = bf16_to_f32(f32_to_bf16(v));
+      const std::vector<double> want = test::reference_mla(
+          in.h, q, q_rope, in.kv.k_host, c.heads, c.hd, c.rope, c.block_size, in.scale, c.causal);
+      EXPECT_TRUE(test::all_close(got, want, {.abs = 2.5e-3, .rel = 0.0}, "vs float64 (BF16 q)",
+                                  {in.h.num_tokens, c.heads, c.hd}));
+    }
 }
 
 TEST(CudaAttention, MlaLongContextSplitK) {
@@ -614,44 +630,48 @@ TEST(CudaAttention, DISABLED_Timing) {
   std::printf("%-30s %6s %10s %12s\n", "shape", "path", "us/call", "rate");
   for (const Row& row : rows)
     for (AttentionPath path : {AttentionPath::Simt, AttentionPath::TensorCore,
-                               AttentionPath::MlaDecode, AttentionPath::MlaDecodeBf16}) {
-      const bool mla_decode =
-          path == AttentionPath::MlaDecode || path == AttentionPath::MlaDecodeBf16;
-      if (mla_decode && (row.c.rope == 0 || row.c.seqs.front().query_len != 1)) continue;
-      Case c = row.c;
-      c.path = path;
-      const Inputs in = make_inputs(c, 5000);
-      for (int i = 0; i < 3; ++i) launch(c, in);
-      const int iters = 20;
-      cudaEventRecord(e0, s);
-      for (int i = 0; i < iters; ++i) {
-        if (c.rope > 0)
-          cuda::mla_attention_on(launch_context().get(), mla_params(c, in), in.step.meta, path);
+                               AttentionPath::MlaDecode, AttentionPath::MlaDecodeBf16})
+      for (int regq : kMlaDecodeKernels) {
+        const bool mla_decode =
+            path == AttentionPath::MlaDecode || path == AttentionPath::MlaDecodeBf16;
+        if (mla_decode && (row.c.rope == 0 || row.c.seqs.front().query_len != 1)) continue;
+        if (!mla_decode && regq == 0) continue;
+        const test::Forced kernel(cuda::g_mla_decode_regq, regq);
+        const std::string name = std::string(path_name(path)) + (mla_decode && !regq ? "-v1" : "");
+        Case c = row.c;
+        c.path = path;
+        const Inputs in = make_inputs(c, 5000);
+        for (int i = 0; i < 3; ++i) launch(c, in);
+        const int iters = 20;
+        cudaEventRecord(e0, s);
+        for (int i = 0; i < iters; ++i) {
+          if (c.rope > 0)
+            cuda::mla_attention_on(launch_context().get(), mla_params(c, in), in.step.meta, path);
+          else
+            cuda::paged_attention_on(launch_context().get(), gqa_params(c, in), in.step.meta, path);
+        }
+        cudaEventRecord(e1, s);
+        cuda_ok(cudaEventSynchronize(e1), "timing");
+        float ms = 0.0f;
+        cudaEventElapsedTime(&ms, e0, e1);
+        const double us = 1000.0 * ms / iters;
+        double keys = 0.0, pairs = 0.0;  // cached rows read; (query, key) pairs computed
+        for (const auto& q : c.seqs) {
+          keys += q.context_len;
+          for (int i = 0; i < q.query_len; ++i) pairs += q.context_len - q.query_len + i + 1;
+        }
+        const int es = int(dtype_info(c.dtype).type_size);
+        const double row_bytes =
+            c.rope > 0 ? double(c.hd + c.rope) * es : 2.0 * c.kv_heads * c.hd * es;
+        const bool decode = in.h.num_tokens == in.h.num_seqs;
+        const double flop = pairs * c.heads * 2.0 * (c.rope > 0 ? 2 * c.hd + c.rope : 2 * c.hd);
+        if (decode)
+          std::printf("%-30s %6s %10.1f %9.0f GB/s\n", row.name, name.c_str(), us,
+                      keys * row_bytes / us * 1e-3);
         else
-          cuda::paged_attention_on(launch_context().get(), gqa_params(c, in), in.step.meta, path);
+          std::printf("%-30s %6s %10.1f %7.1f TFLOP/s\n", row.name, name.c_str(), us,
+                      flop / us * 1e-6);
       }
-      cudaEventRecord(e1, s);
-      cuda_ok(cudaEventSynchronize(e1), "timing");
-      float ms = 0.0f;
-      cudaEventElapsedTime(&ms, e0, e1);
-      const double us = 1000.0 * ms / iters;
-      double keys = 0.0, pairs = 0.0;  // cached rows read; (query, key) pairs computed
-      for (const auto& q : c.seqs) {
-        keys += q.context_len;
-        for (int i = 0; i < q.query_len; ++i) pairs += q.context_len - q.query_len + i + 1;
-      }
-      const int es = int(dtype_info(c.dtype).type_size);
-      const double row_bytes =
-          c.rope > 0 ? double(c.hd + c.rope) * es : 2.0 * c.kv_heads * c.hd * es;
-      const bool decode = in.h.num_tokens == in.h.num_seqs;
-      const double flop = pairs * c.heads * 2.0 * (c.rope > 0 ? 2 * c.hd + c.rope : 2 * c.hd);
-      if (decode)
-        std::printf("%-30s %6s %10.1f %9.0f GB/s\n", row.name, path_name(path), us,
-                    keys * row_bytes / us * 1e-3);
-      else
-        std::printf("%-30s %6s %10.1f %7.1f TFLOP/s\n", row.name, path_name(path), us,
-                    flop / us * 1e-6);
-    }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
 }

@@ -68,24 +68,10 @@ std::vector<float> wq_direct(const TensorView& x, const TensorView& w, const Ten
   return download_f32(out);
 }
 
-// Forces a switch or threshold of the backend for one scope.
-struct Forced {
-  cuda::EnvSwitch* sw = nullptr;
-  cuda::EnvCount* count = nullptr;
-  Forced(cuda::EnvSwitch& s, int mode) : sw(&s) { s.force(mode); }
-  Forced(cuda::EnvCount& c, long long v) : count(&c) { c.force(v); }
-  ~Forced() {
-    if (sw) sw->force(-1);
-    if (count) count->force(0);
-  }
-  Forced(const Forced&) = delete;
-  Forced& operator=(const Forced&) = delete;
-};
-
 // The in-register kernels at every M (prefill-sized M would take the BF16 expansion: below).
 TEST(CudaWq, MatmulMatchesTheDequantizedProduct) {
   DS_REQUIRE_GPU();
-  const Forced kernels_only(cuda::g_wq_dequant, 0);
+  const test::Forced kernels_only(cuda::g_wq_dequant, 0);
   for (DType t : {DType::W4A16, DType::FP8W}) {
     std::vector<int64_t> ks = {128, 384, 5120};
     if (t == DType::FP8W) ks = {100, 384, 1408, 5120};
@@ -173,7 +159,7 @@ TEST(CudaWq, ExpandedRowsAreTheRoundedElements) {
 // one; a K the expansion cannot take (FP8W K = 100) stays with the kernels.
 TEST(CudaWq, PrefillSizedMatmulTakesTheExpandedWeights) {
   DS_REQUIRE_GPU();
-  const Forced from_one_row(cuda::g_wq_dequant_min_rows, 1);
+  const test::Forced from_one_row(cuda::g_wq_dequant_min_rows, 1);
   for (DType t : {DType::W4A16, DType::FP8W}) {
     const std::vector<int64_t> ks =
         t == DType::W4A16 ? std::vector<int64_t>{128, 1152} : std::vector<int64_t>{100, 1288};
@@ -480,8 +466,8 @@ TEST(CudaWq, MoeFfnMatchesTheDequantizedExperts) {
   DS_REQUIRE_GPU();
   for (const bool expand : {false, true}) {
     SCOPED_TRACE(expand ? "expanded to BF16" : "in-register kernels");
-    const Forced path(cuda::g_wq_dequant, expand ? 1 : 0);
-    const Forced from_one(cuda::g_moe_wq_dequant_min, 1);
+    const test::Forced path(cuda::g_wq_dequant, expand ? 1 : 0);
+    const test::Forced from_one(cuda::g_moe_wq_dequant_min, 1);
     check_moe_against_reference(expand);
   }
 }
@@ -540,7 +526,7 @@ TEST(CudaWq, MoeFfnIsBatchInvariant) {
   Backend& be = cuda_backend();
   const int E = 12, k = 6, shared = 2;
   const int64_t H = 1024, F = 768, T = 150;
-  const Forced kernels_only(cuda::g_wq_dequant, 0);  // 150 tokens would take it when forced
+  const test::Forced kernels_only(cuda::g_wq_dequant, 0);  // 150 tokens would take it when forced
   for (DType t : {DType::W4A16, DType::FP8W}) {
     SCOPED_TRACE(fmt_name(t));
     const QExperts q = make_experts(t, E, H, F);

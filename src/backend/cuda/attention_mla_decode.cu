@@ -21,6 +21,7 @@
 #include "backend/cuda/attention_mla_decode.cuh"
 #include "backend/cuda/mma_ptx.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
 
 namespace ds::cuda {
 namespace {
@@ -366,6 +367,277 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
   }
 }
 
+// The register-Q kernel (BF16 cache, 64 rope dims): the kernel above re-reads Q's 16 x 576
+// fragments (18 KB, 36 with lo) from shared memory in every warp for every tile, about twice
+// the tile's own bytes, and runs its S loop over a run-time dim. Here Q lives in registers as
+// mma A fragments: warp w takes dim group w / 2 (9 of the 36 16-dim k-steps: 36 registers, 72
+// with lo) and key half w % 2 (32 keys), so a tile's keys are read from shared memory once. The
+// four dim groups' partial scores meet in shared memory (summed in group order), and warp w
+// then owns rows 2w, 2w + 1 for the softmax, so the row max and sum need no exchange between
+// warps. P . V is the kernel above's (each warp 64 value dims). Three barriers per tile.
+namespace regq {
+constexpr int kDim = kR + 64;                     // 576 score dims
+constexpr int kGroups = 4;                        // dim groups
+constexpr int kGroupSteps = kDim / 16 / kGroups;  // 9 k-steps per group
+constexpr int kSStride = kKeys + 8;  // floats per partial-score row: float2 stores conflict-free
+constexpr int kRedBytes = kGroups * kRows * kSStride * 4;
+// Two cache stages, partial scores, P hi / lo, per-row alpha / max / sum, two tiles' slots.
+constexpr int kSmemBytes =
+    2 * kTileBytes + kRedBytes + 2 * kPBytes + 3 * kRows * 4 + 2 * kSlotBytes;
+static_assert(kDim == kMaxDim && kDim % (16 * kGroups) == 0, "dim groups of whole k-steps");
+static_assert(kGroups * 2 == kWarps && kRows == 2 * kWarps, "warp roles");
+}  // namespace regq
+
+// Grid (num_seqs, splits, ceil(heads / 16)).
+template <bool kLo>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern::AttnParams p) {
+  pdl::enter();
+  using namespace regq;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* stage0 = smem;
+  float* red_s = reinterpret_cast<float*>(stage0 + 2 * kTileBytes);  // [group][row][kSStride]
+  uint8_t* p_hi = stage0 + 2 * kTileBytes + kRedBytes;
+  uint8_t* p_lo = p_hi + kPBytes;
+  float* row_alpha = reinterpret_cast<float*>(p_lo + kPBytes);  // [kRows]
+  float* row_m = row_alpha + kRows;                             // [kRows]
+  float* row_l = row_m + kRows;                                 // [kRows]
+  auto* slots = reinterpret_cast<int64_t*>(row_l + kRows);      // [2 tiles][kKeys]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
+  const int token = p.query_start[seq];
+  const int ctx = p.context_lens[seq];
+  const int tiles_total = (ctx + kKeys - 1) / kKeys;
+  const int used = min(p.splits, tiles_total);
+  const int tiles_per = used > 0 ? (tiles_total + used - 1) / used : 0;
+  const int key_begin = split * tiles_per * kKeys;
+  const int key_end = min(ctx, key_begin + tiles_per * kKeys);
+  const bool partial = p.splits > 1;
+  if (key_begin >= key_end) {  // nothing to see: tell the merge to skip this split
+    if (partial && tid < kRows && h0 + tid < p.heads) {
+      float* ml = p.part_ml + ((int64_t(split) * p.num_tokens + token) * p.heads + h0 + tid) * 2;
+      ml[0] = -INFINITY;
+      ml[1] = 0.0f;
+    }
+    return;
+  }
+  const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
+  // Cache slot of key k of tile t (-1 past the split).
+  auto slot_at = [&](int t, int k) -> int64_t {
+    const int j = key_begin + t * kKeys + k;
+    return j < key_end ? kern::slot_of(p, seq, j) : -1;
+  };
+  // Warp w copies key rows w * 8 .. + 8 of a tile; lane l chunks l, l + 32 (and l + 64 < 72).
+  constexpr int kChunks = kDim / 8;
+  auto load_tile = [&](int stage, int t) {
+    const uint32_t base = smem_u32(stage0 + stage * kTileBytes);
+    const int64_t* ts = slots + (t & 1) * kKeys;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = warp * 8 + i;
+      const int64_t slot = ts[r];
+      const uint8_t* row = p.k + slot * p.slot_bytes;
+#pragma unroll
+      for (int m = 0; m < 3; ++m) {
+        const int c = lane + 32 * m;
+        if (c < kChunks)
+          ptx::cp_async16(base + swz(r, c, kRowBytes), slot >= 0 ? row + c * 16 : p.k, slot >= 0);
+      }
+    }
+  };
+  if (tid < 2 * kKeys && tid / kKeys < n_tiles) slots[tid] = slot_at(tid / kKeys, tid % kKeys);
+  __syncthreads();  // tiles 0 and 1's slots visible
+  load_tile(0, 0);
+  ptx::cp_async_commit();
+
+  // Q fragments of this warp's dim group (rows g / g + 8 = heads h0 + g (+ 8); zeros past the
+  // heads), as hi (and lo) BF16 pairs; every load is issued before the first conversion.
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+  const int grp = warp >> 1, half = warp & 1;
+  float qv[kGroupSteps][4][2];
+#pragma unroll
+  for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int head = h0 + g + 8 * (e & 1);
+      const int d = (grp * kGroupSteps + s) * 16 + 8 * (e >> 1) + c2;
+      const uint8_t* src = d < kR ? p.q + token * p.q_ts + head * p.q_hs + d * 4
+                                  : p.q2 + token * p.q2_ts + head * p.q2_hs + (d - kR) * 4;
+      const bool ok = head < p.heads;
+      qv[s][e][0] = ok ? reinterpret_cast<const float*>(src)[0] : 0.0f;
+      qv[s][e][1] = ok ? reinterpret_cast<const float*>(src)[1] : 0.0f;
+    }
+  uint32_t qh[kGroupSteps][4], ql[kGroupSteps][4];
+#pragma unroll
+  for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      __nv_bfloat16 hi[2], lo[2];
+      split_bf16(qv[s][e][0], hi[0], lo[0]);
+      split_bf16(qv[s][e][1], hi[1], lo[1]);
+      const __nv_bfloat162 h2 = __halves2bfloat162(hi[0], hi[1]);
+      const __nv_bfloat162 l2 = __halves2bfloat162(lo[0], lo[1]);
+      qh[s][e] = *reinterpret_cast<const uint32_t*>(&h2);
+      ql[s][e] = *reinterpret_cast<const uint32_t*>(&l2);
+    }
+
+  // Softmax row of this lane (its warp's rows 2w, 2w + 1) and its 4 keys.
+  const int ro = 2 * warp + (lane >> 4), kq = (lane & 15) * 4;
+  float m_run = -INFINITY, l_run = 0.0f;
+  float o[8][4] = {};                       // value dims warp*64 + n*8 + c2 (+1), rows g / g + 8
+  const int lm = lane >> 3, li = lane & 7;  // ldmatrix: matrix and row of this lane's address
+
+  for (int t = 0; t < n_tiles; ++t) {
+    const int k0 = key_begin + t * kKeys;
+    ptx::cp_async_wait<0>();
+    // Tile t visible to every warp; every warp is past tile t - 1, so the other stage, the
+    // partial scores and P are free.
+    __syncthreads();
+    if (t + 1 < n_tiles) load_tile((t + 1) & 1, t + 1);
+    ptx::cp_async_commit();
+    // Tile t + 2's slots: looked up now, stored into table t & 1 after P . V (no copy reads it
+    // any more), read after the next barrier.
+    int64_t next_slot = -1;
+    if (tid < kKeys && t + 2 < n_tiles) next_slot = slot_at(t + 2, tid);
+    const uint32_t kv = smem_u32(stage0 + (t & 1) * kTileBytes);
+
+    // Partial S over this warp's 9 k-steps for keys half*32 .. +32 (n-tiles j = 0..3).
+    float sa[4][4] = {}, sl[4][4] = {};
+#pragma unroll
+    for (int s = 0; s < kGroupSteps; ++s) {
+      const int chunk = (grp * kGroupSteps + s) * 2 + (lm & 1);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t b[4];  // (keys 0-7, dims 0-7), (keys 0-7, dims 8-15), same for keys 8-15
+        ptx::ldmatrix_x4(b, kv + swz(half * 32 + np * 16 + (lm >> 1) * 8 + li, chunk, kRowBytes));
+        ptx::mma_bf16(sa[2 * np], qh[s], b[0], b[1]);
+        ptx::mma_bf16(sa[2 * np + 1], qh[s], b[2], b[3]);
+        if constexpr (kLo) {
+          ptx::mma_bf16(sl[2 * np], ql[s], b[0], b[1]);
+          ptx::mma_bf16(sl[2 * np + 1], ql[s], b[2], b[3]);
+        }
+      }
+    }
+    float* rs = red_s + grp * kRows * kSStride;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int key = half * 32 + j * 8 + c2;
+      *reinterpret_cast<float2*>(rs + g * kSStride + key) =
+          make_float2(sa[j][0] + sl[j][0], sa[j][1] + sl[j][1]);
+      *reinterpret_cast<float2*>(rs + (g + 8) * kSStride + key) =
+          make_float2(sa[j][2] + sl[j][2], sa[j][3] + sl[j][3]);
+    }
+    __syncthreads();  // partial scores visible
+
+    // Row ro, keys kq .. kq + 3: the four groups' sums, base-2 scores, -inf past the split.
+    float sv[4];
+    {
+      float4 x[kGroups];
+#pragma unroll
+      for (int q = 0; q < kGroups; ++q)
+        x[q] = *reinterpret_cast<const float4*>(red_s + (q * kRows + ro) * kSStride + kq);
+      sv[0] = ((x[0].x + x[1].x) + x[2].x) + x[3].x;
+      sv[1] = ((x[0].y + x[1].y) + x[2].y) + x[3].y;
+      sv[2] = ((x[0].z + x[1].z) + x[2].z) + x[3].z;
+      sv[3] = ((x[0].w + x[1].w) + x[2].w) + x[3].w;
+    }
+    float tmax = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sv[i] = k0 + kq + i < key_end ? sv[i] * p.scale_log2 : -INFINITY;
+      tmax = fmaxf(tmax, sv[i]);
+    }
+#pragma unroll
+    for (int x = 1; x < 16; x <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, x));
+    const float m_new = fmaxf(m_run, tmax);  // finite: every tile holds a key of the split
+    const float alpha = exp2f(m_run - m_new);
+    float pv[4], psum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      pv[i] = exp2f(sv[i] - m_new);
+      psum += pv[i];
+    }
+#pragma unroll
+    for (int x = 1; x < 16; x <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, x);
+    l_run = l_run * alpha + psum;
+    m_run = m_new;
+    {
+      __nv_bfloat16 hi[4], lo[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) split_bf16(pv[i], hi[i], lo[i]);
+      const uint32_t off = swz(ro, kq / 8, kKeys * 2) + (kq % 8) * 2;
+      const __nv_bfloat162 h01 = __halves2bfloat162(hi[0], hi[1]);
+      const __nv_bfloat162 h23 = __halves2bfloat162(hi[2], hi[3]);
+      *reinterpret_cast<uint2*>(p_hi + off) = make_uint2(*reinterpret_cast<const uint32_t*>(&h01),
+                                                         *reinterpret_cast<const uint32_t*>(&h23));
+      if constexpr (kLo) {
+        const __nv_bfloat162 l01 = __halves2bfloat162(lo[0], lo[1]);
+        const __nv_bfloat162 l23 = __halves2bfloat162(lo[2], lo[3]);
+        *reinterpret_cast<uint2*>(p_lo + off) = make_uint2(
+            *reinterpret_cast<const uint32_t*>(&l01), *reinterpret_cast<const uint32_t*>(&l23));
+      }
+    }
+    if ((lane & 15) == 0) row_alpha[ro] = alpha;
+    __syncthreads();  // P and the rows' alpha visible
+
+    const float a0 = row_alpha[g], a1 = row_alpha[g + 8];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      o[n][0] *= a0;
+      o[n][1] *= a0;
+      o[n][2] *= a1;
+      o[n][3] *= a1;
+    }
+    // O[:, warp*64 .. +64] += P . V: A = P (16 x 16 keys), B = 16 keys x 16 dims (.trans).
+    const uint32_t ph = smem_u32(p_hi), pl = smem_u32(p_lo);
+#pragma unroll
+    for (int kk = 0; kk < kKeys; kk += 16) {
+      uint32_t ah[4], al[4];
+      const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kKeys * 2);
+      ptx::ldmatrix_x4(ah, ph + a_off);
+      if constexpr (kLo) ptx::ldmatrix_x4(al, pl + a_off);
+#pragma unroll
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t b[4];  // (keys 0-7, dims n), (keys 8-15, dims n), same for dims n + 1
+        const int dchunk = (warp * 64 + n * 8) / 8 + (lm >> 1);
+        ptx::ldmatrix_x4_trans(b, kv + swz(kk + (lm & 1) * 8 + li, dchunk, kRowBytes));
+        ptx::mma_bf16(o[n], ah, b[0], b[1]);
+        if constexpr (kLo) ptx::mma_bf16(o[n], al, b[0], b[1]);
+        ptx::mma_bf16(o[n + 1], ah, b[2], b[3]);
+        if constexpr (kLo) ptx::mma_bf16(o[n + 1], al, b[2], b[3]);
+      }
+    }
+    if (tid < kKeys && t + 2 < n_tiles) slots[(t & 1) * kKeys + tid] = next_slot;
+  }
+  ptx::cp_async_wait<0>();
+  if ((lane & 15) == 0) {
+    row_m[ro] = m_run;
+    row_l[ro] = l_run;
+  }
+  __syncthreads();  // every row's max and sum visible
+
+  // Rows g and g + 8: heads h0 + g (+ 8); normalized output, or the split's partial.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h, head = h0 + r;
+    if (head >= p.heads) continue;
+    const int64_t prow = (int64_t(split) * p.num_tokens + token) * p.heads + head;
+    const float inv = partial ? 1.0f : 1.0f / row_l[r];
+    float* dst = partial ? p.part_o + prow * p.dv
+                         : reinterpret_cast<float*>(p.out + token * p.out_ts + head * p.out_hs);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int d = warp * 64 + n * 8 + c2;
+      dst[d] = o[n][2 * h] * inv;
+      dst[d + 1] = o[n][2 * h + 1] * inv;
+    }
+    if (partial && warp == 0 && (lane & 3) == 0) {
+      p.part_ml[prow * 2] = row_m[r];
+      p.part_ml[prow * 2 + 1] = row_l[r];
+    }
+  }
+}
+
 }  // namespace
 
 bool mla_decode_fits(const kern::AttnParams& a) {
@@ -410,11 +682,25 @@ void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16
       check_cuda(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
           "mla decode smem limit");
+    for (const void* kernel : {reinterpret_cast<const void*>(mla_decode_regq_kernel<true>),
+                               reinterpret_cast<const void*>(mla_decode_regq_kernel<false>)})
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      regq::kSmemBytes),
+                 "mla decode smem limit");
     smem_set.fetch_or(bit);
   }
   const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
                   unsigned((a.heads + kRows - 1) / kRows));
   const bool fp8 = a.cache_type == kern::kCacheFP8;
+  // The register-Q kernel: BF16 cache, 64 rope dims, the latent from q (DeepSeek-V2 / V3).
+  if (!fp8 && a.dim == regq::kDim && a.q_dims == kR && g_mla_decode_regq.on()) {
+    if (bf16_qp)
+      pdl::launch(mla_decode_regq_kernel<false>, grid, kThreads, regq::kSmemBytes, stream, a);
+    else
+      pdl::launch(mla_decode_regq_kernel<true>, grid, kThreads, regq::kSmemBytes, stream, a);
+    check_cuda(cudaGetLastError(), "mla decode kernel");
+    return;
+  }
   if (fp8 && !bf16_qp)
     pdl::launch(mla_decode_kernel<true, true>, grid, kThreads, kSmemBytes, stream, a);
   else if (!bf16_qp)

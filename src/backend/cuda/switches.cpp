@@ -38,6 +38,7 @@ void EnvCount::force(long long value) {
 EnvSwitch g_pdl{"DEEPSERVE_PDL", "0", true};
 EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "0", true};
 EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16", false};
+EnvSwitch g_mla_decode_regq{"DEEPSERVE_MLA_DECODE_REGQ", "0", true};
 EnvSwitch g_moe_prefill_wide{"DEEPSERVE_MOE_PREFILL", "wide", false};
 EnvSwitch g_moe_tile32{"DEEPSERVE_MOE_TILE", "64", true};
 EnvSwitch g_moe_prefill_timing{"DEEPSERVE_MOE_PREFILL_TIMING", "1", false};

@@ -44,6 +44,7 @@ class EnvCount {
 extern EnvSwitch g_pdl;                 // on; DEEPSERVE_PDL=0 turns it off
 extern EnvSwitch g_mla_prepare;         // on; DEEPSERVE_MLA_PREPARE=0 turns it off
 extern EnvSwitch g_mla_decode_bf16;     // off; DEEPSERVE_MLA_DECODE=bf16 turns it on
+extern EnvSwitch g_mla_decode_regq;     // on; DEEPSERVE_MLA_DECODE_REGQ=0 turns it off
 extern EnvSwitch g_moe_prefill_wide;    // off; DEEPSERVE_MOE_PREFILL=wide turns it on
 extern EnvSwitch g_moe_tile32;          // on; DEEPSERVE_MOE_TILE=64 turns it off
 extern EnvSwitch g_moe_prefill_timing;  // off; DEEPSERVE_MOE_PREFILL_TIMING=1 turns it on
