@@ -393,21 +393,25 @@ fi
 if has_stage mutate; then
   # Shows new GPU tests failing: applies MUTATE_SED to MUTATE_FILE, rebuilds the GPU tests, runs
   # MUTATE_TESTS (expected to FAIL), then restores the file (and rebuilds nothing: run it last).
-  if [ -z "${MUTATE_FILE:-}" ] || [ -z "${MUTATE_SED:-}" ] || [ -z "${MUTATE_TESTS:-}" ]; then
-    log "mutate: set MUTATE_FILE, MUTATE_SED and MUTATE_TESTS"
-  else
-    cp "$MUTATE_FILE" /tmp/mutate.orig
-    sed -i "$MUTATE_SED" "$MUTATE_FILE"
-    if cmp -s "$MUTATE_FILE" /tmp/mutate.orig; then
-      log "mutate: the sed expression changed nothing in $MUTATE_FILE"
-    else
-      cmake --build "$BUILD" --target deepserve_gpu_tests >"$OUT/mutate-build.log" 2>&1
-      "$BUILD/deepserve_gpu_tests" --gtest_filter="$MUTATE_TESTS" >"$OUT/mutate.log" 2>&1
-      log "mutate rc=$? (non-zero expected): $(grep -cE '^\[  FAILED  \] [A-Za-z]' "$OUT/mutate.log") failed"
-      grep -E '^\[  (FAILED|PASSED)' "$OUT/mutate.log" | head -20
+  # MUTATE2_FILE / MUTATE2_SED / MUTATE2_TESTS: a second, independent mutation after the first.
+  for m in "" 2; do
+    f=MUTATE${m}_FILE e=MUTATE${m}_SED t=MUTATE${m}_TESTS
+    if [ -z "${!f:-}" ] || [ -z "${!e:-}" ] || [ -z "${!t:-}" ]; then
+      [ -z "$m" ] && log "mutate: set MUTATE_FILE, MUTATE_SED and MUTATE_TESTS"
+      continue
     fi
-    cp /tmp/mutate.orig "$MUTATE_FILE"
-  fi
+    cp "${!f}" /tmp/mutate.orig
+    sed -i "${!e}" "${!f}"
+    if cmp -s "${!f}" /tmp/mutate.orig; then
+      log "mutate$m: the sed expression changed nothing in ${!f}"
+    else
+      cmake --build "$BUILD" --target deepserve_gpu_tests >"$OUT/mutate$m-build.log" 2>&1
+      "$BUILD/deepserve_gpu_tests" --gtest_filter="${!t}" >"$OUT/mutate$m.log" 2>&1
+      log "mutate$m rc=$? (non-zero expected): $(grep -cE '^\[  FAILED  \] [A-Za-z]' "$OUT/mutate$m.log") failed"
+      grep -E '^\[  (FAILED|PASSED)' "$OUT/mutate$m.log" | head -20
+    fi
+    cp /tmp/mutate.orig "${!f}"
+  done
 fi
 
 log "done"

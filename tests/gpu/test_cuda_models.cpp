@@ -172,6 +172,67 @@ TEST_P(CudaModels, BatchedMatchesAlone) {
   }
 }
 
+// Steps that decode some sequences while prefilling others: a 64-token budget chunks the longer
+// prompts, so they prefill while the shorter ones decode. On DeepSeek models with the expanded
+// prefill's dims the step splits its attention (prefill sequences expanded, decodes absorbed);
+// every request's greedy tokens must match its run alone.
+TEST_P(CudaModels, MixedStepsMatchAlone) {
+  OnGpu g = load_on_gpu(hf_root() / GetParam());
+  std::vector<std::vector<int32_t>> ps;
+  for (int rep = 0; rep < 2; ++rep)
+    for (const auto& p : prompts_) ps.push_back(p.ids);
+  const auto alone = gpu_greedy(g, ps, 24, false);
+  const auto mixed = gpu_greedy(g, ps, 24, true, 64);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const Prompt& p = prompts_[i % prompts_.size()];
+    const int robust = robust_prefix(p, tolerance(p));
+    int same = 0;
+    while (same < int(alone[i].size()) && same < int(mixed[i].size()) &&
+           alone[i][size_t(same)] == mixed[i][size_t(same)])
+      ++same;
+    EXPECT_GE(same, std::min(robust, 24)) << "request " << i << " (" << p.name << ")";
+  }
+}
+
+// One step that decodes sequence A (context 300) and prefills sequence B (40 tokens): the
+// logits of both must match A's decode and B's prefill run as steps of their own. On the
+// DeepSeek fixture with the expanded prefill's dims, such a step is too sparse for the expanded
+// path as a whole (41 tokens against 2 x 301 cache rows), so it splits its attention: B expanded
+// over offset metadata, A absorbed.
+TEST_P(CudaModels, MixedStepMatchesSeparateSteps) {
+  OnGpu g = load_on_gpu(hf_root() / GetParam());
+  const int V = vocab_, blocks = 32;  // 512 positions per sequence
+  std::vector<int32_t> a, b;
+  for (int i = 0; i < 300; ++i)
+    a.push_back(prompts_.back().ids[size_t(i) % prompts_.back().ids.size()]);
+  for (int i = 0; i < 40; ++i) b.push_back(int32_t((i * 37 + 11) % V));
+  const int32_t next = 7;  // A's decode token
+  KvCacheConfig kvc;
+  kvc.num_blocks = 2 * blocks;
+  kvc.dtype = DType::BF16;
+  KvCache alone_a(*g.backend, g.m.config, kvc), alone_b(*g.backend, g.m.config, kvc);
+  KvCache mixed(*g.backend, g.m.config, kvc);
+  // Separate steps: A's prompt then A's decode; B's prefill in a cache of its own.
+  test::gpu_step(g, alone_a, {{a, 0}}, blocks);
+  const auto a_ref = test::gpu_step(g, alone_a, {{{next}, 300}}, blocks);
+  const auto b_ref = test::gpu_step(g, alone_b, {{b, 0}}, blocks);
+  // The mixed step after the same prompt.
+  test::gpu_step(g, mixed, {{a, 0}}, blocks);
+  const auto got = test::gpu_step(g, mixed, {{{next}, 300}, {b, 0}}, blocks);
+  ASSERT_EQ(got.size(), size_t(41 * V));
+  double scale = 1.0;
+  for (float v : got) scale = std::max(scale, double(std::fabs(v)));
+  const double tol = kRelTol * scale;
+  double worst = 0;
+  for (int i = 0; i < V; ++i)
+    worst = std::max(worst, std::fabs(double(got[size_t(i)]) - a_ref[size_t(i)]));
+  for (size_t i = 0; i < b_ref.size(); ++i)
+    worst = std::max(worst, std::fabs(double(got[size_t(V) + i]) - b_ref[i]));
+  std::printf("  %s: mixed step vs separate steps, max |logit diff| %.4g (tolerance %.4g)\n",
+              GetParam().c_str(), worst, tol);
+  EXPECT_LE(worst, tol);
+}
+
 // Programmatic dependent launch lets each kernel be scheduled while the one before it drains;
 // every kernel waits for its predecessor before touching memory, so no bit may change: prefill
 // logits and the greedy tokens of a batched, graph-replayed decode, with the attribute off and on.
