@@ -501,20 +501,35 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     if (tid < kKeys && t + 2 < n_tiles) next_slot = slot_at(t + 2, tid);
     const uint32_t kv = smem_u32(stage0 + (t & 1) * kTileBytes);
 
-    // Partial S over this warp's 9 k-steps for keys half*32 .. +32 (n-tiles j = 0..3).
+    // Partial S over this warp's 9 k-steps for keys half*32 .. +32 (n-tiles j = 0..3). The
+    // wrappers are asm volatile, so their order is the issue order: each step's K fragments
+    // are loaded one step ahead of their mma.
     float sa[4][4] = {}, sl[4][4] = {};
-#pragma unroll
-    for (int s = 0; s < kGroupSteps; ++s) {
+    // K fragments of step s: per 16 keys np, (keys 0-7, dims 0-7), (keys 0-7, dims 8-15), the
+    // same for keys 8-15.
+    auto load_k = [&](int s, uint32_t(&b)[2][4]) {
       const int chunk = (grp * kGroupSteps + s) * 2 + (lm & 1);
 #pragma unroll
+      for (int np = 0; np < 2; ++np)
+        ptx::ldmatrix_x4(b[np],
+                         kv + swz(half * 32 + np * 16 + (lm >> 1) * 8 + li, chunk, kRowBytes));
+    };
+    uint32_t kb[2][2][4];  // two steps' fragments in flight
+    load_k(0, kb[0]);
+#pragma unroll
+    for (int s = 0; s < kGroupSteps; ++s) {
+      if (s + 1 < kGroupSteps) load_k(s + 1, kb[(s + 1) & 1]);
+      const uint32_t(&b)[2][4] = kb[s & 1];
+#pragma unroll
       for (int np = 0; np < 2; ++np) {
-        uint32_t b[4];  // (keys 0-7, dims 0-7), (keys 0-7, dims 8-15), same for keys 8-15
-        ptx::ldmatrix_x4(b, kv + swz(half * 32 + np * 16 + (lm >> 1) * 8 + li, chunk, kRowBytes));
-        ptx::mma_bf16(sa[2 * np], qh[s], b[0], b[1]);
-        ptx::mma_bf16(sa[2 * np + 1], qh[s], b[2], b[3]);
-        if constexpr (kLo) {
-          ptx::mma_bf16(sl[2 * np], ql[s], b[0], b[1]);
-          ptx::mma_bf16(sl[2 * np + 1], ql[s], b[2], b[3]);
+        ptx::mma_bf16(sa[2 * np], qh[s], b[np][0], b[np][1]);
+        ptx::mma_bf16(sa[2 * np + 1], qh[s], b[np][2], b[np][3]);
+      }
+      if constexpr (kLo) {
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          ptx::mma_bf16(sl[2 * np], ql[s], b[np][0], b[np][1]);
+          ptx::mma_bf16(sl[2 * np + 1], ql[s], b[np][2], b[np][3]);
         }
       }
     }
@@ -589,22 +604,30 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
       o[n][3] *= a1;
     }
     // O[:, warp*64 .. +64] += P . V: A = P (16 x 16 keys), B = 16 keys x 16 dims (.trans).
+    // Per 16 keys: every fragment load first, then the hi products of the 8 accumulators, then
+    // the lo ones (each accumulator still takes hi before lo, as in the first kernel).
     const uint32_t ph = smem_u32(p_hi), pl = smem_u32(p_lo);
 #pragma unroll
     for (int kk = 0; kk < kKeys; kk += 16) {
-      uint32_t ah[4], al[4];
+      uint32_t ah[4], al[4], b[4][4];  // b[n / 2]: (keys 0-7, dims n), (keys 8-15, dims n), n + 1
       const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kKeys * 2);
       ptx::ldmatrix_x4(ah, ph + a_off);
       if constexpr (kLo) ptx::ldmatrix_x4(al, pl + a_off);
 #pragma unroll
+      for (int n = 0; n < 8; n += 2)
+        ptx::ldmatrix_x4_trans(b[n / 2], kv + swz(kk + (lm & 1) * 8 + li,
+                                                  (warp * 64 + n * 8) / 8 + (lm >> 1), kRowBytes));
+#pragma unroll
       for (int n = 0; n < 8; n += 2) {
-        uint32_t b[4];  // (keys 0-7, dims n), (keys 8-15, dims n), same for dims n + 1
-        const int dchunk = (warp * 64 + n * 8) / 8 + (lm >> 1);
-        ptx::ldmatrix_x4_trans(b, kv + swz(kk + (lm & 1) * 8 + li, dchunk, kRowBytes));
-        ptx::mma_bf16(o[n], ah, b[0], b[1]);
-        if constexpr (kLo) ptx::mma_bf16(o[n], al, b[0], b[1]);
-        ptx::mma_bf16(o[n + 1], ah, b[2], b[3]);
-        if constexpr (kLo) ptx::mma_bf16(o[n + 1], al, b[2], b[3]);
+        ptx::mma_bf16(o[n], ah, b[n / 2][0], b[n / 2][1]);
+        ptx::mma_bf16(o[n + 1], ah, b[n / 2][2], b[n / 2][3]);
+      }
+      if constexpr (kLo) {
+#pragma unroll
+        for (int n = 0; n < 8; n += 2) {
+          ptx::mma_bf16(o[n], al, b[n / 2][0], b[n / 2][1]);
+          ptx::mma_bf16(o[n + 1], al, b[n / 2][2], b[n / 2][3]);
+        }
       }
     }
     if (tid < kKeys && t + 2 < n_tiles) slots[(t & 1) * kKeys + tid] = next_slot;
