@@ -29,49 +29,6 @@ inline OnGpu load_on_gpu(const std::filesystem::path& dir) {
   return g;
 }
 
-// Prefill logits of one prompt through the model on the GPU, metadata uploaded by hand.
-inline std::vector<float> gpu_prefill(OnGpu& g, const std::vector<int32_t>& ids) {
-  Backend& be = *g.backend;
-  const int n = int(ids.size()), vocab = g.m.config.vocab, blocks = (n + 15) / 16;
-  KvCacheConfig kvc;
-  kvc.num_blocks = blocks;
-  kvc.dtype = DType::BF16;
-  KvCache cache(be, g.m.config, kvc);
-  // tokens[n] positions[n] query_start[2] context_lens[1] block_table[blocks] rows[n]
-  std::vector<int32_t> host;
-  host.insert(host.end(), ids.begin(), ids.end());
-  for (int i = 0; i < n; ++i) host.push_back(i);
-  host.push_back(0);
-  host.push_back(n);
-  host.push_back(n);
-  for (int b = 0; b < blocks; ++b) host.push_back(b);
-  auto meta = be.alloc(host.size() * 4);
-  be.upload(meta->view(DType::I32, {int64_t(host.size())}), host.data(), host.size() * 4);
-  const int32_t* d = static_cast<const int32_t*>(meta->data());
-  std::vector<int32_t> rows(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) rows[size_t(i)] = i;
-  ForwardInput in;
-  in.tokens = ids;
-  in.device_tokens = d;
-  in.meta.num_seqs = 1;
-  in.meta.num_tokens = n;
-  in.meta.positions = d + n;
-  in.meta.slot_mapping = d + n;  // slot = position
-  in.meta.query_start = d + 2 * n;
-  in.meta.context_lens = d + 2 * n + 2;
-  in.meta.block_tables = d + 2 * n + 3;
-  in.meta.max_blocks_per_seq = blocks;
-  in.meta.max_query_len = n;
-  in.meta.max_context_len = n;
-  in.logit_rows = rows;
-  auto buf = be.alloc(size_t(n) * size_t(vocab) * 4);
-  TensorView logits = buf->view(DType::F32, {n, vocab});
-  g.m.model->forward(in, cache, logits);
-  std::vector<float> out(size_t(n) * size_t(vocab));
-  be.download(out.data(), logits, out.size() * 4);
-  return out;
-}
-
 // One forward step of several sequences over a shared cache, metadata made by hand (device and
 // host copies): sequence s owns cache blocks [s * blocks_per_seq, (s + 1) * blocks_per_seq) and
 // runs tokens[s] at positions start[s] ... Returns the logits of every token of the step.
@@ -137,6 +94,16 @@ inline std::vector<float> gpu_step(OnGpu& g, KvCache& cache, const std::vector<S
   std::vector<float> out(size_t(n) * size_t(vocab));
   be.download(out.data(), logits, out.size() * 4);
   return out;
+}
+
+// Prefill logits of one prompt through the model on the GPU, metadata uploaded by hand.
+inline std::vector<float> gpu_prefill(OnGpu& g, const std::vector<int32_t>& ids) {
+  const int blocks = (int(ids.size()) + 15) / 16;
+  KvCacheConfig kvc;
+  kvc.num_blocks = blocks;
+  kvc.dtype = DType::BF16;
+  KvCache cache(*g.backend, g.m.config, kvc);
+  return gpu_step(g, cache, {{ids, 0}}, blocks);
 }
 
 // Greedy continuations (EOS ignored) through the engine on the GPU (BF16 KV cache, CUDA

@@ -95,6 +95,13 @@ int robust_prefix(const Prompt& p, double tol) {
   return n;
 }
 
+// Leading tokens two continuations share.
+int common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  int n = 0;
+  while (n < int(a.size()) && n < int(b.size()) && a[size_t(n)] == b[size_t(n)]) ++n;
+  return n;
+}
+
 class CudaModels : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -163,12 +170,8 @@ TEST_P(CudaModels, BatchedMatchesAlone) {
     const Prompt& p = prompts_[i % prompts_.size()];
     // Different batch sizes may pick different GEMM kernels: tokens must agree up to the
     // first step where the reference itself is within the tolerance of a tie.
-    const int robust = robust_prefix(p, tolerance(p));
-    int same = 0;
-    while (same < int(alone[i].size()) && same < int(batched[i].size()) &&
-           alone[i][size_t(same)] == batched[i][size_t(same)])
-      ++same;
-    EXPECT_GE(same, std::min(robust, 32)) << "request " << i << " (" << p.name << ")";
+    EXPECT_GE(common_prefix(alone[i], batched[i]), std::min(robust_prefix(p, tolerance(p)), 32))
+        << "request " << i << " (" << p.name << ")";
   }
 }
 
@@ -185,12 +188,8 @@ TEST_P(CudaModels, MixedStepsMatchAlone) {
   const auto mixed = gpu_greedy(g, ps, 24, true, 64);
   for (size_t i = 0; i < ps.size(); ++i) {
     const Prompt& p = prompts_[i % prompts_.size()];
-    const int robust = robust_prefix(p, tolerance(p));
-    int same = 0;
-    while (same < int(alone[i].size()) && same < int(mixed[i].size()) &&
-           alone[i][size_t(same)] == mixed[i][size_t(same)])
-      ++same;
-    EXPECT_GE(same, std::min(robust, 24)) << "request " << i << " (" << p.name << ")";
+    EXPECT_GE(common_prefix(alone[i], mixed[i]), std::min(robust_prefix(p, tolerance(p)), 24))
+        << "request " << i << " (" << p.name << ")";
   }
 }
 

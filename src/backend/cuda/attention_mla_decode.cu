@@ -77,6 +77,61 @@ __device__ __forceinline__ uint4 fp8x8_to_bf16x8(uint2 w) {
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// The keys of split `split` of sequence `seq`: whole 64-key tiles, as few splits as the context
+// needs. Returns false (in every thread) for a split with no keys, after telling the merge to
+// skip it.
+struct SplitKeys {
+  int token = 0, key_begin = 0, key_end = 0;
+  bool partial = false;
+};
+__device__ __forceinline__ bool split_keys(const kern::AttnParams& p, int seq, int split, int h0,
+                                           int tid, SplitKeys& k) {
+  k.token = p.query_start[seq];
+  const int ctx = p.context_lens[seq];
+  const int tiles_total = (ctx + kKeys - 1) / kKeys;
+  const int used = min(p.splits, tiles_total);
+  const int tiles_per = used > 0 ? (tiles_total + used - 1) / used : 0;
+  k.key_begin = split * tiles_per * kKeys;
+  k.key_end = min(ctx, k.key_begin + tiles_per * kKeys);
+  k.partial = p.splits > 1;
+  if (k.key_begin < k.key_end) return true;
+  if (k.partial && tid < kRows && h0 + tid < p.heads) {
+    float* ml = p.part_ml + ((int64_t(split) * p.num_tokens + k.token) * p.heads + h0 + tid) * 2;
+    ml[0] = -INFINITY;
+    ml[1] = 0.0f;
+  }
+  return false;
+}
+
+// Rows g and g + 8 of a warp's 64 value dims (heads h0 + g (+ 8)): the normalized output, or
+// with splits the split's unnormalized partial and (max, sum) of each row (m, l: rows g, g + 8).
+__device__ __forceinline__ void store_rows(const kern::AttnParams& p, const SplitKeys& sk,
+                                           int split, int h0, int warp, int lane,
+                                           const float (&o)[8][4], const float (&m)[2],
+                                           const float (&l)[2]) {
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = h0 + g + 8 * h;
+    if (head >= p.heads) continue;
+    const int64_t prow = (int64_t(split) * p.num_tokens + sk.token) * p.heads + head;
+    const float inv = sk.partial ? 1.0f : 1.0f / l[h];
+    float* dst = sk.partial
+                     ? p.part_o + prow * p.dv
+                     : reinterpret_cast<float*>(p.out + sk.token * p.out_ts + head * p.out_hs);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int d = warp * 64 + n * 8 + c2;
+      dst[d] = o[n][2 * h] * inv;
+      dst[d + 1] = o[n][2 * h + 1] * inv;
+    }
+    if (sk.partial && warp == 0 && (lane & 3) == 0) {
+      p.part_ml[prow * 2] = m[h];
+      p.part_ml[prow * 2 + 1] = l[h];
+    }
+  }
+}
+
 // Grid (num_seqs, splits, ceil(heads / 16)).
 template <bool kFp8, bool kLo>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::AttnParams p) {
@@ -95,23 +150,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
   const int dim = p.dim, chunks = dim / 8;  // 16-byte chunks per cache row
-  const int token = p.query_start[seq];
-  const int ctx = p.context_lens[seq];
-  // Keys of this split: whole 64-key tiles, as few splits as the context needs.
-  const int tiles_total = (ctx + kKeys - 1) / kKeys;
-  const int used = min(p.splits, tiles_total);
-  const int tiles_per = used > 0 ? (tiles_total + used - 1) / used : 0;
-  const int key_begin = split * tiles_per * kKeys;
-  const int key_end = min(ctx, key_begin + tiles_per * kKeys);
-  const bool partial = p.splits > 1;
-  if (key_begin >= key_end) {  // nothing to see: tell the merge to skip this split
-    if (partial && tid < kRows && h0 + tid < p.heads) {
-      float* ml = p.part_ml + ((int64_t(split) * p.num_tokens + token) * p.heads + h0 + tid) * 2;
-      ml[0] = -INFINITY;
-      ml[1] = 0.0f;
-    }
-    return;
-  }
+  SplitKeys sk;
+  if (!split_keys(p, seq, split, h0, tid, sk)) return;
+  const int token = sk.token, key_begin = sk.key_begin, key_end = sk.key_end;
 
   // The cache slots of tile t's keys (-1 past the split) into slot table t & 1: one block-table
   // lookup per key, by the first kKeys threads, ahead of the copies that read them (after a
@@ -345,26 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const kern::Att
   }
   ptx::cp_async_wait<0>();
 
-  // Rows g and g + 8: heads h0 + g (+ 8); normalized output, or the split's partial.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int head = h0 + g + 8 * h;
-    if (head >= p.heads) continue;
-    const int64_t prow = (int64_t(split) * p.num_tokens + token) * p.heads + head;
-    const float inv = partial ? 1.0f : 1.0f / l_run[h];
-    float* dst = partial ? p.part_o + prow * p.dv
-                         : reinterpret_cast<float*>(p.out + token * p.out_ts + head * p.out_hs);
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      const int d = warp * 64 + n * 8 + c2;
-      dst[d] = o[n][2 * h] * inv;
-      dst[d + 1] = o[n][2 * h + 1] * inv;
-    }
-    if (partial && warp == 0 && (lane & 3) == 0) {
-      p.part_ml[prow * 2] = m_run[h];
-      p.part_ml[prow * 2 + 1] = l_run[h];
-    }
-  }
+  store_rows(p, sk, split, h0, warp, lane, o, m_run, l_run);
 }
 
 // The register-Q kernel (BF16 cache, 64 rope dims): the kernel above re-reads Q's 16 x 576
@@ -405,22 +427,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
-  const int token = p.query_start[seq];
-  const int ctx = p.context_lens[seq];
-  const int tiles_total = (ctx + kKeys - 1) / kKeys;
-  const int used = min(p.splits, tiles_total);
-  const int tiles_per = used > 0 ? (tiles_total + used - 1) / used : 0;
-  const int key_begin = split * tiles_per * kKeys;
-  const int key_end = min(ctx, key_begin + tiles_per * kKeys);
-  const bool partial = p.splits > 1;
-  if (key_begin >= key_end) {  // nothing to see: tell the merge to skip this split
-    if (partial && tid < kRows && h0 + tid < p.heads) {
-      float* ml = p.part_ml + ((int64_t(split) * p.num_tokens + token) * p.heads + h0 + tid) * 2;
-      ml[0] = -INFINITY;
-      ml[1] = 0.0f;
-    }
-    return;
-  }
+  SplitKeys sk;
+  if (!split_keys(p, seq, split, h0, tid, sk)) return;
+  const int token = sk.token, key_begin = sk.key_begin, key_end = sk.key_end;
   const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
   // Cache slot of key k of tile t (-1 past the split).
   auto slot_at = [&](int t, int k) -> int64_t {
@@ -639,26 +648,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   }
   __syncthreads();  // every row's max and sum visible
 
-  // Rows g and g + 8: heads h0 + g (+ 8); normalized output, or the split's partial.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = g + 8 * h, head = h0 + r;
-    if (head >= p.heads) continue;
-    const int64_t prow = (int64_t(split) * p.num_tokens + token) * p.heads + head;
-    const float inv = partial ? 1.0f : 1.0f / row_l[r];
-    float* dst = partial ? p.part_o + prow * p.dv
-                         : reinterpret_cast<float*>(p.out + token * p.out_ts + head * p.out_hs);
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      const int d = warp * 64 + n * 8 + c2;
-      dst[d] = o[n][2 * h] * inv;
-      dst[d + 1] = o[n][2 * h + 1] * inv;
-    }
-    if (partial && warp == 0 && (lane & 3) == 0) {
-      p.part_ml[prow * 2] = row_m[r];
-      p.part_ml[prow * 2 + 1] = row_l[r];
-    }
-  }
+  const float m_rows[2] = {row_m[g], row_m[g + 8]}, l_rows[2] = {row_l[g], row_l[g + 8]};
+  store_rows(p, sk, split, h0, warp, lane, o, m_rows, l_rows);
 }
 
 }  // namespace
