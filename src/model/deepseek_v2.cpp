@@ -179,6 +179,7 @@ class DeepseekV2 final : public Model {
     const int64_t hidden = cfg_.hidden;
     TensorView x = x_->view(DType::F32, {T, hidden});
     TensorView xn = xn_->view(DType::F32, {T, hidden});
+    mixed_ok_ = split_mixed(in, mixed_);
     be_.embed(tok_embd_, in.token_ids(), int(T), x);
     dump("token_embd", x);
     be_.rms_norm(x, layers_.front().attn_norm, cfg_.rms_eps, xn);
@@ -337,17 +338,16 @@ class DeepseekV2 final : public Model {
     pp.cache = cache.layer(l);
     pp.kv_lora_rank = int(R);
     pp.scale = cfg_.attn_scale;
-    MixedStep mixed;
     if (opts_.mla_expanded) {
       expanded_attention(l, W, in, cache, qh, oh);
     } else if (be_.mla_prefill(pp, in.meta)) {
       // The backend's expanded prefill path wrote oh (value space) directly.
-    } else if (split_mixed(in, mixed) && be_.mla_prefill(pp, mixed.prefill)) {
+    } else if (mixed_ok_ && be_.mla_prefill(pp, mixed_.prefill)) {
       // The prefill sequences' rows of oh are written; the decodes (rows [0, decodes)) take
       // the absorbed form.
-      const int64_t D = mixed.decode.num_tokens;
+      const int64_t D = mixed_.decode.num_tokens;
       absorbed_attention(l, W, cache, q_nope.slice_rows(0, D), q_pe.slice_rows(0, D),
-                         oh.slice_rows(0, D), mixed.decode);
+                         oh.slice_rows(0, D), mixed_.decode);
     } else {
       absorbed_attention(l, W, cache, q_nope, q_pe, oh, in.meta);
     }
@@ -413,6 +413,8 @@ class DeepseekV2 final : public Model {
     }
     return true;
   }
+  MixedStep mixed_;        // this forward's split (split_mixed, once per step)
+  bool mixed_ok_ = false;  // whether mixed_ holds one
 
   // Dims [begin, begin + n) of every head of a [T, H, d] F32 view.
   static TensorView sub_heads(const TensorView& t, int64_t begin, int64_t n) {
