@@ -120,8 +120,11 @@ inline std::vector<std::vector<int32_t>> greedy_generate(
   auto request = [&](const std::vector<int32_t>& p) { return greedy_request(p, max_tokens); };
   std::vector<std::vector<int32_t>> out(prompts.size());
   if (concurrent) {
+    // Held admission: the requests start in one step, whatever the engine thread's timing.
     std::vector<std::shared_ptr<RequestHandle>> hs;
+    engine.hold_admission(true);
     for (const auto& p : prompts) hs.push_back(engine.submit(request(p)));
+    engine.hold_admission(false);
     for (size_t i = 0; i < hs.size(); ++i) out[i] = collect_tokens(*hs[i]);
   } else {
     for (size_t i = 0; i < prompts.size(); ++i)
