@@ -233,6 +233,7 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
                        {"max_num_batched_tokens", spec.engine.max_num_batched_tokens},
                        {"lower_class_prefill_tokens", spec.engine.lower_class_prefill_tokens},
                        {"batch_prefill_tokens", spec.engine.batch_prefill_tokens},
+                       {"prefill_first_steps", spec.engine.prefill_first_steps},
                        {"warmup_tokens", spec.engine.warmup_tokens}};
   return {{"schema_version", 1},
           {"name", spec.name},

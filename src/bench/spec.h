@@ -20,6 +20,7 @@ struct BenchEngineSpec {
   int max_num_batched_tokens = 2048;
   int lower_class_prefill_tokens = 0;  // priority isolation; -1: off
   int batch_prefill_tokens = 512;      // batch-class prefill per step; -1: no cap
+  int prefill_first_steps = 8;         // decodes sit out a burst of prompts; 0: never
   int64_t warmup_tokens = -1;          // EngineConfig::warmup_tokens
 };
 

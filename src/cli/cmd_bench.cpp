@@ -85,6 +85,7 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   e.max_num_batched_tokens = spec.engine.max_num_batched_tokens;
   e.lower_class_prefill_tokens = spec.engine.lower_class_prefill_tokens;
   e.batch_prefill_tokens = spec.engine.batch_prefill_tokens;
+  e.prefill_first_steps = spec.engine.prefill_first_steps;
   e.warmup_tokens = spec.engine.warmup_tokens;
   set_kv_dtype(e, spec.kv_dtype);
   Session s = open_session(m, e);
@@ -147,6 +148,7 @@ int run_benchmark(const BenchOptions& o) {
   if (o.gpu_hour_price) spec.gpu_hour_price = o.gpu_hour_price;
   if (o.lower_class_prefill_tokens)
     spec.engine.lower_class_prefill_tokens = *o.lower_class_prefill_tokens;
+  if (o.prefill_first_steps) spec.engine.prefill_first_steps = *o.prefill_first_steps;
   if (o.tensor_parallel_size) spec.tensor_parallel_size = *o.tensor_parallel_size;
   if (o.expert_parallel) spec.expert_parallel = true;
   if (o.profile_ops && !spec.url.empty())

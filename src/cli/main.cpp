@@ -92,6 +92,12 @@ void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
                   "the step a higher-class request may have to wait for")
       ->check(CLI::Range(-1, 1 << 24))
       ->capture_default_str();
+  app->add_option("--prefill-first-steps", e.prefill_first_steps,
+                  "while two or more waiting prompts hold a whole step of tokens, running "
+                  "decodes sit out up to this many steps in a row, so the batch fills sooner "
+                  "(0 = decodes join every step)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
 }
 
 void add_sampling_options(CLI::App* app, ds::SamplingParams& s) {
@@ -205,6 +211,10 @@ int main(int argc, char** argv) {
        "--lower-class-prefill-tokens", [&bench](int v) { bench.lower_class_prefill_tokens = v; },
        "offline: override the YAML's engine.lower_class_prefill_tokens (-1 = isolation off)")
       ->check(CLI::Range(-1, 1 << 24));
+  b->add_option_function<int>(
+       "--prefill-first-steps", [&bench](int v) { bench.prefill_first_steps = v; },
+       "offline: override the YAML's engine.prefill_first_steps (0 = decodes join every step)")
+      ->check(CLI::Range(0, 1 << 20));
   b->add_option_function<int>(
        "--tensor-parallel-size,--tp", [&bench](int v) { bench.tensor_parallel_size = v; },
        "offline: override the YAML's tensor_parallel_size")

@@ -29,6 +29,7 @@ SchedulerConfig sched_config(const EngineConfig& c, const ModelConfig& m) {
   s.max_num_batched_tokens = c.max_num_batched_tokens;
   s.lower_class_prefill_tokens = c.lower_class_prefill_tokens;
   s.batch_prefill_tokens = c.batch_prefill_tokens;
+  s.prefill_first_steps = c.prefill_first_steps;
   s.max_model_len = int(m.max_context);
   return s;
 }

@@ -32,6 +32,7 @@ struct EngineConfig {
   int max_num_batched_tokens = 2048;
   int lower_class_prefill_tokens = 0;  // SchedulerConfig's priority isolation; -1: off
   int batch_prefill_tokens = 512;      // SchedulerConfig's; -1: no cap
+  int prefill_first_steps = 8;         // SchedulerConfig's; 0: decodes join every step
   DType kv_dtype = DType::F32;
   // Decode steps of up to this many sequences replay device graphs (CUDA); 0 disables.
   int graph_max_batch = 512;

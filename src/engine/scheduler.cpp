@@ -208,6 +208,30 @@ std::optional<Priority> Scheduler::top_class() const {
   return top;
 }
 
+bool Scheduler::decodes_sit_out() const {
+  if (cfg_.prefill_first_steps <= 0 || decode_waits_ >= cfg_.prefill_first_steps) return false;
+  if (waiting_.size() < 2 || num_running() >= cfg_.max_num_seqs) return false;
+  const Sequence& head = **waiting_.begin();
+  // A higher class live (isolation decides) or the batch class's own prefill cap: no burst.
+  if (head.priority != *caps_.top) return false;
+  if (head.priority == Priority::Batch && cfg_.batch_prefill_tokens > 0) return false;
+  int64_t tokens = 0;
+  bool decoding = false;
+  for (const Sequence* s : running_) {
+    const int left = s->num_uncomputed();
+    decoding |= left == 1;
+    if (left > 1) tokens += left;  // a prompt's remaining chunks
+  }
+  int seats = cfg_.max_num_seqs - num_running(), prompts = 0;
+  for (const Sequence* w : waiting_) {
+    if (seats == 0 || w->priority != head.priority) break;
+    tokens += w->num_uncomputed();
+    --seats;
+    ++prompts;
+  }
+  return decoding && prompts >= 2 && tokens >= cfg_.max_num_batched_tokens;
+}
+
 void Scheduler::schedule_running(bool decodes, StepPlan& plan, TokenBudget& budget) {
   std::vector<Sequence*> order = running_;  // in service order
   std::sort(order.begin(), order.end(),
@@ -248,22 +272,39 @@ StepPlan Scheduler::schedule() {
   // their decodes wait; the batch class's prefill has a per-step budget at all times.
   caps_ = {};
   caps_.top = top_class();
+  bool sat_out = false;
   auto fill = [&](bool isolate) {
+    sat_out = false;
     caps_.lower.reset();
     if (isolate) caps_.lower.emplace(cfg_.lower_class_prefill_tokens);
     caps_.batch.reset();
     if (cfg_.batch_prefill_tokens > 0) caps_.batch.emplace(cfg_.batch_prefill_tokens);
-    // Running sequences first: decodes, then unfinished prefills (chunks).
-    schedule_running(true, plan, budget);
+    // Running sequences first: decodes, then unfinished prefills (chunks); in a burst the
+    // decodes sit out unless the prompts leave room for all of them.
+    const bool sit_out = decodes_sit_out();
+    if (!sit_out) schedule_running(true, plan, budget);
     schedule_running(false, plan, budget);
     // Admissions, unless memory was short this step (readmitting now would thrash).
-    if (!plan.preempted.empty()) return;
-    while (budget.left() > 0 && !waiting_.empty()) {
-      Sequence& head = **waiting_.begin();
-      // Head-of-line blocking keeps class and FIFO order; one displaced this step waits.
-      if (std::find(plan.preempted.begin(), plan.preempted.end(), head.id) != plan.preempted.end())
-        break;
-      if (!admit(head, plan, budget)) break;
+    if (plan.preempted.empty()) {
+      while (budget.left() > 0 && !waiting_.empty()) {
+        Sequence& head = **waiting_.begin();
+        // Head-of-line blocking keeps class and FIFO order; one displaced this step waits.
+        if (std::find(plan.preempted.begin(), plan.preempted.end(), head.id) !=
+            plan.preempted.end())
+          break;
+        if (!admit(head, plan, budget)) break;
+      }
+    }
+    if (sit_out) {
+      int decodes = 0;
+      for (const Sequence* s : running_)
+        decodes += s->num_scheduled == 0 && s->num_uncomputed() == 1 && !decode_waits(*s);
+      sat_out = !plan.seqs.empty() && budget.left() < decodes;
+      if (!sat_out) {  // they fit after all: run them, ahead of the prompts as always
+        const size_t prompts = plan.seqs.size();
+        schedule_running(true, plan, budget);
+        std::rotate(plan.seqs.begin(), plan.seqs.begin() + long(prompts), plan.seqs.end());
+      }
     }
   };
   if (caps_.top) {
@@ -277,6 +318,7 @@ StepPlan Scheduler::schedule() {
     }
   }
   caps_ = {};
+  decode_waits_ = sat_out ? decode_waits_ + 1 : 0;
 
   plan.block_copies = blocks_.take_pending_copies();
   for (const auto& x : plan.seqs) in_flight_.push_back(x.id);

@@ -38,6 +38,13 @@ struct SchedulerConfig {
   // Batch-class prefill tokens per step, always (-1: no cap): a request of a higher class
   // that arrives mid-step waits at most one such step before isolation applies.
   int batch_prefill_tokens = 512;
+  // Prefill first in a burst: while waiting prompts (two or more, of the top class, with
+  // seats free) hold a whole step of tokens, running decodes sit out up to this many
+  // consecutive steps, then join one step. The batch fills sooner, and a closed batch ends one
+  // admission phase plus its decode steps after it starts, so the decodes that mixed steps
+  // carry early only lengthen that phase (SGLang's default puts new prompts first too).
+  // 0: decodes join every step (vLLM's chunked prefill). A lone long prompt never stalls them.
+  int prefill_first_steps = 8;
 };
 
 // One sequence's share of a step.
@@ -141,6 +148,8 @@ class Scheduler {
   bool decode_waits(const Sequence& s) const;
   // The highest class with a live sequence (nullopt when none is).
   std::optional<Priority> top_class() const;
+  // Whether running decodes sit out this step (prefill_first_steps): a burst of prompts waits.
+  bool decodes_sit_out() const;
   void preempt(Sequence& s, StepPlan& plan, TokenBudget& budget);
   void add_to_plan(Sequence& s, int n, StepPlan& plan);
   Sequence& live(SeqId id);
@@ -162,6 +171,7 @@ class Scheduler {
   std::vector<Rejection> pending_rejections_;
   std::vector<SeqId> in_flight_;  // sequences in the last plan
   uint64_t next_arrival_ = 0;
+  int decode_waits_ = 0;  // consecutive steps whose decodes sat out (prefill_first_steps)
   SchedulerStats stats_;
 };
 

@@ -20,7 +20,8 @@ namespace {
 struct Totals {
   int64_t steps = 0, preemptions = 0, forks = 0, copies = 0, hits = 0, rejected = 0;
   int64_t cancelled = 0, auto_finished = 0, chunked = 0;
-  int64_t capped = 0;  // steps whose lower-class prefill used the whole isolation cap
+  int64_t capped = 0;   // steps whose lower-class prefill used the whole isolation cap
+  int64_t sat_out = 0;  // steps whose top-class decodes sat out for prompts (prefill first)
 };
 
 class Simulation {
@@ -66,6 +67,8 @@ class Simulation {
     c.lower_class_prefill_tokens = std::uniform_int_distribution<int>(-1, 12)(rng);
     // The batch class's own per-step prefill budget: off, or from below a chunk to above.
     c.batch_prefill_tokens = std::uniform_int_distribution<int>(-1, 16)(rng);
+    // Prefill first in bursts: off, or decodes sitting out up to 1..4 steps.
+    c.prefill_first_steps = std::uniform_int_distribution<int>(0, 4)(rng);
     return c;
   }
   static BlockManagerConfig make_blocks(AllocationMode mode, bool prefix_cache) {
@@ -226,6 +229,41 @@ class Simulation {
     }
   }
 
+  // Running sequences with one token to compute (decodes) before the plan was made.
+  std::set<SeqId> decoders() const {
+    std::set<SeqId> d;
+    for (SeqId id : live_) {
+      const Sequence* s = sched_.find(id);
+      if (s && s->status == SeqStatus::Running && s->num_uncomputed() == 1) d.insert(id);
+    }
+    return d;
+  }
+
+  // Decodes lead the plan (the model splits mixed steps there). A top-class decode that sits
+  // out a step with prompts in it does so at most prefill_first_steps steps in a row.
+  void verify_decodes(const StepPlan& plan, const std::set<SeqId>& decoding,
+                      std::optional<Priority> top) {
+    bool prompts = false;
+    for (const ScheduledSeq& x : plan.seqs) {
+      const bool decode = decoding.count(x.id) > 0;
+      ASSERT_FALSE(decode && prompts) << "decode of " << x.id << " after a prompt's chunk";
+      prompts |= !decode;
+    }
+    bool sat_out = false;
+    for (SeqId id : decoding) {
+      const Sequence* s = sched_.find(id);
+      auto in = [&](const auto& v) {
+        return std::any_of(v.begin(), v.end(), [&](const auto& x) { return x.id == id; });
+      };
+      sat_out |= prompts && s && top && s->priority == *top && !in(plan.seqs) &&
+                 std::count(plan.preempted.begin(), plan.preempted.end(), id) == 0;
+    }
+    sat_out_run_ = sat_out ? sat_out_run_ + 1 : 0;
+    totals_.sat_out += sat_out;
+    ASSERT_LE(sat_out_run_, sched_.config().prefill_first_steps)
+        << "decodes sat out more consecutive steps than prefill_first_steps";
+  }
+
   void verify_reads(const StepPlan& plan) {
     const BlockManager& bm = sched_.block_manager();
     for (const ScheduledSeq& x : plan.seqs) {
@@ -246,9 +284,12 @@ class Simulation {
       if (!live_.empty() && chance(0.08)) fork_one();
     }
     const bool had_work = sched_.num_running() + sched_.num_waiting() > 0;
+    const std::set<SeqId> decoding = decoders();
     const StepPlan plan = sched_.schedule();
     ++totals_.steps;
     verify_isolation(plan, top_class(plan));
+    if (::testing::Test::HasFatalFailure()) return;
+    verify_decodes(plan, decoding, top_class(plan));
     if (::testing::Test::HasFatalFailure()) return;
     for (const Rejection& r : plan.rejected) {
       ASSERT_FALSE(r.reason.empty());
@@ -296,6 +337,7 @@ class Simulation {
   std::map<SeqId, Outcome> outcomes_;
   std::set<SeqId> live_;
   SeqId next_id_ = 1;
+  int sat_out_run_ = 0;  // consecutive steps whose top-class decodes sat out
 };
 
 TEST(SchedulerRandom, NoLeaksNoDoubleOwnershipEveryRequestEnds) {
@@ -323,12 +365,14 @@ TEST(SchedulerRandom, NoLeaksNoDoubleOwnershipEveryRequestEnds) {
   EXPECT_GT(totals.auto_finished, 0);
   EXPECT_GT(totals.chunked, 100);
   EXPECT_GT(totals.capped, 100);
+  EXPECT_GT(totals.sat_out, 100);
   std::printf(
       "random steps %lld, preemptions %lld, forks %lld, block copies %lld, "
-      "prefix-hit tokens %lld, rejected %lld, cancelled %lld, capped steps %lld\n",
+      "prefix-hit tokens %lld, rejected %lld, cancelled %lld, capped steps %lld, "
+      "decodes sat out %lld\n",
       (long long)totals.steps, (long long)totals.preemptions, (long long)totals.forks,
       (long long)totals.copies, (long long)totals.hits, (long long)totals.rejected,
-      (long long)totals.cancelled, (long long)totals.capped);
+      (long long)totals.cancelled, (long long)totals.capped, (long long)totals.sat_out);
 }
 
 }  // namespace

@@ -130,6 +130,75 @@ TEST(Scheduler, DecodesComeFirstAndPrefillChunksFillTheBudget) {
   EXPECT_EQ(d.step().num_tokens(), 2);  // two decodes
 }
 
+TEST(Scheduler, DecodesSitOutABurstOfPromptsForAtMostTheCap) {
+  SchedulerConfig c = sched(16, 8);
+  c.prefill_first_steps = 2;
+  Scheduler s(c, blocks(64));
+  Driver d(s);
+  ASSERT_TRUE(s.add(req(1, 4, 20)));
+  d.step();
+  EXPECT_EQ(ids(d.step()), (std::vector<SeqId>{1}));  // decoding alone
+  for (SeqId id : {2, 3, 4, 5, 6, 7, 8}) ASSERT_TRUE(s.add(req(id, 8, 20)));
+  // 56 prompt tokens wait, more than a step: prompts alone for two steps.
+  EXPECT_EQ(ids(d.step()), (std::vector<SeqId>{2, 3}));
+  EXPECT_EQ(ids(d.step()), (std::vector<SeqId>{4, 5}));
+  // The cap: the five decodes join, ahead of the prompts.
+  StepPlan p = d.step();
+  EXPECT_EQ(ids(p), (std::vector<SeqId>{1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(p.num_tokens(), 16);
+  // One prompt waits now (7's last chunk is running): no burst.
+  EXPECT_EQ(ids(d.step()), (std::vector<SeqId>{1, 2, 3, 4, 5, 6, 7, 8}));
+
+  // 0 turns it off: every step carries the decodes.
+  c.prefill_first_steps = 0;
+  Scheduler t(c, blocks(64));
+  Driver e(t);
+  t.add(req(1, 4, 20));
+  e.step();
+  for (SeqId id : {2, 3, 4}) t.add(req(id, 8, 20));
+  EXPECT_EQ(ids(e.step()), (std::vector<SeqId>{1, 2, 3}));
+}
+
+TEST(Scheduler, DecodesRunWhenTheBurstCannotFillTheStep) {
+  SchedulerConfig c = sched(16, 8);
+  Scheduler s(c, blocks(64));
+  Driver d(s);
+  s.add(req(1, 4, 20));
+  d.step();
+  // Prompts of the batch class keep to their own budget: no burst.
+  s.add(req(2, 12, 4, Priority::Batch));
+  s.add(req(3, 12, 4, Priority::Batch));
+  EXPECT_EQ(ids(d.step()), (std::vector<SeqId>{1}));  // a higher class is live: batch waits
+  // Two prompts that do not fill the step ride along with the decode.
+  SchedulerConfig c2 = sched(64, 8);
+  Scheduler t(c2, blocks(64));
+  Driver e(t);
+  t.add(req(1, 4, 20));
+  e.step();
+  t.add(req(2, 12, 4));
+  t.add(req(3, 12, 4));
+  EXPECT_EQ(ids(e.step()), (std::vector<SeqId>{1, 2, 3}));
+  // A burst that the cache cannot take: the decode goes on instead of an empty step.
+  Scheduler u(sched(16, 8), blocks(8, 4));
+  Driver f(u);
+  u.add(req(1, 12, 4));  // 4 of the 8 blocks once it decodes; each prompt needs 5
+  f.step();
+  f.step();
+  u.add(req(2, 20, 4));
+  u.add(req(3, 20, 4));
+  EXPECT_EQ(ids(f.step()), (std::vector<SeqId>{1}));
+  // The same with more decodes than the step holds: some run, never an empty step.
+  Scheduler w(sched(2, 8), blocks(8, 4));
+  Driver g(w);
+  for (SeqId id : {1, 2, 3, 4}) w.add(req(id, 1, 3));  // a block each
+  EXPECT_EQ(ids(g.step()), (std::vector<SeqId>{1, 2}));
+  EXPECT_EQ(ids(g.step()), (std::vector<SeqId>{3, 4}));  // the decodes sat out
+  EXPECT_EQ(ids(g.step()), (std::vector<SeqId>{1, 2}));
+  w.add(req(5, 20, 3));  // 5 blocks each, 4 free
+  w.add(req(6, 20, 3));
+  EXPECT_EQ(ids(g.step()), (std::vector<SeqId>{1, 2}));
+}
+
 TEST(Scheduler, CapsRunningSequences) {
   Scheduler s(sched(64, 2), blocks(64));
   Driver d(s);
