@@ -1,0 +1,299 @@
+// MLA decode attention, the register-Q kernel (BF16 cache, 64 rope dims). The first kernel
+// (attention_mla_decode.cu, whose launcher tries this one first) re-reads Q's 16 x 576
+// fragments (18 KB, 36 with lo) from shared memory in every warp for every tile, about twice the
+// tile's own bytes, and runs its S loop over a run-time dim. Here Q lives in registers as
+// mma A fragments: warp w takes dim group w / 2 (9 of the 36 16-dim k-steps: 36 registers, 72
+// with lo) and key half w % 2 (32 keys), so a tile's keys are read from shared memory once. The
+// four dim groups' partial scores meet in shared memory (summed in group order), and warp w
+// then owns rows 2w, 2w + 1 for the softmax, so the row max and sum need no exchange between
+// warps. P . V is the first kernel's (each warp 64 value dims). Three barriers per tile.
+#include <cuda_bf16.h>
+
+#include <atomic>
+#include <cmath>
+
+#include "backend/cuda/attention_mla_decode_tiles.cuh"
+#include "backend/cuda/mma_ptx.cuh"
+#include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
+
+namespace ds::cuda::mla_decode {
+namespace {
+
+namespace regq {
+constexpr int kDim = kR + 64;                     // 576 score dims
+constexpr int kGroups = 4;                        // dim groups
+constexpr int kGroupSteps = kDim / 16 / kGroups;  // 9 k-steps per group
+constexpr int kSStride = kKeys + 8;  // floats per partial-score row: float2 stores conflict-free
+constexpr int kRedBytes = kGroups * kRows * kSStride * 4;
+// Two cache stages, partial scores, P hi / lo, per-row alpha / max / sum, two tiles' slots.
+constexpr int kSmemBytes =
+    2 * kTileBytes + kRedBytes + 2 * kPBytes + 3 * kRows * 4 + 2 * kSlotBytes;
+static_assert(kDim == kMaxDim && kDim % (16 * kGroups) == 0, "dim groups of whole k-steps");
+static_assert(kGroups * 2 == kWarps && kRows == 2 * kWarps, "warp roles");
+}  // namespace regq
+
+// Grid (num_seqs, splits, ceil(heads / 16)).
+template <bool kLo>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern::AttnParams p) {
+  pdl::enter();
+  using namespace regq;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* stage0 = smem;
+  float* red_s = reinterpret_cast<float*>(stage0 + 2 * kTileBytes);  // [group][row][kSStride]
+  uint8_t* p_hi = stage0 + 2 * kTileBytes + kRedBytes;
+  uint8_t* p_lo = p_hi + kPBytes;
+  float* row_alpha = reinterpret_cast<float*>(p_lo + kPBytes);  // [kRows]
+  float* row_m = row_alpha + kRows;                             // [kRows]
+  float* row_l = row_m + kRows;                                 // [kRows]
+  auto* slots = reinterpret_cast<int64_t*>(row_l + kRows);      // [2 tiles][kKeys]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
+  SplitKeys sk;
+  if (!split_keys(p, seq, split, h0, tid, sk)) return;
+  const int token = sk.token, key_begin = sk.key_begin, key_end = sk.key_end;
+  const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
+  // Cache slot of key k of tile t (-1 past the split).
+  auto slot_at = [&](int t, int k) -> int64_t {
+    const int j = key_begin + t * kKeys + k;
+    return j < key_end ? kern::slot_of(p, seq, j) : -1;
+  };
+  // Warp w copies key rows w * 8 .. + 8 of a tile; lane l chunks l, l + 32 (and l + 64 < 72).
+  constexpr int kChunks = kDim / 8;
+  auto load_tile = [&](int stage, int t) {
+    const uint32_t base = smem_u32(stage0 + stage * kTileBytes);
+    const int64_t* ts = slots + (t & 1) * kKeys;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = warp * 8 + i;
+      const int64_t slot = ts[r];
+      const uint8_t* row = p.k + slot * p.slot_bytes;
+#pragma unroll
+      for (int m = 0; m < 3; ++m) {
+        const int c = lane + 32 * m;
+        if (c < kChunks)
+          ptx::cp_async16(base + swz(r, c, kRowBytes), slot >= 0 ? row + c * 16 : p.k, slot >= 0);
+      }
+    }
+  };
+  if (tid < 2 * kKeys && tid / kKeys < n_tiles) slots[tid] = slot_at(tid / kKeys, tid % kKeys);
+  __syncthreads();  // tiles 0 and 1's slots visible
+  load_tile(0, 0);
+  ptx::cp_async_commit();
+
+  // Q fragments of this warp's dim group (rows g / g + 8 = heads h0 + g (+ 8); zeros past the
+  // heads), as hi (and lo) BF16 pairs; every load is issued before the first conversion.
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+  const int grp = warp >> 1, half = warp & 1;
+  float qv[kGroupSteps][4][2];
+#pragma unroll
+  for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int head = h0 + g + 8 * (e & 1);
+      const int d = (grp * kGroupSteps + s) * 16 + 8 * (e >> 1) + c2;
+      const uint8_t* src = d < kR ? p.q + token * p.q_ts + head * p.q_hs + d * 4
+                                  : p.q2 + token * p.q2_ts + head * p.q2_hs + (d - kR) * 4;
+      const bool ok = head < p.heads;
+      qv[s][e][0] = ok ? reinterpret_cast<const float*>(src)[0] : 0.0f;
+      qv[s][e][1] = ok ? reinterpret_cast<const float*>(src)[1] : 0.0f;
+    }
+  uint32_t qh[kGroupSteps][4], ql[kGroupSteps][4];
+#pragma unroll
+  for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      __nv_bfloat16 hi[2], lo[2];
+      split_bf16(qv[s][e][0], hi[0], lo[0]);
+      split_bf16(qv[s][e][1], hi[1], lo[1]);
+      const __nv_bfloat162 h2 = __halves2bfloat162(hi[0], hi[1]);
+      const __nv_bfloat162 l2 = __halves2bfloat162(lo[0], lo[1]);
+      qh[s][e] = *reinterpret_cast<const uint32_t*>(&h2);
+      ql[s][e] = *reinterpret_cast<const uint32_t*>(&l2);
+    }
+
+  // Softmax row of this lane (its warp's rows 2w, 2w + 1) and its 4 keys.
+  const int ro = 2 * warp + (lane >> 4), kq = (lane & 15) * 4;
+  float m_run = -INFINITY, l_run = 0.0f;
+  float o[8][4] = {};                       // value dims warp*64 + n*8 + c2 (+1), rows g / g + 8
+  const int lm = lane >> 3, li = lane & 7;  // ldmatrix: matrix and row of this lane's address
+
+  for (int t = 0; t < n_tiles; ++t) {
+    const int k0 = key_begin + t * kKeys;
+    ptx::cp_async_wait<0>();
+    // Tile t visible to every warp; every warp is past tile t - 1, so the other stage, the
+    // partial scores and P are free.
+    __syncthreads();
+    if (t + 1 < n_tiles) load_tile((t + 1) & 1, t + 1);
+    ptx::cp_async_commit();
+    // Tile t + 2's slots: looked up now, stored into table t & 1 after P . V (no copy reads it
+    // any more), read after the next barrier.
+    int64_t next_slot = -1;
+    if (tid < kKeys && t + 2 < n_tiles) next_slot = slot_at(t + 2, tid);
+    const uint32_t kv = smem_u32(stage0 + (t & 1) * kTileBytes);
+
+    // Partial S over this warp's 9 k-steps for keys half*32 .. +32 (n-tiles j = 0..3). The
+    // wrappers are asm volatile, so their order is the issue order: each step's K fragments
+    // are loaded one step ahead of their mma.
+    float sa[4][4] = {}, sl[4][4] = {};
+    // K fragments of step s: per 16 keys np, (keys 0-7, dims 0-7), (keys 0-7, dims 8-15), the
+    // same for keys 8-15.
+    auto load_k = [&](int s, uint32_t(&b)[2][4]) {
+      const int chunk = (grp * kGroupSteps + s) * 2 + (lm & 1);
+#pragma unroll
+      for (int np = 0; np < 2; ++np)
+        ptx::ldmatrix_x4(b[np],
+                         kv + swz(half * 32 + np * 16 + (lm >> 1) * 8 + li, chunk, kRowBytes));
+    };
+    uint32_t kb[2][2][4];  // two steps' fragments in flight
+    load_k(0, kb[0]);
+#pragma unroll
+    for (int s = 0; s < kGroupSteps; ++s) {
+      if (s + 1 < kGroupSteps) load_k(s + 1, kb[(s + 1) & 1]);
+      const uint32_t(&b)[2][4] = kb[s & 1];
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        ptx::mma_bf16(sa[2 * np], qh[s], b[np][0], b[np][1]);
+        ptx::mma_bf16(sa[2 * np + 1], qh[s], b[np][2], b[np][3]);
+      }
+      if constexpr (kLo) {
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          ptx::mma_bf16(sl[2 * np], ql[s], b[np][0], b[np][1]);
+          ptx::mma_bf16(sl[2 * np + 1], ql[s], b[np][2], b[np][3]);
+        }
+      }
+    }
+    float* rs = red_s + grp * kRows * kSStride;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int key = half * 32 + j * 8 + c2;
+      *reinterpret_cast<float2*>(rs + g * kSStride + key) =
+          make_float2(sa[j][0] + sl[j][0], sa[j][1] + sl[j][1]);
+      *reinterpret_cast<float2*>(rs + (g + 8) * kSStride + key) =
+          make_float2(sa[j][2] + sl[j][2], sa[j][3] + sl[j][3]);
+    }
+    __syncthreads();  // partial scores visible
+
+    // Row ro, keys kq .. kq + 3: the four groups' sums, base-2 scores, -inf past the split.
+    float sv[4];
+    {
+      float4 x[kGroups];
+#pragma unroll
+      for (int q = 0; q < kGroups; ++q)
+        x[q] = *reinterpret_cast<const float4*>(red_s + (q * kRows + ro) * kSStride + kq);
+      sv[0] = ((x[0].x + x[1].x) + x[2].x) + x[3].x;
+      sv[1] = ((x[0].y + x[1].y) + x[2].y) + x[3].y;
+      sv[2] = ((x[0].z + x[1].z) + x[2].z) + x[3].z;
+      sv[3] = ((x[0].w + x[1].w) + x[2].w) + x[3].w;
+    }
+    float tmax = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sv[i] = k0 + kq + i < key_end ? sv[i] * p.scale_log2 : -INFINITY;
+      tmax = fmaxf(tmax, sv[i]);
+    }
+#pragma unroll
+    for (int x = 1; x < 16; x <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, x));
+    const float m_new = fmaxf(m_run, tmax);  // finite: every tile holds a key of the split
+    const float alpha = exp2f(m_run - m_new);
+    float pv[4], psum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      pv[i] = exp2f(sv[i] - m_new);
+      psum += pv[i];
+    }
+#pragma unroll
+    for (int x = 1; x < 16; x <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, x);
+    l_run = l_run * alpha + psum;
+    m_run = m_new;
+    {
+      __nv_bfloat16 hi[4], lo[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) split_bf16(pv[i], hi[i], lo[i]);
+      const uint32_t off = swz(ro, kq / 8, kKeys * 2) + (kq % 8) * 2;
+      const __nv_bfloat162 h01 = __halves2bfloat162(hi[0], hi[1]);
+      const __nv_bfloat162 h23 = __halves2bfloat162(hi[2], hi[3]);
+      *reinterpret_cast<uint2*>(p_hi + off) = make_uint2(*reinterpret_cast<const uint32_t*>(&h01),
+                                                         *reinterpret_cast<const uint32_t*>(&h23));
+      if constexpr (kLo) {
+        const __nv_bfloat162 l01 = __halves2bfloat162(lo[0], lo[1]);
+        const __nv_bfloat162 l23 = __halves2bfloat162(lo[2], lo[3]);
+        *reinterpret_cast<uint2*>(p_lo + off) = make_uint2(
+            *reinterpret_cast<const uint32_t*>(&l01), *reinterpret_cast<const uint32_t*>(&l23));
+      }
+    }
+    if ((lane & 15) == 0) row_alpha[ro] = alpha;
+    __syncthreads();  // P and the rows' alpha visible
+
+    const float a0 = row_alpha[g], a1 = row_alpha[g + 8];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      o[n][0] *= a0;
+      o[n][1] *= a0;
+      o[n][2] *= a1;
+      o[n][3] *= a1;
+    }
+    // O[:, warp*64 .. +64] += P . V: A = P (16 x 16 keys), B = 16 keys x 16 dims (.trans).
+    // Per 16 keys: every fragment load first, then the hi products of the 8 accumulators, then
+    // the lo ones (each accumulator still takes hi before lo, as in the first kernel).
+    const uint32_t ph = smem_u32(p_hi), pl = smem_u32(p_lo);
+#pragma unroll
+    for (int kk = 0; kk < kKeys; kk += 16) {
+      uint32_t ah[4], al[4], b[4][4];  // b[n / 2]: (keys 0-7, dims n), (keys 8-15, dims n), n + 1
+      const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kKeys * 2);
+      ptx::ldmatrix_x4(ah, ph + a_off);
+      if constexpr (kLo) ptx::ldmatrix_x4(al, pl + a_off);
+#pragma unroll
+      for (int n = 0; n < 8; n += 2)
+        ptx::ldmatrix_x4_trans(b[n / 2], kv + swz(kk + (lm & 1) * 8 + li,
+                                                  (warp * 64 + n * 8) / 8 + (lm >> 1), kRowBytes));
+#pragma unroll
+      for (int n = 0; n < 8; n += 2) {
+        ptx::mma_bf16(o[n], ah, b[n / 2][0], b[n / 2][1]);
+        ptx::mma_bf16(o[n + 1], ah, b[n / 2][2], b[n / 2][3]);
+      }
+      if constexpr (kLo) {
+#pragma unroll
+        for (int n = 0; n < 8; n += 2) {
+          ptx::mma_bf16(o[n], al, b[n / 2][0], b[n / 2][1]);
+          ptx::mma_bf16(o[n + 1], al, b[n / 2][2], b[n / 2][3]);
+        }
+      }
+    }
+    if (tid < kKeys && t + 2 < n_tiles) slots[(t & 1) * kKeys + tid] = next_slot;
+  }
+  ptx::cp_async_wait<0>();
+  if ((lane & 15) == 0) {
+    row_m[ro] = m_run;
+    row_l[ro] = l_run;
+  }
+  __syncthreads();  // every row's max and sum visible
+
+  const float m_rows[2] = {row_m[g], row_m[g + 8]}, l_rows[2] = {row_l[g], row_l[g + 8]};
+  store_rows(p, sk, split, h0, warp, lane, o, m_rows, l_rows);
+}
+
+}  // namespace
+
+bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp) {
+  static std::atomic<uint64_t> smem_set{0};  // raised at the first MLA decode launch, used or not
+  raise_smem_limit_once(smem_set,
+                        {reinterpret_cast<const void*>(mla_decode_regq_kernel<true>),
+                         reinterpret_cast<const void*>(mla_decode_regq_kernel<false>)},
+                        regq::kSmemBytes);
+  if (a.cache_type == kern::kCacheFP8 || a.dim != regq::kDim || a.q_dims != kR ||
+      !g_mla_decode_regq.on())
+    return false;
+  const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
+                  unsigned((a.heads + kRows - 1) / kRows));
+  if (bf16_qp)
+    pdl::launch(mla_decode_regq_kernel<false>, grid, kThreads, regq::kSmemBytes, stream, a);
+  else
+    pdl::launch(mla_decode_regq_kernel<true>, grid, kThreads, regq::kSmemBytes, stream, a);
+  check_cuda(cudaGetLastError(), "mla decode kernel");
+  return true;
+}
+
+}  // namespace ds::cuda::mla_decode

@@ -1,0 +1,117 @@
+// What the two MLA decode kernels share (attention_mla_decode.cu: the first kernel, also for FP8
+// caches; attention_mla_decode_regq.cu: Q in registers, BF16 caches): the CTA shape, the staged
+// rows' swizzle, the hi + lo split of F32 values, a split's key range and the row stores.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+
+#include "backend/cuda/attention_mla_decode.cuh"
+#include "backend/cuda/mma_ptx.cuh"
+
+namespace ds::cuda::mla_decode {
+
+using ptx::smem_u32;
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = 16;           // heads per CTA
+constexpr int kKeys = 64;           // keys per tile
+constexpr int kR = kMlaDecodeRank;  // value dims; kWarps x 64
+constexpr int kMaxDim = kR + kMlaDecodeMaxRope;
+constexpr int kRowBytes = kMaxDim * 2;  // staged row stride (BF16)
+constexpr int kTileBytes = kKeys * kRowBytes;
+constexpr int kPBytes = kRows * kKeys * 2;
+constexpr int kSlotBytes = kKeys * 8;  // cache slot of each key of a tile (-1: none)
+static_assert(kR == kWarps * 64, "each warp owns 64 value dims");
+
+// Byte offset of 16-byte chunk c of a staged row r (rows of `row_bytes`): chunks swizzled
+// within groups of 8 by the row, so ldmatrix's 8 rows of a phase hit 8 different bank groups.
+__device__ __forceinline__ uint32_t swz(int r, int c, int row_bytes) {
+  return uint32_t(r * row_bytes + (((c & ~7) | ((c ^ r) & 7)) << 4));
+}
+
+// BF16 hi + lo of v (v ~= hi + lo to about 16 significant bits).
+__device__ __forceinline__ void split_bf16(float v, __nv_bfloat16& hi, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(v);
+  lo = __float2bfloat16_rn(v - __bfloat162float(hi));
+}
+
+// The keys of split `split` of sequence `seq`: whole 64-key tiles, as few splits as the context
+// needs. Returns false (in every thread) for a split with no keys, after telling the merge to
+// skip it.
+struct SplitKeys {
+  int token = 0, key_begin = 0, key_end = 0;
+  bool partial = false;
+};
+__device__ __forceinline__ bool split_keys(const kern::AttnParams& p, int seq, int split, int h0,
+                                           int tid, SplitKeys& k) {
+  k.token = p.query_start[seq];
+  const int ctx = p.context_lens[seq];
+  const int tiles_total = (ctx + kKeys - 1) / kKeys;
+  const int used = min(p.splits, tiles_total);
+  const int tiles_per = used > 0 ? (tiles_total + used - 1) / used : 0;
+  k.key_begin = split * tiles_per * kKeys;
+  k.key_end = min(ctx, k.key_begin + tiles_per * kKeys);
+  k.partial = p.splits > 1;
+  if (k.key_begin < k.key_end) return true;
+  if (k.partial && tid < kRows && h0 + tid < p.heads) {
+    float* ml = p.part_ml + ((int64_t(split) * p.num_tokens + k.token) * p.heads + h0 + tid) * 2;
+    ml[0] = -INFINITY;
+    ml[1] = 0.0f;
+  }
+  return false;
+}
+
+// Rows g and g + 8 of a warp's 64 value dims (heads h0 + g (+ 8)): the normalized output, or
+// with splits the split's unnormalized partial and (max, sum) of each row (m, l: rows g, g + 8).
+__device__ __forceinline__ void store_rows(const kern::AttnParams& p, const SplitKeys& sk,
+                                           int split, int h0, int warp, int lane,
+                                           const float (&o)[8][4], const float (&m)[2],
+                                           const float (&l)[2]) {
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = h0 + g + 8 * h;
+    if (head >= p.heads) continue;
+    const int64_t prow = (int64_t(split) * p.num_tokens + sk.token) * p.heads + head;
+    const float inv = sk.partial ? 1.0f : 1.0f / l[h];
+    float* dst = sk.partial
+                     ? p.part_o + prow * p.dv
+                     : reinterpret_cast<float*>(p.out + sk.token * p.out_ts + head * p.out_hs);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int d = warp * 64 + n * 8 + c2;
+      dst[d] = o[n][2 * h] * inv;
+      dst[d + 1] = o[n][2 * h + 1] * inv;
+    }
+    if (sk.partial && warp == 0 && (lane & 3) == 0) {
+      p.part_ml[prow * 2] = m[h];
+      p.part_ml[prow * 2 + 1] = l[h];
+    }
+  }
+}
+
+// Raises the kernels' dynamic shared-memory limit to `bytes`, once per device (before the first
+// launch, outside any graph capture).
+inline void raise_smem_limit_once(std::atomic<uint64_t>& done,
+                                  std::initializer_list<const void*> kernels, int bytes) {
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  const uint64_t bit = uint64_t(1) << (dev & 63);
+  if (done.load() & bit) return;
+  for (const void* kernel : kernels)
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+               "mla decode smem limit");
+  done.fetch_or(bit);
+}
+
+// The register-Q kernel (attention_mla_decode_regq.cu) for `a` if it takes it (BF16 cache, 64
+// rope dims, the latent from q, not switched off); false leaves `a` to the first kernel.
+bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp);
+
+}  // namespace ds::cuda::mla_decode
