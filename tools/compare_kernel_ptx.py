@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Checks that moving CUDA code between files changed no kernel: compiles nothing itself, but
 compares the PTX of every kernel (.entry) in two sets of PTX files, keyed by the demangled name
-without namespaces, with what only says where the code lives normalized (anonymous-namespace
-file hashes in symbol names, basic-block label numbers). Identical PTX through the same ptxas
+without namespaces, with what only says where the code lives normalized (every symbol as its
+demangled name without namespaces, so anonymous-namespace file hashes drop out; basic-block
+label numbers). Identical PTX through the same ptxas
 gives identical machine code, so a pure code move needs no GPU run to be shown harmless.
 
   nvcc -Isrc -DDEEPSERVE_HAVE_CUDA=1 -O3 -DNDEBUG -arch=sm_90a -std=c++20 -ptx old.cu -o old.ptx
@@ -35,11 +36,17 @@ def kernels(paths):
         text = open(path).read()
         for m in re.finditer(r"\.entry (\S+)\(.*?\n}\n", text, re.S):
             bodies[m.group(1)] = m.group(0)
-    names = demangle(list(bodies))
+    # Every symbol a body names (the kernel, its static shared arrays, extern shared memory)
+    # as its demangled name without namespaces: moving code to another file or namespace
+    # changes only those.
+    # (A kernel's parameters are named <kernel>_param_<i>.)
+    symbol = r"(_Z\w+?)(_param_\d+)?\b"
+    symbols = sorted({m[0] for body in bodies.values() for m in re.findall(symbol, body)})
+    names = demangle(symbols)
     out = {}
     for mangled, body in bodies.items():
-        norm = body.replace(mangled, "KERNEL")
-        norm = re.sub(r"_ZN\w*?_GLOBAL__N__\w+?_[0-9a-f]{8}(\d+\w+?E)", r"ANON\1", norm)
+        norm = re.sub(symbol, lambda m: strip_namespaces(names[m.group(1)]) + (m.group(2) or ""),
+                      body)
         norm = re.sub(r"\$L__BB\d+_", "$L__BB_", norm)
         out[strip_namespaces(names[mangled])] = norm
     return out

@@ -17,11 +17,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "backend/backend.h"
 #include "backend/cuda/context.cuh"
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/weight_stream.cuh"
+#include "core/error.h"
 
 namespace ds::cuda {
 
@@ -80,6 +82,15 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
 namespace moe {
 
 constexpr int kMaxExperts = 256;
+
+// CUDA and cuBLAS errors of the MoE paths, thrown as ds::Error.
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string("CUDA moe ") + what + ": " + cudaGetErrorString(e));
+}
+inline void check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw Error(std::string("cuBLAS moe ") + what + ": " + cublasGetStatusString(s));
+}
 
 // One expert's weight matrices in device memory; leading dimensions in elements.
 struct ExpertPtrs {

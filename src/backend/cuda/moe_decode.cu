@@ -314,10 +314,6 @@ void launch_kind(const DecodeFfnArgs& a, int tc_gu, int tc_dn, unsigned slots,
   with_tc(tc_dn, [&](auto tc) { launch_down<K, tc.value>(a, slots, stream); });
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string("CUDA moe ") + what + ": " + cudaGetErrorString(e));
-}
-
 template <WeightKind K>
 void prepare_kind() {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;

@@ -238,10 +238,6 @@ __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
       }
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string("CUDA moe ") + what + ": " + cudaGetErrorString(e));
-}
-
 template <typename S>
 void prepare_shape() {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;

@@ -56,15 +56,6 @@ __global__ void silu_mul_bf16_kernel(const float* __restrict__ gu, int64_t ld_gu
   }
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string("CUDA moe ") + what + ": " + cudaGetErrorString(e));
-}
-
-void check(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS)
-    throw Error(std::string("cuBLAS moe ") + what + ": " + cublasGetStatusString(s));
-}
-
 // Row-major C[n, m] = B[n, k] * A[m, k]^T (row strides ldc, ldb, lda in elements): in cuBLAS's
 // column-major terms C^T (m x n) = op_T(A) (m x k) * B^T (k x n).
 void gemm_bf16(cublasHandle_t h, int m, int n, int k, const void* A, int64_t lda, const void* B,
