@@ -22,7 +22,9 @@ std::optional<double> mean_of(const std::vector<double>& v) {
   return s / double(v.size());
 }
 
-void kv_figures(const std::vector<TargetSnapshot>& snaps, ScenarioResult& out) {
+// KV, memory, preemptions and the engine's step timing, from the snapshots the scenario took
+// (cumulative counters: last minus first).
+void snapshot_figures(const std::vector<TargetSnapshot>& snaps, ScenarioResult& out) {
   if (snaps.empty()) return;
   const TargetSnapshot& a = snaps.front();
   const TargetSnapshot& b = snaps.back();
@@ -46,6 +48,14 @@ void kv_figures(const std::vector<TargetSnapshot>& snaps, ScenarioResult& out) {
     out.prefix_cache_hit_rate = b.prefix_hit_rate;
   }
   if (a.preemptions && b.preemptions) out.preemptions = *b.preemptions - *a.preemptions;
+  // Mean over the scenario's steps of a cumulative (sum, count) pair of the engine's.
+  auto step_mean_ms = [&](auto sum, auto count) -> std::optional<double> {
+    if (!(a.*sum && b.*sum && a.*count && b.*count) || *(b.*count) <= *(a.*count))
+      return std::nullopt;
+    return (*(b.*sum) - *(a.*sum)) * 1e3 / double(*(b.*count) - *(a.*count));
+  };
+  out.step_device_ms = step_mean_ms(&TargetSnapshot::device_s, &TargetSnapshot::device_steps);
+  out.step_host_gap_ms = step_mean_ms(&TargetSnapshot::host_gap_s, &TargetSnapshot::host_gaps);
   if (auto g = max_of(snaps, [](const TargetSnapshot& s) { return s.gpu_memory_bytes; }))
     out.peak_gpu_memory_gb = *g / 1e9;
   if (auto r = max_of(snaps, [](const TargetSnapshot& s) { return s.rss_peak_bytes; }))
@@ -149,7 +159,7 @@ ScenarioResult aggregate_scenario(const BenchScenario& scenario, std::optional<d
   for (const auto& r : results)
     if (r.ok) ok.push_back(r);
   step_figures(ok, opts, itl_ms, out);
-  kv_figures(snapshots, out);
+  snapshot_figures(snapshots, out);
   if (opts.gpu_hour_price && out.output_tokens_per_s > 0)
     out.usd_per_million_output_tokens =
         *opts.gpu_hour_price / 3600.0 / out.output_tokens_per_s * 1e6;

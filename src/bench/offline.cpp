@@ -116,6 +116,10 @@ TargetSnapshot OfflineTarget::snapshot() {
   s.prefix_query_tokens = st.kv.prefix_query_tokens;
   s.prefix_hit_tokens = st.kv.prefix_hit_tokens;
   s.preemptions = st.preemptions;
+  s.device_s = st.device_s;
+  s.device_steps = st.device_steps;
+  s.host_gap_s = st.host_gap_s;
+  s.host_gaps = st.host_gaps;
   return s;
 }
 

@@ -186,6 +186,8 @@ Json scenario_json(const ScenarioResult& r) {
   j["step_time_ms"] = {{"mean", r.step_time_ms ? Json(r.step_time_ms->mean) : Json()},
                        {"std", r.step_time_ms ? Json(r.step_time_ms->std) : Json()},
                        {"steps", r.step_time_ms ? r.step_time_ms->count : 0},
+                       {"device_mean", opt(r.step_device_ms)},
+                       {"host_gap_mean", opt(r.step_host_gap_ms)},
                        {"source", r.step_time_source.empty() ? Json() : Json(r.step_time_source)}};
   j["peak_gpu_memory_gb"] = opt(r.peak_gpu_memory_gb);
   j["peak_rss_gb"] = opt(r.peak_rss_gb);
@@ -316,6 +318,9 @@ void print_table(std::FILE* out, const BenchRun& run) {
                    "", "", "", p50_p99(c.ttft_ms, "%.1f").c_str(),
                    p50_p99(c.tpot_ms, "%.2f").c_str(), p50_p99(c.e2e_ms, "%.0f").c_str());
     }
+    if (r.step_device_ms && r.step_host_gap_ms)
+      std::fprintf(out, "  engine steps: %.3f ms launch to results, %.3f ms host gap to the next\n",
+                   *r.step_device_ms, *r.step_host_gap_ms);
     if (r.failed)
       std::fprintf(out, "  %d request(s) failed: %s\n", r.failed,
                    r.errors.empty() ? "" : r.errors.front().c_str());

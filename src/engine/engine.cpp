@@ -273,6 +273,7 @@ void Engine::loop() {
   for (;;) {
     std::vector<std::pair<SeqId, std::unique_ptr<Live>>> arrived;
     std::vector<SeqId> cancels;
+    if (!sched_.has_unfinished()) t_results_ = -1;  // about to idle: the next gap is not ours
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] {
@@ -436,6 +437,10 @@ void Engine::step() {
   DS_CHECK(logits_buf_->size() >= rows * size_t(vocab) * 4, "more logit rows than sequences");
   TensorView logits = logits_buf_->view(DType::F32, {int64_t(rows), vocab});
   const int64_t cap_rows = int64_t(logits_buf_->size() / (size_t(vocab) * 4));
+  const double t_launch = now_s();
+  double gap_s = -1;  // host time since the last step's results, when it ran right before
+  if (t_results_ >= 0) gap_s = t_launch - t_results_;
+  t_results_ = -1;
   if (!graphs_ || !graphs_->run(batch, logits_buf_->view(DType::F32, {cap_rows, vocab}))) {
     const ForwardInput in = place_inputs(batch);
     model_.forward(in, cache_, logits);
@@ -468,10 +473,14 @@ void Engine::step() {
     backend_.sample(logits, reinterpret_cast<const SampleRow*>(base), ids);
     std::vector<int32_t> host(rows);
     backend_.download(host.data(), ids, rows * 4);
+    t_results_ = now_s();
     for (size_t i = 0; i < rows; ++i) sampled.push_back({batch.logit_seqs[i], host[i]});
   } else {
     logits_.resize(rows * size_t(vocab));
-    if (rows) backend_.download(logits_.data(), logits, logits_.size() * 4);
+    if (rows) {
+      backend_.download(logits_.data(), logits, logits_.size() * 4);
+      t_results_ = now_s();
+    }
     for (size_t i = 0; i < rows; ++i) {
       const SeqId id = batch.logit_seqs[i];
       try {
@@ -518,6 +527,14 @@ void Engine::step() {
     stats_.waiting = sched_.num_waiting();
     if (expert_load) stats_.expert_load = std::move(*expert_load);
     stats_.kv = kv;
+    if (t_results_ >= 0) {  // a step without logits has nothing to wait for: not timed
+      stats_.device_s += t_results_ - t_launch;
+      ++stats_.device_steps;
+      if (gap_s >= 0) {
+        stats_.host_gap_s += gap_s;
+        ++stats_.host_gaps;
+      }
+    }
   }
 
   const double t = now_s();

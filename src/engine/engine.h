@@ -137,6 +137,14 @@ struct EngineStats {
   int waiting = 0;  // admitted but not yet running (incl. preempted)
   std::vector<ExpertLoad> expert_load;  // MoE models: tokens per expert per layer (<= 0.25 s old)
   BlockManagerStats kv;
+  // Where a busy engine's time goes, summed over steps that sample: `device_s` from the launch
+  // of a step's forward to its sampled tokens (or logits) back on the host, `host_gap_s` from
+  // those results to the next step's launch when that step follows at once (scheduling,
+  // outputs, metadata: time the device sits idle between steps; not counted across idle waits).
+  double device_s = 0;
+  int64_t device_steps = 0;
+  double host_gap_s = 0;
+  int64_t host_gaps = 0;
 };
 
 class Engine {
@@ -194,6 +202,7 @@ class Engine {
   static constexpr double kExpertLoadPeriodS = 0.25;
   double expert_load_read_s_ = -1e9;  // when the model's expert counters were last read
   bool expert_load_stale_ = false;    // steps ran since then
+  double t_results_ = -1;  // when the last step's results reached the host; -1: none pending
 
   mutable std::mutex mu_;  // guards the inbox, cancels, stats_, held_ and stop_
   std::condition_variable cv_;

@@ -46,6 +46,12 @@ class FakeTarget : public BenchTarget {
     s.prefix_query_tokens = 100 * snaps_;
     s.prefix_hit_tokens = 25 * snaps_;
     s.preemptions = snaps_;
+    // Before the scenario 5 steps of 9 ms and 4 gaps of 3 ms; then per snapshot 10 steps of
+    // 20 ms and 10 gaps of 0.5 ms.
+    s.device_s = 0.045 + 0.2 * snaps_;
+    s.device_steps = 5 + 10 * snaps_;
+    s.host_gap_s = 0.012 + 0.005 * snaps_;
+    s.host_gaps = 4 + 10 * snaps_;
     ++snaps_;
     return s;
   }
@@ -120,6 +126,8 @@ TEST(BenchAggregate, FailuresAndKvDifferences) {
   EXPECT_NEAR(*a.kv_fragmentation, 0.5, 1e-12);
   EXPECT_NEAR(*a.prefix_cache_hit_rate, 0.25, 1e-12);
   EXPECT_EQ(*a.preemptions, 2);
+  EXPECT_NEAR(*a.step_device_ms, 20.0, 1e-9);  // the scenario's steps, not the earlier ones
+  EXPECT_NEAR(*a.step_host_gap_ms, 0.5, 1e-9);
   EXPECT_NEAR(*a.peak_rss_gb, 2.0, 1e-12);
   EXPECT_FALSE(a.peak_gpu_memory_gb);
 }
@@ -183,6 +191,8 @@ TEST(BenchReport, JsonHasEverySchemaField) {
         EXPECT_TRUE(s[k][q].is_number()) << k << "." << q;
     EXPECT_TRUE(s["step_time_ms"]["mean"].is_number());
     EXPECT_TRUE(s["step_time_ms"]["std"].is_number());
+    EXPECT_TRUE(s["step_time_ms"]["device_mean"].is_number());
+    EXPECT_TRUE(s["step_time_ms"]["host_gap_mean"].is_number());
     EXPECT_TRUE(s["roofline_fraction"].is_number());
     EXPECT_TRUE(s["usd_per_million_output_tokens"].is_number());
     EXPECT_TRUE(s["peak_gpu_memory_gb"].is_null());
