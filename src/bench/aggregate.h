@@ -44,8 +44,9 @@ struct ScenarioResult {
   std::optional<Summary> ttft_ms, tpot_ms, itl_ms, e2e_ms;
   std::optional<MeanStd> step_time_ms;
   std::string step_time_source;  // engine_token_timestamps[_mixed] or itl
-  // Offline: the scenario's mean per sampling step from launch to results on the host
-  // (device_ms), and from those results to the next launch (host_gap_ms; the device idles).
+  // Offline: the scenario's mean per decode step from launch to results on the host
+  // (device_ms), and from the previous step's results to its launch (host_gap_ms: the device
+  // idles).
   std::optional<double> step_device_ms, step_host_gap_ms;
   std::optional<double> peak_gpu_memory_gb, peak_rss_gb;
   std::optional<double> kv_usage_peak, kv_fragmentation, prefix_cache_hit_rate;

@@ -319,7 +319,8 @@ void print_table(std::FILE* out, const BenchRun& run) {
                    p50_p99(c.tpot_ms, "%.2f").c_str(), p50_p99(c.e2e_ms, "%.0f").c_str());
     }
     if (r.step_device_ms && r.step_host_gap_ms)
-      std::fprintf(out, "  engine steps: %.3f ms launch to results, %.3f ms host gap to the next\n",
+      std::fprintf(out,
+                   "  engine decode steps: %.3f ms launch to results, %.3f ms host gap before\n",
                    *r.step_device_ms, *r.step_host_gap_ms);
     if (r.failed)
       std::fprintf(out, "  %d request(s) failed: %s\n", r.failed,

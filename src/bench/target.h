@@ -47,7 +47,7 @@ struct TargetSnapshot {
   std::optional<int64_t> prefix_query_tokens, prefix_hit_tokens;
   std::optional<double> prefix_hit_rate;  // online: the server's cumulative figure
   std::optional<int64_t> preemptions;
-  // EngineStats' step timing (cumulative): launch to results, and results to the next launch.
+  // EngineStats' decode-step timing (cumulative): launch to results, and the host gap before.
   std::optional<double> device_s, host_gap_s;
   std::optional<int64_t> device_steps, host_gaps;
 };

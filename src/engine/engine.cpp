@@ -273,7 +273,6 @@ void Engine::loop() {
   for (;;) {
     std::vector<std::pair<SeqId, std::unique_ptr<Live>>> arrived;
     std::vector<SeqId> cancels;
-    if (!sched_.has_unfinished()) t_results_ = -1;  // about to idle: the next gap is not ours
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] {
@@ -527,7 +526,9 @@ void Engine::step() {
     stats_.waiting = sched_.num_waiting();
     if (expert_load) stats_.expert_load = std::move(*expert_load);
     stats_.kv = kv;
-    if (t_results_ >= 0) {  // a step without logits has nothing to wait for: not timed
+    // Decode steps only (no prompt tokens), the steady state; a step without logits has
+    // nothing to wait for.
+    if (t_results_ >= 0 && prompt_tokens == 0) {
       stats_.device_s += t_results_ - t_launch;
       ++stats_.device_steps;
       if (gap_s >= 0) {

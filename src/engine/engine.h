@@ -137,10 +137,10 @@ struct EngineStats {
   int waiting = 0;  // admitted but not yet running (incl. preempted)
   std::vector<ExpertLoad> expert_load;  // MoE models: tokens per expert per layer (<= 0.25 s old)
   BlockManagerStats kv;
-  // Where a busy engine's time goes, summed over steps that sample: `device_s` from the launch
-  // of a step's forward to its sampled tokens (or logits) back on the host, `host_gap_s` from
-  // those results to the next step's launch when that step follows at once (scheduling,
-  // outputs, metadata: time the device sits idle between steps; not counted across idle waits).
+  // Where a decode step's time goes (steps without prompt tokens that sample), summed:
+  // `device_s` from the launch of its forward to its sampled tokens (or logits) back on the
+  // host, `host_gap_s` from the previous step's results to this launch (scheduling, outputs,
+  // metadata: time the device sits idle; counted when that step returned results).
   double device_s = 0;
   int64_t device_steps = 0;
   double host_gap_s = 0;
