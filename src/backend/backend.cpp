@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "backend/cpu/sample.h"
+#include "core/argmax.h"
 #include "core/tensor_views.h"
 
 namespace ds {
@@ -64,13 +65,8 @@ void Backend::argmax(const TensorView& logits, TensorView ids) {
   std::vector<float> host(static_cast<size_t>(R * V));
   std::vector<int32_t> out(static_cast<size_t>(R));
   download(host.data(), logits, host.size() * 4);
-  for (int64_t r = 0; r < R; ++r) {
-    const float* row = host.data() + r * V;
-    int64_t best = 0;
-    for (int64_t i = 1; i < V; ++i)
-      if (row[i] > row[best]) best = i;
-    out[size_t(r)] = int32_t(best);
-  }
+  for (int64_t r = 0; r < R; ++r)
+    out[size_t(r)] = int32_t(argmax_first(host.data() + r * V, size_t(V)));
   upload(ids, out.data(), out.size() * 4);
 }
 

@@ -4,15 +4,13 @@
 #include <cmath>
 #include <unordered_map>
 
+#include "core/argmax.h"
 #include "core/error.h"
 
 namespace ds {
 
 int32_t argmax(std::span<const float> v) {
-  int32_t best = 0;
-  for (size_t i = 1; i < v.size(); ++i)
-    if (v[i] > v[size_t(best)]) best = int32_t(i);
-  return best;
+  return int32_t(argmax_first(v.data(), v.size()));
 }
 
 Sampler::Sampler(const SamplingParams& p)

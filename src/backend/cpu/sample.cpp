@@ -3,26 +3,16 @@
 #include <algorithm>
 #include <numeric>
 
+#include "core/argmax.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 
 namespace ds::cpu {
-namespace {
-
-// The lowest index of the maximum, as Backend::argmax (NaNs never win after element 0).
-int32_t argmax_row(std::span<const float> x) {
-  size_t best = 0;
-  for (size_t i = 1; i < x.size(); ++i)
-    if (x[i] > x[best]) best = i;
-  return int32_t(best);
-}
-
-}  // namespace
 
 int32_t sample_row(std::span<const float> row, const SampleRow& p, SampleTrace* trace) {
   DS_CHECK(!row.empty(), "sample: empty logits row");
   const size_t V = row.size();
-  const int32_t best = argmax_row(row);
+  const int32_t best = int32_t(argmax_first(row.data(), V));  // as Backend::argmax
   const double m = row[size_t(best)];
   SampleTrace local;
   SampleTrace& tr = trace ? *trace : local;

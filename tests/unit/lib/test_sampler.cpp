@@ -2,7 +2,9 @@
 
 #include <cmath>
 #include <map>
+#include <random>
 
+#include "core/argmax.h"
 #include "core/error.h"
 #include "engine/sampler.h"
 
@@ -24,6 +26,32 @@ TEST(Sampler, GreedyIsArgmaxLowestIndexOnTies) {
   const std::vector<float> l = {0.5f, 2.0f, -1.0f, 2.0f};
   EXPECT_EQ(s.sample(l, {}), 1);
   EXPECT_EQ(argmax(l), 1);
+}
+
+// The eight-lane argmax against the one-chain loop it replaced: lengths around the lane and
+// block sizes, heavy ties (values from a handful), NaNs anywhere including first.
+TEST(Sampler, ArgmaxFirstMatchesTheScalarLoop) {
+  auto scalar = [](const std::vector<float>& v) {
+    size_t best = 0;
+    for (size_t i = 1; i < v.size(); ++i)
+      if (v[i] > v[best]) best = i;
+    return int64_t(best);
+  };
+  std::mt19937 rng(7);
+  int checked = 0;
+  for (size_t n : {1, 2, 7, 8, 15, 16, 17, 23, 24, 31, 33, 100, 1000, 49152}) {
+    for (int trial = 0; trial < 200; ++trial) {
+      std::vector<float> v(n);
+      const int levels = 1 + int(rng() % 6);  // few distinct values: ties everywhere
+      for (auto& x : v) x = float(int(rng() % unsigned(levels)) - 2);
+      if (trial % 7 == 0) v[rng() % n] = std::nanf("");
+      if (trial % 11 == 0) v[0] = std::nanf("");
+      if (trial % 5 == 0) v[rng() % n] = 100.0f;  // one clear winner somewhere
+      ASSERT_EQ(argmax_first(v.data(), n), scalar(v)) << "n " << n << " trial " << trial;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 14 * 200);
 }
 
 TEST(Sampler, FrequenciesFollowSoftmaxAtTemperature) {
