@@ -236,6 +236,7 @@ Json bench_json(const BenchSpec& spec, const BenchRun& run, const SystemInfo& sy
                        {"lower_class_prefill_tokens", spec.engine.lower_class_prefill_tokens},
                        {"batch_prefill_tokens", spec.engine.batch_prefill_tokens},
                        {"prefill_first_steps", spec.engine.prefill_first_steps},
+                       {"defer_wakeups", spec.engine.defer_wakeups},
                        {"warmup_tokens", spec.engine.warmup_tokens}};
   return {{"schema_version", 1},
           {"name", spec.name},

@@ -301,6 +301,7 @@ BenchSpec parse_bench_spec(const std::string& yaml, const std::string& source,
     if (auto v = er.integer({"batch_prefill_tokens"}, -1, 1 << 24))
       en.batch_prefill_tokens = int(*v);
     if (auto v = er.integer({"prefill_first_steps"}, 0, 1 << 20)) en.prefill_first_steps = int(*v);
+    if (auto v = er.integer({"defer_wakeups"}, -1, 1)) en.defer_wakeups = int(*v);
     er.check_unknown();
   }
 

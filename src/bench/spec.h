@@ -21,6 +21,7 @@ struct BenchEngineSpec {
   int lower_class_prefill_tokens = 0;  // priority isolation; -1: off
   int batch_prefill_tokens = 512;      // batch-class prefill per step; -1: no cap
   int prefill_first_steps = 8;         // decodes sit out a burst of prompts; 0: never
+  int defer_wakeups = -1;              // EngineConfig::defer_wakeups (-1: device backends)
   int64_t warmup_tokens = -1;          // EngineConfig::warmup_tokens
 };
 

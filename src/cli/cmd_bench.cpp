@@ -86,6 +86,7 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   e.lower_class_prefill_tokens = spec.engine.lower_class_prefill_tokens;
   e.batch_prefill_tokens = spec.engine.batch_prefill_tokens;
   e.prefill_first_steps = spec.engine.prefill_first_steps;
+  e.defer_wakeups = spec.engine.defer_wakeups;
   e.warmup_tokens = spec.engine.warmup_tokens;
   set_kv_dtype(e, spec.kv_dtype);
   Session s = open_session(m, e);
@@ -149,6 +150,7 @@ int run_benchmark(const BenchOptions& o) {
   if (o.lower_class_prefill_tokens)
     spec.engine.lower_class_prefill_tokens = *o.lower_class_prefill_tokens;
   if (o.prefill_first_steps) spec.engine.prefill_first_steps = *o.prefill_first_steps;
+  if (o.defer_wakeups) spec.engine.defer_wakeups = *o.defer_wakeups;
   if (o.tensor_parallel_size) spec.tensor_parallel_size = *o.tensor_parallel_size;
   if (o.expert_parallel) spec.expert_parallel = true;
   if (o.profile_ops && !spec.url.empty())

@@ -58,6 +58,7 @@ struct BenchOptions {
   bool profile_ops = false;  // offline: time every op of each step (eager, ProfilingBackend)
   std::optional<int> lower_class_prefill_tokens;  // overrides the YAML's engine setting
   std::optional<int> prefill_first_steps;         // overrides the YAML's engine setting
+  std::optional<int> defer_wakeups;               // overrides the YAML's engine setting
   std::optional<int> tensor_parallel_size;        // overrides the YAML's
   bool expert_parallel = false;                   // sets the YAML's enable_expert_parallel
   std::string command;                            // the command line, recorded in the JSON

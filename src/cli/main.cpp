@@ -98,6 +98,11 @@ void add_engine_options(CLI::App* app, ds::EngineOptions& e) {
                   "(0 = decodes join every step)")
       ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
+  app->add_option("--defer-wakeups", e.defer_wakeups,
+                  "wake a step's readers after the next step is launched, while the device runs "
+                  "it (-1 = on GPUs, off on the CPU; 0 = off; 1 = on)")
+      ->check(CLI::Range(-1, 1))
+      ->capture_default_str();
 }
 
 void add_sampling_options(CLI::App* app, ds::SamplingParams& s) {
@@ -215,6 +220,10 @@ int main(int argc, char** argv) {
        "--prefill-first-steps", [&bench](int v) { bench.prefill_first_steps = v; },
        "offline: override the YAML's engine.prefill_first_steps (0 = decodes join every step)")
       ->check(CLI::Range(0, 1 << 20));
+  b->add_option_function<int>(
+       "--defer-wakeups", [&bench](int v) { bench.defer_wakeups = v; },
+       "offline: override the YAML's engine.defer_wakeups (-1 = on GPUs, 0 = off, 1 = on)")
+      ->check(CLI::Range(-1, 1));
   b->add_option_function<int>(
        "--tensor-parallel-size,--tp", [&bench](int v) { bench.tensor_parallel_size = v; },
        "offline: override the YAML's tensor_parallel_size")

@@ -173,6 +173,7 @@ Session open_session(const ModelOptions& m, const EngineOptions& e) {
   ec.lower_class_prefill_tokens = e.lower_class_prefill_tokens;
   ec.batch_prefill_tokens = e.batch_prefill_tokens;
   ec.prefill_first_steps = e.prefill_first_steps;
+  ec.defer_wakeups = e.defer_wakeups;
   ec.warmup_tokens = e.warmup_tokens;
   // DEEPSERVE_WARMUP_TOKENS stands in for an unset option (A/B runs of the bench YAMLs).
   if (const char* w = std::getenv("DEEPSERVE_WARMUP_TOKENS"); w && ec.warmup_tokens == -1)

@@ -43,6 +43,7 @@ struct EngineOptions {
   int lower_class_prefill_tokens = 0;  // priority isolation (docs/ARCHITECTURE.md); -1: off
   int batch_prefill_tokens = 512;      // batch-class prefill tokens per step; -1: no cap
   int prefill_first_steps = 8;         // decodes sit out a burst of prompts; 0: never
+  int defer_wakeups = -1;              // EngineConfig::defer_wakeups (-1: device backends)
   std::string kv_dtype;                // "f32", "f16", "bf16", "fp8"; "" = the default
   int64_t warmup_tokens = -1;          // EngineConfig::warmup_tokens
 };

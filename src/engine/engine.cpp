@@ -139,11 +139,12 @@ EngineEvent RequestHandle::wait() {
   }
 }
 
-void RequestHandle::push(EngineEvent ev) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    events_.push_back(std::move(ev));
-  }
+void RequestHandle::enqueue(EngineEvent ev) {
+  std::lock_guard<std::mutex> lock(mu_);
+  events_.push_back(std::move(ev));
+}
+
+void RequestHandle::wake() {
   cv_.notify_one();
   std::lock_guard<std::mutex> lock(listener_mu_);
   if (listener_) listener_();
@@ -177,6 +178,7 @@ Engine::Engine(Model& model, Backend& backend, const Tokenizer* tokenizer, const
     graphs_ = std::make_unique<DecodeGraphs>(backend, model, cache_, gc);
   }
   const bool cpu = backend.device().kind == DeviceKind::CPU;
+  defer_wakeups_ = cfg.defer_wakeups < 0 ? !cpu : cfg.defer_wakeups > 0;
   warm_up(cfg.warmup_tokens >= 0 ? cfg.warmup_tokens : cpu ? 0 : cfg.max_num_batched_tokens);
   thread_ = std::thread([this] { loop(); });
 }
@@ -273,6 +275,7 @@ void Engine::loop() {
   for (;;) {
     std::vector<std::pair<SeqId, std::unique_ptr<Live>>> arrived;
     std::vector<SeqId> cancels;
+    if (!sched_.has_unfinished()) flush_wakeups();  // nothing to launch: wake readers now
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] {
@@ -319,6 +322,20 @@ void Engine::loop() {
     }
   }
   finish_all(FinishReason::Cancelled);
+  flush_wakeups();
+}
+
+void Engine::deliver(const std::shared_ptr<RequestHandle>& h, EngineEvent ev) {
+  h->enqueue(std::move(ev));
+  if (!defer_wakeups_)
+    h->wake();
+  else if (wake_.empty() || wake_.back() != h)  // a stream's events are adjacent
+    wake_.push_back(h);
+}
+
+void Engine::flush_wakeups() {
+  for (const auto& h : wake_) h->wake();
+  wake_.clear();
 }
 
 void Engine::finish_all(FinishReason reason, const std::string& error) {
@@ -356,7 +373,7 @@ void Engine::finish(SeqId id, FinishReason reason, const std::string& error) {
   tm.decode_s = l.t_first >= 0 ? l.t_last - l.t_first : 0;
   tm.computed_prompt_tokens = ev.usage.prompt_tokens - ev.usage.cached_prompt_tokens;
   tm.completion_tokens = l.generated;
-  l.handle->push(std::move(ev));
+  deliver(l.handle, std::move(ev));
   live_.erase(it);
 }
 
@@ -417,7 +434,10 @@ void Engine::step() {
   StepPlan plan = sched_.schedule();
   for (const auto& r : plan.rejected) finish(r.id, FinishReason::Rejected, r.reason);
   for (const auto& f : plan.finished) finish(f.id, f.reason);
-  if (plan.empty()) return;
+  if (plan.empty()) {
+    flush_wakeups();
+    return;
+  }
   copy_blocks(plan.block_copies);
   const double t_step = now_s();
   int64_t prompt_tokens = 0;  // prefill (and recompute) tokens, as opposed to decodes
@@ -444,6 +464,7 @@ void Engine::step() {
     const ForwardInput in = place_inputs(batch);
     model_.forward(in, cache_, logits);
   }
+  if (defer_wakeups_) flush_wakeups();  // the last step's readers, while the device works
 
   std::vector<SampledToken> sampled;
   sampled.reserve(rows);
@@ -562,7 +583,7 @@ void Engine::step() {
       ev.logprob = lps[i].logprob;
       ev.top_logprobs = std::move(lps[i].top);
     }
-    l.handle->push(std::move(ev));
+    deliver(l.handle, std::move(ev));
     if (d.finished)
       finish(st.id, FinishReason::Stop);
     else if (l.generated >= l.req.max_tokens)

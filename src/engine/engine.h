@@ -39,6 +39,14 @@ struct EngineConfig {
   // Contexts up to this many tokens use graphs (every captured launch is sized for it, so a
   // larger value costs empty work in each replay); longer ones run eagerly.
   int64_t graph_max_context = 4096;
+  // Readers are woken (condition variable, listener) for a step's events after the next
+  // step's forward is launched, while the device runs it, instead of between the two steps:
+  // at 256 streams one wakeup per stream is a syscall each, about half of the engine's host
+  // time between decode steps (bench/host-overhead-cpu.yaml, perf). Events are queued at once;
+  // the wakeups follow at the next launch, or when the engine has nothing to launch.
+  // -1: on for device backends (the CPU computes in the launch, so it would only delay
+  // delivery); 0: off; 1: on.
+  int defer_wakeups = -1;
   // Before serving, one prefill step of this many random prompt tokens (in up to
   // max_num_seqs sequences of ~1,024; at most max_num_batched_tokens and what the cache holds)
   // runs through the model, so the first real batch does not pay one-time costs (library
@@ -114,7 +122,8 @@ class RequestHandle {
 
  private:
   friend class Engine;
-  void push(EngineEvent ev);
+  void enqueue(EngineEvent ev);  // queued, reader not woken yet
+  void wake();                   // wakes a blocked reader and runs the listener
   std::optional<EngineEvent> pop_locked();
 
   SeqId id_;
@@ -202,7 +211,13 @@ class Engine {
   static constexpr double kExpertLoadPeriodS = 0.25;
   double expert_load_read_s_ = -1e9;  // when the model's expert counters were last read
   bool expert_load_stale_ = false;    // steps ran since then
-  double t_results_ = -1;  // when the last step's results reached the host; -1: none pending
+  double t_results_ = -1;       // when the last step's results reached the host; -1: none pending
+  bool defer_wakeups_ = false;  // EngineConfig::defer_wakeups resolved
+  std::vector<std::shared_ptr<RequestHandle>> wake_;  // handles with events not yet woken for
+  // Queues `ev` on `h` and wakes its reader, or with deferred wakeups notes `h` for the next
+  // flush_wakeups().
+  void deliver(const std::shared_ptr<RequestHandle>& h, EngineEvent ev);
+  void flush_wakeups();
 
   mutable std::mutex mu_;  // guards the inbox, cancels, stats_, held_ and stop_
   std::condition_variable cv_;

@@ -50,6 +50,7 @@ engine:
   max_num_batched_tokens: 4096
   lower_class_prefill_tokens: -1
   prefill_first_steps: 3
+  defer_wakeups: 0
 batch_sizes: [1, 4, 16]
 seq_lengths: [512, 2048]
 output_len: 64
@@ -87,6 +88,7 @@ vocab_size: 1000
   EXPECT_EQ(s.engine.max_num_batched_tokens, 4096);
   EXPECT_EQ(s.engine.lower_class_prefill_tokens, -1);
   EXPECT_EQ(s.engine.prefill_first_steps, 3);
+  EXPECT_EQ(s.engine.defer_wakeups, 0);
   EXPECT_EQ(s.concurrency, (std::vector<int>{1, 4, 16}));
   EXPECT_EQ(s.input_len, (std::vector<int>{512, 2048}));
   EXPECT_EQ(s.output_len, (std::vector<int>{64}));

@@ -304,36 +304,87 @@ TEST(Engine, IdsPastTheTokenizerAreOutputsWithoutText) {
 // The event-driven reading the HTTP server does: a listener wakes the reader, which takes
 // events with try_next() and never blocks; no event is missed, even ones queued before the
 // listener was set.
+// Both ways of waking readers: at once (the CPU default) and deferred to the next launch or
+// idle (EngineConfig::defer_wakeups, the device default).
 TEST(Engine, ListenerWakesANonBlockingReader) {
   NEED_MODEL();
-  Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), EngineConfig{});
-  EngineRequest r;
-  r.prompt = f->prompts[0];
-  r.max_tokens = 6;
-  r.ignore_eos = true;
-  auto h = engine.submit(r);
-  std::mutex mu;
-  std::condition_variable cv;
-  int wakeups = 0;
-  h->set_listener([&] {
-    std::lock_guard<std::mutex> lock(mu);
-    ++wakeups;
-    cv.notify_all();
-  });
-  std::vector<EngineEvent> got;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while ((got.empty() || !got.back().final) && std::chrono::steady_clock::now() < deadline) {
-    {
-      std::unique_lock<std::mutex> lock(mu);
-      cv.wait_until(lock, deadline, [&] { return wakeups > 0; });
-      wakeups = 0;
+  for (int defer : {0, 1}) {
+    SCOPED_TRACE("defer_wakeups " + std::to_string(defer));
+    EngineConfig cfg;
+    cfg.defer_wakeups = defer;
+    Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), cfg);
+    EngineRequest r;
+    r.prompt = f->prompts[0];
+    r.max_tokens = 6;
+    r.ignore_eos = true;
+    auto h = engine.submit(r);
+    std::mutex mu;
+    std::condition_variable cv;
+    int wakeups = 0;
+    h->set_listener([&] {
+      std::lock_guard<std::mutex> lock(mu);
+      ++wakeups;
+      cv.notify_all();
+    });
+    std::vector<EngineEvent> got;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while ((got.empty() || !got.back().final) && std::chrono::steady_clock::now() < deadline) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait_until(lock, deadline, [&] { return wakeups > 0; });
+        wakeups = 0;
+      }
+      while (auto ev = h->try_next()) got.push_back(std::move(*ev));
     }
-    while (auto ev = h->try_next()) got.push_back(std::move(*ev));
+    ASSERT_EQ(got.size(), 7u);  // six tokens, then the final event
+    EXPECT_EQ(got.back().finish_reason, "length");
+    EXPECT_FALSE(h->try_next().has_value());
+    h->set_listener(nullptr);
   }
-  ASSERT_EQ(got.size(), 7u);  // six tokens, then the final event
-  EXPECT_EQ(got.back().finish_reason, "length");
-  EXPECT_FALSE(h->try_next().has_value());
-  h->set_listener(nullptr);
+}
+
+// Deferred wakeups (the device default) forced on the CPU: concurrent streams of different
+// lengths, one cancelled midway, all get every token and their final event, the same tokens
+// as with wakeups at once.
+TEST(Engine, DeferredWakeupsDeliverEveryEvent) {
+  NEED_MODEL();
+  auto run = [&](int defer) {
+    EngineConfig cfg;
+    cfg.defer_wakeups = defer;
+    Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), cfg);
+    std::vector<std::shared_ptr<RequestHandle>> hs;
+    engine.hold_admission(true);
+    for (int i = 0; i < 8; ++i) {
+      EngineRequest r = test::greedy_request(f->prompts[size_t(i)], 4 + 3 * i);
+      hs.push_back(engine.submit(r));
+    }
+    engine.hold_admission(false);
+    std::vector<std::vector<int32_t>> toks(hs.size());
+    std::vector<std::string> reasons(hs.size());
+    for (size_t i = 0; i < hs.size(); ++i) {
+      for (;;) {
+        auto ev = hs[i]->next();
+        if (!ev) break;
+        if (ev->final) {
+          reasons[i] = ev->finish_reason;
+          break;
+        }
+        toks[i].push_back(ev->token);
+        if (i == 7 && toks[i].size() == 5) engine.cancel(hs[i]->id());
+      }
+    }
+    return std::pair(toks, reasons);
+  };
+  const auto [at_once, at_once_reasons] = run(0);
+  const auto [deferred, deferred_reasons] = run(1);
+  for (size_t i = 0; i < 7; ++i) {
+    EXPECT_EQ(deferred[i], at_once[i]) << i;
+    EXPECT_EQ(deferred[i].size(), 4 + 3 * i) << i;
+    EXPECT_EQ(deferred_reasons[i], "length") << i;
+  }
+  EXPECT_EQ(deferred_reasons[7], "cancelled");
+  EXPECT_GE(deferred[7].size(), 5u);
+  EXPECT_LT(deferred[7].size(), 4 + 3 * 7u);
 }
 
 // Priority isolation (SchedulerConfig::lower_class_prefill_tokens): while batch requests keep
