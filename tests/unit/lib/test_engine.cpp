@@ -313,11 +313,7 @@ TEST(Engine, ListenerWakesANonBlockingReader) {
     EngineConfig cfg;
     cfg.defer_wakeups = defer;
     Engine engine(*f->m.model, *f->backend, f->m.tokenizer.get(), cfg);
-    EngineRequest r;
-    r.prompt = f->prompts[0];
-    r.max_tokens = 6;
-    r.ignore_eos = true;
-    auto h = engine.submit(r);
+    auto h = engine.submit(test::greedy_request(f->prompts[0], 6));
     std::mutex mu;
     std::condition_variable cv;
     int wakeups = 0;
