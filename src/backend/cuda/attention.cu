@@ -55,23 +55,6 @@ int mma_bytes(const kern::AttnParams& a) {
   return kern::mma_layout(a.dim, a.dvc, a.cache_type != kern::kCacheBF16, a.v != nullptr).bytes;
 }
 
-// Raises a kernel's dynamic shared-memory limit once per device rather than on every launch,
-// so a step captured into a CUDA graph after a warm-up run holds nothing but launches.
-template <auto kKernel>
-void allow_smem(int bytes) {
-  static std::array<std::atomic<int>, 64> allowed{};
-  int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  std::atomic<int>* a = dev < int(allowed.size()) ? &allowed[size_t(dev)] : nullptr;
-  if (a && a->load() >= bytes) return;
-  check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-             "cudaFuncSetAttribute");
-  if (!a) return;
-  int cur = a->load();
-  while (cur < bytes && !a->compare_exchange_weak(cur, bytes)) {
-  }
-}
-
 template <auto kKernel>
 void launch(const Context& ctx, const kern::AttnParams& a, const WorkPlan& w, int threads,
             int smem_bytes) {

@@ -343,26 +343,22 @@ int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
 }
 
 void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp) {
-  // Every kernel's limit is raised at the first launch (eager: graphs capture later).
-  static std::atomic<uint64_t> smem_set{0};
-  raise_smem_limit_once(smem_set,
-                        {reinterpret_cast<const void*>(mla_decode_kernel<false, true>),
-                         reinterpret_cast<const void*>(mla_decode_kernel<true, true>),
-                         reinterpret_cast<const void*>(mla_decode_kernel<false, false>),
-                         reinterpret_cast<const void*>(mla_decode_kernel<true, false>)},
-                        kSmemBytes);
   if (launch_regq(a, stream, bf16_qp)) return;
   const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
                   unsigned((a.heads + kRows - 1) / kRows));
   const bool fp8 = a.cache_type == kern::kCacheFP8;
+  auto go = [&]<bool kFp8, bool kLo>() {
+    allow_smem<mla_decode_kernel<kFp8, kLo>>(kSmemBytes);
+    pdl::launch(mla_decode_kernel<kFp8, kLo>, grid, kThreads, kSmemBytes, stream, a);
+  };
   if (fp8 && !bf16_qp)
-    pdl::launch(mla_decode_kernel<true, true>, grid, kThreads, kSmemBytes, stream, a);
+    go.template operator()<true, true>();
   else if (!bf16_qp)
-    pdl::launch(mla_decode_kernel<false, true>, grid, kThreads, kSmemBytes, stream, a);
+    go.template operator()<false, true>();
   else if (fp8)
-    pdl::launch(mla_decode_kernel<true, false>, grid, kThreads, kSmemBytes, stream, a);
+    go.template operator()<true, false>();
   else
-    pdl::launch(mla_decode_kernel<false, false>, grid, kThreads, kSmemBytes, stream, a);
+    go.template operator()<false, false>();
   check_cuda(cudaGetLastError(), "mla decode kernel");
 }
 

@@ -278,20 +278,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
 }  // namespace
 
 bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp) {
-  static std::atomic<uint64_t> smem_set{0};  // raised at the first MLA decode launch, used or not
-  raise_smem_limit_once(smem_set,
-                        {reinterpret_cast<const void*>(mla_decode_regq_kernel<true>),
-                         reinterpret_cast<const void*>(mla_decode_regq_kernel<false>)},
-                        regq::kSmemBytes);
   if (a.cache_type == kern::kCacheFP8 || a.dim != regq::kDim || a.q_dims != kR ||
       !g_mla_decode_regq.on())
     return false;
   const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
                   unsigned((a.heads + kRows - 1) / kRows));
+  auto go = [&]<bool kLo>() {
+    allow_smem<mla_decode_regq_kernel<kLo>>(regq::kSmemBytes);
+    pdl::launch(mla_decode_regq_kernel<kLo>, grid, kThreads, regq::kSmemBytes, stream, a);
+  };
   if (bf16_qp)
-    pdl::launch(mla_decode_regq_kernel<false>, grid, kThreads, regq::kSmemBytes, stream, a);
+    go.template operator()<false>();
   else
-    pdl::launch(mla_decode_regq_kernel<true>, grid, kThreads, regq::kSmemBytes, stream, a);
+    go.template operator()<true>();
   check_cuda(cudaGetLastError(), "mla decode kernel");
   return true;
 }

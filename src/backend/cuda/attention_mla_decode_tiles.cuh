@@ -5,10 +5,8 @@
 
 #include <cuda_bf16.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 
 #include "backend/cuda/attention_mla_decode.cuh"
 #include "backend/cuda/mma_ptx.cuh"
@@ -94,20 +92,6 @@ __device__ __forceinline__ void store_rows(const kern::AttnParams& p, const Spli
       p.part_ml[prow * 2 + 1] = l[h];
     }
   }
-}
-
-// Raises the kernels' dynamic shared-memory limit to `bytes`, once per device (before the first
-// launch, outside any graph capture).
-inline void raise_smem_limit_once(std::atomic<uint64_t>& done,
-                                  std::initializer_list<const void*> kernels, int bytes) {
-  int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  const uint64_t bit = uint64_t(1) << (dev & 63);
-  if (done.load() & bit) return;
-  for (const void* kernel : kernels)
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-               "mla decode smem limit");
-  done.fetch_or(bit);
 }
 
 // The register-Q kernel (attention_mla_decode_regq.cu) for `a` if it takes it (BF16 cache, 64

@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -16,6 +18,23 @@ namespace ds::cuda {
 
 inline void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw Error(std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Raises a kernel's dynamic shared-memory limit once per device rather than on every launch,
+// so a step captured into a CUDA graph after a warm-up run holds nothing but launches.
+template <auto kKernel>
+void allow_smem(int bytes) {
+  static std::array<std::atomic<int>, 64> allowed{};
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  std::atomic<int>* a = dev < int(allowed.size()) ? &allowed[size_t(dev)] : nullptr;
+  if (a && a->load() >= bytes) return;
+  check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+             "cudaFuncSetAttribute");
+  if (!a) return;
+  int cur = a->load();
+  while (cur < bytes && !a->compare_exchange_weak(cur, bytes)) {
+  }
 }
 
 // Input errors a kernel cannot throw: it sets the flag word (plain stores of the same value, so
