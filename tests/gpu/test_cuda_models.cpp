@@ -232,29 +232,43 @@ TEST_P(CudaModels, MixedStepMatchesSeparateSteps) {
   EXPECT_LE(worst, tol);
 }
 
-// Programmatic dependent launch lets each kernel be scheduled while the one before it drains;
-// every kernel waits for its predecessor before touching memory, so no bit may change: prefill
-// logits and the greedy tokens of a batched, graph-replayed decode, with the attribute off and on.
-TEST_P(CudaModels, DependentLaunchChangesNothing) {
-  OnGpu g = load_on_gpu(hf_root() / GetParam());
+// Runs the fixture with `sw` forced off, then on: prefill logits and the greedy tokens of a
+// batched, graph-replayed decode must not change by a bit.
+void expect_switch_changes_nothing(OnGpu& g, const std::vector<Prompt>& prompts,
+                                   cuda::EnvSwitch& sw) {
   std::vector<std::vector<int32_t>> ps;
   for (int rep = 0; rep < 2; ++rep)
-    for (const auto& p : prompts_) ps.push_back(p.ids);
+    for (const auto& p : prompts) ps.push_back(p.ids);
   struct Restore {
-    ~Restore() { cuda::g_pdl.force(-1); }
-  } restore;
+    cuda::EnvSwitch& sw;
+    ~Restore() { sw.force(-1); }
+  } restore{sw};
   std::vector<float> logits[2];
   std::vector<std::vector<int32_t>> tokens[2];
   for (int on = 0; on < 2; ++on) {
-    cuda::g_pdl.force(on);
-    logits[on] = gpu_prefill(g, prompts_[0].ids);
+    sw.force(on);
+    logits[on] = gpu_prefill(g, prompts[0].ids);
     tokens[on] = gpu_greedy(g, ps, 24, true);
   }
   ASSERT_EQ(logits[0].size(), logits[1].size());
   size_t differ = 0;
   for (size_t i = 0; i < logits[0].size(); ++i) differ += logits[0][i] != logits[1][i];
-  EXPECT_EQ(differ, 0u) << "prefill logits that differ with dependent launch";
+  EXPECT_EQ(differ, 0u) << "prefill logits that differ with the switch on";
   for (size_t i = 0; i < ps.size(); ++i) EXPECT_EQ(tokens[0][i], tokens[1][i]) << "request " << i;
+}
+
+// Programmatic dependent launch lets each kernel be scheduled while the one before it drains;
+// every kernel waits for its predecessor before touching memory, so no bit may change.
+TEST_P(CudaModels, DependentLaunchChangesNothing) {
+  OnGpu g = load_on_gpu(hf_root() / GetParam());
+  expect_switch_changes_nothing(g, prompts_, cuda::g_pdl);
+}
+
+// Weight prefetch (pdl::prefetch_l2) only asks L2 for weights before a kernel's wait, and the
+// MoE down kernels read the token lists there: no bit may change.
+TEST_P(CudaModels, WeightPrefetchChangesNothing) {
+  OnGpu g = load_on_gpu(hf_root() / GetParam());
+  expect_switch_changes_nothing(g, prompts_, cuda::g_prefetch);
 }
 
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaModels);

@@ -524,5 +524,39 @@ TEST(CudaMoeFfn, ExpertTableFollowsChangedPointers) {
   check_all_paths(*ex, *c, false);
 }
 
+// Weight prefetch (pdl.cuh) asks L2 for the experts early, and the down kernels read the token
+// lists before their wait: every path must give the same bits with it off and on. Two calls run
+// back to back without a sync, with different routing, so a down kernel that read the lists of
+// the call before (not this call's) would show.
+TEST(CudaMoeFfn, WeightPrefetchChangesNothing) {
+  DS_REQUIRE_GPU();
+  Backend& g = test::cuda_backend();
+  const auto ex = make_experts(16, 2048, 1408, DType::BF16, 17);
+  struct Restore {
+    ~Restore() { cuda::g_prefetch.force(-1); }
+  } restore;
+  DirectCuda d;
+  for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped,
+                                cuda::MoeFfnPath::Streamed, cuda::MoeFfnPath::Wide}) {
+    for (int T : {1, 5, 40}) {
+      SCOPED_TRACE(std::string(path_name(path)) + " T " + std::to_string(T));
+      auto a = make_case(*ex, T, 4, false, uint64_t(400 + T), 0, 2);
+      auto b = make_case(*ex, T, 4, true, uint64_t(500 + T), 0, 2);
+      std::vector<float> out[2][2];
+      for (int on = 0; on < 2; ++on) {
+        cuda::g_prefetch.force(on);
+        g.synchronize();
+        d.ffn(a->gpu, path);
+        d.ffn(b->gpu, path);
+        out[on][0] = test::download_floats(g, a->out.gpu);
+        out[on][1] = test::download_floats(g, b->out.gpu);
+      }
+      EXPECT_EQ(out[1][0], out[0][0]) << "first call";
+      EXPECT_EQ(out[1][1], out[0][1]) << "second call";
+      EXPECT_NE(out[0][0], out[0][1]) << "the two routings should differ";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ds

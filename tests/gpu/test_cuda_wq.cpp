@@ -554,5 +554,51 @@ TEST(CudaWq, MoeFfnIsBatchInvariant) {
   }
 }
 
+// Weight prefetch (pdl.cuh): the dense kernels ask L2 for their rows before the wait, the MoE
+// lists kernel for the experts' gate / up heads, the down kernel reads the lists early. The
+// same bits with it off and on, dense (M = 1, 8) and MoE (T = 1, 8, 40), both formats.
+TEST(CudaWq, WeightPrefetchChangesNothing) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  const test::Forced kernels_only(cuda::g_wq_dequant, 0);
+  struct Restore {
+    ~Restore() { cuda::g_prefetch.force(-1); }
+  } restore;
+  const int E = 12, k = 6, shared = 2;
+  const int64_t H = 1024, F = 768, N = 1000, K = 2048;
+  for (DType t : {DType::W4A16, DType::FP8W}) {
+    SCOPED_TRACE(fmt_name(t));
+    const test::QWeight q = test::make_qweight(be, t, N, K, 91, false);
+    const auto x = test::random_floats(size_t(8 * K), 92);
+    auto xd = be.alloc(size_t(8 * K) * 4), od = be.alloc(size_t(8 * N) * 4);
+    be.upload(test::make_view(xd->data(), DType::F32, {8 * K}, be.device()), x.data(),
+              x.size() * 4);
+    be.synchronize();
+    for (const int64_t M : {1, 8}) {
+      const TensorView xv = test::make_view(xd->data(), DType::F32, {M, K}, be.device());
+      const TensorView ov = test::make_view(od->data(), DType::F32, {M, N}, be.device());
+      std::vector<float> got[2];
+      for (int on = 0; on < 2; ++on) {
+        cuda::g_prefetch.force(on);
+        got[on] = wq_direct(xv, q.dev, ov);
+      }
+      EXPECT_EQ(got[1], got[0]) << "dense, M " << M;
+    }
+    const QExperts qe = make_experts(t, E, H, F);
+    for (const int64_t T : {1, 8, 40}) {
+      std::vector<int32_t> ids;
+      std::vector<float> wts;
+      spread_routing(T, k, E - shared, ids, wts);
+      const auto xm = test::random_floats(size_t(T * H), uint32_t(93 + T));
+      std::vector<float> got[2];
+      for (int on = 0; on < 2; ++on) {
+        cuda::g_prefetch.force(on);
+        got[on] = moe_test::run_moe_ffn(be, xm, ids, wts, qe.dev, shared, T, H, k);
+      }
+      EXPECT_EQ(got[1], got[0]) << "MoE, T " << T;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ds

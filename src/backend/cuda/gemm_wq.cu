@@ -35,6 +35,7 @@ struct DenseArgs {
   int64_t ldo = 0;
   int groups_per_split = 0;
   int splits = 1;
+  bool prefetch = false;  // ask L2 for the tile's weight rows before the wait (pdl::prefetch_l2)
 };
 
 // Tokens per CTA for a step of m tokens (rows of x, or the most one expert can get): decode
@@ -105,9 +106,16 @@ __device__ void reduce_in_cluster(const DenseArgs& a, const float (&acc)[kRM][BT
 // splits are clusters (reduce_in_cluster); else each split writes a.part for reduce_kernel.
 template <WqFormat F, int BT, bool XF, bool CL>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) dense_kernel(DenseArgs a) {
+  const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * BT;
+  if (a.prefetch && blockIdx.y == 0 && threadIdx.x == 0) {
+    // The tile's (packed) rows, shared out among its splits: split z asks for its part of the
+    // rows whole, whatever groups it reads itself.
+    const int64_t rows = min(int64_t(kBN), a.n - n0), z = blockIdx.z, S = gridDim.z;
+    const int64_t r0 = z * rows / S, r1 = (z + 1) * rows / S;
+    pdl::prefetch_l2(a.w + (n0 + r0) * a.w_stride, (r1 - r0) * a.w_stride);
+  }
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
-  const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * BT;
   const int G = int((a.k + kGroup - 1) / kGroup);
   CtaJob jb;
   jb.w0 = a.w + n0 * a.w_stride;
@@ -290,6 +298,7 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
     a.xb = xb;
   }
   a.part = part_bytes > 0 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
+  a.prefetch = pdl::prefetch();
   a.out = out.ptr<float>();
   a.ldo = M > 1 ? out.row_stride() / 4 : N;
   if (f == WqFormat::W4A16)
@@ -308,16 +317,6 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
 // ---- MoE experts -----------------------------------------------------------------------------
 namespace moe {
 namespace {
-
-struct Tile {
-  int e, begin, rows;  // e < 0: no tile in this slot
-};
-__device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
-  if (slot >= *l.n_tiles) return {-1, 0, 0};
-  const int e = l.tile_expert[slot];
-  const int begin = l.tile_begin[slot];
-  return {e, begin, min(kTileM, l.offsets[e + 1] - begin)};
-}
 
 // The CtaJob of a tile's tokens (rows of x, K wide) against `rows` weight rows at w0 (and w1,
 // gate/up), over all of K's groups.
@@ -351,7 +350,7 @@ template <WqFormat F, int BT, bool XI>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) gate_up_kernel(GroupedFfnArgs a) {
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
-  const Tile tl = tile_of(a.lists, blockIdx.y);
+  const Tile tl = tile_of<kTileM>(a.lists, blockIdx.y);
   if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
   const int H = a.hidden, Fi = a.inter, f0 = blockIdx.x * (kBN / 2);
@@ -384,12 +383,22 @@ __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) gate_up_kernel(G
 // Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p.
 template <WqFormat F, int BT>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) down_kernel(GroupedFfnArgs a) {
+  const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
+  Tile tl{-1, 0, 0};
+  if (a.prefetch) {  // FfnProblem::prefetch: the lists before the wait, then the tile's rows
+    tl = tile_of<kTileM, true>(a.lists, blockIdx.y);
+    if (tl.e >= 0 && threadIdx.x == 0) {
+      const ExpertPtrs ex = a.experts[tl.e];  // the expert table is constant
+      const int64_t ld = ld_bytes<F>(ex.down_ld);
+      pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + n0 * ld,
+                       (min(kBN, H - n0) - 1) * ld + 16);
+    }
+  }
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
-  const Tile tl = tile_of(a.lists, blockIdx.y);
+  if (!a.prefetch) tl = tile_of<kTileM>(a.lists, blockIdx.y);
   if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
-  const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
   const int64_t down_ld = ld_bytes<F>(ex.down_ld);
   const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
                              nullptr, down_ld, min(kBN, H - n0), a.h, Fi);

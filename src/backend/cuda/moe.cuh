@@ -130,12 +130,25 @@ constexpr int kSmallTileM = 32;
 constexpr int64_t kSmallTileMaxTokens = 256;
 int64_t max_tiles(int64_t assignments, int num_experts, int tile_rows = kTileM);
 
+// What the token-list kernel asks L2 for once it knows the step's experts: the first bytes of
+// every active expert's gate and up matrices, `budget` bytes over all of them, so the gate/up
+// kernel after it starts on lines already on their way (pdl::prefetch_l2). experts null: none.
+struct ListPrefetch {
+  const ExpertPtrs* experts = nullptr;  // device [E]
+  int ld_bytes = 0;                     // bytes per unit of gate_ld / up_ld
+  int rows = 0;                         // F: rows of gate and of up
+  int64_t budget = 0;
+};
+// The budget the experts' kernels get: a third of the H200's 50 MB L2, a few microseconds of
+// its memory bandwidth.
+constexpr int64_t kListPrefetchBytes = 16 << 20;
+
 // Builds the lists from ids [T, top_k] and `shared` always-on experts (the last ones of
 // num_experts) in one CTA; deterministic (no order races). Routed id e is local expert
 // e - expert_base (expert parallelism); ids outside the local range are skipped.
 void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int shared,
                         int num_experts, const TokenLists& lists, cudaStream_t stream,
-                        int expert_base = 0);
+                        int expert_base = 0, const ListPrefetch& prefetch = {});
 
 // out[t, :] = sum_{j < top_k, ascending} weights[t, j] * y[pos[t * slots + j], :], then
 // + y[pos[t * slots + j], :] for the shared slots j in [top_k, slots).
@@ -157,7 +170,36 @@ struct FfnProblem {
   int hidden = 0;
   int inter = 0;  // F
   TokenLists lists;
+  // Down kernels read the lists (written two launches back) before their wait and ask L2 for
+  // their weight rows (pdl::prefetch_l2); off: both after the wait.
+  bool prefetch = false;
 };
+
+#if defined(__CUDACC__)  // device helpers of the moe*.cu kernels
+// Reads an int of the token lists; L2: through L2 only (ld.global.cg), for a read made before
+// the grid's wait, of lists that a kernel two launches back wrote (the one between waited for
+// it, and this grid was launched only after all of that one's CTAs had), so no stale L1 line.
+template <bool L2>
+__device__ __forceinline__ int list_int(const int* p) {
+  if constexpr (L2)
+    return __ldcg(p);
+  else
+    return *p;
+}
+
+// A tile of the lists' tile table: expert, first sorted position, valid rows (<= TM); e < 0 for
+// slots past the table.
+struct Tile {
+  int e, begin, rows;
+};
+template <int TM, bool L2 = false>
+__device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
+  if (slot >= list_int<L2>(l.n_tiles)) return {-1, 0, 0};
+  const int e = list_int<L2>(l.tile_expert + slot);
+  const int begin = list_int<L2>(l.tile_begin + slot);
+  return {e, begin, min(TM, list_int<L2>(l.offsets + e + 1) - begin)};
+}
+#endif
 
 struct DecodeFfnArgs : FfnProblem {
   const ExpertPtrs* experts = nullptr;  // device [E]

@@ -129,11 +129,12 @@ __device__ __forceinline__ void prefetch_l2(const uint8_t* const (&rows)[kRows],
 struct ActiveExpert {
   int e, begin, count;
 };
+template <bool L2 = false>
 __device__ __forceinline__ ActiveExpert active_expert(const DecodeFfnArgs& a, int slot) {
-  if (slot >= *a.lists.n_active) return {-1, 0, 0};
-  const int e = a.lists.active[slot];
-  const int begin = a.lists.offsets[e];
-  return {e, begin, a.lists.offsets[e + 1] - begin};
+  if (slot >= list_int<L2>(a.lists.n_active)) return {-1, 0, 0};
+  const int e = list_int<L2>(a.lists.active + slot);
+  const int begin = list_int<L2>(a.lists.offsets + e);
+  return {e, begin, list_int<L2>(a.lists.offsets + e + 1) - begin};
 }
 
 __device__ __forceinline__ float silu(float g) {
@@ -202,23 +203,33 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
 // Grid (ceil(hidden / rows_per_cta), min(E, N)); a warp's unit is kRows hidden rows of down.
 template <WeightKind K, int TC>
 __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int units_per_cta) {
-  pdl::enter();
   constexpr int V = wstream::kChunkElems<K>;
+  const int esize = wstream::elem_bytes(K);
+  const int F = a.inter;
+  const int H = a.hidden;
+  const int r_tile = blockIdx.x * units_per_cta * kRows;
+  ActiveExpert act{-1, 0, 0};
+  if (a.prefetch) {  // FfnProblem::prefetch: the lists before the wait, then the CTA's rows
+    act = active_expert<true>(a, blockIdx.y);
+    if (act.e >= 0 && threadIdx.x == 0 && r_tile < H) {
+      const ExpertPtrs ex = a.experts[act.e];  // the expert table is constant
+      const int rows = min(units_per_cta * kRows, H - r_tile);
+      pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + r_tile * ex.down_ld * esize,
+                       ((rows - 1) * ex.down_ld + F) * esize);
+    }
+  }
+  pdl::enter();
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
-  const ActiveExpert act = active_expert(a, blockIdx.y);
+  if (!a.prefetch) act = active_expert(a, blockIdx.y);
   if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];
-  const int esize = wstream::elem_bytes(K);
   const int64_t down_ld = ex.down_ld * esize;
   const uint8_t* down = static_cast<const uint8_t*>(ex.down);
-  const int F = a.inter;
-  const int H = a.hidden;
   const int chunks = F / V;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int r_tile = blockIdx.x * units_per_cta * kRows;
   // Weight rows of unit u: down rows r0.. (the last row repeated past H).
   auto unit_rows = [&](int r0, const uint8_t*(&rows)[kRows]) {
 #pragma unroll

@@ -86,17 +86,6 @@ __device__ __forceinline__ void load_a_frags(uint32_t (&af)[MI][4], uint32_t s, 
   for (int i = 0; i < MI; ++i) ptx::ldmatrix_x4(af[i], a_frag_addr(s, (wm * MI + i) * 16, kk));
 }
 
-struct Tile {
-  int e, begin, rows;  // expert, first sorted position, valid rows (<= TM); e < 0: none
-};
-template <int TM>
-__device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
-  if (slot >= *l.n_tiles) return {-1, 0, 0};
-  const int e = l.tile_expert[slot];
-  const int begin = l.tile_begin[slot];
-  return {e, begin, min(TM, l.offsets[e + 1] - begin)};
-}
-
 // Tile shapes: TM rows per CTA (each warp TM / 2 rows: TM / 32 blocks of 16), Stages.
 template <int TM, int Stages>
 struct Shape {
@@ -184,15 +173,24 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(GroupedFfnArgs a) {
 // wn*64..
 template <int TM, int Stages>
 __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
-  pdl::enter();
   constexpr int BN = 128, MI = TM / 32;
-  extern __shared__ __align__(128) uint8_t smem[];
-  const Tile t = tile_of<TM>(a.lists, blockIdx.y);
-  if (t.e < 0) return;
-  const ExpertPtrs ex = a.experts[t.e];
   const int H = a.hidden, F = a.inter;
   const int n0 = blockIdx.x * BN;
   const int valid_n = min(BN, H - n0);
+  Tile t{-1, 0, 0};
+  if (a.prefetch) {  // FfnProblem::prefetch: the lists before the wait, then the tile's rows
+    t = tile_of<TM, true>(a.lists, blockIdx.y);
+    if (t.e >= 0 && threadIdx.x == 0) {
+      const ExpertPtrs ex = a.experts[t.e];  // the expert table is constant
+      pdl::prefetch_l2(static_cast<const __nv_bfloat16*>(ex.down) + int64_t(n0) * ex.down_ld,
+                       ((valid_n - 1) * ex.down_ld + F) * 2);
+    }
+  }
+  pdl::enter();
+  extern __shared__ __align__(128) uint8_t smem[];
+  if (!a.prefetch) t = tile_of<TM>(a.lists, blockIdx.y);
+  if (t.e < 0) return;
+  const ExpertPtrs ex = a.experts[t.e];
   const auto* ha = static_cast<const __nv_bfloat16*>(a.h) + int64_t(t.begin) * F;
   const auto* down = static_cast<const __nv_bfloat16*>(ex.down) + int64_t(n0) * ex.down_ld;
   constexpr uint32_t kA = TM * kBK * 2, kB = BN * kBK * 2, kStage = kA + kB;

@@ -13,6 +13,10 @@ bool enabled() {
   return g_pdl.on() && hopper();
 }
 
+bool prefetch() {
+  return g_prefetch.on() && hopper();
+}
+
 bool hopper() {
   // Per device: 0 unknown, 1 no (before sm_90), 2 yes. Launches are frequent, the query is not.
   static std::array<std::atomic<int>, 64> known{};

@@ -13,6 +13,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include <utility>
 
 #include "backend/cuda/common.cuh"
@@ -24,6 +26,30 @@ __device__ __forceinline__ void enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Asks L2 for the bytes [p, p + bytes), widened to 16-byte bounds, without waiting for them
+// (cp.async.bulk.prefetch, sm_90; nothing below it). A kernel calls it before enter() for its
+// weights, which no kernel of a forward writes: the fetch then overlaps the tail of the kernel
+// ahead, when the memory system would otherwise idle, and the loads after the wait find the
+// lines in L2. A hint only: it returns nothing and changes no result. L2 is the point of
+// coherence, so even a line the kernel ahead is still writing is read correctly later. The
+// range must lie inside one allocation (allocations are 256-byte aligned, so widening to 16
+// bytes stays inside).
+__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr uint64_t kPiece = 1u << 16;  // bytes per bulk prefetch
+  const uint64_t from = uint64_t(__cvta_generic_to_global(p));
+  uint64_t a = from & ~uint64_t(15);
+  const uint64_t end = bytes > 0 ? (from + uint64_t(bytes) + 15) & ~uint64_t(15) : a;
+  for (; a < end; a += kPiece) {
+    const uint32_t n = uint32_t(end - a < kPiece ? end - a : kPiece);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(n));
+  }
+#else
+  (void)p;
+  (void)bytes;
 #endif
 }
 

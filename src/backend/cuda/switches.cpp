@@ -36,6 +36,9 @@ void EnvCount::force(long long value) {
 }
 
 EnvSwitch g_pdl{"DEEPSERVE_PDL", "0", true};
+// Weight-streaming kernels ask L2 for their weights before they wait on the kernel ahead of
+// them (pdl.cuh, prefetch_l2); off: they fetch only after the wait. The same bits either way.
+EnvSwitch g_prefetch{"DEEPSERVE_PREFETCH", "0", true};
 EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "0", true};
 EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16", false};
 EnvSwitch g_mla_decode_regq{"DEEPSERVE_MLA_DECODE_REGQ", "0", true};
