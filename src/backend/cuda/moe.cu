@@ -326,18 +326,10 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));
   layout(base, n, int(E), H, F, path, tile_rows, quant, s);
 
-  // Weight prefetch (pdl::prefetch_l2) for the kernels that stream experts: the lists kernel
-  // asks for the heads of the active experts' gate and up, the down kernels for their rows.
+  // Down kernels read the lists early and ask L2 for their weight rows (FfnProblem::prefetch).
   const bool prefetch = pdl::prefetch() && !prefill && !is_gguf_block_type(table.dtype);
-  moe::ListPrefetch pf;
-  if (prefetch) {
-    pf.experts = table.device;
-    pf.ld_bytes = quant ? 1 : int(dtype_info(table.dtype).type_size);  // packed: ld in bytes
-    pf.rows = F;
-    pf.budget = moe::kListPrefetchBytes;
-  }
-  moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream, p.expert_base,
-                          pf);
+  moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream,
+                          p.expert_base);
   moe::FfnProblem problem;
   problem.x = p.x.ptr<float>();
   problem.x_stride = p.x.row_stride() / 4;

@@ -130,25 +130,12 @@ constexpr int kSmallTileM = 32;
 constexpr int64_t kSmallTileMaxTokens = 256;
 int64_t max_tiles(int64_t assignments, int num_experts, int tile_rows = kTileM);
 
-// What the token-list kernel asks L2 for once it knows the step's experts: the first bytes of
-// every active expert's gate and up matrices, `budget` bytes over all of them, so the gate/up
-// kernel after it starts on lines already on their way (pdl::prefetch_l2). experts null: none.
-struct ListPrefetch {
-  const ExpertPtrs* experts = nullptr;  // device [E]
-  int ld_bytes = 0;                     // bytes per unit of gate_ld / up_ld
-  int rows = 0;                         // F: rows of gate and of up
-  int64_t budget = 0;
-};
-// The budget the experts' kernels get: a third of the H200's 50 MB L2, a few microseconds of
-// its memory bandwidth.
-constexpr int64_t kListPrefetchBytes = 16 << 20;
-
 // Builds the lists from ids [T, top_k] and `shared` always-on experts (the last ones of
 // num_experts) in one CTA; deterministic (no order races). Routed id e is local expert
 // e - expert_base (expert parallelism); ids outside the local range are skipped.
 void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int shared,
                         int num_experts, const TokenLists& lists, cudaStream_t stream,
-                        int expert_base = 0, const ListPrefetch& prefetch = {});
+                        int expert_base = 0);
 
 // out[t, :] = sum_{j < top_k, ascending} weights[t, j] * y[pos[t * slots + j], :], then
 // + y[pos[t * slots + j], :] for the shared slots j in [top_k, slots).

@@ -55,7 +55,7 @@ __device__ __forceinline__ int expert_of(const int32_t* ids, int64_t i, int top_
 // chunk + earlier lanes of this warp with the same expert (__match_any_sync).
 __global__ void __launch_bounds__(kListThreads)
     token_lists_kernel(const int32_t* __restrict__ ids, int64_t n, int top_k, int shared, int E,
-                       int expert_base, TokenLists l, ListPrefetch pf) {
+                       int expert_base, TokenLists l) {
   pdl::enter();
   __shared__ int cnt[kMaxExperts];
   __shared__ int running[kMaxExperts];
@@ -85,12 +85,6 @@ __global__ void __launch_bounds__(kListThreads)
   if (tid == 0) {
     l.offsets[E] = total;
     *l.n_active = n_active;
-  }
-  if (pf.experts != nullptr && tid < E && c > 0) {
-    const ExpertPtrs ex = pf.experts[tid];
-    const int64_t each = pf.budget / (2 * n_active);
-    pdl::prefetch_l2(ex.gate, min(each, int64_t(pf.rows - 1) * ex.gate_ld * pf.ld_bytes));
-    pdl::prefetch_l2(ex.up, min(each, int64_t(pf.rows - 1) * ex.up_ld * pf.ld_bytes));
   }
   if (l.tile_expert) {
     const int tiles = (c + l.tile_rows - 1) / l.tile_rows;
@@ -203,10 +197,10 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 void launch_token_lists(const int32_t* ids, int64_t num_tokens, int top_k, int shared,
                         int num_experts, const TokenLists& lists, cudaStream_t stream,
-                        int expert_base, const ListPrefetch& prefetch) {
+                        int expert_base) {
   const int64_t n = num_tokens * (top_k + shared);
   pdl::launch(token_lists_kernel, 1, kListThreads, 0, stream, ids, n, top_k, shared, num_experts,
-              expert_base, lists, prefetch);
+              expert_base, lists);
   check(cudaGetLastError(), "token lists");
 }
 
