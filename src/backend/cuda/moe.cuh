@@ -157,8 +157,8 @@ struct FfnProblem {
   int hidden = 0;
   int inter = 0;  // F
   TokenLists lists;
-  // Down kernels read the lists (written two launches back) before their wait and ask L2 for
-  // their weight rows (pdl::prefetch_l2); off: both after the wait.
+  // pdl::prefetch() (opt-in): down kernels read the lists (written two launches back) before
+  // their wait and ask L2 for their weight rows (pdl::prefetch_l2); off: both after the wait.
   bool prefetch = false;
 };
 

@@ -30,13 +30,15 @@ __device__ __forceinline__ void enter() {
 }
 
 // Asks L2 for the bytes [p, p + bytes), widened to 16-byte bounds, without waiting for them
-// (cp.async.bulk.prefetch, sm_90; nothing below it). A kernel calls it before enter() for its
-// weights, which no kernel of a forward writes: the fetch then overlaps the tail of the kernel
-// ahead, when the memory system would otherwise idle, and the loads after the wait find the
-// lines in L2. A hint only: it returns nothing and changes no result. L2 is the point of
-// coherence, so even a line the kernel ahead is still writing is read correctly later. The
-// range must lie inside one allocation (allocations are 256-byte aligned, so widening to 16
-// bytes stays inside).
+// (cp.async.bulk.prefetch, sm_90; nothing below it). With pdl::prefetch() (opt-in), a kernel
+// calls it before enter() for its weights, which no kernel of a forward writes, so the fetch
+// can overlap the tail of the kernel ahead. Measured on the H200 it slowed the BF16 decode
+// steps (W3 3.16 -> 3.28 ms) and sped up only W1q. Keep each call to the part of the weights
+// the calling CTA reads: one CTA's bulk prefetches go through its own SM, and 16 MB asked by
+// the one-CTA token-list kernel doubled a MoE layer (docs/PERFORMANCE.md, thirteenth session). A
+// hint only: it returns nothing and changes no result. L2 is the point of coherence, so even a line
+// the kernel ahead is still writing is read correctly later. The range must lie inside one
+// allocation (allocations are 256-byte aligned, so widening to 16 bytes stays inside).
 __device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr uint64_t kPiece = 1u << 16;  // bytes per bulk prefetch

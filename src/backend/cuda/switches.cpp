@@ -38,7 +38,9 @@ void EnvCount::force(long long value) {
 EnvSwitch g_pdl{"DEEPSERVE_PDL", "0", true};
 // Weight-streaming kernels ask L2 for their weights before they wait on the kernel ahead of
 // them (pdl.cuh, prefetch_l2); off: they fetch only after the wait. The same bits either way.
-EnvSwitch g_prefetch{"DEEPSERVE_PREFETCH", "0", true};
+// Off by default: on the H200 (4beef66) it slowed W3 (3.16 -> 3.28 ms), W1 and W2 and sped up
+// only W1q (4.46 -> 4.29 ms); docs/PERFORMANCE.md, thirteenth session.
+EnvSwitch g_prefetch{"DEEPSERVE_PREFETCH", "1", false};
 EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "0", true};
 EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16", false};
 EnvSwitch g_mla_decode_regq{"DEEPSERVE_MLA_DECODE_REGQ", "0", true};
