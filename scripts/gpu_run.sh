@@ -30,8 +30,9 @@
 #           lite checkpoint at --tensor-parallel-size 2, with and without expert parallelism
 #   abenv   bench AB_WORKLOADS under each VAR=value of AB_ENVS (A/B of a run-time knob), e.g.
 #           AB_ENVS="DEEPSERVE_PDL=0 DEEPSERVE_MLA_PREPARE=0 DEEPSERVE_MOE_PREFILL=wide"
-#   abarg   bench AB_WORKLOADS under each of AB_ARGS (bench options, several joined by commas),
-#           e.g. AB_ARGS="--prefill-first-steps=0" AB_WORKLOADS=w2 (A/B of an engine setting)
+#   abarg   bench ABARG_WORKLOADS (default w2; not AB_WORKLOADS, which is abenv's) under each of
+#           AB_ARGS (bench options, several joined by commas), e.g. AB_ARGS="--prefill-first-steps=0"
+#           (A/B of an engine setting)
 #   w1kv8   bench/w1kv8.yaml: W1 (BF16 weights) with an FP8 KV cache (needs lite)
 #   mutate  (last) shows new tests failing: sed MUTATE_SED on MUTATE_FILE, rebuild the GPU tests,
 #           run MUTATE_TESTS (a gtest filter; failures expected), restore the file. E.g.
@@ -209,7 +210,7 @@ fi
 if has_stage abarg; then
   for a in ${AB_ARGS:-}; do
     tag=$(echo "$a" | tr -d '-' | tr '=,' '--')
-    for w in ${AB_WORKLOADS:-w2}; do
+    for w in ${ABARG_WORKLOADS:-w2}; do
       log "bench $w with $a"
       DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" $(env_args "$a") \
         --output "$OUT/bench-$tag-$w.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \

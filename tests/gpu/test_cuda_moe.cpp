@@ -533,7 +533,10 @@ TEST(CudaMoeFfn, WeightPrefetchChangesNothing) {
   Backend& g = test::cuda_backend();
   const auto ex = make_experts(16, 2048, 1408, DType::BF16, 17);
   struct Restore {
-    ~Restore() { cuda::g_prefetch.force(-1); }
+    ~Restore() {
+      cuda::g_prefetch.force(-1);
+      cuda::g_prefetch_cap.force(0);
+    }
   } restore;
   DirectCuda d;
   for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped,
@@ -542,17 +545,20 @@ TEST(CudaMoeFfn, WeightPrefetchChangesNothing) {
       SCOPED_TRACE(std::string(path_name(path)) + " T " + std::to_string(T));
       auto a = make_case(*ex, T, 4, false, uint64_t(400 + T), 0, 2);
       auto b = make_case(*ex, T, 4, true, uint64_t(500 + T), 0, 2);
-      std::vector<float> out[2][2];
-      for (int on = 0; on < 2; ++on) {
-        cuda::g_prefetch.force(on);
+      std::vector<float> out[3][2];
+      for (int mode = 0; mode < 3; ++mode) {  // off, on, on with 4 KB per CTA
+        cuda::g_prefetch.force(mode > 0 ? 1 : 0);
+        cuda::g_prefetch_cap.force(mode == 2 ? 4096 : 0);
         g.synchronize();
         d.ffn(a->gpu, path);
         d.ffn(b->gpu, path);
-        out[on][0] = test::download_floats(g, a->out.gpu);
-        out[on][1] = test::download_floats(g, b->out.gpu);
+        out[mode][0] = test::download_floats(g, a->out.gpu);
+        out[mode][1] = test::download_floats(g, b->out.gpu);
       }
-      EXPECT_EQ(out[1][0], out[0][0]) << "first call";
-      EXPECT_EQ(out[1][1], out[0][1]) << "second call";
+      for (int mode = 1; mode < 3; ++mode) {
+        EXPECT_EQ(out[mode][0], out[0][0]) << "first call, mode " << mode;
+        EXPECT_EQ(out[mode][1], out[0][1]) << "second call, mode " << mode;
+      }
       EXPECT_NE(out[0][0], out[0][1]) << "the two routings should differ";
     }
   }

@@ -52,7 +52,7 @@ struct KernelArgs {
   int64_t w_row = 0, w_batch = 0;
   uint8_t* out = nullptr;
   int64_t out_row = 0, out_batch = 0;
-  bool prefetch = false;  // ask L2 for the CTA's weight rows before the wait (pdl::prefetch_l2)
+  int64_t prefetch = 0;  // bytes of its weight rows a CTA asks L2 for before the wait (pdl.h)
 };
 
 // Grid (plan.ctas, batch). Every warp runs the same rounds and passes, so all reach each
@@ -60,13 +60,13 @@ struct KernelArgs {
 template <wstream::Elem E, int TM>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs a) {
   const skinny::Plan& p = a.plan;
-  if (a.prefetch && threadIdx.x == 0) {
+  if (a.prefetch > 0 && threadIdx.x == 0) {
     // The CTA's units are consecutive, so its weight rows are one range.
     const int64_t span = int64_t(p.rounds) * p.row_groups * kRows;
     const int64_t r0 = int64_t(blockIdx.x) * span, r1 = min(a.n, r0 + span);
     if (r0 < r1)
       pdl::prefetch_l2(a.w + int64_t(blockIdx.y) * a.w_batch + r0 * a.w_row,
-                       (r1 - r0 - 1) * a.w_row + int64_t(p.chunks) * 16);
+                       min(a.prefetch, (r1 - r0 - 1) * a.w_row + int64_t(p.chunks) * 16));
   }
   pdl::enter();
   constexpr int kVals = kRows * TM;
@@ -196,7 +196,7 @@ void launch_skinny_gemm(const SkinnyGemmArgs& a, int sm_count, cudaStream_t stre
   ka.out = static_cast<uint8_t*>(a.out);
   ka.out_row = a.m > 1 ? a.out_row : 0;
   ka.out_batch = a.batch > 1 ? a.out_batch : 0;
-  ka.prefetch = pdl::prefetch();
+  ka.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::Skinny);
   DS_CHECK(ka.plan.ctas <= INT_MAX, "skinny GEMM: too many rows");
   const dim3 grid(unsigned(ka.plan.ctas), unsigned(a.batch));
   switch (a.wtype) {

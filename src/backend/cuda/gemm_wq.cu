@@ -35,7 +35,7 @@ struct DenseArgs {
   int64_t ldo = 0;
   int groups_per_split = 0;
   int splits = 1;
-  bool prefetch = false;  // ask L2 for the tile's weight rows before the wait (pdl::prefetch_l2)
+  int64_t prefetch = 0;  // bytes of the tile's rows a CTA asks L2 for before the wait (pdl.h)
 };
 
 // Tokens per CTA for a step of m tokens (rows of x, or the most one expert can get): decode
@@ -107,12 +107,12 @@ __device__ void reduce_in_cluster(const DenseArgs& a, const float (&acc)[kRM][BT
 template <WqFormat F, int BT, bool XF, bool CL>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) dense_kernel(DenseArgs a) {
   const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * BT;
-  if (a.prefetch && blockIdx.y == 0 && threadIdx.x == 0) {
+  if (a.prefetch > 0 && blockIdx.y == 0 && threadIdx.x == 0) {
     // The tile's (packed) rows, shared out among its splits: split z asks for its part of the
     // rows whole, whatever groups it reads itself.
     const int64_t rows = min(int64_t(kBN), a.n - n0), z = blockIdx.z, S = gridDim.z;
     const int64_t r0 = z * rows / S, r1 = (z + 1) * rows / S;
-    pdl::prefetch_l2(a.w + (n0 + r0) * a.w_stride, (r1 - r0) * a.w_stride);
+    pdl::prefetch_l2(a.w + (n0 + r0) * a.w_stride, min(a.prefetch, (r1 - r0) * a.w_stride));
   }
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
@@ -298,7 +298,7 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
     a.xb = xb;
   }
   a.part = part_bytes > 0 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
-  a.prefetch = pdl::prefetch();
+  a.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::DenseWq);
   a.out = out.ptr<float>();
   a.ldo = M > 1 ? out.row_stride() / 4 : N;
   if (f == WqFormat::W4A16)
@@ -385,18 +385,18 @@ template <WqFormat F, int BT>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) down_kernel(GroupedFfnArgs a) {
   const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
   Tile tl{-1, 0, 0};
-  if (a.prefetch) {  // FfnProblem::prefetch: the lists before the wait, then the tile's rows
+  if (a.prefetch > 0) {  // FfnProblem::prefetch: the lists before the wait, then the tile's rows
     tl = tile_of<kTileM, true>(a.lists, blockIdx.y);
     if (tl.e >= 0 && threadIdx.x == 0) {
       const ExpertPtrs ex = a.experts[tl.e];  // the expert table is constant
       const int64_t ld = ld_bytes<F>(ex.down_ld);
       pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + n0 * ld,
-                       (min(kBN, H - n0) - 1) * ld + 16);
+                       min(a.prefetch, (min(kBN, H - n0) - 1) * ld + 16));
     }
   }
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
-  if (!a.prefetch) tl = tile_of<kTileM>(a.lists, blockIdx.y);
+  if (a.prefetch == 0) tl = tile_of<kTileM>(a.lists, blockIdx.y);
   if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
   const int64_t down_ld = ld_bytes<F>(ex.down_ld);

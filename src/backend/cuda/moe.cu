@@ -327,7 +327,9 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   layout(base, n, int(E), H, F, path, tile_rows, quant, s);
 
   // Down kernels read the lists early and ask L2 for their weight rows (FfnProblem::prefetch).
-  const bool prefetch = pdl::prefetch() && !prefill && !is_gguf_block_type(table.dtype);
+  const int64_t prefetch = prefill || is_gguf_block_type(table.dtype)
+                               ? 0
+                               : pdl::prefetch_bytes(pdl::PrefetchKind::MoeDown);
   moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream,
                           p.expert_base);
   moe::FfnProblem problem;

@@ -157,9 +157,10 @@ struct FfnProblem {
   int hidden = 0;
   int inter = 0;  // F
   TokenLists lists;
-  // pdl::prefetch() (opt-in): down kernels read the lists (written two launches back) before
-  // their wait and ask L2 for their weight rows (pdl::prefetch_l2); off: both after the wait.
-  bool prefetch = false;
+  // pdl::prefetch_bytes (opt-in), > 0: down kernels read the lists (written two launches back)
+  // before their wait and ask L2 for up to that many bytes of their weight rows
+  // (pdl::prefetch_l2); 0: both after the wait.
+  int64_t prefetch = 0;
 };
 
 #if defined(__CUDACC__)  // device helpers of the moe*.cu kernels

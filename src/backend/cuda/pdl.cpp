@@ -13,8 +13,9 @@ bool enabled() {
   return g_pdl.on() && hopper();
 }
 
-bool prefetch() {
-  return g_prefetch.on() && hopper();
+long long prefetch_bytes(PrefetchKind kind) {
+  if (!g_prefetch.on() || (g_prefetch_kinds.get() & int(kind)) == 0 || !hopper()) return 0;
+  return g_prefetch_cap.get();
 }
 
 bool hopper() {

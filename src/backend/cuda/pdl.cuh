@@ -30,7 +30,7 @@ __device__ __forceinline__ void enter() {
 }
 
 // Asks L2 for the bytes [p, p + bytes), widened to 16-byte bounds, without waiting for them
-// (cp.async.bulk.prefetch, sm_90; nothing below it). With pdl::prefetch() (opt-in), a kernel
+// (cp.async.bulk.prefetch, sm_90; nothing below it). With pdl::prefetch_bytes (opt-in), a kernel
 // calls it before enter() for its weights, which no kernel of a forward writes, so the fetch
 // can overlap the tail of the kernel ahead. Measured on the H200 it slowed the BF16 decode
 // steps (W3 3.16 -> 3.28 ms) and sped up only W1q. Keep each call to the part of the weights

@@ -41,6 +41,10 @@ EnvSwitch g_pdl{"DEEPSERVE_PDL", "0", true};
 // Off by default: on the H200 (4beef66) it slowed W3 (3.16 -> 3.28 ms), W1 and W2 and sped up
 // only W1q (4.46 -> 4.29 ms); docs/PERFORMANCE.md, thirteenth session.
 EnvSwitch g_prefetch{"DEEPSERVE_PREFETCH", "1", false};
+// With it on, which kernels prefetch (pdl::PrefetchKind bits: 1 skinny GEMM, 2 dense wq GEMM,
+// 4 MoE down kernels) and at most how many bytes each CTA asks for (default: all its rows).
+EnvCount g_prefetch_kinds{"DEEPSERVE_PREFETCH_KINDS", 7};
+EnvCount g_prefetch_cap{"DEEPSERVE_PREFETCH_CAP", 1LL << 40};
 EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "0", true};
 EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16", false};
 EnvSwitch g_mla_decode_regq{"DEEPSERVE_MLA_DECODE_REGQ", "0", true};

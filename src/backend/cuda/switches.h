@@ -43,6 +43,8 @@ class EnvCount {
 // The switches (each documented where it acts).
 extern EnvSwitch g_pdl;                 // on; DEEPSERVE_PDL=0 turns it off
 extern EnvSwitch g_prefetch;            // off; DEEPSERVE_PREFETCH=1 turns it on
+extern EnvCount g_prefetch_kinds;       // DEEPSERVE_PREFETCH_KINDS (pdl.h)
+extern EnvCount g_prefetch_cap;         // DEEPSERVE_PREFETCH_CAP (pdl.h)
 extern EnvSwitch g_mla_prepare;         // on; DEEPSERVE_MLA_PREPARE=0 turns it off
 extern EnvSwitch g_mla_decode_bf16;     // off; DEEPSERVE_MLA_DECODE=bf16 turns it on
 extern EnvSwitch g_mla_decode_regq;     // on; DEEPSERVE_MLA_DECODE_REGQ=0 turns it off
