@@ -29,7 +29,8 @@ struct DsLayer {
   TensorView wq_a, q_a_norm;         // [q_lora, hidden], [q_lora]
   TensorView wq_b;                   // [H * qk, q_lora]
   TensorView wkv_a;                  // [R + P, hidden]
-  std::optional<TensorView> wqkv_a;  // [q_lora + R + P, hidden]: q_a_proj and kv_a_proj fused
+  std::optional<TensorView> wqkv_a;  // [q_lora + R + P, hidden]: q_a_proj and kv_a_proj fused,
+                                     // or [H * qk + R + P, hidden]: q_proj and kv_a_proj
   TensorView kv_a_norm;              // [R]
   TensorView wkv_b;                  // [H * (nope + v), R]
   TensorView w_uk_t;                 // [H, R, nope]: per head, the key up-projection transposed
@@ -83,8 +84,13 @@ class DeepseekV2 final : public Model {
         L.q_a_norm = b.norm(a + "q_a_layernorm.weight", cfg.q_lora_rank);
         L.wq_b = b.linear(a + "q_b_proj.weight", H * qk, cfg.q_lora_rank);
       } else {
-        L.wq = b.linear(a + "q_proj.weight", H * qk, hidden);
-        L.wkv_a = b.place(kv_a);
+        // q_proj and kv_a_proj read the same normed x: one product where the formats agree.
+        const TensorView q = b.checked(a + "q_proj.weight", H * qk, hidden);
+        L.wqkv_a = b.fuse_rows({q, kv_a});
+        if (!L.wqkv_a) {
+          L.wq = b.place(q);
+          L.wkv_a = b.place(kv_a);
+        }
       }
       L.kv_a_norm = b.norm(a + "kv_a_layernorm.weight", R);
       const TensorView kv_b =
@@ -292,7 +298,12 @@ class DeepseekV2 final : public Model {
     const int64_t qlr = cfg_.q_lora_rank;
     TensorView q = q_->view(DType::F32, {T, H * qk});
     TensorView kva;  // [T, R + P]: compressed KV, then the shared rope key
-    if (qlr > 0) {
+    if (qlr == 0 && W.wqkv_a) {  // q and kva are columns of one product (q's rows strided)
+      TensorView both = qkv_a_->view(DType::F32, {T, H * qk + R + P});
+      be_.matmul(xn, *W.wqkv_a, both);
+      q = cols(both, 0, H * qk);
+      kva = cols(both, H * qk, R + P);
+    } else if (qlr > 0) {
       TensorView qa, qa_n = qa_n_->view(DType::F32, {T, qlr});
       if (W.wqkv_a) {
         TensorView both = qkv_a_->view(DType::F32, {T, qlr + R + P});
@@ -556,7 +567,8 @@ class DeepseekV2 final : public Model {
     grow(xn_, T * cfg_.hidden);
     grow(tmp_, T * cfg_.hidden);
     grow(shared_, T * cfg_.hidden);
-    grow(qkv_a_, T * (cfg_.q_lora_rank + R + P));
+    // q_a and kva, or (no q LoRA) q and kva of the fused product.
+    grow(qkv_a_, T * ((cfg_.q_lora_rank > 0 ? cfg_.q_lora_rank : H * qk) + R + P));
     grow(qa_n_, T * std::max(cfg_.q_lora_rank, 1));
     grow(q_, T * H * qk);
     grow(q_lat_, T * H * R);
