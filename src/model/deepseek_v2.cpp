@@ -297,7 +297,7 @@ class DeepseekV2 final : public Model {
     const int64_t nope = cfg_.qk_nope_dim, v = cfg_.v_head_dim, qk = nope + P;
     const int64_t qlr = cfg_.q_lora_rank;
     TensorView q = q_->view(DType::F32, {T, H * qk});
-    TensorView kva;  // [T, R + P]: compressed KV, then the shared rope key
+    TensorView kva;              // [T, R + P]: compressed KV, then the shared rope key
     if (qlr == 0 && W.wqkv_a) {  // q and kva are columns of one product (q's rows strided)
       TensorView both = qkv_a_->view(DType::F32, {T, H * qk + R + P});
       be_.matmul(xn, *W.wqkv_a, both);
