@@ -296,33 +296,24 @@ class DeepseekV2 final : public Model {
     const int64_t T = xn.shape[0], H = cfg_.heads, R = cfg_.kv_lora_rank, P = cfg_.qk_rope_dim;
     const int64_t nope = cfg_.qk_nope_dim, v = cfg_.v_head_dim, qk = nope + P;
     const int64_t qlr = cfg_.q_lora_rank;
-    TensorView q = q_->view(DType::F32, {T, H * qk});
-    TensorView kva;              // [T, R + P]: compressed KV, then the shared rope key
-    if (qlr == 0 && W.wqkv_a) {  // q and kva are columns of one product (q's rows strided)
-      TensorView both = qkv_a_->view(DType::F32, {T, H * qk + R + P});
+    // The projections of the normed x, [T, lead + R + P] (fused at load where the formats agree,
+    // else two products into the same columns): q_a with a q LoRA, else q itself (rows strided),
+    // then kva, the compressed KV and the shared rope key.
+    const int64_t lead = qlr > 0 ? qlr : H * qk;
+    TensorView both = qkv_a_->view(DType::F32, {T, lead + R + P});
+    TensorView head = cols(both, 0, lead), kva = cols(both, lead, R + P);
+    if (W.wqkv_a) {
       be_.matmul(xn, *W.wqkv_a, both);
-      q = cols(both, 0, H * qk);
-      kva = cols(both, H * qk, R + P);
-    } else if (qlr > 0) {
-      TensorView qa, qa_n = qa_n_->view(DType::F32, {T, qlr});
-      if (W.wqkv_a) {
-        TensorView both = qkv_a_->view(DType::F32, {T, qlr + R + P});
-        be_.matmul(xn, *W.wqkv_a, both);
-        qa = cols(both, 0, qlr);
-        kva = cols(both, qlr, R + P);
-      } else {
-        qa = qkv_a_->view(DType::F32, {T, qlr + R + P});
-        kva = cols(qa, qlr, R + P);
-        qa = cols(qa, 0, qlr);
-        be_.matmul(xn, W.wq_a, qa);
-        be_.matmul(xn, W.wkv_a, kva);
-      }
-      be_.rms_norm(qa, W.q_a_norm, kLatentNormEps, qa_n);
-      be_.matmul(qa_n, W.wq_b, q);
     } else {
-      kva = qkv_a_->view(DType::F32, {T, R + P});
-      be_.matmul(xn, W.wq, q);
+      be_.matmul(xn, qlr > 0 ? W.wq_a : W.wq, head);
       be_.matmul(xn, W.wkv_a, kva);
+    }
+    TensorView q = head;
+    if (qlr > 0) {
+      TensorView qa_n = qa_n_->view(DType::F32, {T, qlr});
+      q = q_->view(DType::F32, {T, H * qk});
+      be_.rms_norm(head, W.q_a_norm, kLatentNormEps, qa_n);
+      be_.matmul(qa_n, W.wq_b, q);
     }
     TensorView qh = heads_view(q, int(H), int(qk));
     TensorView q_pe = sub_heads(qh, nope, P), q_nope = sub_heads(qh, 0, nope);
@@ -567,10 +558,10 @@ class DeepseekV2 final : public Model {
     grow(xn_, T * cfg_.hidden);
     grow(tmp_, T * cfg_.hidden);
     grow(shared_, T * cfg_.hidden);
-    // q_a and kva, or (no q LoRA) q and kva of the fused product.
+    // q_a (or, without a q LoRA, q itself) and kva; q_ holds q_b's output.
     grow(qkv_a_, T * ((cfg_.q_lora_rank > 0 ? cfg_.q_lora_rank : H * qk) + R + P));
     grow(qa_n_, T * std::max(cfg_.q_lora_rank, 1));
-    grow(q_, T * H * qk);
+    grow(q_, cfg_.q_lora_rank > 0 ? T * H * qk : 1);
     grow(q_lat_, T * H * R);
     grow(o_lat_, T * H * R);
     grow(o_, T * H * v);

@@ -19,6 +19,7 @@
 #include "backend/cuda/switches.h"
 #include "engine/engine.h"
 #include "gpu_models.h"
+#include "gpu_test_util.h"
 #include "model/loader.h"
 
 namespace ds {
@@ -239,14 +240,10 @@ void expect_switch_changes_nothing(OnGpu& g, const std::vector<Prompt>& prompts,
   std::vector<std::vector<int32_t>> ps;
   for (int rep = 0; rep < 2; ++rep)
     for (const auto& p : prompts) ps.push_back(p.ids);
-  struct Restore {
-    cuda::EnvSwitch& sw;
-    ~Restore() { sw.force(-1); }
-  } restore{sw};
   std::vector<float> logits[2];
   std::vector<std::vector<int32_t>> tokens[2];
   for (int on = 0; on < 2; ++on) {
-    sw.force(on);
+    const test::Forced forced(sw, on);
     logits[on] = gpu_prefill(g, prompts[0].ids);
     tokens[on] = gpu_greedy(g, ps, 24, true);
   }

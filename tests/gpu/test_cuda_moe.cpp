@@ -532,12 +532,6 @@ TEST(CudaMoeFfn, WeightPrefetchChangesNothing) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
   const auto ex = make_experts(16, 2048, 1408, DType::BF16, 17);
-  struct Restore {
-    ~Restore() {
-      cuda::g_prefetch.force(-1);
-      cuda::g_prefetch_cap.force(0);
-    }
-  } restore;
   DirectCuda d;
   for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped,
                                 cuda::MoeFfnPath::Streamed, cuda::MoeFfnPath::Wide}) {
@@ -547,8 +541,8 @@ TEST(CudaMoeFfn, WeightPrefetchChangesNothing) {
       auto b = make_case(*ex, T, 4, true, uint64_t(500 + T), 0, 2);
       std::vector<float> out[3][2];
       for (int mode = 0; mode < 3; ++mode) {  // off, on, on with 4 KB per CTA
-        cuda::g_prefetch.force(mode > 0 ? 1 : 0);
-        cuda::g_prefetch_cap.force(mode == 2 ? 4096 : 0);
+        const test::Forced on(cuda::g_prefetch, mode > 0 ? 1 : 0);
+        const test::Forced cap(cuda::g_prefetch_cap, mode == 2 ? 4096 : 0);
         g.synchronize();
         d.ffn(a->gpu, path);
         d.ffn(b->gpu, path);

@@ -554,16 +554,13 @@ TEST(CudaWq, MoeFfnIsBatchInvariant) {
   }
 }
 
-// Weight prefetch (pdl.cuh): the dense kernels ask L2 for their rows before the wait, the MoE
-// lists kernel for the experts' gate / up heads, the down kernel reads the lists early. The
-// same bits with it off and on, dense (M = 1, 8) and MoE (T = 1, 8, 40), both formats.
+// Weight prefetch (pdl.cuh): the dense kernel asks L2 for its rows before the wait, the MoE
+// down kernel for its rows after reading the lists early. The same bits with it off and on,
+// dense (M = 1, 8) and MoE (T = 1, 8, 40), both formats.
 TEST(CudaWq, WeightPrefetchChangesNothing) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
   const test::Forced kernels_only(cuda::g_wq_dequant, 0);
-  struct Restore {
-    ~Restore() { cuda::g_prefetch.force(-1); }
-  } restore;
   const int E = 12, k = 6, shared = 2;
   const int64_t H = 1024, F = 768, N = 1000, K = 2048;
   for (DType t : {DType::W4A16, DType::FP8W}) {
@@ -579,7 +576,7 @@ TEST(CudaWq, WeightPrefetchChangesNothing) {
       const TensorView ov = test::make_view(od->data(), DType::F32, {M, N}, be.device());
       std::vector<float> got[2];
       for (int on = 0; on < 2; ++on) {
-        cuda::g_prefetch.force(on);
+        const test::Forced forced(cuda::g_prefetch, on);
         got[on] = wq_direct(xv, q.dev, ov);
       }
       EXPECT_EQ(got[1], got[0]) << "dense, M " << M;
@@ -592,7 +589,7 @@ TEST(CudaWq, WeightPrefetchChangesNothing) {
       const auto xm = test::random_floats(size_t(T * H), uint32_t(93 + T));
       std::vector<float> got[2];
       for (int on = 0; on < 2; ++on) {
-        cuda::g_prefetch.force(on);
+        const test::Forced forced(cuda::g_prefetch, on);
         got[on] = moe_test::run_moe_ffn(be, xm, ids, wts, qe.dev, shared, T, H, k);
       }
       EXPECT_EQ(got[1], got[0]) << "MoE, T " << T;
