@@ -384,19 +384,15 @@ __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) gate_up_kernel(G
 template <WqFormat F, int BT>
 __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) down_kernel(GroupedFfnArgs a) {
   const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
-  Tile tl{-1, 0, 0};
-  if (a.prefetch > 0) {  // FfnProblem::prefetch: the lists before the wait, then the tile's rows
-    tl = tile_of<kTileM, true>(a.lists, blockIdx.y);
-    if (tl.e >= 0 && threadIdx.x == 0) {
-      const ExpertPtrs ex = a.experts[tl.e];  // the expert table is constant
-      const int64_t ld = ld_bytes<F>(ex.down_ld);
-      pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + n0 * ld,
-                       min(a.prefetch, (min(kBN, H - n0) - 1) * ld + 16));
-    }
-  }
-  pdl::enter();
+  const Tile tl = down_start(
+      a.prefetch, [&](auto l2) { return tile_of<kTileM, l2.value>(a.lists, blockIdx.y); },
+      [&](const Tile& found) {                     // the tile's rows of down
+        const ExpertPtrs ex = a.experts[found.e];  // the expert table is constant
+        const int64_t ld = ld_bytes<F>(ex.down_ld);
+        pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + n0 * ld,
+                         min(a.prefetch, (min(kBN, H - n0) - 1) * ld + 16));
+      });
   extern __shared__ __align__(128) uint8_t smem[];
-  if (a.prefetch == 0) tl = tile_of<kTileM>(a.lists, blockIdx.y);
   if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
   const int64_t down_ld = ld_bytes<F>(ex.down_ld);

@@ -18,12 +18,16 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "backend/backend.h"
 #include "backend/cuda/context.cuh"
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/weight_stream.cuh"
 #include "core/error.h"
+#if defined(__CUDACC__)
+#include "backend/cuda/pdl.cuh"
+#endif
 
 namespace ds::cuda {
 
@@ -186,6 +190,22 @@ __device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
   const int e = list_int<L2>(l.tile_expert + slot);
   const int begin = list_int<L2>(l.tile_begin + slot);
   return {e, begin, min(TM, list_int<L2>(l.offsets + e + 1) - begin)};
+}
+
+// A down kernel's start: its lookup in the token lists (lookup(std::bool_constant<L2>) returns
+// something with .e, < 0 for none) and the wait (pdl::enter). With FfnProblem::prefetch the
+// lookup comes before the wait, through L2, and thread 0 then runs ask(found) (its weight
+// prefetch); without it, the lookup follows the wait.
+template <typename Lookup, typename Ask>
+__device__ __forceinline__ auto down_start(int64_t prefetch, Lookup lookup, Ask ask) {
+  if (prefetch > 0) {
+    const auto found = lookup(std::true_type{});
+    if (found.e >= 0 && threadIdx.x == 0) ask(found);
+    pdl::enter();
+    return found;
+  }
+  pdl::enter();
+  return lookup(std::false_type{});
 }
 #endif
 

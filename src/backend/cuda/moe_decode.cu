@@ -208,20 +208,17 @@ __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int uni
   const int F = a.inter;
   const int H = a.hidden;
   const int r_tile = blockIdx.x * units_per_cta * kRows;
-  ActiveExpert act{-1, 0, 0};
-  if (a.prefetch > 0) {  // FfnProblem::prefetch: the lists before the wait, then the CTA's rows
-    act = active_expert<true>(a, blockIdx.y);
-    if (act.e >= 0 && threadIdx.x == 0 && r_tile < H) {
-      const ExpertPtrs ex = a.experts[act.e];  // the expert table is constant
-      const int rows = min(units_per_cta * kRows, H - r_tile);
-      pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + r_tile * ex.down_ld * esize,
-                       min(a.prefetch, ((rows - 1) * ex.down_ld + F) * esize));
-    }
-  }
-  pdl::enter();
+  const ActiveExpert act = down_start(
+      a.prefetch, [&](auto l2) { return active_expert<l2.value>(a, blockIdx.y); },
+      [&](const ActiveExpert& found) {  // the CTA's rows of down
+        if (r_tile >= H) return;
+        const ExpertPtrs ex = a.experts[found.e];  // the expert table is constant
+        const int rows = min(units_per_cta * kRows, H - r_tile);
+        pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + r_tile * ex.down_ld * esize,
+                         min(a.prefetch, ((rows - 1) * ex.down_ld + F) * esize));
+      });
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
-  if (a.prefetch == 0) act = active_expert(a, blockIdx.y);
   if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];

@@ -177,18 +177,14 @@ __global__ void __launch_bounds__(kThreads) down_kernel(GroupedFfnArgs a) {
   const int H = a.hidden, F = a.inter;
   const int n0 = blockIdx.x * BN;
   const int valid_n = min(BN, H - n0);
-  Tile t{-1, 0, 0};
-  if (a.prefetch > 0) {  // FfnProblem::prefetch: the lists before the wait, then the tile's rows
-    t = tile_of<TM, true>(a.lists, blockIdx.y);
-    if (t.e >= 0 && threadIdx.x == 0) {
-      const ExpertPtrs ex = a.experts[t.e];  // the expert table is constant
-      pdl::prefetch_l2(static_cast<const __nv_bfloat16*>(ex.down) + int64_t(n0) * ex.down_ld,
-                       min(a.prefetch, ((valid_n - 1) * ex.down_ld + F) * 2));
-    }
-  }
-  pdl::enter();
+  const Tile t = down_start(
+      a.prefetch, [&](auto l2) { return tile_of<TM, l2.value>(a.lists, blockIdx.y); },
+      [&](const Tile& found) {                     // the tile's rows of down
+        const ExpertPtrs ex = a.experts[found.e];  // the expert table is constant
+        pdl::prefetch_l2(static_cast<const __nv_bfloat16*>(ex.down) + int64_t(n0) * ex.down_ld,
+                         min(a.prefetch, ((valid_n - 1) * ex.down_ld + F) * 2));
+      });
   extern __shared__ __align__(128) uint8_t smem[];
-  if (a.prefetch == 0) t = tile_of<TM>(a.lists, blockIdx.y);
   if (t.e < 0) return;
   const ExpertPtrs ex = a.experts[t.e];
   const auto* ha = static_cast<const __nv_bfloat16*>(a.h) + int64_t(t.begin) * F;
