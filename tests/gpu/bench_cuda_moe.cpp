@@ -19,17 +19,23 @@ using moe_test::FfnCase;
 using moe_test::make_case;
 using moe_test::make_experts;
 
-void run_moe_bench(int S);
+void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only);
 
 // DeepSeek-V2-Lite's routed experts (64 x [1408, 2048] BF16, top-6) over 16 routings per T,
 // cycled so consecutive calls touch different experts, alone (S = 0) and with the two shared
 // experts folded in as the model runs them (S = 2). GB/s counts the weights of the distinct
 // experts each call touches.
 TEST(MoeBench, DISABLED_DeepSeekV2Lite) {
-  for (int S : {0, 2}) run_moe_bench(S);
+  for (int S : {0, 2}) run_moe_bench(S, {1, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192}, false);
 }
 
-void run_moe_bench(int S) {
+// The decode kernels alone at decode-sized steps (graph replay), for quick A/B runs of their
+// switches (gpu_run.sh moebench with MOEBENCH_FILTER and MOEBENCH_ENVS).
+TEST(MoeBench, DISABLED_DecodeSmall) {
+  for (int S : {0, 2}) run_moe_bench(S, {1, 2, 3, 4, 5, 8}, true);
+}
+
+void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
   const int E = 64 + S, H = 2048, F = 1408, k = 6, kSets = 16;
@@ -41,7 +47,7 @@ void run_moe_bench(int S) {
   MOE_CUDA_OK(cudaEventCreate(&t0));
   MOE_CUDA_OK(cudaEventCreate(&t1));
   std::printf("%6s %-14s %10s %9s %9s %8s\n", "T", "path", "us/call", "experts", "GB/s", "TFLOP/s");
-  for (int T : {1, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192}) {
+  for (int T : Ts) {
     if (S > 0 && T == 1024) continue;
     std::vector<std::unique_ptr<FfnCase>> sets;
     double touched = 0;
@@ -84,6 +90,7 @@ void run_moe_bench(int S) {
     for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped,
                                   cuda::MoeFfnPath::Streamed, cuda::MoeFfnPath::Wide}) {
       if (big && path == cuda::MoeFfnPath::Decode) continue;
+      if (decode_only && path != cuda::MoeFfnPath::Decode) continue;
       if (path == cuda::MoeFfnPath::Streamed && T > 1024) continue;
       if (path == cuda::MoeFfnPath::Wide && T < 32) continue;
       double us = 0;
@@ -103,6 +110,7 @@ void run_moe_bench(int S) {
       }
     }
 
+    if (decode_only) continue;
     // Eager launches, then the prefill path (syncs once per call).
     for (cuda::MoeFfnPath path :
          {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped, cuda::MoeFfnPath::Prefill}) {

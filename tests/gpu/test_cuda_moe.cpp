@@ -558,5 +558,71 @@ TEST(CudaMoeFfn, WeightPrefetchChangesNothing) {
   }
 }
 
+// The decode path's fused combine (the down kernel's last CTA per row tile sums the slots) and
+// its one-wave grid sizing give the bits of the separate combine at the base grid: every mode
+// on the same problems, back to back without a sync (the arrival counters must be left zero),
+// into outputs poisoned with NaN first (a row tile left uncombined would show), then replayed
+// from a graph twice.
+TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
+  DS_REQUIRE_GPU();
+  Backend& g = test::cuda_backend();
+  const auto ex = make_experts(18, 2048, 1408, DType::BF16, 23);
+  DirectCuda d;
+  auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  auto poison = [&](FfnCase& c) {
+    MOE_CUDA_OK(cudaMemsetAsync(c.out.gpu.view.data, 0xff, c.out.gpu.view.nbytes(), d.stream()));
+  };
+  for (int S : {0, 2}) {
+    for (int T : {1, 2, 3, 5, 8, 21}) {
+      SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
+      auto a = make_case(*ex, T, 4, false, uint64_t(600 + T + 50 * S), 3, S);
+      auto b = make_case(*ex, T, 4, true, uint64_t(700 + T + 50 * S), 0, S);
+      // (fused, units-per-warp multiple): the separate combine at the base grid first.
+      const std::pair<int, long long> modes[] = {{0, 1}, {1, 0}, {1, 1}, {1, 2}, {1, 3}, {0, 0}};
+      std::vector<float> out[6][2];
+      g.synchronize();
+      for (int m = 0; m < 6; ++m) {
+        const test::Forced fused(cuda::g_moe_fused_combine, modes[m].first);
+        const test::Forced upw(cuda::g_moe_decode_upw, modes[m].second);
+        poison(*a);
+        poison(*b);
+        cuda::moe_ffn(d.ctx(), a->gpu, cuda::MoeFfnPath::Decode);
+        cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Decode);
+        d.sync();
+        out[m][0] = test::download_floats(g, a->out.gpu);
+        out[m][1] = test::download_floats(g, b->out.gpu);
+      }
+      for (int m = 1; m < 6; ++m) {
+        EXPECT_TRUE(bits_equal(out[m][0], out[0][0])) << "first problem, mode " << m;
+        EXPECT_TRUE(bits_equal(out[m][1], out[0][1])) << "second problem, mode " << m;
+      }
+      // The reference itself is the CPU's result (and wrote every row: no NaN left).
+      Backend& cpu = test::cpu_backend();
+      cpu.moe_ffn(a->cpu);
+      EXPECT_TRUE(rows_close(rows_of(out[0][0], T, a->H, a->out_ld),
+                             rows_of(test::download_floats(cpu, a->out.cpu), T, a->H, a->out_ld), T,
+                             a->H, kDecodeRowTol, kDecodeElemTol));
+
+      // Graph replays: the fused path twice from one capture (Auto's sizing, fused on).
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
+      cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Decode);
+      MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
+      MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int r = 0; r < 2; ++r) {
+        poison(*b);
+        MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+        d.sync();
+        EXPECT_TRUE(bits_equal(test::download_floats(g, b->out.gpu), out[0][1])) << "replay " << r;
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ds

@@ -24,13 +24,13 @@
 #include "backend/cuda/attention_mla_decode_tiles.cuh"
 #include "backend/cuda/mma_ptx.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
 
 namespace ds::cuda {
 namespace {
 
 using namespace mla_decode;
 
-constexpr int kMaxSplits = 16;
 constexpr int kMaxLongSplits = 128;
 constexpr int kQBytes = kRows * kRowBytes;
 constexpr int kScaleBytes = kKeys * 2 * 4;  // FP8: (latent, rope) scale of each key of a stage
@@ -331,11 +331,12 @@ int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
   if (ctas >= sm_count) return 1;
   const int64_t capacity = int64_t(a.max_blocks_per_seq) * a.block_size;
   const int64_t by_capacity = std::max<int64_t>(1, (capacity + kKeys - 1) / kKeys);
-  // At most 16 while the context is short (the merge reads every split's partial, and a split
-  // of a few tiles already streams well); long contexts may take one split per 4 tiles, up to
-  // 128, so a lone 32k-token sequence streams from most SMs instead of 16 (H200: a 32k TPOT of
-  // 11.5 ms against 4.2 ms at 1k with 16 splits).
-  const int64_t cap = std::clamp<int64_t>(by_capacity / 4, kMaxSplits, kMaxLongSplits);
+  // At most 16 (DEEPSERVE_MLA_SPLITS) while the context is short (the merge reads every split's
+  // partial, and a split of a few tiles already streams well); long contexts may take one split
+  // per 4 tiles, up to 128, so a lone 32k-token sequence streams from most SMs instead of 16
+  // (H200: a 32k TPOT of 11.5 ms against 4.2 ms at 1k with 16 splits).
+  const int64_t short_cap = std::clamp<int64_t>(g_mla_max_splits.get(), 1, kMaxLongSplits);
+  const int64_t cap = std::clamp<int64_t>(by_capacity / 4, short_cap, kMaxLongSplits);
   // One CTA fits an SM (its shared memory), so the grid should be one wave: rounding the split
   // count up would start a second, mostly idle wave (W5's 8 x 128 heads: 64 CTAs x 3 splits =
   // 192 on 132 SMs took two waves of 7 tiles each; 2 splits take one of 10).

@@ -42,7 +42,31 @@ struct DeviceState {
   std::array<cublasHandle_t, moe::kPrefillStreams> cublas{};
   std::array<cudaEvent_t, moe::kPrefillStreams + 1 + moe::kExpandChunks> events{};
   bool prefill_ready = false;
+  // The decode path's fused-combine counters, per stream (launches on one stream never overlap).
+  std::map<cudaStream_t, int*> tile_done;
 };
+
+// Row tiles the decode path's fused combine counts arrivals for (the down grid's width).
+constexpr int kTileCounters = 4096;
+
+// Zeroed counters for the fused combine on `stream`: allocated on its first use outside graph
+// capture (null while capturing before that: the combine then takes its own launch). The kernel
+// leaves them zero.
+int* tile_counters(DeviceState& dev, cudaStream_t stream) {
+  auto it = dev.tile_done.find(stream);
+  if (it != dev.tile_done.end()) return it->second;
+  if (stream_capturing(stream)) return nullptr;
+  void* d = nullptr;
+  moe::check(cudaMalloc(&d, kTileCounters * sizeof(int)), "counter alloc");
+  cudaError_t e = cudaMemsetAsync(d, 0, kTileCounters * sizeof(int), stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) {
+    cudaFree(d);
+    moe::check(e, "counter reset");
+  }
+  dev.tile_done.emplace(stream, static_cast<int*>(d));
+  return static_cast<int*>(d);
+}
 
 void prepare_prefill(DeviceState& dev) {
   if (dev.prefill_ready) return;
@@ -388,10 +412,20 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     static_cast<moe::FfnProblem&>(a) = problem;
     a.h = s.h;
     a.y = s.y;
-    if (is_gguf_block_type(table.dtype))
+    a.sm_count = ctx.sm_count;
+    if (is_gguf_block_type(table.dtype)) {
       moe::launch_gguf_ffn(a, table.dtype, ctx.stream);
-    else
-      moe::launch_decode_ffn(a, ctx.stream);
+    } else {
+      if (g_moe_fused_combine.on()) {  // the down kernel combines (one launch fewer)
+        a.out = p.out.ptr<float>();
+        a.out_stride = p.out.row_stride() / 4;
+        a.weights = p.weights.ptr<float>();
+        a.routed = k;
+        a.tile_done = tile_counters(dev, ctx.stream);
+        a.tile_capacity = kTileCounters;
+      }
+      if (moe::launch_decode_ffn(a, ctx.stream)) return;
+    }
     y = s.y;
   }
   moe::launch_combine(y, s.lists.pos, p.weights.ptr<float>(), T, k, S, H, p.out.ptr<float>(),

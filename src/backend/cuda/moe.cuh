@@ -192,6 +192,59 @@ __device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
   return {e, begin, min(TM, list_int<L2>(l.offsets + e + 1) - begin)};
 }
 
+// One token's combined output at columns col .. col + V: the sum over its routed slots j
+// (ascending) of tw[j] * y[tp[j]], then + y[tp[j]] of each shared slot (tp: the token's sorted
+// positions, -1 for none). Each thread issues the loads of kCombineSlots slots before it sums
+// them, so a combine costs about one round trip to L2 instead of one per slot. L2: y is read
+// through L2 only (ld.global.cg), for a y the calling grid wrote; else read-only loads.
+constexpr int kCombineSlots = 16;
+template <int V, bool L2>
+__device__ __forceinline__ void combine_cols(const float* y, int64_t y_stride, const int* tp,
+                                             const float* tw, int top_k, int slots, int col,
+                                             float (&acc)[V]) {
+  static_assert(V == 1 || V == 4, "1 or 4 columns");
+  auto load = [&](const float* src, float(&v)[V]) {
+    if constexpr (V == 4) {
+      const float4 q =
+          L2 ? __ldcg(reinterpret_cast<const float4*>(src)) : wstream::load_float4(src);
+      v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+    } else {
+      v[0] = L2 ? __ldcg(src) : __ldg(src);
+    }
+  };
+#pragma unroll
+  for (int e = 0; e < V; ++e) acc[e] = 0.0f;
+  for (int j0 = 0; j0 < slots; j0 += kCombineSlots) {
+    float v[kCombineSlots][V];
+#pragma unroll
+    for (int i = 0; i < kCombineSlots; ++i) {
+      const int j = j0 + i;
+      const int p = j < slots ? tp[j] : -1;
+      if (p >= 0) {
+        load(y + int64_t(p) * y_stride + col, v[i]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) v[i][e] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kCombineSlots; ++i) {
+      const int j = j0 + i;
+      if (j >= slots) break;
+      if (j < top_k) {
+        if (tp[j] >= 0) {
+          const float wj = tw[j];
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[e] = fmaf(wj, v[i][e], acc[e]);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] += v[i][e];
+      }
+    }
+  }
+}
+
 // A down kernel's start: its lookup in the token lists (lookup(std::bool_constant<L2>) returns
 // something with .e, < 0 for none) and the wait (pdl::enter). With FfnProblem::prefetch the
 // lookup comes before the wait, through L2, and thread 0 then runs ask(found) (its weight
@@ -214,10 +267,21 @@ struct DecodeFfnArgs : FfnProblem {
   WeightKind kind = WeightKind::BF16;
   float* h = nullptr;  // [N, F] silu(gate x) * up x per sorted position
   float* y = nullptr;  // [N, hidden] down h per sorted position
+  int sm_count = 0;    // sizes the grids to one wave where it can (0: the base sizes)
+  // The combine fused into the down kernel (launch_decode_ffn; out null: not asked): out[t] =
+  // what launch_combine would write, from weights [T, routed] and the lists' pos.
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  const float* weights = nullptr;
+  int routed = 0;            // routed slots per token (top_k - shared)
+  int* tile_done = nullptr;  // [tile_capacity] arrival counters, all zero between launches
+  int tile_capacity = 0;
 };
 
-// Gate/up then down over the token lists. Grid sizes depend only on T, top_k, E and shapes.
-void launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
+// Gate/up then down over the token lists. Grid sizes depend only on T, top_k, E, shapes and
+// sm_count. With a.out (and a.tile_done for the down grid's row tiles) the down kernel also does
+// the combine: returns whether it did (false: launch_combine is still to run).
+bool launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
 // The same for GGUF block-quantized experts (moe_gguf.cu; leading dimensions in bytes, hidden
 // and F whole numbers of blocks).
 void launch_gguf_ffn(const DecodeFfnArgs& a, DType dtype, cudaStream_t stream);

@@ -7,11 +7,15 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
 #include "backend/cuda/weight_stream.cuh"
 #include "core/error.h"
 
@@ -200,26 +204,43 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
   }
 }
 
-// Grid (ceil(hidden / rows_per_cta), min(E, N)); a warp's unit is kRows hidden rows of down.
+// The fused combine, run by every CTA of the down grid after its rows of y are stored (active
+// expert or not): the last CTA of row tile blockIdx.x to arrive (one counter per tile, reset by
+// that CTA for the next launch) writes out[t, r_tile .. + rows) for every token through
+// combine_cols, as the combine kernel does (moe_lists.cu), so the bits are the same.
+__device__ __forceinline__ void combine_row_tile(const DecodeFfnArgs& a, int r_tile, int rows) {
+  __shared__ int last;
+  __threadfence();  // this thread's y stores are visible before the CTA is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(a.tile_done + blockIdx.x, 1) == int(gridDim.y) - 1;
+    if (last) a.tile_done[blockIdx.x] = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int slots = a.top_k;
+  const int64_t n = a.num_tokens * rows;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const int64_t t = i / rows;
+    const int r = r_tile + int(i - t * rows);
+    float acc[1];
+    combine_cols<1, true>(a.y, a.hidden, a.lists.pos + t * slots, a.weights + t * a.routed,
+                          a.routed, slots, r, acc);
+    a.out[t * a.out_stride + r] = acc[0];
+  }
+}
+
+// A down CTA's rows [r_tile, r_tile + units_per_cta * kRows) of expert act.e for its tokens.
 template <WeightKind K, int TC>
-__global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int units_per_cta) {
+__device__ __forceinline__ void down_rows(const DecodeFfnArgs& a, const ActiveExpert& act,
+                                          int r_tile, int units_per_cta) {
   constexpr int V = wstream::kChunkElems<K>;
   const int esize = wstream::elem_bytes(K);
   const int F = a.inter;
   const int H = a.hidden;
-  const int r_tile = blockIdx.x * units_per_cta * kRows;
-  const ActiveExpert act = down_start(
-      a.prefetch, [&](auto l2) { return active_expert<l2.value>(a, blockIdx.y); },
-      [&](const ActiveExpert& found) {  // the CTA's rows of down
-        if (r_tile >= H) return;
-        const ExpertPtrs ex = a.experts[found.e];  // the expert table is constant
-        const int rows = min(units_per_cta * kRows, H - r_tile);
-        pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + r_tile * ex.down_ld * esize,
-                         min(a.prefetch, ((rows - 1) * ex.down_ld + F) * esize));
-      });
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
-  if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];
   const int64_t down_ld = ex.down_ld * esize;
@@ -263,6 +284,26 @@ __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int uni
   }
 }
 
+// Grid (ceil(hidden / rows_per_cta), min(E, N)); a warp's unit is kRows hidden rows of down.
+// With a.out, the last CTA of each row tile then does the combine for those rows.
+template <WeightKind K, int TC>
+__global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int units_per_cta) {
+  const int esize = wstream::elem_bytes(K);
+  const int F = a.inter;
+  const int H = a.hidden;
+  const int r_tile = blockIdx.x * units_per_cta * kRows;
+  const int tile_rows = min(units_per_cta * kRows, H - r_tile);
+  const ActiveExpert act = down_start(
+      a.prefetch, [&](auto l2) { return active_expert<l2.value>(a, blockIdx.y); },
+      [&](const ActiveExpert& found) {             // the CTA's rows of down
+        const ExpertPtrs ex = a.experts[found.e];  // the expert table is constant
+        pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + r_tile * ex.down_ld * esize,
+                         min(a.prefetch, ((tile_rows - 1) * ex.down_ld + F) * esize));
+      });
+  if (act.e >= 0) down_rows<K, TC>(a, act, r_tile, units_per_cta);
+  if (a.out) combine_row_tile(a, r_tile, tile_rows);
+}
+
 // Tokens per pass: n_e <= T when a token's experts are distinct, so small steps get small
 // passes (less shared memory, more CTAs per SM); capped by the staging budget.
 int pick_tc(int64_t num_tokens, int K) {
@@ -272,27 +313,63 @@ int pick_tc(int64_t num_tokens, int K) {
   return tc;
 }
 
-// Row units per CTA grow with TC so the staged activations stay small against the weights
-// streamed by the CTA.
+// Row units per CTA at the base size: they grow with TC so the staged activations stay small
+// against the weights streamed by the CTA.
 int units_for(int tc) {
   return kWarps * (tc >= 2 ? tc / 2 : 1);
 }
 
+// Resident CTAs per SM of `kernel` with `smem` bytes of dynamic shared memory (cached).
+template <typename Kernel>
+int resident_per_sm(Kernel kernel, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, size_t>, int> known;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), smem);
+  auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int n = 0;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem), "occupancy");
+  known.emplace(key, n);
+  return n;
+}
+
+// Row units per CTA for `total` units over `slots` grid rows: the base size times m, where m is
+// DEEPSERVE_MOE_DECODE_UPW or else the smallest m <= 4 whose grid fits one wave of resident CTAs
+// (1 when none does, or without an SM count). A CTA's second wave would start only as the
+// first drains, each CTA paying its lookups and staging again (ncu, T = 1: 1,408 gate/up CTAs
+// on 924 slots, 1.52 waves).
+int units_per_cta(int tc, int64_t total, unsigned slots, int resident, int sm_count) {
+  const int base = units_for(tc);
+  const long long forced = g_moe_decode_upw.get();
+  if (forced > 0) return base * int(std::min<long long>(forced, 64));
+  const int64_t wave = int64_t(resident) * sm_count;
+  for (int m = 1; m <= 4; ++m)
+    if ((total + base * m - 1) / (base * m) * int64_t(slots) <= wave) return base * m;
+  return base;
+}
+
+// Returns whether the kernel does the combine (a.out, with a counter for every row tile).
 template <WeightKind K, int TC>
-void launch_down(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream) {
-  const int units = units_for(TC);
+bool launch_down(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream) {
+  const size_t smem = size_t(TC) * a.inter * 4;
+  const int units = units_per_cta(TC, (a.hidden + kRows - 1) / kRows, slots,
+                                  resident_per_sm(down_kernel<K, TC>, smem), a.sm_count);
   const int rows = units * kRows;
   const dim3 grid(unsigned((a.hidden + rows - 1) / rows), slots);
-  const size_t smem = size_t(TC) * a.inter * 4;
-  pdl::launch(down_kernel<K, TC>, grid, kThreads, smem, stream, a, units);
+  DecodeFfnArgs d = a;
+  if (a.tile_done == nullptr || int64_t(grid.x) > a.tile_capacity) d.out = nullptr;
+  pdl::launch(down_kernel<K, TC>, grid, kThreads, smem, stream, d, units);
+  return d.out != nullptr;
 }
 
 template <WeightKind K, int TC>
 void launch_gate_up(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream) {
-  const int units = units_for(TC);
+  const size_t smem = size_t(TC) * a.hidden * 4;
+  const int units = units_per_cta(TC, (a.inter + 1) / 2, slots,
+                                  resident_per_sm(gate_up_kernel<K, TC>, smem), a.sm_count);
   const int rows = units * 2;
   const dim3 grid(unsigned((a.inter + rows - 1) / rows), slots);
-  const size_t smem = size_t(TC) * a.hidden * 4;
   pdl::launch(gate_up_kernel<K, TC>, grid, kThreads, smem, stream, a, units);
 }
 
@@ -315,11 +392,14 @@ void with_tc(int tc, F&& f) {
   }
 }
 
+// Launches both kernels; returns whether the down kernel does the combine.
 template <WeightKind K>
-void launch_kind(const DecodeFfnArgs& a, int tc_gu, int tc_dn, unsigned slots,
+bool launch_kind(const DecodeFfnArgs& a, int tc_gu, int tc_dn, unsigned slots,
                  cudaStream_t stream) {
   with_tc(tc_gu, [&](auto tc) { launch_gate_up<K, tc.value>(a, slots, stream); });
-  with_tc(tc_dn, [&](auto tc) { launch_down<K, tc.value>(a, slots, stream); });
+  bool fused = false;
+  with_tc(tc_dn, [&](auto tc) { fused = launch_down<K, tc.value>(a, slots, stream); });
+  return fused;
 }
 
 template <WeightKind K>
@@ -342,7 +422,7 @@ void prepare_decode_kernels() {
   prepare_kind<WeightKind::F32>();
 }
 
-void launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
+bool launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
   const int V = 16 / wstream::elem_bytes(a.kind);
   if (a.hidden % V != 0 || a.inter % V != 0)
     throw UnsupportedError("cuda moe_ffn: hidden and F must be multiples of " + std::to_string(V));
@@ -352,18 +432,20 @@ void launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
   const unsigned slots = unsigned(std::min<int64_t>(a.num_experts, n));
   const int tc_gu = pick_tc(a.num_tokens, a.hidden);
   const int tc_dn = pick_tc(a.num_tokens, a.inter);
+  bool fused = false;
   switch (a.kind) {
     case WeightKind::BF16:
-      launch_kind<WeightKind::BF16>(a, tc_gu, tc_dn, slots, stream);
+      fused = launch_kind<WeightKind::BF16>(a, tc_gu, tc_dn, slots, stream);
       break;
     case WeightKind::F16:
-      launch_kind<WeightKind::F16>(a, tc_gu, tc_dn, slots, stream);
+      fused = launch_kind<WeightKind::F16>(a, tc_gu, tc_dn, slots, stream);
       break;
     case WeightKind::F32:
-      launch_kind<WeightKind::F32>(a, tc_gu, tc_dn, slots, stream);
+      fused = launch_kind<WeightKind::F32>(a, tc_gu, tc_dn, slots, stream);
       break;
   }
   check(cudaGetLastError(), "decode kernels");
+  return fused;
 }
 
 }  // namespace ds::cuda::moe

@@ -127,21 +127,9 @@ __global__ void __launch_bounds__(kListThreads)
 }
 
 // out[t] = sum over routed slots j (ascending) of w[t, j] * y[pos[t, j]], then + y of each
-// shared slot. Grid (T, column blocks); a thread owns V consecutive columns and issues the
-// loads of every slot before it sums them (up to kCombineSlots at once), so the kernel costs
-// about one round trip to L2 instead of one per slot and column block.
+// shared slot (combine_cols, moe.cuh). Grid (T, column blocks); a thread owns V consecutive
+// columns.
 constexpr int kCombineThreads = 128;
-constexpr int kCombineSlots = 16;
-
-template <int V>
-__device__ __forceinline__ void load_cols(const float* src, float (&v)[V]) {
-  if constexpr (V == 4) {
-    const float4 q = wstream::load_float4(src);
-    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-  } else {
-    v[0] = *src;
-  }
-}
 
 template <int V>
 __global__ void __launch_bounds__(kCombineThreads)
@@ -153,38 +141,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int col = (blockIdx.y * kCombineThreads + threadIdx.x) * V;
   if (col >= hidden) return;
   const int slots = top_k + shared;
-  const int* tp = pos + t * slots;
-  const float* tw = w + t * top_k;
-  float acc[V] = {};
-  for (int j0 = 0; j0 < slots; j0 += kCombineSlots) {
-    float v[kCombineSlots][V];
-#pragma unroll
-    for (int i = 0; i < kCombineSlots; ++i) {
-      const int j = j0 + i;
-      const int p = j < slots ? tp[j] : -1;
-      if (p >= 0) {
-        load_cols<V>(y + int64_t(p) * y_stride + col, v[i]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < V; ++e) v[i][e] = 0.0f;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kCombineSlots; ++i) {
-      const int j = j0 + i;
-      if (j >= slots) break;
-      if (j < top_k) {
-        if (tp[j] >= 0) {
-          const float wj = tw[j];
-#pragma unroll
-          for (int e = 0; e < V; ++e) acc[e] = fmaf(wj, v[i][e], acc[e]);
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] += v[i][e];
-      }
-    }
-  }
+  float acc[V];
+  combine_cols<V, false>(y, y_stride, pos + t * slots, w + t * top_k, top_k, slots, col, acc);
   float* orow = out + t * out_stride + col;
   if constexpr (V == 4) {
     *reinterpret_cast<float4*>(orow) = make_float4(acc[0], acc[1], acc[2], acc[3]);

@@ -66,4 +66,15 @@ EnvSwitch g_wq_dequant{"DEEPSERVE_WQ_DEQUANT", "0", true};
 EnvCount g_wq_dequant_min_rows{"DEEPSERVE_WQ_DEQUANT_MIN_ROWS", 512};
 EnvCount g_moe_wq_dequant_min{"DEEPSERVE_MOE_WQ_DEQUANT_MIN", 384};
 
+// The decode MoE kernels' row units per warp, as a multiple of what the pass size asks for
+// (unset: the smallest multiple, up to 4, whose grid fits one wave of resident CTAs; 1: the
+// grids before that sizing). The same bits either way: a unit's sums do not depend on which
+// warp or CTA runs it.
+EnvCount g_moe_decode_upw{"DEEPSERVE_MOE_DECODE_UPW", 0};
+// The decode MoE's combine (each token's expert outputs summed in slot order) done by the last
+// down CTA of each row tile instead of a launch of its own. The same bits either way.
+EnvSwitch g_moe_fused_combine{"DEEPSERVE_MOE_FUSED_COMBINE", "0", true};
+// The most splits the MLA decode kernels cut a short context into (long ones: up to 128).
+EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
+
 }  // namespace ds::cuda
