@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <set>
 #include <string>
@@ -558,11 +559,13 @@ TEST(CudaMoeFfn, WeightPrefetchChangesNothing) {
   }
 }
 
-// The decode path's fused combine (the down kernel's last CTA per row tile sums the slots) and
-// its one-wave grid sizing give the bits of the separate combine at the base grid: every mode
-// on the same problems, back to back without a sync (the arrival counters must be left zero),
-// into outputs poisoned with NaN first (a row tile left uncombined would show), then replayed
-// from a graph twice.
+// The decode path's fused combine (the down kernel's last CTA per row tile sums the slots), its
+// one-wave grid sizing and the token lists built in the gate/up kernel (steps of at most 32
+// assignments) give the bits of the token-list kernel, the base grid and the separate combine:
+// every mode on the same problems, back to back without a sync (the arrival counters must be
+// left zero), into outputs poisoned with NaN first (a row tile left uncombined would show), then
+// replayed from a graph twice. Without shared experts the first problem also has an expert base
+// (expert parallelism: ids outside the local range are skipped).
 TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
@@ -579,13 +582,17 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
       SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
       auto a = make_case(*ex, T, 4, false, uint64_t(600 + T + 50 * S), 3, S);
       auto b = make_case(*ex, T, 4, true, uint64_t(700 + T + 50 * S), 0, S);
-      // (fused, units-per-warp multiple): the separate combine at the base grid first.
-      const std::pair<int, long long> modes[] = {{0, 1}, {1, 0}, {1, 1}, {1, 2}, {1, 3}, {0, 0}};
-      std::vector<float> out[6][2];
+      if (S == 0) a->gpu.expert_base = a->cpu.expert_base = 3;
+      // (fused combine, units-per-warp multiple, warp lists): the reference first.
+      const std::tuple<int, long long, int> modes[] = {{0, 1, 0}, {1, 0, 1}, {1, 1, 1}, {1, 2, 0},
+                                                       {1, 3, 1}, {0, 0, 1}, {1, 0, 0}};
+      constexpr int kModes = int(std::size(modes));
+      std::vector<float> out[kModes][2];
       g.synchronize();
-      for (int m = 0; m < 6; ++m) {
-        const test::Forced fused(cuda::g_moe_fused_combine, modes[m].first);
-        const test::Forced upw(cuda::g_moe_decode_upw, modes[m].second);
+      for (int m = 0; m < kModes; ++m) {
+        const test::Forced fused(cuda::g_moe_fused_combine, std::get<0>(modes[m]));
+        const test::Forced upw(cuda::g_moe_decode_upw, std::get<1>(modes[m]));
+        const test::Forced lists(cuda::g_moe_warp_lists, std::get<2>(modes[m]));
         poison(*a);
         poison(*b);
         cuda::moe_ffn(d.ctx(), a->gpu, cuda::MoeFfnPath::Decode);
@@ -594,7 +601,7 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
         out[m][0] = test::download_floats(g, a->out.gpu);
         out[m][1] = test::download_floats(g, b->out.gpu);
       }
-      for (int m = 1; m < 6; ++m) {
+      for (int m = 1; m < kModes; ++m) {
         EXPECT_TRUE(bits_equal(out[m][0], out[0][0])) << "first problem, mode " << m;
         EXPECT_TRUE(bits_equal(out[m][1], out[0][1])) << "second problem, mode " << m;
       }

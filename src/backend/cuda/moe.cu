@@ -350,12 +350,17 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));
   layout(base, n, int(E), H, F, path, tile_rows, quant, s);
 
-  // Down kernels read the lists early and ask L2 for their weight rows (FfnProblem::prefetch).
-  const int64_t prefetch = prefill || is_gguf_block_type(table.dtype)
+  // Decode steps of a few assignments: the gate/up kernel builds the token lists itself.
+  const bool warp_lists = path == MoeFfnPath::Decode && !is_gguf_block_type(table.dtype) &&
+                          n <= moe::kWarpListMax && g_moe_warp_lists.on();
+  // Down kernels read the lists early and ask L2 for their weight rows (FfnProblem::prefetch);
+  // not when the kernel just before them writes the lists.
+  const int64_t prefetch = prefill || is_gguf_block_type(table.dtype) || warp_lists
                                ? 0
                                : pdl::prefetch_bytes(pdl::PrefetchKind::MoeDown);
-  moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream,
-                          p.expert_base);
+  if (!warp_lists)
+    moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream,
+                            p.expert_base);
   moe::FfnProblem problem;
   problem.x = p.x.ptr<float>();
   problem.x_stride = p.x.row_stride() / 4;
@@ -413,6 +418,11 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.h = s.h;
     a.y = s.y;
     a.sm_count = ctx.sm_count;
+    a.routed = k;
+    if (warp_lists) {
+      a.ids = p.ids.ptr<int32_t>();
+      a.expert_base = p.expert_base;
+    }
     if (is_gguf_block_type(table.dtype)) {
       moe::launch_gguf_ffn(a, table.dtype, ctx.stream);
     } else {
@@ -420,7 +430,6 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
         a.out = p.out.ptr<float>();
         a.out_stride = p.out.row_stride() / 4;
         a.weights = p.weights.ptr<float>();
-        a.routed = k;
         a.tile_done = tile_counters(dev, ctx.stream);
         a.tile_capacity = kTileCounters;
       }

@@ -192,6 +192,18 @@ __device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
   return {e, begin, min(TM, list_int<L2>(l.offsets + e + 1) - begin)};
 }
 
+// Expert of assignment i = t * (top_k + shared) + j: routed slots read ids [T, top_k]; the
+// shared slots are the last `shared` experts; -1 for ids out of the routed range.
+__device__ __forceinline__ int expert_of(const int32_t* ids, int64_t i, int top_k, int shared,
+                                         int E, int base) {
+  const int slots = top_k + shared;
+  const int64_t t = i / slots;
+  const int j = int(i - t * slots);
+  if (j >= top_k) return E - shared + (j - top_k);
+  const int e = ids[t * top_k + j] - base;
+  return e >= 0 && e < E - shared ? e : -1;
+}
+
 // One token's combined output at columns col .. col + V: the sum over its routed slots j
 // (ascending) of tw[j] * y[tp[j]], then + y[tp[j]] of each shared slot (tp: the token's sorted
 // positions, -1 for none). Each thread issues the loads of kCombineSlots slots before it sums
@@ -276,7 +288,14 @@ struct DecodeFfnArgs : FfnProblem {
   int routed = 0;            // routed slots per token (top_k - shared)
   int* tile_done = nullptr;  // [tile_capacity] arrival counters, all zero between launches
   int tile_capacity = 0;
+  // Steps of at most kWarpListMax assignments: with ids [T, routed] the gate/up kernel builds
+  // the token lists itself (one warp per CTA; CTA (0, 0) also stores the lists the down kernel
+  // and the combine read), in place of the token-list kernel. prefetch must be 0 then: the
+  // lists are written one launch before the down kernel, not two.
+  const int32_t* ids = nullptr;
+  int expert_base = 0;
 };
+constexpr int64_t kWarpListMax = 32;
 
 // Gate/up then down over the token lists. Grid sizes depend only on T, top_k, E, shapes and
 // sm_count. With a.out (and a.tile_done for the down grid's row tiles) the down kernel also does

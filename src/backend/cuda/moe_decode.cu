@@ -141,6 +141,59 @@ __device__ __forceinline__ ActiveExpert active_expert(const DecodeFfnArgs& a, in
   return {e, begin, list_int<L2>(a.lists.offsets + e + 1) - begin};
 }
 
+// The token lists of a step of at most kWarpListMax assignments, by one warp from ids alone, in
+// the token-list kernel's order (experts ascending, an expert's assignments by index): returns
+// slot `slot`'s active expert and its sorted range, and puts its tokens in tok[0, count). store:
+// also writes the lists the down kernel and the combine read (pos, sorted_token, active,
+// n_active and the active experts' offsets).
+__device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, int slot, int* tok,
+                                                   bool store) {
+  const int lane = threadIdx.x & 31;
+  const int slots = a.top_k;
+  const int n = int(a.num_tokens) * slots;
+  const int e =
+      lane < n ? expert_of(a.ids, lane, a.routed, slots - a.routed, a.num_experts, a.expert_base)
+               : -1;
+  const unsigned peers = __match_any_sync(kFull, e);
+  const unsigned below = peers & ((1u << lane) - 1u);
+  const bool leader = e >= 0 && below == 0;  // the expert's first assignment
+  // Over all lanes: valid assignments to lower experts (the sorted start) and distinct lower
+  // experts (the active rank).
+  int begin = 0, rank = 0;
+  const int packed = e * 2 + int(leader);
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int pj = __shfl_sync(kFull, packed, j);
+    const int ej = pj >> 1;  // arithmetic: -1 stays -1
+    if (ej >= 0 && ej < e) {
+      ++begin;
+      rank += pj & 1;
+    }
+  }
+  const int count = __popc(peers);
+  const unsigned leaders = __ballot_sync(kFull, leader);
+  const unsigned mine = __ballot_sync(kFull, leader && rank == slot);
+  const int src = mine ? __ffs(mine) - 1 : 0;
+  const int se = __shfl_sync(kFull, e, src), sb = __shfl_sync(kFull, begin, src),
+            sc = __shfl_sync(kFull, count, src);
+  const ActiveExpert act = mine ? ActiveExpert{se, sb, sc} : ActiveExpert{-1, 0, 0};
+  const int within = __popc(below);
+  if (act.e >= 0 && e == act.e) tok[within] = lane / slots;
+  if (store) {
+    if (lane < n) {
+      a.lists.pos[lane] = e >= 0 ? begin + within : -1;
+      if (e >= 0) a.lists.sorted_token[begin + within] = lane / slots;
+    }
+    if (leader) {
+      a.lists.active[rank] = e;
+      a.lists.offsets[e] = begin;
+      a.lists.offsets[e + 1] = begin + count;  // the next active expert's start, if any: the same
+    }
+    if (lane == 0) *a.lists.n_active = __popc(leaders);
+  }
+  return act;
+}
+
 __device__ __forceinline__ float silu(float g) {
   return g / (1.0f + expf(-g));
 }
@@ -152,7 +205,25 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
   constexpr int V = wstream::kChunkElems<K>;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
-  const ActiveExpert act = active_expert(a, blockIdx.y);
+  // The slot's expert and the rows of x its tokens are: from the token lists, or built here.
+  __shared__ int warp_tok[kWarpListMax];
+  __shared__ ActiveExpert warp_act;
+  ActiveExpert act;
+  const int* tok = a.lists.sorted_token;  // token of sorted position tok_base + j
+  int tok_base = 0;
+  if (a.ids) {
+    if (threadIdx.x < 32) {
+      const ActiveExpert found =
+          warp_lists(a, blockIdx.y, warp_tok, blockIdx.x == 0 && blockIdx.y == 0);
+      if (threadIdx.x == 0) warp_act = found;
+    }
+    __syncthreads();
+    act = warp_act;
+    tok = warp_tok;
+  } else {
+    act = active_expert(a, blockIdx.y);
+    tok_base = act.begin;
+  }
   if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];
@@ -183,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
   for (int t0 = 0; t0 < count; t0 += TC) {
     const int nt = min(TC, count - t0);
     if (t0 > 0) __syncthreads();  // the previous pass is done reading xs
-    stage_rows<V>(xs, a.x, a.x_stride, a.lists.sorted_token, begin + t0, nt, a.hidden);
+    stage_rows<V>(xs, a.x, a.x_stride, tok, tok_base + t0, nt, a.hidden);
     __syncthreads();
     for (int u = warp; u < units_per_cta; u += kWarps) {
       const int f0 = f_tile + 2 * u;

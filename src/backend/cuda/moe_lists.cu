@@ -38,18 +38,6 @@ __device__ int block_exclusive_scan(int v, int* sums /* [33] */, int* total) {
   return result;
 }
 
-// Expert of assignment i = t * (top_k + shared) + j: routed slots read ids [T, top_k]; the
-// shared slots are the last `shared` experts; -1 for ids out of the routed range.
-__device__ __forceinline__ int expert_of(const int32_t* ids, int64_t i, int top_k, int shared,
-                                         int E, int base) {
-  const int slots = top_k + shared;
-  const int64_t t = i / slots;
-  const int j = int(i - t * slots);
-  if (j >= top_k) return E - shared + (j - top_k);
-  const int e = ids[t * top_k + j] - base;
-  return e >= 0 && e < E - shared ? e : -1;
-}
-
 // One CTA: per-expert counts (shared atomics: order-free), offsets, the active list, then a
 // stable scatter in chunks of 1024 assignments: rank = earlier chunks + earlier warps of this
 // chunk + earlier lanes of this warp with the same expert (__match_any_sync).

@@ -74,6 +74,9 @@ EnvCount g_moe_decode_upw{"DEEPSERVE_MOE_DECODE_UPW", 0};
 // The decode MoE's combine (each token's expert outputs summed in slot order) done by the last
 // down CTA of each row tile instead of a launch of its own. The same bits either way.
 EnvSwitch g_moe_fused_combine{"DEEPSERVE_MOE_FUSED_COMBINE", "0", true};
+// Decode MoE steps of at most 32 assignments (moe::kWarpListMax): the gate/up kernel builds the
+// token lists itself, one launch fewer (off: the token-list kernel). The same bits either way.
+EnvSwitch g_moe_warp_lists{"DEEPSERVE_MOE_WARP_LISTS", "0", true};
 // The most splits the MLA decode kernels cut a short context into (long ones: up to 128).
 EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
 
