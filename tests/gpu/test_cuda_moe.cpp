@@ -560,12 +560,12 @@ TEST(CudaMoeFfn, WeightPrefetchChangesNothing) {
 }
 
 // The decode path's fused combine (the down kernel's last CTA per row tile sums the slots), its
-// one-wave grid sizing, the token lists built in the gate/up kernel (steps of at most 32
-// assignments) and its prefetch of the down weights give the bits of the token-list kernel, the
-// base grid and the separate combine: every mode on the same problems, back to back without a sync
-// (the arrival counters must be left zero), into outputs poisoned with NaN first (a row tile left
-// uncombined would show), then replayed from a graph twice. Without shared experts the first
-// problem also has an expert base (expert parallelism: ids outside the local range are skipped).
+// one-wave grid sizing and the token lists built in the gate/up kernel (steps of at most 32
+// assignments) give the bits of the token-list kernel, the base grid and the separate combine:
+// every mode on the same problems, back to back without a sync (the arrival counters must be
+// left zero), into outputs poisoned with NaN first (a row tile left uncombined would show), then
+// replayed from a graph twice. Without shared experts the first problem also has an expert base
+// (expert parallelism: ids outside the local range are skipped).
 TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
   DS_REQUIRE_GPU();
   Backend& g = test::cuda_backend();
@@ -586,11 +586,9 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
         a->gpu.expert_base = a->cpu.expert_base = 3;
         a->gpu.skip_foreign = a->cpu.skip_foreign = true;
       }
-      // (fused combine, units-per-warp multiple, warp lists, down prefetch): the reference
-      // first.
-      const std::tuple<int, long long, int, int> modes[] = {
-          {0, 1, 0, 0}, {1, 0, 1, 0}, {1, 1, 1, 0}, {1, 2, 0, 0},
-          {1, 3, 1, 1}, {0, 0, 1, 0}, {1, 0, 0, 1}};
+      // (fused combine, units-per-warp multiple, warp lists): the reference first.
+      const std::tuple<int, long long, int> modes[] = {{0, 1, 0}, {1, 0, 1}, {1, 1, 1}, {1, 2, 0},
+                                                       {1, 3, 1}, {0, 0, 1}, {1, 0, 0}};
       constexpr int kModes = int(std::size(modes));
       std::vector<float> out[kModes][2];
       g.synchronize();
@@ -598,7 +596,6 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
         const test::Forced fused(cuda::g_moe_fused_combine, std::get<0>(modes[m]));
         const test::Forced upw(cuda::g_moe_decode_upw, std::get<1>(modes[m]));
         const test::Forced lists(cuda::g_moe_warp_lists, std::get<2>(modes[m]));
-        const test::Forced down(cuda::g_moe_down_prefetch, std::get<3>(modes[m]));
         poison(*a);
         poison(*b);
         cuda::moe_ffn(d.ctx(), a->gpu, cuda::MoeFfnPath::Decode);

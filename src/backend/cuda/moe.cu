@@ -419,7 +419,6 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.y = s.y;
     a.sm_count = ctx.sm_count;
     a.routed = k;
-    a.prefetch_down = g_moe_down_prefetch.on() && pdl::hopper();
     if (warp_lists) {
       a.ids = p.ids.ptr<int32_t>();
       a.expert_base = p.expert_base;

@@ -294,9 +294,6 @@ struct DecodeFfnArgs : FfnProblem {
   // lists are written one launch before the down kernel, not two.
   const int32_t* ids = nullptr;
   int expert_base = 0;
-  // The gate/up CTAs ask L2 for the down matrices of their experts when they finish
-  // (DEEPSERVE_MOE_DOWN_PREFETCH; a hint, no result changes).
-  bool prefetch_down = false;
 };
 constexpr int64_t kWarpListMax = 32;
 

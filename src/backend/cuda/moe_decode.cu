@@ -273,15 +273,6 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
       }
     }
   }
-  // The down kernel's weights toward L2 as this kernel drains: the CTA asks for its share
-  // (1 / gridDim.x) of the expert's down matrix, [hidden, F] rows down_ld apart.
-  if (a.prefetch_down && threadIdx.x == 0) {
-    const int64_t total = (int64_t(a.hidden - 1) * ex.down_ld + F) * esize;
-    const int64_t share = (total + gridDim.x - 1) / gridDim.x;
-    const int64_t from = int64_t(blockIdx.x) * share;
-    if (from < total)
-      pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + from, min(share, total - from));
-  }
 }
 
 // The fused combine, run by every CTA of the down grid after its rows of y are stored (active

@@ -77,9 +77,6 @@ EnvSwitch g_moe_fused_combine{"DEEPSERVE_MOE_FUSED_COMBINE", "0", true};
 // Decode MoE steps of at most 32 assignments (moe::kWarpListMax): the gate/up kernel builds the
 // token lists itself, one launch fewer (off: the token-list kernel). The same bits either way.
 EnvSwitch g_moe_warp_lists{"DEEPSERVE_MOE_WARP_LISTS", "0", true};
-// The decode MoE's gate/up CTAs ask L2 for their experts' down matrices as they finish, so the
-// down kernel finds them there (pdl::prefetch_l2, a hint). Not measured yet: off.
-EnvSwitch g_moe_down_prefetch{"DEEPSERVE_MOE_DOWN_PREFETCH", "1", false};
 // The most splits the MLA decode kernels cut a short context into (long ones: up to 128).
 EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
 
