@@ -13,7 +13,6 @@
 #include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/moe.cuh"
-#include "backend/cuda/moe_route.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/switches.h"
 #include "backend/cuda/wq_dequant.cuh"
@@ -258,30 +257,11 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, in
 
 }  // namespace
 
-namespace {
-void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
-                 const route::RouteArgs* route);
-}  // namespace
-
 void moe_ffn(const Context& ctx, const MoeFfnParams& p) {
-  run_moe_ffn(ctx, p, MoeFfnPath::Auto, nullptr);
+  moe_ffn(ctx, p, MoeFfnPath::Auto);
 }
 
 void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
-  run_moe_ffn(ctx, p, path, nullptr);
-}
-
-void moe_routed_ffn(const Context& ctx, const TensorView& logits, const MoeRouteParams& rp,
-                    const MoeFfnParams& p, MoeFfnPath path) {
-  const route::RouteArgs ra = route::route_args(logits, rp, p.ids, p.weights);
-  run_moe_ffn(ctx, p, path, &ra);
-}
-
-namespace {
-
-// route: the router's choice still to make (into p.ids / p.weights) before the experts.
-void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
-                 const route::RouteArgs* route) {
   const int64_t T = p.x.rows();
   const int64_t E = int64_t(p.experts.size());
   const int k = int(p.ids.cols());
@@ -301,7 +281,6 @@ void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
                            " experts");
   DS_CHECK(ctx.scratch != nullptr, "moe_ffn: context without scratch");
   if (T == 0) return;
-  DS_CHECK(!route || route->num_tokens == T, "moe_routed_ffn: logits and x differ in rows");
 
   int device = 0;
   moe::check(cudaGetDevice(&device), "get device");
@@ -379,9 +358,6 @@ void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
   const int64_t prefetch = prefill || is_gguf_block_type(table.dtype) || warp_lists
                                ? 0
                                : pdl::prefetch_bytes(pdl::PrefetchKind::MoeDown);
-  // The router's choice: in the gate/up kernel with the lists, else its own launch first.
-  const bool route_inside = route != nullptr && warp_lists && g_moe_route_inside.on();
-  if (route != nullptr && !route_inside) route::launch_route(*route, ctx.stream);
   if (!warp_lists)
     moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream,
                             p.expert_base);
@@ -446,10 +422,6 @@ void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
     if (warp_lists) {
       a.ids = p.ids.ptr<int32_t>();
       a.expert_base = p.expert_base;
-      if (route_inside) {
-        a.route = *route;
-        a.routes = true;
-      }
     }
     if (is_gguf_block_type(table.dtype)) {
       moe::launch_gguf_ffn(a, table.dtype, ctx.stream);
@@ -469,5 +441,4 @@ void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
                       p.out.row_stride() / 4, ctx.stream, y_stride);
 }
 
-}  // namespace
 }  // namespace ds::cuda

@@ -81,33 +81,6 @@ inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, boo
   return capturing || wide ? MoeFfnPath::Wide : MoeFfnPath::Prefill;
 }
 void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
-// moe_route(logits, route, p.ids, p.weights) then moe_ffn(p) (Backend::moe_routed_ffn): the
-// decode path's small steps (token lists built in the gate/up kernel) route there too, one
-// launch fewer.
-void moe_routed_ffn(const Context& ctx, const TensorView& logits, const MoeRouteParams& route,
-                    const MoeFfnParams& p, MoeFfnPath path = MoeFfnPath::Auto);
-
-// What the router's kernel reads and writes (moe_route.cuh): logits [T, E] -> ids, weights
-// [T, top_k] and the optional per-expert counts.
-namespace route {
-struct RouteArgs {
-  const float* logits = nullptr;  // [T, E], row stride logit_stride elements
-  int64_t logit_stride = 0;
-  int64_t num_tokens = 0;
-  int num_experts = 0;
-  int top_k = 0;
-  bool group_limited = false;
-  int n_group = 1;
-  int topk_group = 1;
-  bool norm = false;
-  float scale = 1.0f;
-  int32_t* ids = nullptr;  // [T, k]
-  int64_t ids_stride = 0;
-  float* weights = nullptr;  // [T, k]
-  int64_t weights_stride = 0;
-  unsigned long long* counts = nullptr;  // [E] or null
-};
-}  // namespace route
 
 // ---- internals shared by moe*.cu --------------------------------------------------------
 namespace moe {
@@ -321,11 +294,6 @@ struct DecodeFfnArgs : FfnProblem {
   // lists are written one launch before the down kernel, not two.
   const int32_t* ids = nullptr;
   int expert_base = 0;
-  // With ids and routes: the gate/up kernel also makes the router's choice (route_token, from
-  // route.logits) and builds the lists from it; CTA (0, 0) writes route's ids, weights and
-  // counts, which ids then point to.
-  route::RouteArgs route;
-  bool routes = false;
 };
 constexpr int64_t kWarpListMax = 32;
 

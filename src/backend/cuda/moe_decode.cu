@@ -14,7 +14,6 @@
 #include <utility>
 
 #include "backend/cuda/moe.cuh"
-#include "backend/cuda/moe_route.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/switches.h"
 #include "backend/cuda/weight_stream.cuh"
@@ -142,20 +141,19 @@ __device__ __forceinline__ ActiveExpert active_expert(const DecodeFfnArgs& a, in
   return {e, begin, list_int<L2>(a.lists.offsets + e + 1) - begin};
 }
 
-// The token lists of a step of at most kWarpListMax assignments, by one warp from ids [T, routed]
-// alone (global or shared memory), in
+// The token lists of a step of at most kWarpListMax assignments, by one warp from ids alone, in
 // the token-list kernel's order (experts ascending, an expert's assignments by index): returns
 // slot `slot`'s active expert and its sorted range, and puts its tokens in tok[0, count). store:
 // also writes the lists the down kernel and the combine read (pos, sorted_token, active,
 // n_active and the active experts' offsets).
-__device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, const int32_t* ids,
-                                                   int slot, int* tok, bool store) {
+__device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, int slot, int* tok,
+                                                   bool store) {
   const int lane = threadIdx.x & 31;
   const int slots = a.top_k;
   const int n = int(a.num_tokens) * slots;
-  const int e = lane < n
-                    ? expert_of(ids, lane, a.routed, slots - a.routed, a.num_experts, a.expert_base)
-                    : -1;
+  const int e =
+      lane < n ? expert_of(a.ids, lane, a.routed, slots - a.routed, a.num_experts, a.expert_base)
+               : -1;
   const unsigned peers = __match_any_sync(kFull, e);
   const unsigned below = peers & ((1u << lane) - 1u);
   const bool leader = e >= 0 && below == 0;  // the expert's first assignment
@@ -214,22 +212,9 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
   const int* tok = a.lists.sorted_token;  // token of sorted position tok_base + j
   int tok_base = 0;
   if (a.ids) {
-    const bool first = blockIdx.x == 0 && blockIdx.y == 0;  // stores what later kernels read
-    const int32_t* ids = a.ids;
-    if (a.routes) {  // the router's choice first, a warp per token, kept here as ids
-      __shared__ int32_t picked[kWarpListMax];
-      const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-      for (int t = warp; t < a.num_tokens; t += kWarps) {
-        const route::Pick pk =
-            route::route_token(a.route, a.route.logits + t * a.route.logit_stride, lane);
-        if (lane < a.routed) picked[t * a.routed + lane] = pk.id;
-        if (first) route::store_picks(a.route, t, lane, pk);
-      }
-      __syncthreads();
-      ids = picked;
-    }
     if (threadIdx.x < 32) {
-      const ActiveExpert found = warp_lists(a, ids, blockIdx.y, warp_tok, first);
+      const ActiveExpert found =
+          warp_lists(a, blockIdx.y, warp_tok, blockIdx.x == 0 && blockIdx.y == 0);
       if (threadIdx.x == 0) warp_act = found;
     }
     __syncthreads();
