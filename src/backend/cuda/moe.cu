@@ -46,9 +46,6 @@ struct DeviceState {
   std::map<cudaStream_t, int*> tile_done;
 };
 
-// Row tiles the decode path's fused combine counts arrivals for (the down grid's width).
-constexpr int kTileCounters = 4096;
-
 // Zeroed counters for the fused combine on `stream`: allocated on its first use outside graph
 // capture (null while capturing before that: the combine then takes its own launch). The kernel
 // leaves them zero.
@@ -57,8 +54,8 @@ int* tile_counters(DeviceState& dev, cudaStream_t stream) {
   if (it != dev.tile_done.end()) return it->second;
   if (stream_capturing(stream)) return nullptr;
   void* d = nullptr;
-  moe::check(cudaMalloc(&d, kTileCounters * sizeof(int)), "counter alloc");
-  cudaError_t e = cudaMemsetAsync(d, 0, kTileCounters * sizeof(int), stream);
+  moe::check(cudaMalloc(&d, moe::kTileCounters * sizeof(int)), "counter alloc");
+  cudaError_t e = cudaMemsetAsync(d, 0, moe::kTileCounters * sizeof(int), stream);
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) {
     cudaFree(d);
@@ -431,7 +428,6 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
         a.out_stride = p.out.row_stride() / 4;
         a.weights = p.weights.ptr<float>();
         a.tile_done = tile_counters(dev, ctx.stream);
-        a.tile_capacity = kTileCounters;
       }
       if (moe::launch_decode_ffn(a, ctx.stream)) return;
     }

@@ -274,6 +274,10 @@ __device__ __forceinline__ auto down_start(int64_t prefetch, Lookup lookup, Ask 
 }
 #endif
 
+// Row tiles the decode path's fused combine can count arrivals for (the down grid's width; a
+// wider grid keeps the combine launch).
+constexpr int kTileCounters = 4096;
+
 struct DecodeFfnArgs : FfnProblem {
   const ExpertPtrs* experts = nullptr;  // device [E]
   WeightKind kind = WeightKind::BF16;
@@ -286,8 +290,7 @@ struct DecodeFfnArgs : FfnProblem {
   int64_t out_stride = 0;
   const float* weights = nullptr;
   int routed = 0;            // routed slots per token (top_k - shared)
-  int* tile_done = nullptr;  // [tile_capacity] arrival counters, all zero between launches
-  int tile_capacity = 0;
+  int* tile_done = nullptr;  // [kTileCounters] arrival counters, all zero between launches
   // Steps of at most kWarpListMax assignments: with ids [T, routed] the gate/up kernel builds
   // the token lists itself (one warp per CTA; CTA (0, 0) also stores the lists the down kernel
   // and the combine read), in place of the token-list kernel. prefetch must be 0 then: the

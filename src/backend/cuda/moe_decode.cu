@@ -429,7 +429,7 @@ bool launch_down(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream) {
   const int rows = units * kRows;
   const dim3 grid(unsigned((a.hidden + rows - 1) / rows), slots);
   DecodeFfnArgs d = a;
-  if (a.tile_done == nullptr || int64_t(grid.x) > a.tile_capacity) d.out = nullptr;
+  if (a.tile_done == nullptr || grid.x > unsigned(kTileCounters)) d.out = nullptr;
   pdl::launch(down_kernel<K, TC>, grid, kThreads, smem, stream, d, units);
   return d.out != nullptr;
 }
