@@ -344,6 +344,14 @@ class Backend {
   virtual void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
                          TensorView weights) = 0;
   virtual void moe_ffn(const MoeFfnParams& p) = 0;
+  // moe_route(logits, route, ffn.ids, ffn.weights), then moe_ffn(ffn): the router's choice and
+  // the experts in one call, so a backend may fuse them (CUDA: small decode steps run both in
+  // one kernel). ffn.ids and ffn.weights hold moe_route's results afterwards.
+  virtual void moe_routed_ffn(const TensorView& logits, const MoeRouteParams& route,
+                              const MoeFfnParams& ffn) {
+    moe_route(logits, route, ffn.ids, ffn.weights);
+    moe_ffn(ffn);
+  }
   // ids[r] = index of the largest logits[r, :] (the lowest index among equal maxima).
   // logits: [R, V] F32 (contiguous); ids: [R] I32. Greedy sampling without moving the logits
   // to the host. The base version goes through host memory (right for the CPU).

@@ -254,13 +254,26 @@ void ProfilingBackend::moe_route(const TensorView& logits, const MoeRouteParams&
         [&] { inner_.moe_route(logits, p, ids, weights); });
 }
 
-void ProfilingBackend::moe_ffn(const MoeFfnParams& p) {
+namespace {
+std::string moe_ffn_label(const MoeFfnParams& p) {
   std::string label = "moe_ffn T=" + std::to_string(p.x.rows()) +
                       " E=" + std::to_string(p.experts.size()) +
                       " k=" + std::to_string(p.ids.cols());
   if (!p.experts.empty())
     label += " " + dims(p.experts[0].gate) + " " + dt(p.experts[0].gate.dtype);
-  timed("moe_ffn", label, [&] { inner_.moe_ffn(p); });
+  return label;
+}
+}  // namespace
+
+void ProfilingBackend::moe_ffn(const MoeFfnParams& p) {
+  timed("moe_ffn", moe_ffn_label(p), [&] { inner_.moe_ffn(p); });
+}
+
+// One op (the router's choice included), as the inner backend may run it in one kernel chain.
+void ProfilingBackend::moe_routed_ffn(const TensorView& logits, const MoeRouteParams& route,
+                                      const MoeFfnParams& ffn) {
+  timed("moe_ffn", moe_ffn_label(ffn) + " +route",
+        [&] { inner_.moe_routed_ffn(logits, route, ffn); });
 }
 
 void ProfilingBackend::argmax(const TensorView& logits, TensorView ids) {

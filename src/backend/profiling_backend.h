@@ -91,6 +91,8 @@ class ProfilingBackend final : public Backend {
   void moe_route(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
                  TensorView weights) override;
   void moe_ffn(const MoeFfnParams& p) override;
+  void moe_routed_ffn(const TensorView& logits, const MoeRouteParams& route,
+                      const MoeFfnParams& ffn) override;
   void argmax(const TensorView& logits, TensorView ids) override;
   void sample(const TensorView& logits, const SampleRow* rows, TensorView ids) override;
   void copy(const TensorView& src, TensorView dst) override;

@@ -531,7 +531,6 @@ class DeepseekV2 final : public Model {
     rp.norm_topk_prob = cfg_.moe_norm_topk_prob;
     rp.routed_scaling_factor = cfg_.moe_routed_scaling;
     rp.expert_counts = static_cast<int64_t*>(counts_buf_->data()) + int64_t(W.moe_index) * E;
-    be_.moe_route(logits, rp, ids, wts);
     MoeFfnParams fp;
     fp.x = xn;
     fp.ids = ids;
@@ -541,7 +540,7 @@ class DeepseekV2 final : public Model {
     fp.expert_base = cfg_.moe_expert_begin;
     fp.skip_foreign = cfg_.local_experts() != cfg_.moe_experts;
     fp.out = out;
-    be_.moe_ffn(fp);
+    be_.moe_routed_ffn(logits, rp, fp);
     if (cfg_.moe_shared_experts > 0 && W.num_shared == 0) {
       TensorView shared = shared_->view(DType::F32, {T, cfg_.hidden});
       mlp(W.mlp, xn, shared);

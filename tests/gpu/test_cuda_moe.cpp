@@ -634,5 +634,89 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
   }
 }
 
+// moe_routed_ffn in one launch (router's choice, experts and combine; decode steps of at most 32
+// assignments) gives the bits of the route kernel then the experts: outputs, ids, weights and
+// expert counts, greedy and group-limited, with and without shared experts, with the usual
+// route ties (route_logits), twice back to back without a sync (the second call runs on the
+// counters the first left), then replayed from a graph on new logits. T = 5 with shared experts
+// and T = 8 are past 32 assignments: the two-kernel path on both sides.
+TEST(CudaMoeFfn, RoutedFfnMatchesRouteThenFfn) {
+  DS_REQUIRE_GPU();
+  Backend& g = test::cuda_backend();
+  for (int S : {0, 2}) {
+    const auto ex = make_experts(64 + S, 512, 256, DType::BF16, 31 + uint64_t(S));
+    for (const RouteCase rc :
+         {RouteCase{"greedy", 64, 6, MoeTopk::Greedy, 1, 1, false, 1.0f},
+          RouteCase{"grouped", 64, 6, MoeTopk::GroupLimitedGreedy, 8, 3, true, 1.0f},
+          RouteCase{"scaled", 64, 4, MoeTopk::Greedy, 1, 1, false, 2.5f}}) {
+      for (int T : {1, 2, 3, 4, 5, 8}) {
+        SCOPED_TRACE(std::string(rc.name) + " shared " + std::to_string(S) + " T " +
+                     std::to_string(T));
+        DirectCuda d;
+        auto c = make_case(*ex, T, rc.k, false, uint64_t(900 + T), 0, S);
+        BackendTensor logits =
+            test::upload_floats(g, DType::F32, {T, rc.E}, route_logits(rc, T, uint64_t(77 + T)));
+        // Rows 1.. of a longer draw: its row 0 is the all-equal row, the same in both draws.
+        std::vector<float> draw2 = route_logits(rc, T + 1, uint64_t(88 + T));
+        draw2.erase(draw2.begin(), draw2.begin() + rc.E);
+        BackendTensor logits2 = test::upload_floats(g, DType::F32, {T, rc.E}, draw2);
+        BackendTensor counts = test::zeros(g, DType::I64, {rc.E});
+        MoeRouteParams rp;
+        rp.top_k = rc.k;
+        rp.method = rc.method;
+        rp.n_group = rc.n_group;
+        rp.topk_group = rc.topk_group;
+        rp.norm_topk_prob = rc.norm;
+        rp.routed_scaling_factor = rc.scale;
+        rp.expert_counts = counts.ptr<int64_t>();
+        struct Result {
+          std::vector<uint8_t> out, ids, w, counts;
+          bool operator==(const Result&) const = default;
+        };
+        auto result = [&] {
+          d.sync();
+          return Result{test::download_bytes(g, c->out.gpu), test::download_bytes(g, c->ids.gpu),
+                        test::download_bytes(g, c->w.gpu), test::download_bytes(g, counts)};
+        };
+        auto clear = [&] {
+          for (BackendTensor* t : {&c->out.gpu, &c->ids.gpu, &c->w.gpu, &counts})
+            MOE_CUDA_OK(cudaMemsetAsync(t->view.data, 0xff, t->view.nbytes(), d.stream()));
+          MOE_CUDA_OK(cudaMemsetAsync(counts.view.data, 0, counts.view.nbytes(), d.stream()));
+        };
+        g.synchronize();
+        Result want[2], got[2];
+        for (int one : {0, 1}) {
+          const test::Forced sw(cuda::g_moe_one_launch, one);
+          Result* r = one ? got : want;
+          for (int i = 0; i < 2; ++i) {  // the second call on the first's lists and counters
+            clear();
+            cuda::moe_routed_ffn(d.ctx(), i ? logits2.view : logits.view, rp, c->gpu,
+                                 cuda::MoeFfnPath::Decode);
+            r[i] = result();
+          }
+        }
+        EXPECT_TRUE(got[0] == want[0]) << "first logits";
+        EXPECT_TRUE(got[1] == want[1]) << "second logits";
+        EXPECT_FALSE(want[0].ids == want[1].ids) << "the two routings should differ";
+
+        // Captured with the first logits' buffer, replayed after the second's are copied in.
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
+        cuda::moe_routed_ffn(d.ctx(), logits.view, rp, c->gpu, cuda::MoeFfnPath::Decode);
+        MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
+        MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        MOE_CUDA_OK(cudaMemcpyAsync(logits.view.data, logits2.view.data, logits.view.nbytes(),
+                                    cudaMemcpyDeviceToDevice, d.stream()));
+        clear();
+        MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+        EXPECT_TRUE(result() == want[1]) << "graph replay";
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ds

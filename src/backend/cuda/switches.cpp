@@ -77,6 +77,10 @@ EnvSwitch g_moe_fused_combine{"DEEPSERVE_MOE_FUSED_COMBINE", "0", true};
 // Decode MoE steps of at most 32 assignments (moe::kWarpListMax): the gate/up kernel builds the
 // token lists itself, one launch fewer (off: the token-list kernel). The same bits either way.
 EnvSwitch g_moe_warp_lists{"DEEPSERVE_MOE_WARP_LISTS", "0", true};
+// With them and the fused combine, moe_routed_ffn runs the router's choice and the experts in
+// one launch (moe::launch_decode_one; off: the route kernel, then gate/up and down). The same
+// picks and bits either way.
+EnvSwitch g_moe_one_launch{"DEEPSERVE_MOE_ONE_LAUNCH", "0", true};
 // The most splits the MLA decode kernels cut a short context into (long ones: up to 128).
 EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
 
