@@ -684,10 +684,14 @@ TEST(CudaMoeFfn, RoutedFfnMatchesRouteThenFfn) {
           MOE_CUDA_OK(cudaMemsetAsync(counts.view.data, 0, counts.view.nbytes(), d.stream()));
         };
         g.synchronize();
-        Result want[2], got[2];
-        for (int one : {0, 1}) {
-          const test::Forced sw(cuda::g_moe_one_launch, one);
-          Result* r = one ? got : want;
+        // Modes: 0 the route kernel then the experts (the reference), 1 one launch as the
+        // backend sizes it, 2 with tickets, 3 with the base grid size (m = 1) and tickets.
+        Result want[2], got[4][2];
+        for (int mode : {0, 1, 2, 3}) {
+          const test::Forced sw(cuda::g_moe_one_launch, mode > 0);
+          const test::Forced tk(cuda::g_moe_one_tickets, mode >= 2 ? 1 : -1);
+          const test::Forced upw(cuda::g_moe_decode_upw, mode == 3 ? 1 : 0);
+          Result* r = mode ? got[mode] : want;
           for (int i = 0; i < 2; ++i) {  // the second call on the first's lists and counters
             clear();
             cuda::moe_routed_ffn(d.ctx(), i ? logits2.view : logits.view, rp, c->gpu,
@@ -695,8 +699,10 @@ TEST(CudaMoeFfn, RoutedFfnMatchesRouteThenFfn) {
             r[i] = result();
           }
         }
-        EXPECT_TRUE(got[0] == want[0]) << "first logits";
-        EXPECT_TRUE(got[1] == want[1]) << "second logits";
+        for (int mode : {1, 2, 3}) {
+          EXPECT_TRUE(got[mode][0] == want[0]) << "first logits, mode " << mode;
+          EXPECT_TRUE(got[mode][1] == want[1]) << "second logits, mode " << mode;
+        }
         EXPECT_FALSE(want[0].ids == want[1].ids) << "the two routings should differ";
 
         // Captured with the first logits' buffer, replayed after the second's are copied in.

@@ -305,12 +305,15 @@ __device__ __forceinline__ auto down_start(int64_t prefetch, Lookup lookup, Ask 
 // wider grid keeps the combine launch).
 constexpr int kTileCounters = 4096;
 // The one-launch decode MoE's counters, after the tile counters (DecodeFfnArgs::sync): its ticket
-// dispenser, the CTAs finished, the route flag and, per expert, its gate/up CTAs done.
+// dispenser, the CTAs finished, the route flag and, per expert, its gate/up CTAs done; each on
+// its own 128-byte line (kSyncStride ints apart), so the CTAs polling one do not slow the
+// atomics on another.
+constexpr int kSyncStride = 32;
 constexpr int kSyncTicket = 0;
-constexpr int kSyncFinished = 1;
-constexpr int kSyncRouted = 2;
-constexpr int kSyncHDone = 4;
-constexpr int kSyncCounters = kSyncHDone + kMaxExperts;
+constexpr int kSyncFinished = kSyncStride;
+constexpr int kSyncRouted = 2 * kSyncStride;
+constexpr int kSyncHDone = 3 * kSyncStride;  // expert e's: kSyncHDone + e * kSyncStride
+constexpr int kSyncCounters = kSyncHDone + kMaxExperts * kSyncStride;
 
 struct DecodeFfnArgs : FfnProblem {
   const ExpertPtrs* experts = nullptr;  // device [E]

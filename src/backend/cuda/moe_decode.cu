@@ -404,10 +404,10 @@ __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int uni
 }
 
 // ---- The one-launch decode MoE (moe_routed_ffn, steps of at most kWarpListMax assignments) ----
-// One grid does the router's choice, gate/up, down and the combine. CTAs take tickets in the
-// order they start (an atomic counter, not blockIdx), and a CTA only ever waits for work of
-// lower tickets, which CTAs already running hold: no wait can depend on a CTA that is not
-// resident, whatever the grid size. Tickets:
+// One grid does the router's choice, gate/up, down and the combine. A CTA only ever waits for
+// work of lower tickets. The ticket is blockIdx.x when the whole grid fits one wave of resident
+// CTAs (every CTA it waits for is then running or done); else CTAs take tickets in the order they
+// start (an atomic counter), so lower tickets are held by CTAs already running. Tickets:
 //   0                 the lead: the router's choice (route_token, a warp per token), stores
 //                     ids, weights, counts and the token lists, then raises the route flag;
 //   1 ..              gate/up tiles, the S shared experts' first (they hold every token at
@@ -422,23 +422,28 @@ struct OneLaunch {
   int gu_tiles = 0, dn_tiles = 0;  // CTAs per expert slot in each phase
   int routed_slots = 0;            // R: grid rows for routed experts (at most T * routed)
   int total = 0;                   // 1 + (S + R) * (gu_tiles + dn_tiles)
+  int poll_ns = 0;                 // sleep between polls (DEEPSERVE_MOE_ONE_POLL_NS)
+  bool tickets = false;            // work order from a counter (else blockIdx.x: all resident)
 };
 
-__device__ __forceinline__ int load_acquire(const int* p) {
+__device__ __forceinline__ int load_relaxed(const int* p) {
   int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
-// The CTA goes on once *p >= target (thread 0 polls). A wait past ~2 s traps: a lost count is a
-// bug to report, not a hang.
-__device__ __forceinline__ void cta_wait(const int* p, int target) {
+// The CTA goes on once *p >= target: thread 0 polls with relaxed loads (an acquire load at each
+// poll would also invalidate the SM's L1 each time) every poll_ns, then one fence orders the
+// CTA's reads after the counts it saw. A wait past ~2^25 polls traps: a lost count is a bug to
+// report, not a hang.
+__device__ __forceinline__ void cta_wait(const int* p, int target, int poll_ns) {
   if (threadIdx.x == 0) {
     unsigned polls = 0;
-    while (load_acquire(p) < target) {
-      __nanosleep(64);
+    while (load_relaxed(p) < target) {
+      if (poll_ns > 0) __nanosleep(unsigned(poll_ns));
       if (++polls > (1u << 25)) __trap();
     }
+    __threadfence();
   }
   __syncthreads();
 }
@@ -466,9 +471,12 @@ __global__ void __launch_bounds__(kThreads, kOneMinCtas<TC>)
   __shared__ int32_t ids_s[kWarpListMax];
   __shared__ int tok_s[kWarpListMax];
   __shared__ ActiveExpert act_s;
-  if (threadIdx.x == 0) ticket_s = atomicAdd(a.sync + kSyncTicket, 1);
-  __syncthreads();
-  const int ticket = ticket_s;
+  int ticket = int(blockIdx.x);
+  if (o.tickets) {
+    if (threadIdx.x == 0) ticket_s = atomicAdd(a.sync + kSyncTicket, 1);
+    __syncthreads();
+    ticket = ticket_s;
+  }
   const int T = int(a.num_tokens);
   const int E = a.num_experts, S = a.top_k - a.routed;
   const int n_ids = T * a.routed;
@@ -477,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, kOneMinCtas<TC>)
   auto shared_expert = [&](int j) { return ActiveExpert{E - S + j, n_ids + j * T, T}; };
   // Routed slot r's expert and tokens (tok_s), once the lead's ids are out; -1 past them.
   auto routed_expert = [&](int r) {
-    cta_wait(a.sync + kSyncRouted, 1);
+    cta_wait(a.sync + kSyncRouted, 1, o.poll_ns);
     if (threadIdx.x < n_ids) ids_s[threadIdx.x] = __ldcg(a.ids + threadIdx.x);
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -508,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, kOneMinCtas<TC>)
     const ActiveExpert act = shared ? shared_expert(slot) : routed_expert(slot - S);
     if (act.e >= 0) {
       gate_up_rows<K, TC>(a, act, shared ? nullptr : tok_s, 0, tile * o.gu_units * 2, o.gu_units);
-      cta_signal(a.sync + kSyncHDone + act.e);
+      cta_signal(a.sync + kSyncHDone + act.e * kSyncStride);
     }
   } else {
     const int i = ticket - 1 - gu_ctas;
@@ -516,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, kOneMinCtas<TC>)
     const ActiveExpert act = slot < S ? shared_expert(slot) : routed_expert(slot - S);
     const int r_tile = tile * o.dn_units * kRows;
     if (act.e >= 0) {
-      cta_wait(a.sync + kSyncHDone + act.e, o.gu_tiles);
+      cta_wait(a.sync + kSyncHDone + act.e * kSyncStride, o.gu_tiles, o.poll_ns);
       down_rows<K, TC, true>(a, act, r_tile, o.dn_units);
     }
     combine_row_tile<true>(a, tile, S + o.routed_slots, r_tile,
@@ -529,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, kOneMinCtas<TC>)
     a.sync[kSyncTicket] = 0;
     a.sync[kSyncFinished] = 0;
     a.sync[kSyncRouted] = 0;
-    for (int e = 0; e < E; ++e) a.sync[kSyncHDone + e] = 0;
+    for (int e = 0; e < E; ++e) a.sync[kSyncHDone + e * kSyncStride] = 0;
   }
 }
 
@@ -605,16 +613,31 @@ void launch_gate_up(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream)
 template <WeightKind K, int TC>
 void launch_one(const DecodeFfnArgs& a, cudaStream_t stream) {
   const size_t smem = size_t(TC) * std::max(a.hidden, a.inter) * 4;
-  const int resident = resident_per_sm(moe_one_kernel<K, TC>, smem);
+  const int64_t wave = int64_t(resident_per_sm(moe_one_kernel<K, TC>, smem)) * a.sm_count;
   const int S = a.top_k - a.routed;
   OneLaunch o;
   o.routed_slots = int(std::min<int64_t>(a.num_experts - S, a.num_tokens * a.routed));
-  const unsigned slots = unsigned(S + o.routed_slots);
-  o.gu_units = units_per_cta(TC, (a.inter + 1) / 2, slots, resident, a.sm_count);
-  o.dn_units = units_per_cta(TC, (a.hidden + kRows - 1) / kRows, slots, resident, a.sm_count);
-  o.gu_tiles = (a.inter + 2 * o.gu_units - 1) / (2 * o.gu_units);
-  o.dn_tiles = (a.hidden + kRows * o.dn_units - 1) / (kRows * o.dn_units);
-  o.total = 1 + int(slots) * (o.gu_tiles + o.dn_tiles);
+  const int slots = S + o.routed_slots;
+  auto size = [&](int units) {
+    o.gu_units = o.dn_units = units;
+    o.gu_tiles = (a.inter + 2 * units - 1) / (2 * units);
+    o.dn_tiles = (a.hidden + kRows * units - 1) / (kRows * units);
+    o.total = 1 + slots * (o.gu_tiles + o.dn_tiles);
+  };
+  // m units of the base size per warp: DEEPSERVE_MOE_DECODE_UPW, else the smallest m <= 8 whose
+  // whole grid is resident at once (then blockIdx orders the work; else tickets do).
+  const int base = units_for(TC);
+  const long long forced = g_moe_decode_upw.get();
+  if (forced > 0) {
+    size(base * int(std::min<long long>(forced, 64)));
+  } else {
+    for (int m = 1; m <= 8; ++m) {
+      size(base * m);
+      if (o.total <= wave) break;
+    }
+  }
+  o.tickets = o.total > wave || g_moe_one_tickets.on();
+  o.poll_ns = int(std::clamp<long long>(g_moe_one_poll_ns.get(), 0, 100000));
   DS_CHECK(o.dn_tiles <= kTileCounters, "moe one-launch: too many row tiles");
   pdl::launch(moe_one_kernel<K, TC>, dim3(unsigned(o.total)), kThreads, smem, stream, a, o);
 }

@@ -81,6 +81,10 @@ EnvSwitch g_moe_warp_lists{"DEEPSERVE_MOE_WARP_LISTS", "0", true};
 // one launch (moe::launch_decode_one; off: the route kernel, then gate/up and down). The same
 // picks and bits either way.
 EnvSwitch g_moe_one_launch{"DEEPSERVE_MOE_ONE_LAUNCH", "0", true};
+// Its waiting CTAs poll a counter every this many ns (__nanosleep; 1 for none).
+EnvCount g_moe_one_poll_ns{"DEEPSERVE_MOE_ONE_POLL_NS", 200};
+// Its CTAs take their work from an atomic counter even when the whole grid fits one wave.
+EnvSwitch g_moe_one_tickets{"DEEPSERVE_MOE_ONE_TICKETS", "1", false};
 // The most splits the MLA decode kernels cut a short context into (long ones: up to 128).
 EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
 
