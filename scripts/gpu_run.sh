@@ -29,7 +29,8 @@
 #   multigpu  (2+ GPUs) the TP/EP GPU tests, the collective micro-benchmark, and W1/W2 on the
 #           lite checkpoint at --tensor-parallel-size 2, with and without expert parallelism
 #   abenv   bench AB_WORKLOADS under each VAR=value of AB_ENVS (A/B of a run-time knob), e.g.
-#           AB_ENVS="DEEPSERVE_PDL=0 DEEPSERVE_MLA_PREPARE=0 DEEPSERVE_MOE_PREFILL=wide"
+#           AB_ENVS="DEEPSERVE_PDL=0 DEEPSERVE_MLA_PREPARE=0 DEEPSERVE_MOE_PREFILL=wide";
+#           AB_ROUNDS=3 runs the defaults and every item in turn, three times
 #   abarg   bench ABARG_WORKLOADS (default w2; not AB_WORKLOADS, which is abenv's) under each of
 #           AB_ARGS (bench options, several joined by commas), e.g. AB_ARGS="--prefill-first-steps=0"
 #           (A/B of an engine setting)
@@ -197,15 +198,24 @@ fi
 if has_stage abenv; then
   # A/B runs of AB_WORKLOADS under each of AB_ENVS (space-separated items, each VAR=value or
   # several joined by commas), e.g. AB_ENVS="DEEPSERVE_MOE_STREAMS=1 A=1,B=2" AB_WORKLOADS=prefill.
-  for kv in ${AB_ENVS:-}; do
-    tag=$(env_tag "$kv")
-    for w in ${AB_WORKLOADS:-w3 w1}; do
-      log "bench $w with $kv"
-      env $(env_args "$kv") DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
-        --output "$OUT/bench-$tag-$w.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
-        >"$OUT/bench-$tag-$w.log" 2>&1
-      log "bench $w ($kv) rc=$?"
-      tail -4 "$OUT/bench-$tag-$w.log" | head -2
+  # AB_ROUNDS=N (N > 1) interleaves: N rounds of the defaults then each item, files
+  # bench-{default,<tag>}-<w>-r<k>.json. One pair of runs can differ by as much as the change
+  # being measured (W3 on two instances, 2026-12-04 in docs/PERFORMANCE.md); rounds tell them apart.
+  rounds=${AB_ROUNDS:-1}
+  for ((round = 1; round <= rounds; round++)); do
+    items=${AB_ENVS:-}
+    suffix=""
+    if [ "$rounds" -gt 1 ]; then items="default $items"; suffix="-r$round"; fi
+    for kv in $items; do
+      if [ "$kv" = default ]; then tag=default; args=""; else tag=$(env_tag "$kv"); args=$(env_args "$kv"); fi
+      for w in ${AB_WORKLOADS:-w3 w1}; do
+        log "bench $w with $kv${suffix:+, round $round}"
+        env $args DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
+          --output "$OUT/bench-$tag-$w$suffix.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
+          >"$OUT/bench-$tag-$w$suffix.log" 2>&1
+        log "bench $w ($kv${suffix:+, round $round}) rc=$?"
+        tail -4 "$OUT/bench-$tag-$w$suffix.log" | head -2
+      done
     done
   done
 fi
