@@ -30,7 +30,8 @@
 #           lite checkpoint at --tensor-parallel-size 2, with and without expert parallelism
 #   abenv   bench AB_WORKLOADS under each VAR=value of AB_ENVS (A/B of a run-time knob), e.g.
 #           AB_ENVS="DEEPSERVE_PDL=0 DEEPSERVE_MLA_PREPARE=0 DEEPSERVE_MOE_PREFILL=wide";
-#           AB_ROUNDS=3 runs the defaults and every item in turn, three times
+#           AB_ROUNDS=3 runs the defaults and every item in turn, three times (tools/ab_table.py
+#           prints the medians)
 #   abarg   bench ABARG_WORKLOADS (default w2; not AB_WORKLOADS, which is abenv's) under each of
 #           AB_ARGS (bench options, several joined by commas), e.g. AB_ARGS="--prefill-first-steps=0"
 #           (A/B of an engine setting)

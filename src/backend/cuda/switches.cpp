@@ -79,8 +79,8 @@ EnvSwitch g_moe_fused_combine{"DEEPSERVE_MOE_FUSED_COMBINE", "0", true};
 EnvSwitch g_moe_warp_lists{"DEEPSERVE_MOE_WARP_LISTS", "0", true};
 // With them and the fused combine, moe_routed_ffn runs the router's choice and the experts in
 // one launch (moe::launch_decode_one; off: the route kernel, then gate/up and down). The same
-// picks and bits either way. Off by default: on the H200 W3 measured slower with it (TPOT 2.89
-// against 2.85-2.87 ms, interleaved; docs/PERFORMANCE.md, 2026-12-04).
+// picks and bits either way. Off by default: on the H200 W3 measured slower with it (TPOT p50
+// 2.89 against 2.86 ms, interleaved; docs/PERFORMANCE.md, 2026-12-04).
 EnvSwitch g_moe_one_launch{"DEEPSERVE_MOE_ONE_LAUNCH", "1", false};
 // Its waiting CTAs poll a counter every this many ns (__nanosleep; 1 for none).
 EnvCount g_moe_one_poll_ns{"DEEPSERVE_MOE_ONE_POLL_NS", 200};
