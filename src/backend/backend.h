@@ -345,8 +345,9 @@ class Backend {
                          TensorView weights) = 0;
   virtual void moe_ffn(const MoeFfnParams& p) = 0;
   // moe_route(logits, route, ffn.ids, ffn.weights), then moe_ffn(ffn): the router's choice and
-  // the experts in one call, so a backend may fuse them (CUDA: small decode steps run both in
-  // one kernel). ffn.ids and ffn.weights hold moe_route's results afterwards.
+  // the experts in one call, so a backend may fuse them (none does: the CUDA fusions tried,
+  // 8efb0c9 and 6e58052, measured slower). ffn.ids and ffn.weights hold moe_route's results
+  // afterwards.
   virtual void moe_routed_ffn(const TensorView& logits, const MoeRouteParams& route,
                               const MoeFfnParams& ffn) {
     moe_route(logits, route, ffn.ids, ffn.weights);

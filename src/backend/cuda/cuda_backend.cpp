@@ -413,11 +413,6 @@ class CudaBackend final : public Backend {
     if (!p.experts.empty()) require(Op::MoeFfn, p.experts.front().gate.dtype);
     cuda::moe_ffn(ctx_, p);
   }
-  void moe_routed_ffn(const TensorView& logits, const MoeRouteParams& route,
-                      const MoeFfnParams& ffn) override {
-    if (!ffn.experts.empty()) require(Op::MoeFfn, ffn.experts.front().gate.dtype);
-    cuda::moe_routed_ffn(ctx_, logits, route, ffn);
-  }
 
   void silu_mul(const TensorView& gate_up, TensorView out) override {
     cuda::launch_silu_mul(gate_up, out, stream_);

@@ -13,7 +13,6 @@
 #include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/moe.cuh"
-#include "backend/cuda/moe_route.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/switches.h"
 #include "backend/cuda/wq_dequant.cuh"
@@ -43,22 +42,20 @@ struct DeviceState {
   std::array<cublasHandle_t, moe::kPrefillStreams> cublas{};
   std::array<cudaEvent_t, moe::kPrefillStreams + 1 + moe::kExpandChunks> events{};
   bool prefill_ready = false;
-  // The decode path's counters (fused combine, then the one-launch kernel's: moe.cuh), per
-  // stream (launches on one stream never overlap).
+  // The decode path's fused-combine counters, per stream (launches on one stream never overlap).
   std::map<cudaStream_t, int*> tile_done;
 };
 
-// Zeroed counters for the fused combine and the one-launch kernel on `stream`: allocated on its
-// first use outside graph capture (null while capturing before that: the combine then takes its
-// own launch, the route too). The kernels leave them zero.
+// Zeroed counters for the fused combine on `stream`: allocated on its first use outside graph
+// capture (null while capturing before that: the combine then takes its own launch). The kernel
+// leaves them zero.
 int* tile_counters(DeviceState& dev, cudaStream_t stream) {
   auto it = dev.tile_done.find(stream);
   if (it != dev.tile_done.end()) return it->second;
   if (stream_capturing(stream)) return nullptr;
   void* d = nullptr;
-  const size_t bytes = (moe::kTileCounters + moe::kSyncCounters) * sizeof(int);
-  moe::check(cudaMalloc(&d, bytes), "counter alloc");
-  cudaError_t e = cudaMemsetAsync(d, 0, bytes, stream);
+  moe::check(cudaMalloc(&d, moe::kTileCounters * sizeof(int)), "counter alloc");
+  cudaError_t e = cudaMemsetAsync(d, 0, moe::kTileCounters * sizeof(int), stream);
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) {
     cudaFree(d);
@@ -257,30 +254,11 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, in
 
 }  // namespace
 
-namespace {
-void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
-                 const route::RouteArgs* route);
-}  // namespace
-
 void moe_ffn(const Context& ctx, const MoeFfnParams& p) {
-  run_moe_ffn(ctx, p, MoeFfnPath::Auto, nullptr);
+  moe_ffn(ctx, p, MoeFfnPath::Auto);
 }
 
 void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
-  run_moe_ffn(ctx, p, path, nullptr);
-}
-
-void moe_routed_ffn(const Context& ctx, const TensorView& logits, const MoeRouteParams& rp,
-                    const MoeFfnParams& p, MoeFfnPath path) {
-  const route::RouteArgs ra = route::route_args(logits, rp, p.ids, p.weights);
-  run_moe_ffn(ctx, p, path, &ra);
-}
-
-namespace {
-
-// route: the router's choice still to make (into p.ids / p.weights) before the experts.
-void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
-                 const route::RouteArgs* route) {
   const int64_t T = p.x.rows();
   const int64_t E = int64_t(p.experts.size());
   const int k = int(p.ids.cols());
@@ -300,7 +278,6 @@ void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
                            " experts");
   DS_CHECK(ctx.scratch != nullptr, "moe_ffn: context without scratch");
   if (T == 0) return;
-  DS_CHECK(!route || route->num_tokens == T, "moe_routed_ffn: logits and x differ in rows");
 
   int device = 0;
   moe::check(cudaGetDevice(&device), "get device");
@@ -378,15 +355,6 @@ void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
   const int64_t prefetch = prefill || is_gguf_block_type(table.dtype) || warp_lists
                                ? 0
                                : pdl::prefetch_bytes(pdl::PrefetchKind::MoeDown);
-  // The decode kernels' counters (fused combine, one launch): made outside graph capture.
-  const bool decode = path == MoeFfnPath::Decode && !is_gguf_block_type(table.dtype);
-  int* counters = decode && g_moe_fused_combine.on() ? tile_counters(dev, ctx.stream) : nullptr;
-  // Small routed steps: the router's choice and the experts in one launch; else the route first.
-  const bool one_launch = route != nullptr && warp_lists && counters != nullptr &&
-                          g_moe_one_launch.on() && p.expert_base == 0 && !p.skip_foreign &&
-                          route->num_experts == E - S && route->top_k == k &&
-                          moe::one_launch_fits(T, H, F);
-  if (route != nullptr && !one_launch) route::launch_route(*route, ctx.stream);
   if (!warp_lists)
     moe::launch_token_lists(p.ids.ptr<int32_t>(), T, k, S, int(E), s.lists, ctx.stream,
                             p.expert_base);
@@ -455,18 +423,11 @@ void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
     if (is_gguf_block_type(table.dtype)) {
       moe::launch_gguf_ffn(a, table.dtype, ctx.stream);
     } else {
-      if (counters != nullptr) {  // the down kernel combines (one launch fewer)
+      if (g_moe_fused_combine.on()) {  // the down kernel combines (one launch fewer)
         a.out = p.out.ptr<float>();
         a.out_stride = p.out.row_stride() / 4;
         a.weights = p.weights.ptr<float>();
-        a.tile_done = counters;
-      }
-      if (one_launch) {
-        a.route = *route;
-        a.routes = true;
-        a.sync = counters + moe::kTileCounters;
-        moe::launch_decode_one(a, ctx.stream);
-        return;
+        a.tile_done = tile_counters(dev, ctx.stream);
       }
       if (moe::launch_decode_ffn(a, ctx.stream)) return;
     }
@@ -476,5 +437,4 @@ void run_moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
                       p.out.row_stride() / 4, ctx.stream, y_stride);
 }
 
-}  // namespace
 }  // namespace ds::cuda

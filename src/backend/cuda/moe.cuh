@@ -81,33 +81,6 @@ inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, boo
   return capturing || wide ? MoeFfnPath::Wide : MoeFfnPath::Prefill;
 }
 void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
-// moe_route(logits, route, p.ids, p.weights) then moe_ffn(p) (Backend::moe_routed_ffn): the
-// decode path's small steps (token lists built in the gate/up kernel) run the route, the experts
-// and the combine in one launch (moe::launch_decode_one).
-void moe_routed_ffn(const Context& ctx, const TensorView& logits, const MoeRouteParams& route,
-                    const MoeFfnParams& p, MoeFfnPath path = MoeFfnPath::Auto);
-
-// What the router's kernel reads and writes (moe_route.cuh): logits [T, E] -> ids, weights
-// [T, top_k] and the optional per-expert counts.
-namespace route {
-struct RouteArgs {
-  const float* logits = nullptr;  // [T, E], row stride logit_stride elements
-  int64_t logit_stride = 0;
-  int64_t num_tokens = 0;
-  int num_experts = 0;
-  int top_k = 0;
-  bool group_limited = false;
-  int n_group = 1;
-  int topk_group = 1;
-  bool norm = false;
-  float scale = 1.0f;
-  int32_t* ids = nullptr;  // [T, k]
-  int64_t ids_stride = 0;
-  float* weights = nullptr;  // [T, k]
-  int64_t weights_stride = 0;
-  unsigned long long* counts = nullptr;  // [E] or null
-};
-}  // namespace route
 
 // ---- internals shared by moe*.cu --------------------------------------------------------
 namespace moe {
@@ -304,16 +277,6 @@ __device__ __forceinline__ auto down_start(int64_t prefetch, Lookup lookup, Ask 
 // Row tiles the decode path's fused combine can count arrivals for (the down grid's width; a
 // wider grid keeps the combine launch).
 constexpr int kTileCounters = 4096;
-// The one-launch decode MoE's counters, after the tile counters (DecodeFfnArgs::sync): its ticket
-// dispenser, the CTAs finished, the route flag and, per expert, its gate/up CTAs done; each on
-// its own 128-byte line (kSyncStride ints apart), so the CTAs polling one do not slow the
-// atomics on another.
-constexpr int kSyncStride = 32;
-constexpr int kSyncTicket = 0;
-constexpr int kSyncFinished = kSyncStride;
-constexpr int kSyncRouted = 2 * kSyncStride;
-constexpr int kSyncHDone = 3 * kSyncStride;  // expert e's: kSyncHDone + e * kSyncStride
-constexpr int kSyncCounters = kSyncHDone + kMaxExperts * kSyncStride;
 
 struct DecodeFfnArgs : FfnProblem {
   const ExpertPtrs* experts = nullptr;  // device [E]
@@ -334,21 +297,8 @@ struct DecodeFfnArgs : FfnProblem {
   // lists are written one launch before the down kernel, not two.
   const int32_t* ids = nullptr;
   int expert_base = 0;
-  // launch_decode_one only: the router's choice to make first (into route.ids = ids, weights
-  // and counts), and its counters (kSyncCounters, zero between launches).
-  route::RouteArgs route;
-  bool routes = false;
-  int* sync = nullptr;
 };
 constexpr int64_t kWarpListMax = 32;
-
-// Whether launch_decode_one takes a step of these sizes (both phases pass the same tokens).
-bool one_launch_fits(int64_t num_tokens, int hidden, int inter);
-// The router's choice (a.route), gate/up, down and the combine (into a.out) in one launch, the
-// bits of route + launch_decode_ffn with the fused combine: for steps of at most kWarpListMax
-// assignments, no expert parallelism (expert_base 0), a.routes, a.ids = a.route.ids, a.sync and
-// a.tile_done set.
-void launch_decode_one(const DecodeFfnArgs& a, cudaStream_t stream);
 
 // Gate/up then down over the token lists. Grid sizes depend only on T, top_k, E, shapes and
 // sm_count. With a.out (and a.tile_done for the down grid's row tiles) the down kernel also does

@@ -14,7 +14,6 @@
 #include <utility>
 
 #include "backend/cuda/moe.cuh"
-#include "backend/cuda/moe_route.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/switches.h"
 #include "backend/cuda/weight_stream.cuh"
@@ -42,16 +41,14 @@ __device__ __forceinline__ int stage_index(int k, int chunks) {
 }
 
 // Copies nt rows of length K (F32, global) into shared memory in the staged layout.
-// L2: src was written by another CTA of this launch (read through L2 only, ld.global.cg).
-template <int V, bool L2 = false>
+template <int V>
 __device__ __forceinline__ void stage_rows(float* xs, const float* src, int64_t src_stride,
                                            const int* row_ids, int row_base, int nt, int K) {
   const int chunks = K / V;
   for (int j = 0; j < nt; ++j) {
     const int64_t r = row_ids ? row_ids[row_base + j] : row_base + j;
     const float* s = src + r * src_stride;
-    for (int k = threadIdx.x; k < K; k += kThreads)
-      xs[j * K + stage_index<V>(k, chunks)] = L2 ? __ldcg(s + k) : s[k];
+    for (int k = threadIdx.x; k < K; k += kThreads) xs[j * K + stage_index<V>(k, chunks)] = s[k];
   }
 }
 
@@ -144,20 +141,19 @@ __device__ __forceinline__ ActiveExpert active_expert(const DecodeFfnArgs& a, in
   return {e, begin, list_int<L2>(a.lists.offsets + e + 1) - begin};
 }
 
-// The token lists of a step of at most kWarpListMax assignments, by one warp from ids [T, routed]
-// alone (global or shared memory), in
+// The token lists of a step of at most kWarpListMax assignments, by one warp from ids alone, in
 // the token-list kernel's order (experts ascending, an expert's assignments by index): returns
 // slot `slot`'s active expert and its sorted range, and puts its tokens in tok[0, count). store:
 // also writes the lists the down kernel and the combine read (pos, sorted_token, active,
 // n_active and the active experts' offsets).
-__device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, const int32_t* ids,
-                                                   int slot, int* tok, bool store) {
+__device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, int slot, int* tok,
+                                                   bool store) {
   const int lane = threadIdx.x & 31;
   const int slots = a.top_k;
   const int n = int(a.num_tokens) * slots;
-  const int e = lane < n
-                    ? expert_of(ids, lane, a.routed, slots - a.routed, a.num_experts, a.expert_base)
-                    : -1;
+  const int e =
+      lane < n ? expert_of(a.ids, lane, a.routed, slots - a.routed, a.num_experts, a.expert_base)
+               : -1;
   const unsigned peers = __match_any_sync(kFull, e);
   const unsigned below = peers & ((1u << lane) - 1u);
   const bool leader = e >= 0 && below == 0;  // the expert's first assignment
@@ -202,15 +198,33 @@ __device__ __forceinline__ float silu(float g) {
   return g / (1.0f + expf(-g));
 }
 
-// Gate/up rows [f_tile, f_tile + 2 * units_per_cta) of expert act.e for its act.count tokens: the
-// token at sorted position act.begin + j is row tok[tok_base + j] of x (tok null: row j).
+// Grid (ceil(F / rows_per_cta), min(E, N)); a warp's unit is 2 F-rows of gate and up.
 template <WeightKind K, int TC>
-__device__ __forceinline__ void gate_up_rows(const DecodeFfnArgs& a, const ActiveExpert& act,
-                                             const int* tok, int tok_base, int f_tile,
-                                             int units_per_cta) {
+__global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int units_per_cta) {
+  pdl::enter();
   constexpr int V = wstream::kChunkElems<K>;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
+  // The slot's expert and the rows of x its tokens are: from the token lists, or built here.
+  __shared__ int warp_tok[kWarpListMax];
+  __shared__ ActiveExpert warp_act;
+  ActiveExpert act;
+  const int* tok = a.lists.sorted_token;  // token of sorted position tok_base + j
+  int tok_base = 0;
+  if (a.ids) {
+    if (threadIdx.x < 32) {
+      const ActiveExpert found =
+          warp_lists(a, blockIdx.y, warp_tok, blockIdx.x == 0 && blockIdx.y == 0);
+      if (threadIdx.x == 0) warp_act = found;
+    }
+    __syncthreads();
+    act = warp_act;
+    tok = warp_tok;
+  } else {
+    act = active_expert(a, blockIdx.y);
+    tok_base = act.begin;
+  }
+  if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];
   const int esize = wstream::elem_bytes(K);
@@ -222,6 +236,7 @@ __device__ __forceinline__ void gate_up_rows(const DecodeFfnArgs& a, const Activ
   const int chunks = a.hidden / V;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
+  const int f_tile = blockIdx.x * units_per_cta * 2;
   // Weight rows of unit u: gate and up of F-rows f0 and f1 (the last row twice for odd F).
   auto unit_rows = [&](int f0, const uint8_t*(&rows)[kRows]) {
     const int f1 = min(f0 + 1, F - 1);
@@ -260,78 +275,35 @@ __device__ __forceinline__ void gate_up_rows(const DecodeFfnArgs& a, const Activ
   }
 }
 
-// Grid (ceil(F / rows_per_cta), min(E, N)); a warp's unit is 2 F-rows of gate and up.
-template <WeightKind K, int TC>
-__global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int units_per_cta) {
-  pdl::enter();
-  // The slot's expert and the rows of x its tokens are: from the token lists, or built here.
-  __shared__ int warp_tok[kWarpListMax];
-  __shared__ ActiveExpert warp_act;
-  ActiveExpert act;
-  const int* tok = a.lists.sorted_token;  // token of sorted position tok_base + j
-  int tok_base = 0;
-  if (a.ids) {
-    if (threadIdx.x < 32) {
-      const ActiveExpert found =
-          warp_lists(a, a.ids, blockIdx.y, warp_tok, blockIdx.x == 0 && blockIdx.y == 0);
-      if (threadIdx.x == 0) warp_act = found;
-    }
-    __syncthreads();
-    act = warp_act;
-    tok = warp_tok;
-  } else {
-    act = active_expert(a, blockIdx.y);
-    tok_base = act.begin;
-  }
-  if (act.e < 0) return;
-  gate_up_rows<K, TC>(a, act, tok, tok_base, blockIdx.x * units_per_cta * 2, units_per_cta);
-}
-
 // The fused combine, run by every CTA of the down grid after its rows of y are stored (active
-// expert or not): the last of the `arrivals` CTAs of row tile `tile` to arrive (one counter per
-// tile, reset by that CTA for the next launch) writes out[t, r_tile .. + rows) for every token
-// through combine_cols, as the combine kernel does (moe_lists.cu), so the bits are the same.
-// Fresh: the lists' pos and the weights were written in this launch (at most kWarpListMax
-// each): read through L2 into shared memory first.
-template <bool Fresh = false>
-__device__ __forceinline__ void combine_row_tile(const DecodeFfnArgs& a, int tile, int arrivals,
-                                                 int r_tile, int rows) {
+// expert or not): the last CTA of row tile blockIdx.x to arrive (one counter per tile, reset by
+// that CTA for the next launch) writes out[t, r_tile .. + rows) for every token through
+// combine_cols, as the combine kernel does (moe_lists.cu), so the bits are the same.
+__device__ __forceinline__ void combine_row_tile(const DecodeFfnArgs& a, int r_tile, int rows) {
   __shared__ int last;
   __threadfence();  // this thread's y stores are visible before the CTA is counted
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = atomicAdd(a.tile_done + tile, 1) == arrivals - 1;
-    if (last) a.tile_done[tile] = 0;
+    last = atomicAdd(a.tile_done + blockIdx.x, 1) == int(gridDim.y) - 1;
+    if (last) a.tile_done[blockIdx.x] = 0;
   }
   __syncthreads();
   if (!last) return;
   __threadfence();
   const int slots = a.top_k;
-  const int* pos = a.lists.pos;
-  const float* weights = a.weights;
-  if constexpr (Fresh) {
-    __shared__ int pos_s[kWarpListMax];
-    __shared__ float weights_s[kWarpListMax];
-    if (threadIdx.x < a.num_tokens * slots) pos_s[threadIdx.x] = __ldcg(pos + threadIdx.x);
-    if (threadIdx.x < a.num_tokens * a.routed)
-      weights_s[threadIdx.x] = __ldcg(weights + threadIdx.x);
-    __syncthreads();
-    pos = pos_s;
-    weights = weights_s;
-  }
   const int64_t n = a.num_tokens * rows;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
     const int64_t t = i / rows;
     const int r = r_tile + int(i - t * rows);
     float acc[1];
-    combine_cols<1, true>(a.y, a.hidden, pos + t * slots, weights + t * a.routed, a.routed, slots,
-                          r, acc);
+    combine_cols<1, true>(a.y, a.hidden, a.lists.pos + t * slots, a.weights + t * a.routed,
+                          a.routed, slots, r, acc);
     a.out[t * a.out_stride + r] = acc[0];
   }
 }
 
 // A down CTA's rows [r_tile, r_tile + units_per_cta * kRows) of expert act.e for its tokens.
-template <WeightKind K, int TC, bool L2 = false>
+template <WeightKind K, int TC>
 __device__ __forceinline__ void down_rows(const DecodeFfnArgs& a, const ActiveExpert& act,
                                           int r_tile, int units_per_cta) {
   constexpr int V = wstream::kChunkElems<K>;
@@ -361,7 +333,7 @@ __device__ __forceinline__ void down_rows(const DecodeFfnArgs& a, const ActiveEx
   for (int t0 = 0; t0 < count; t0 += TC) {
     const int nt = min(TC, count - t0);
     if (t0 > 0) __syncthreads();
-    stage_rows<V, L2>(xs, a.h, F, nullptr, begin + t0, nt, F);
+    stage_rows<V>(xs, a.h, F, nullptr, begin + t0, nt, F);
     __syncthreads();
     for (int u = warp; u < units_per_cta; u += kWarps) {
       const int r0 = r_tile + kRows * u;
@@ -400,145 +372,7 @@ __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int uni
                          min(a.prefetch, ((tile_rows - 1) * ex.down_ld + F) * esize));
       });
   if (act.e >= 0) down_rows<K, TC>(a, act, r_tile, units_per_cta);
-  if (a.out) combine_row_tile(a, blockIdx.x, int(gridDim.y), r_tile, tile_rows);
-}
-
-// ---- The one-launch decode MoE (moe_routed_ffn, steps of at most kWarpListMax assignments) ----
-// One grid does the router's choice, gate/up, down and the combine. A CTA only ever waits for
-// work of lower tickets. The ticket is blockIdx.x when the whole grid fits one wave of resident
-// CTAs (every CTA it waits for is then running or done); else CTAs take tickets in the order they
-// start (an atomic counter), so lower tickets are held by CTAs already running. Tickets:
-//   0                 the lead: the router's choice (route_token, a warp per token), stores
-//                     ids, weights, counts and the token lists, then raises the route flag;
-//   1 ..              gate/up tiles, the S shared experts' first (they hold every token at
-//                     known sorted positions, so they start at once, alongside the lead), then
-//                     the routed slots' (after the flag); each counts itself on its expert;
-//   then              down tiles in the same order: each waits for all gate/up tiles of its
-//                     expert, and the last CTA of each row tile does the combine.
-// The last CTA to finish resets the counters. Every sum is the two-kernel path's, so the bits
-// are the same.
-struct OneLaunch {
-  int gu_units = 0, dn_units = 0;  // row units per CTA
-  int gu_tiles = 0, dn_tiles = 0;  // CTAs per expert slot in each phase
-  int routed_slots = 0;            // R: grid rows for routed experts (at most T * routed)
-  int total = 0;                   // 1 + (S + R) * (gu_tiles + dn_tiles)
-  int poll_ns = 0;                 // sleep between polls (DEEPSERVE_MOE_ONE_POLL_NS)
-  bool tickets = false;            // work order from a counter (else blockIdx.x: all resident)
-};
-
-__device__ __forceinline__ int load_relaxed(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// The CTA goes on once *p >= target: thread 0 polls with relaxed loads (an acquire load at each
-// poll would also invalidate the SM's L1 each time) every poll_ns, then one fence orders the
-// CTA's reads after the counts it saw. A wait past ~2^25 polls traps: a lost count is a bug to
-// report, not a hang.
-__device__ __forceinline__ void cta_wait(const int* p, int target, int poll_ns) {
-  if (threadIdx.x == 0) {
-    unsigned polls = 0;
-    while (load_relaxed(p) < target) {
-      if (poll_ns > 0) __nanosleep(unsigned(poll_ns));
-      if (++polls > (1u << 25)) __trap();
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
-// Counts the CTA on *p once every thread's stores are visible.
-__device__ __forceinline__ void cta_signal(int* p) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) atomicAdd(p, 1);
-}
-
-// At TC <= 2 the two-kernel path's gate/up and down kernels fit 72 registers (7 CTAs per SM); so
-// must this one, whose router code would otherwise take it to ~120 (4 CTAs per SM). Larger
-// passes need more (72 spills there): as many as theirs (96 at TC = 4, 128 at 8).
-template <int TC>
-constexpr int kOneMinCtas = TC <= 2   ? 7
-                            : TC == 4 ? 5
-                                      : 4;
-
-template <WeightKind K, int TC>
-__global__ void __launch_bounds__(kThreads, kOneMinCtas<TC>)
-    moe_one_kernel(DecodeFfnArgs a, OneLaunch o) {
-  pdl::enter();
-  __shared__ int ticket_s;
-  __shared__ int32_t ids_s[kWarpListMax];
-  __shared__ int tok_s[kWarpListMax];
-  __shared__ ActiveExpert act_s;
-  int ticket = int(blockIdx.x);
-  if (o.tickets) {
-    if (threadIdx.x == 0) ticket_s = atomicAdd(a.sync + kSyncTicket, 1);
-    __syncthreads();
-    ticket = ticket_s;
-  }
-  const int T = int(a.num_tokens);
-  const int E = a.num_experts, S = a.top_k - a.routed;
-  const int n_ids = T * a.routed;
-  const int gu_ctas = (S + o.routed_slots) * o.gu_tiles;
-  // Shared expert j: the last S experts, every token, after all routed assignments.
-  auto shared_expert = [&](int j) { return ActiveExpert{E - S + j, n_ids + j * T, T}; };
-  // Routed slot r's expert and tokens (tok_s), once the lead's ids are out; -1 past them.
-  auto routed_expert = [&](int r) {
-    cta_wait(a.sync + kSyncRouted, 1, o.poll_ns);
-    if (threadIdx.x < n_ids) ids_s[threadIdx.x] = __ldcg(a.ids + threadIdx.x);
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      const ActiveExpert found = warp_lists(a, ids_s, r, tok_s, false);
-      if (threadIdx.x == 0) act_s = found;
-    }
-    __syncthreads();
-    ActiveExpert act = act_s;
-    if (act.e >= E - S) act.e = -1;  // a shared expert's slot: its own tickets run it
-    return act;
-  };
-
-  if (ticket == 0) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int t = warp; t < T; t += kWarps) {
-      const route::Pick pk =
-          route::route_token(a.route, a.route.logits + t * a.route.logit_stride, lane);
-      if (lane < a.routed) ids_s[t * a.routed + lane] = pk.id;
-      route::store_picks(a.route, t, lane, pk);
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) warp_lists(a, ids_s, 0, tok_s, true);
-    cta_signal(a.sync + kSyncRouted);
-  } else if (ticket <= gu_ctas) {
-    const int i = ticket - 1;
-    const int slot = i / o.gu_tiles, tile = i - slot * o.gu_tiles;
-    const bool shared = slot < S;
-    const ActiveExpert act = shared ? shared_expert(slot) : routed_expert(slot - S);
-    if (act.e >= 0) {
-      gate_up_rows<K, TC>(a, act, shared ? nullptr : tok_s, 0, tile * o.gu_units * 2, o.gu_units);
-      cta_signal(a.sync + kSyncHDone + act.e * kSyncStride);
-    }
-  } else {
-    const int i = ticket - 1 - gu_ctas;
-    const int slot = i / o.dn_tiles, tile = i - slot * o.dn_tiles;
-    const ActiveExpert act = slot < S ? shared_expert(slot) : routed_expert(slot - S);
-    const int r_tile = tile * o.dn_units * kRows;
-    if (act.e >= 0) {
-      cta_wait(a.sync + kSyncHDone + act.e * kSyncStride, o.gu_tiles, o.poll_ns);
-      down_rows<K, TC, true>(a, act, r_tile, o.dn_units);
-    }
-    combine_row_tile<true>(a, tile, S + o.routed_slots, r_tile,
-                           min(o.dn_units * kRows, a.hidden - r_tile));
-  }
-
-  // The last CTA out resets the counters for the next launch (every CTA has passed its waits).
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(a.sync + kSyncFinished, 1) == o.total - 1) {
-    a.sync[kSyncTicket] = 0;
-    a.sync[kSyncFinished] = 0;
-    a.sync[kSyncRouted] = 0;
-    for (int e = 0; e < E; ++e) a.sync[kSyncHDone + e * kSyncStride] = 0;
-  }
+  if (a.out) combine_row_tile(a, r_tile, tile_rows);
 }
 
 // Tokens per pass: n_e <= T when a token's experts are distinct, so small steps get small
@@ -610,38 +444,6 @@ void launch_gate_up(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream)
   pdl::launch(gate_up_kernel<K, TC>, grid, kThreads, smem, stream, a, units);
 }
 
-template <WeightKind K, int TC>
-void launch_one(const DecodeFfnArgs& a, cudaStream_t stream) {
-  const size_t smem = size_t(TC) * std::max(a.hidden, a.inter) * 4;
-  const int64_t wave = int64_t(resident_per_sm(moe_one_kernel<K, TC>, smem)) * a.sm_count;
-  const int S = a.top_k - a.routed;
-  OneLaunch o;
-  o.routed_slots = int(std::min<int64_t>(a.num_experts - S, a.num_tokens * a.routed));
-  const int slots = S + o.routed_slots;
-  auto size = [&](int units) {
-    o.gu_units = o.dn_units = units;
-    o.gu_tiles = (a.inter + 2 * units - 1) / (2 * units);
-    o.dn_tiles = (a.hidden + kRows * units - 1) / (kRows * units);
-    o.total = 1 + slots * (o.gu_tiles + o.dn_tiles);
-  };
-  // m units of the base size per warp: DEEPSERVE_MOE_DECODE_UPW, else the smallest m <= 8 whose
-  // whole grid is resident at once (then blockIdx orders the work; else tickets do).
-  const int base = units_for(TC);
-  const long long forced = g_moe_decode_upw.get();
-  if (forced > 0) {
-    size(base * int(std::min<long long>(forced, 64)));
-  } else {
-    for (int m = 1; m <= 8; ++m) {
-      size(base * m);
-      if (o.total <= wave) break;
-    }
-  }
-  o.tickets = o.total > wave || g_moe_one_tickets.on();
-  o.poll_ns = int(std::clamp<long long>(g_moe_one_poll_ns.get(), 0, 100000));
-  DS_CHECK(o.dn_tiles <= kTileCounters, "moe one-launch: too many row tiles");
-  pdl::launch(moe_one_kernel<K, TC>, dim3(unsigned(o.total)), kThreads, smem, stream, a, o);
-}
-
 // f(std::integral_constant<int, TC>) for the pass size tc (1, 2, 4 or 8).
 template <typename F>
 void with_tc(int tc, F&& f) {
@@ -679,38 +481,11 @@ void prepare_kind() {
       check(cudaFuncSetAttribute(gate_up_kernel<K, c.value>, attr, kDecodeStageBytes),
             "smem limit");
       check(cudaFuncSetAttribute(down_kernel<K, c.value>, attr, kDecodeStageBytes), "smem limit");
-      check(cudaFuncSetAttribute(moe_one_kernel<K, c.value>, attr, kDecodeStageBytes),
-            "smem limit");
     });
   }
 }
 
 }  // namespace
-
-bool one_launch_fits(int64_t num_tokens, int hidden, int inter) {
-  return pick_tc(num_tokens, hidden) == pick_tc(num_tokens, inter);
-}
-
-void launch_decode_one(const DecodeFfnArgs& a, cudaStream_t stream) {
-  DS_CHECK(a.ids && a.routes && a.sync && a.tile_done && a.out && a.expert_base == 0 &&
-               a.num_tokens * a.top_k <= kWarpListMax &&
-               one_launch_fits(a.num_tokens, a.hidden, a.inter),
-           "moe one-launch: not a step it takes");
-  with_tc(pick_tc(a.num_tokens, a.hidden), [&](auto tc) {
-    switch (a.kind) {
-      case WeightKind::BF16:
-        launch_one<WeightKind::BF16, tc.value>(a, stream);
-        break;
-      case WeightKind::F16:
-        launch_one<WeightKind::F16, tc.value>(a, stream);
-        break;
-      case WeightKind::F32:
-        launch_one<WeightKind::F32, tc.value>(a, stream);
-        break;
-    }
-  });
-  check(cudaGetLastError(), "one-launch kernel");
-}
 
 void prepare_decode_kernels() {
   prepare_kind<WeightKind::BF16>();

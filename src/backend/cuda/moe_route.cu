@@ -1,31 +1,170 @@
-// MoE gate on the GPU: the route kernel (one warp per token) and moe_route's checks; the
-// choice itself is route_token (moe_route.cuh).
+// MoE gate on the GPU: F32 softmax over the experts, then greedy or group-limited top-k,
+// one warp per token (DeepSeek-V2 MoEGate semantics, backend.h).
 #include <climits>
 #include <cmath>
 #include <string>
 
-#include "backend/cuda/moe_route.cuh"
+#include "backend/cuda/moe.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "core/error.h"
 
 namespace ds::cuda {
-namespace route {
 namespace {
 
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kPerLane = moe::kMaxExperts / 32;  // scores each lane holds
 constexpr int kRouteWarps = 4;
+
+struct RouteArgs {
+  const float* logits = nullptr;  // [T, E], row stride logit_stride elements
+  int64_t logit_stride = 0;
+  int64_t num_tokens = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  bool group_limited = false;
+  int n_group = 1;
+  int topk_group = 1;
+  bool norm = false;
+  float scale = 1.0f;
+  int32_t* ids = nullptr;  // [T, k]
+  int64_t ids_stride = 0;
+  float* weights = nullptr;  // [T, k]
+  int64_t weights_stride = 0;
+  unsigned long long* counts = nullptr;  // [E] or null
+};
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, off));
+  return v;
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
+  return v;
+}
+
+// Highest score, ties to the lower index; (score, index) is a total order, so every lane
+// ends with the same winner.
+__device__ __forceinline__ void warp_argmax(float& s, int& i) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float os = __shfl_xor_sync(kFull, s, off);
+    const int oi = __shfl_xor_sync(kFull, i, off);
+    if (os > s || (os == s && oi < i)) {
+      s = os;
+      i = oi;
+    }
+  }
+}
 
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(RouteArgs a) {
   pdl::enter();
   const int lane = threadIdx.x & 31;
   const int64_t t = int64_t(blockIdx.x) * kRouteWarps + (threadIdx.x >> 5);
   if (t >= a.num_tokens) return;  // the whole warp leaves together
-  store_picks(a, t, lane, route_token(a, a.logits + t * a.logit_stride, lane));
+  const int E = a.num_experts;
+  const float* row = a.logits + t * a.logit_stride;
+
+  // Lane l holds experts l, l + 32, ...; absent experts score -inf so they are never chosen.
+  // The softmax runs in double and is rounded to F32 scores, as the CPU reference does, so
+  // both pick the same experts even when two scores are close.
+  float s[kPerLane];
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int idx = lane + 32 * i;
+    s[i] = idx < E ? row[idx] : -INFINITY;
+    m = fmaxf(m, s[i]);
+  }
+  m = warp_max(m);
+  double ex[kPerLane];
+  double sum = 0.0;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int idx = lane + 32 * i;
+    ex[i] = idx < E ? exp(double(s[i]) - double(m)) : 0.0;
+    sum += ex[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int idx = lane + 32 * i;
+    s[i] = idx < E ? float(ex[i] / sum) : -INFINITY;
+  }
+
+  if (a.group_limited) {
+    // Lane g keeps the max score of group g; then the topk_group best groups survive. As in
+    // MoEGate, experts of dropped groups score 0 and still take part in the top-k.
+    const int gsize = E / a.n_group;
+    float my_group = -INFINITY;
+    for (int g = 0; g < a.n_group; ++g) {
+      float gm = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int idx = lane + 32 * i;
+        if (idx < E && idx / gsize == g) gm = fmaxf(gm, s[i]);
+      }
+      gm = warp_max(gm);
+      if (lane == g) my_group = gm;
+    }
+    float gs = lane < a.n_group ? my_group : -INFINITY;
+    int gi = lane < a.n_group ? lane : INT_MAX;
+    unsigned keep = 0;
+    for (int r = 0; r < a.topk_group; ++r) {
+      float bs = gs;
+      int bi = gi;
+      warp_argmax(bs, bi);
+      keep |= 1u << bi;
+      if (lane == bi) {
+        gs = -INFINITY;
+        gi = INT_MAX;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int idx = lane + 32 * i;
+      if (idx < E && !((keep >> (idx / gsize)) & 1u)) s[i] = 0.0f;
+    }
+  }
+
+  // Greedy top-k: k rounds of warp argmax; lane j keeps the j-th pick.
+  int my_id = -1;
+  float my_score = 0.0f;
+  double total = 0.0;
+  for (int j = 0; j < a.top_k; ++j) {
+    float bs = -INFINITY;
+    int bi = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      if (s[i] > bs) {  // ascending index, strict: the lower index wins a tie
+        bs = s[i];
+        bi = lane + 32 * i;
+      }
+    }
+    warp_argmax(bs, bi);
+    if (lane == j) {
+      my_id = bi;
+      my_score = bs;
+    }
+    total += bs;
+    // Selects with constant indices keep s in registers (s[bi >> 5] would go to local memory).
+    const bool mine = (bi & 31) == lane;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) s[i] = mine && i == (bi >> 5) ? -INFINITY : s[i];
+  }
+
+  if (lane < a.top_k) {
+    const float w =
+        a.norm && a.top_k > 1 ? float(double(my_score) / (total + 1e-20)) : my_score * a.scale;
+    a.ids[t * a.ids_stride + lane] = my_id;
+    a.weights[t * a.weights_stride + lane] = w;
+    if (a.counts) atomicAdd(a.counts + my_id, 1ULL);
+  }
 }
 
 }  // namespace
 
-RouteArgs route_args(const TensorView& logits, const MoeRouteParams& p, TensorView ids,
-                     TensorView weights) {
+void moe_route(const Context& ctx, const TensorView& logits, const MoeRouteParams& p,
+               TensorView ids, TensorView weights) {
   DS_CHECK(logits.dtype == DType::F32 && ids.dtype == DType::I32 && weights.dtype == DType::F32,
            "moe_route dtypes: logits F32, ids I32, weights F32");
   const int64_t T = logits.rows();
@@ -49,6 +188,8 @@ RouteArgs route_args(const TensorView& logits, const MoeRouteParams& p, TensorVi
   DS_CHECK(
       logits.row_stride() % 4 == 0 && ids.row_stride() % 4 == 0 && weights.row_stride() % 4 == 0,
       "moe_route: misaligned rows");
+  if (T == 0) return;
+
   RouteArgs a;
   a.logits = logits.ptr<float>();
   a.logit_stride = logits.row_stride() / 4;
@@ -65,22 +206,10 @@ RouteArgs route_args(const TensorView& logits, const MoeRouteParams& p, TensorVi
   a.weights = weights.ptr<float>();
   a.weights_stride = weights.row_stride() / 4;
   a.counts = reinterpret_cast<unsigned long long*>(p.expert_counts);
-  return a;
-}
-
-void launch_route(const RouteArgs& a, cudaStream_t stream) {
-  const int64_t blocks = (a.num_tokens + kRouteWarps - 1) / kRouteWarps;
-  pdl::launch(route_kernel, unsigned(blocks), kRouteWarps * 32, 0, stream, a);
+  const int64_t blocks = (T + kRouteWarps - 1) / kRouteWarps;
+  pdl::launch(route_kernel, unsigned(blocks), kRouteWarps * 32, 0, ctx.stream, a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("CUDA moe_route: ") + cudaGetErrorString(err));
-}
-
-}  // namespace route
-
-void moe_route(const Context& ctx, const TensorView& logits, const MoeRouteParams& p,
-               TensorView ids, TensorView weights) {
-  const route::RouteArgs a = route::route_args(logits, p, ids, weights);
-  if (a.num_tokens > 0) route::launch_route(a, ctx.stream);
 }
 
 }  // namespace ds::cuda

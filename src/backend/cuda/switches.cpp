@@ -77,15 +77,6 @@ EnvSwitch g_moe_fused_combine{"DEEPSERVE_MOE_FUSED_COMBINE", "0", true};
 // Decode MoE steps of at most 32 assignments (moe::kWarpListMax): the gate/up kernel builds the
 // token lists itself, one launch fewer (off: the token-list kernel). The same bits either way.
 EnvSwitch g_moe_warp_lists{"DEEPSERVE_MOE_WARP_LISTS", "0", true};
-// With them and the fused combine, moe_routed_ffn runs the router's choice and the experts in
-// one launch (moe::launch_decode_one; off: the route kernel, then gate/up and down). The same
-// picks and bits either way. Off by default: on the H200 W3 measured slower with it (TPOT p50
-// 2.89 against 2.86 ms, interleaved; docs/PERFORMANCE.md, 2026-12-04).
-EnvSwitch g_moe_one_launch{"DEEPSERVE_MOE_ONE_LAUNCH", "1", false};
-// Its waiting CTAs poll a counter every this many ns (__nanosleep; 1 for none).
-EnvCount g_moe_one_poll_ns{"DEEPSERVE_MOE_ONE_POLL_NS", 200};
-// Its CTAs take their work from an atomic counter even when the whole grid fits one wave.
-EnvSwitch g_moe_one_tickets{"DEEPSERVE_MOE_ONE_TICKETS", "1", false};
 // The most splits the MLA decode kernels cut a short context into (long ones: up to 128).
 EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
 

@@ -60,9 +60,6 @@ extern EnvCount g_moe_wq_dequant_min;   // DEEPSERVE_MOE_WQ_DEQUANT_MIN (wq_dequ
 extern EnvCount g_moe_decode_upw;       // DEEPSERVE_MOE_DECODE_UPW (moe_decode.cu)
 extern EnvSwitch g_moe_fused_combine;   // on; DEEPSERVE_MOE_FUSED_COMBINE=0 turns it off
 extern EnvSwitch g_moe_warp_lists;      // on; DEEPSERVE_MOE_WARP_LISTS=0 turns it off
-extern EnvSwitch g_moe_one_launch;      // off; DEEPSERVE_MOE_ONE_LAUNCH=1 turns it on
-extern EnvCount g_moe_one_poll_ns;      // DEEPSERVE_MOE_ONE_POLL_NS (moe_decode.cu)
-extern EnvSwitch g_moe_one_tickets;     // off; DEEPSERVE_MOE_ONE_TICKETS=1 turns it on
 extern EnvCount g_mla_max_splits;       // DEEPSERVE_MLA_SPLITS (attention_mla_decode.cu)
 
 }  // namespace ds::cuda
