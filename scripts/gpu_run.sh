@@ -209,12 +209,13 @@ if has_stage abenv; then
     if [ "$rounds" -gt 1 ]; then items="default $items"; suffix="-r$round"; fi
     for kv in $items; do
       if [ "$kv" = default ]; then tag=default; args=""; else tag=$(env_tag "$kv"); args=$(env_args "$kv"); fi
+      what="$kv${suffix:+, round $round}"
       for w in ${AB_WORKLOADS:-w3 w1}; do
-        log "bench $w with $kv${suffix:+, round $round}"
+        log "bench $w with $what"
         env $args DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
           --output "$OUT/bench-$tag-$w$suffix.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
           >"$OUT/bench-$tag-$w$suffix.log" 2>&1
-        log "bench $w ($kv${suffix:+, round $round}) rc=$?"
+        log "bench $w ($what) rc=$?"
         tail -4 "$OUT/bench-$tag-$w$suffix.log" | head -2
       done
     done
