@@ -87,10 +87,13 @@ void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
       cudaGraphDestroy(graph);
       us = 1000.0 * ms / (reps * kSets);
     };
-    for (cuda::MoeFfnPath path : {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Grouped,
-                                  cuda::MoeFfnPath::Streamed, cuda::MoeFfnPath::Wide}) {
+    for (cuda::MoeFfnPath path :
+         {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Split, cuda::MoeFfnPath::Grouped,
+          cuda::MoeFfnPath::Streamed, cuda::MoeFfnPath::Wide}) {
       if (big && path == cuda::MoeFfnPath::Decode) continue;
-      if (decode_only && path != cuda::MoeFfnPath::Decode) continue;
+      if (path == cuda::MoeFfnPath::Split && T > 64) continue;
+      if (decode_only && path != cuda::MoeFfnPath::Decode && path != cuda::MoeFfnPath::Split)
+        continue;
       if (path == cuda::MoeFfnPath::Streamed && T > 1024) continue;
       if (path == cuda::MoeFfnPath::Wide && T < 32) continue;
       double us = 0;
@@ -98,6 +101,7 @@ void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
       graph_us(path, us);
       cuda::g_moe_tile32.force(-1);
       report(path == cuda::MoeFfnPath::Decode     ? "decode-graph"
+             : path == cuda::MoeFfnPath::Split    ? "split-graph"
              : path == cuda::MoeFfnPath::Grouped  ? "grouped-graph"
              : path == cuda::MoeFfnPath::Streamed ? "streamed-graph"
                                                   : "wide-graph",

@@ -245,13 +245,15 @@ const char* path_name(cuda::MoeFfnPath p) {
          : p == cuda::MoeFfnPath::Grouped  ? "grouped"
          : p == cuda::MoeFfnPath::Streamed ? "streamed"
          : p == cuda::MoeFfnPath::Wide     ? "wide"
+         : p == cuda::MoeFfnPath::Split    ? "split"
                                            : "prefill";
 }
 
 // Whether Auto takes a path that rounds activations to BF16 (grouped or prefill).
 bool auto_rounds_to_bf16(const FfnCase& c, DType t) {
-  return cuda::moe_auto_path(t == DType::BF16, c.T, c.k, c.shared, false) !=
-         cuda::MoeFfnPath::Decode;
+  const cuda::MoeFfnPath p = cuda::moe_auto_path(t == DType::BF16, c.T, c.k, c.shared, false, false,
+                                                 cuda::g_moe_split.on());
+  return p != cuda::MoeFfnPath::Decode && p != cuda::MoeFfnPath::Split;
 }
 
 // The CPU result, then each path on the GPU against it; the sentinel padding of out must
@@ -264,6 +266,9 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
   const std::vector<float> want = rows_of(want_buf, c.T, c.H, c.out_ld);
   DirectCuda d;
   std::vector<cuda::MoeFfnPath> paths = {cuda::MoeFfnPath::Auto, cuda::MoeFfnPath::Decode};
+  // Split (BF16 and F16 experts) up to 64 tokens: its partial sums grow with the tokens.
+  if ((with_bf16_paths || ex.dtype == DType::F16) && c.T <= 64)
+    paths.push_back(cuda::MoeFfnPath::Split);
   if (with_bf16_paths) {
     paths.push_back(cuda::MoeFfnPath::Prefill);
     paths.push_back(cuda::MoeFfnPath::Grouped);
@@ -394,6 +399,8 @@ TEST(CudaMoeFfn, HalfAndFloatWeightsUseTheDecodeKernels) {
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Grouped), UnsupportedError);
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Streamed), UnsupportedError);
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Wide), UnsupportedError);
+      if (t == DType::F32)
+        EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Split), UnsupportedError);
     }
   }
 }
@@ -410,7 +417,8 @@ TEST(CudaMoeFfn, DecodeAndGroupedPathsAreBatchInvariantAndDeterministic) {
        {std::pair{cuda::MoeFfnPath::Decode, false}, std::pair{cuda::MoeFfnPath::Decode, true},
         std::pair{cuda::MoeFfnPath::Grouped, false}, std::pair{cuda::MoeFfnPath::Grouped, true},
         std::pair{cuda::MoeFfnPath::Streamed, false}, std::pair{cuda::MoeFfnPath::Streamed, true},
-        std::pair{cuda::MoeFfnPath::Wide, false}, std::pair{cuda::MoeFfnPath::Wide, true}}) {
+        std::pair{cuda::MoeFfnPath::Wide, false}, std::pair{cuda::MoeFfnPath::Wide, true},
+        std::pair{cuda::MoeFfnPath::Split, false}, std::pair{cuda::MoeFfnPath::Split, true}}) {
     const int T = 64;
     SCOPED_TRACE(std::string(path_name(path)) + (skewed ? " skewed" : " uniform"));
     auto c = make_case(*ex, T, k, skewed, skewed ? 91 : 90);
@@ -620,6 +628,76 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
       cudaGraphExec_t exec = nullptr;
       MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
       cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Decode);
+      MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
+      MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int r = 0; r < 2; ++r) {
+        poison(*b);
+        MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+        d.sync();
+        EXPECT_TRUE(bits_equal(test::download_floats(g, b->out.gpu), out[0][1])) << "replay " << r;
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
+  }
+}
+
+// The split path (gate, up and a strip of down per CTA, then the strip reduce and combine):
+// against the CPU, the same bits with the token lists built in the kernel or by the token-list
+// kernel and with the strip of down prefetched or not, every output written (poisoned with
+// NaN first), two problems back to back without a sync, and graph replays. Without shared
+// experts the first problem has an expert base (ids outside the local range are skipped).
+TEST(CudaMoeFfn, SplitPathMatchesCpuInEveryMode) {
+  DS_REQUIRE_GPU();
+  Backend &g = test::cuda_backend(), &cpu = test::cpu_backend();
+  const auto ex = make_experts(18, 2048, 1408, DType::BF16, 29);
+  DirectCuda d;
+  auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  auto poison = [&](FfnCase& c) {
+    MOE_CUDA_OK(cudaMemsetAsync(c.out.gpu.view.data, 0xff, c.out.gpu.view.nbytes(), d.stream()));
+  };
+  for (int S : {0, 2}) {
+    for (int T : {1, 2, 3, 5, 8, 21}) {
+      SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
+      auto a = make_case(*ex, T, 4, false, uint64_t(800 + T + 50 * S), 3, S);
+      auto b = make_case(*ex, T, 4, true, uint64_t(900 + T + 50 * S), 0, S);
+      if (S == 0) {
+        a->gpu.expert_base = a->cpu.expert_base = 3;
+        a->gpu.skip_foreign = a->cpu.skip_foreign = true;
+      }
+      const std::pair<int, int> modes[] = {{1, 0}, {0, 0}, {1, 1}, {0, 1}};  // (lists, prefetch)
+      std::vector<float> out[4][2];
+      g.synchronize();
+      for (int m = 0; m < 4; ++m) {
+        const test::Forced lists(cuda::g_moe_warp_lists, modes[m].first);
+        const test::Forced pf(cuda::g_moe_split_prefetch, modes[m].second);
+        poison(*a);
+        poison(*b);
+        cuda::moe_ffn(d.ctx(), a->gpu, cuda::MoeFfnPath::Split);
+        cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Split);
+        d.sync();
+        out[m][0] = test::download_floats(g, a->out.gpu);
+        out[m][1] = test::download_floats(g, b->out.gpu);
+      }
+      for (int m = 1; m < 4; ++m) {
+        EXPECT_TRUE(bits_equal(out[m][0], out[0][0])) << "first problem, mode " << m;
+        EXPECT_TRUE(bits_equal(out[m][1], out[0][1])) << "second problem, mode " << m;
+      }
+      cpu.moe_ffn(a->cpu);
+      cpu.moe_ffn(b->cpu);
+      for (int i = 0; i < 2; ++i) {
+        FfnCase& c = i == 0 ? *a : *b;
+        EXPECT_TRUE(rows_close(rows_of(out[0][i], T, c.H, c.out_ld),
+                               rows_of(test::download_floats(cpu, c.out.cpu), T, c.H, c.out_ld), T,
+                               c.H, kDecodeRowTol, kDecodeElemTol))
+            << "problem " << i;
+      }
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
+      cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Split);
       MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
       MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
       for (int r = 0; r < 2; ++r) {

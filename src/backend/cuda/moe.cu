@@ -212,6 +212,7 @@ class Carver {
 
 struct Scratch {
   moe::TokenLists lists;
+  float* part = nullptr;   // split
   float* h = nullptr;      // decode
   float* y = nullptr;      // decode, grouped
   void* act = nullptr;     // prefill; grouped: x in BF16; streamed: gathered x
@@ -245,6 +246,8 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, in
     s.act = c.take<uint16_t>(n * H);
     s.h16 = c.take<uint16_t>(n * F);
     s.y = c.take<float>(n * H);
+  } else if (path == MoeFfnPath::Split) {
+    s.part = c.take<float>(n * moe::split_strips(F) * H);
   } else {
     s.h = c.take<float>(n * F);
     s.y = c.take<float>(n * H);
@@ -308,10 +311,13 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   // prefill path on BF16 expansions (wq_dequant.cuh).
   const bool quant = wq_dtype(table.dtype);
   if (path == MoeFfnPath::Auto && !quant) {
-    path = moe_auto_path(bf16, T, k, S, stream_capturing(ctx.stream), g_moe_prefill_wide.on());
+    path = moe_auto_path(bf16, T, k, S, stream_capturing(ctx.stream), g_moe_prefill_wide.on(),
+                         g_moe_split.on());
     // Streamed reads gate and up rows with one stride: otherwise the grouped kernels.
     if (path == MoeFfnPath::Streamed && !table.gate_up_same_ld) path = MoeFfnPath::Grouped;
   }
+  if (path == MoeFfnPath::Split && (quant || is_gguf_block_type(table.dtype)))
+    throw UnsupportedError("cuda moe_ffn: the split path takes BF16 or F16 experts");
   if (path == MoeFfnPath::Streamed && !quant && !(bf16 && table.gate_up_same_ld))
     throw UnsupportedError(
         "cuda moe_ffn: the streamed path takes BF16 experts with gate and up rows equally "
@@ -348,8 +354,9 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
   layout(base, n, int(E), H, F, path, tile_rows, quant, s);
 
   // Decode steps of a few assignments: the gate/up kernel builds the token lists itself.
-  const bool warp_lists = path == MoeFfnPath::Decode && !is_gguf_block_type(table.dtype) &&
-                          n <= moe::kWarpListMax && g_moe_warp_lists.on();
+  const bool warp_lists = (path == MoeFfnPath::Decode || path == MoeFfnPath::Split) &&
+                          !is_gguf_block_type(table.dtype) && n <= moe::kWarpListMax &&
+                          g_moe_warp_lists.on();
   // Down kernels read the lists early and ask L2 for their weight rows (FfnProblem::prefetch);
   // not when the kernel just before them writes the lists.
   const int64_t prefetch = prefill || is_gguf_block_type(table.dtype) || warp_lists
@@ -419,6 +426,15 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     if (warp_lists) {
       a.ids = p.ids.ptr<int32_t>();
       a.expert_base = p.expert_base;
+    }
+    if (path == MoeFfnPath::Split) {  // the reduce kernel combines into out
+      a.part = s.part;
+      a.prefetch_down = g_moe_split_prefetch.on();
+      a.out = p.out.ptr<float>();
+      a.out_stride = p.out.row_stride() / 4;
+      a.weights = p.weights.ptr<float>();
+      moe::launch_split_ffn(a, ctx.stream);
+      return;
     }
     if (is_gguf_block_type(table.dtype)) {
       moe::launch_gguf_ffn(a, table.dtype, ctx.stream);

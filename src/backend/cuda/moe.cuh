@@ -55,7 +55,15 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // 5,508 vs 6,994 us at T = 8192) but slower than Prefill's cuBLAS (3,372 us there), so Auto
 // takes it for prefill-sized steps under capture only (DEEPSERVE_MOE_PREFILL=wide: always,
 // for A/B runs).
-enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed, Wide };
+// Split (BF16 or F16 experts): for decode steps of a few tokens, one launch streams each touched
+// expert once, a CTA per (expert, strip of kSplitRows F-rows): its gate and up rows, then the
+// same F-columns of down against the strip's silu(g) * u kept in shared memory, writing a
+// partial output per strip; a small second launch sums the strips and combines (moe_decode.cu).
+// The Decode path's down kernel waits for every gate/up CTA instead. Auto takes Split where it
+// would take Decode for BF16 experts, up to kMoeSplitMaxTokens tokens (DEEPSERVE_MOE_SPLIT=0:
+// Decode); deterministic and batch-invariant, F32 activations like Decode, in another
+// summation order (not Decode's bits).
+enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed, Wide, Split };
 // From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
 // grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
 // With shared experts every one of them holds all T tokens, which the decode kernels stream
@@ -68,14 +76,20 @@ constexpr int64_t kMoeGroupedMinSharedTokens = 6;
 // V2-Lite experts, no shared: 2404 us at T = 1024, 2890 at 8192; grouped 813 and 5068), so
 // grouped wins up to ~4,000 tokens of top-6 (~24,500 assignments).
 constexpr int64_t kMoePrefillMinAssignments = 24576;
+// The largest step Auto gives the Split path (its partial sums take tokens x slots x strips x
+// hidden floats of scratch).
+constexpr int64_t kMoeSplitMaxTokens = 8;
 
 // What Auto picks for T tokens of top_k routed + `shared` shared experts (wide: Wide instead of
-// Prefill outside capture too, DEEPSERVE_MOE_PREFILL=wide).
+// Prefill outside capture too, DEEPSERVE_MOE_PREFILL=wide; split: Split for BF16 decode steps,
+// DEEPSERVE_MOE_SPLIT).
 inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, bool capturing,
-                                bool wide = false) {
+                                bool wide = false, bool split = true) {
   const int64_t n = T * (top_k + shared);
-  if (!bf16 || (n < kMoeGroupedMinAssignments && (shared == 0 || T < kMoeGroupedMinSharedTokens)))
-    return MoeFfnPath::Decode;
+  if (!bf16) return MoeFfnPath::Decode;
+  if (n < kMoeGroupedMinAssignments && (shared == 0 || T < kMoeGroupedMinSharedTokens))
+    return split && T <= kMoeSplitMaxTokens && top_k + shared <= 32 ? MoeFfnPath::Split
+                                                                    : MoeFfnPath::Decode;
   if (T <= kWqBf16MaxTokens) return MoeFfnPath::Streamed;
   if (n < kMoePrefillMinAssignments) return MoeFfnPath::Grouped;
   return capturing || wide ? MoeFfnPath::Wide : MoeFfnPath::Prefill;
@@ -297,8 +311,21 @@ struct DecodeFfnArgs : FfnProblem {
   // lists are written one launch before the down kernel, not two.
   const int32_t* ids = nullptr;
   int expert_base = 0;
+  // Split: [N, split_strips(F), hidden] each sorted position's partial output per strip, and
+  // whether its CTAs ask L2 for their strip of down first (DEEPSERVE_MOE_SPLIT_PREFETCH).
+  float* part = nullptr;
+  bool prefetch_down = false;
 };
 constexpr int64_t kWarpListMax = 32;
+
+// F-rows per Split CTA (its strip of down is kSplitRows columns: 64 bytes of each BF16 row).
+constexpr int kSplitRows = 32;
+inline int split_strips(int inter) {
+  return (inter + kSplitRows - 1) / kSplitRows;
+}
+// The Split path (MoeFfnPath::Split; BF16 or F16 weights, at most 32 slots per token): the
+// strip kernel into a.part, then the reduce, which writes a.out from a.weights and the lists.
+void launch_split_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
 
 // Gate/up then down over the token lists. Grid sizes depend only on T, top_k, E, shapes and
 // sm_count. With a.out (and a.tile_done for the down grid's row tiles) the down kernel also does

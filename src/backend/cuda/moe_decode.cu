@@ -40,15 +40,16 @@ __device__ __forceinline__ int stage_index(int k, int chunks) {
   }
 }
 
-// Copies nt rows of length K (F32, global) into shared memory in the staged layout.
-template <int V>
+// Copies nt rows of length K (F32, global) into shared memory in the staged layout (a CTA of
+// NT threads).
+template <int V, int NT = kThreads>
 __device__ __forceinline__ void stage_rows(float* xs, const float* src, int64_t src_stride,
                                            const int* row_ids, int row_base, int nt, int K) {
   const int chunks = K / V;
   for (int j = 0; j < nt; ++j) {
     const int64_t r = row_ids ? row_ids[row_base + j] : row_base + j;
     const float* s = src + r * src_stride;
-    for (int k = threadIdx.x; k < K; k += kThreads) xs[j * K + stage_index<V>(k, chunks)] = s[k];
+    for (int k = threadIdx.x; k < K; k += NT) xs[j * K + stage_index<V>(k, chunks)] = s[k];
   }
 }
 
@@ -375,6 +376,210 @@ __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int uni
   if (a.out) combine_row_tile(a, r_tile, tile_rows);
 }
 
+// ---- Split path -------------------------------------------------------------------------
+// A CTA per (touched expert, strip of kSplitRows F-rows): its gate and up rows give the strip's
+// h = silu(gate x) * up x in shared memory, then the same F-columns of down (kSplitRows
+// elements of each of the hidden rows) multiply it, and the CTA stores one partial output row
+// per (token, strip). Every weight byte is read by one CTA of one launch, and no CTA waits for
+// another; the reduce kernel then sums the strips and combines the slots.
+constexpr int kSplitWarps = 8;
+constexpr int kSplitThreads = kSplitWarps * 32;
+constexpr int kSplitChunks = kSplitRows / 8;  // 16-byte chunks of a strip's down row
+constexpr int kSplitRowGroups = kSplitThreads / kSplitChunks;  // down rows in flight per pass
+constexpr int kSplitBatch = 8;                                 // down rows a thread loads at once
+
+template <WeightKind K, int TC>
+__global__ void __launch_bounds__(kSplitThreads) split_kernel(DecodeFfnArgs a, int strips) {
+  static_assert(wstream::kChunkElems<K> == 8, "2-byte weights");
+  constexpr int V = 8;
+  pdl::enter();
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
+  __shared__ float hs[TC][kSplitRows];
+  __shared__ int warp_tok[kWarpListMax];
+  __shared__ ActiveExpert warp_act;
+  ActiveExpert act;
+  const int* tok = a.lists.sorted_token;
+  int tok_base = 0;
+  if (a.ids) {
+    if (threadIdx.x < 32) {
+      const ActiveExpert found =
+          warp_lists(a, blockIdx.y, warp_tok, blockIdx.x == 0 && blockIdx.y == 0);
+      if (threadIdx.x == 0) warp_act = found;
+    }
+    __syncthreads();
+    act = warp_act;
+    tok = warp_tok;
+  } else {
+    act = active_expert(a, blockIdx.y);
+    tok_base = act.begin;
+  }
+  if (act.e < 0) return;
+  const int begin = act.begin, count = act.count;
+  const ExpertPtrs ex = a.experts[act.e];
+  constexpr int esize = 2;
+  const int64_t gate_ld = ex.gate_ld * esize, up_ld = ex.up_ld * esize;
+  const int64_t down_ld = ex.down_ld * esize;
+  const uint8_t* gate = static_cast<const uint8_t*>(ex.gate);
+  const uint8_t* up = static_cast<const uint8_t*>(ex.up);
+  const int H = a.hidden;
+  const int f_strip = blockIdx.x * kSplitRows;
+  const int nf = min(kSplitRows, a.inter - f_strip);  // a multiple of 8: F is
+  // This thread's 16-byte chunk of the strip in each down row, and its first row.
+  const int chunk = threadIdx.x % kSplitChunks;
+  const int row0 = threadIdx.x / kSplitChunks;
+  const bool has_chunk = chunk * 8 < nf;
+  const uint8_t* down = static_cast<const uint8_t*>(ex.down) + (f_strip + chunk * 8) * esize;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  // Unit u: gate and up of F-rows f_strip + 2u and + 2u + 1 (nf is even).
+  auto unit_rows = [&](int u, const uint8_t*(&rows)[kRows]) {
+    const int f0 = f_strip + 2 * u;
+    rows[0] = gate + f0 * gate_ld;
+    rows[1] = up + f0 * up_ld;
+    rows[2] = gate + (f0 + 1) * gate_ld;
+    rows[3] = up + (f0 + 1) * up_ld;
+  };
+  if (a.prefetch_down && has_chunk) {  // the strip of down, toward L2 while gate/up stream
+    for (int r = row0; r < H; r += kSplitRowGroups)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(down + r * down_ld));
+  }
+  if (2 * warp < nf) {
+    const uint8_t* rows[kRows];
+    unit_rows(warp, rows);
+    prefetch_l2(rows, H * esize);
+  }
+
+  for (int t0 = 0; t0 < count; t0 += TC) {
+    const int nt = min(TC, count - t0);
+    if (t0 > 0) __syncthreads();  // the previous pass is done reading xs and hs
+    stage_rows<V, kSplitThreads>(xs, a.x, a.x_stride, tok, tok_base + t0, nt, H);
+    __syncthreads();
+    for (int u = warp; 2 * u < nf; u += kSplitWarps) {
+      const uint8_t* rows[kRows];
+      unit_rows(u, rows);
+      float acc[kRows][TC];
+      dot_rows<K, TC>(rows, H / V, xs, H, nt, acc);
+#pragma unroll
+      for (int j = 0; j < TC; ++j) {
+        if (j < nt && lane == j) {
+          hs[j][2 * u] = silu(acc[0][j]) * acc[1][j];
+          hs[j][2 * u + 1] = silu(acc[2][j]) * acc[3][j];
+        }
+      }
+    }
+    __syncthreads();
+    // Down rows r = row0 + kSplitRowGroups * i: each thread dots its chunk (8 F-columns) with h,
+    // then the kSplitChunks threads of a row add theirs in a fixed butterfly (all get the sum).
+    for (int rb = row0; rb - row0 < H; rb += kSplitRowGroups * kSplitBatch) {
+      uint4 w[kSplitBatch];
+#pragma unroll
+      for (int i = 0; i < kSplitBatch; ++i) {
+        const int r = rb + kSplitRowGroups * i;
+        w[i] = has_chunk && r < H ? __ldg(reinterpret_cast<const uint4*>(down + r * down_ld))
+                                  : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < kSplitBatch; ++i) {
+        const int r = rb + kSplitRowGroups * i;
+        float wf[V];
+        wstream::chunk_to_float<K>(w[i], wf);
+#pragma unroll
+        for (int j = 0; j < TC; ++j) {
+          if (j < nt) {
+            float acc = 0.0f;
+            if (has_chunk) {
+#pragma unroll
+              for (int e = 0; e < V; ++e) acc = fmaf(wf[e], hs[j][chunk * 8 + e], acc);
+            }
+#pragma unroll
+            for (int off = 1; off < kSplitChunks; off <<= 1)
+              acc += __shfl_xor_sync(kFull, acc, off);
+            if (chunk == 0 && r < H)
+              a.part[(int64_t(begin + t0 + j) * strips + blockIdx.x) * H + r] = acc;
+          }
+        }
+      }
+    }
+  }
+}
+
+// out[t, c .. c + 4) for the columns of CTA (blockIdx.x, token blockIdx.y): each (slot j,
+// strip group g) thread pair sums strips g, g + G, ... of the slot's partial rows (ascending),
+// then one thread per column quad adds the groups in order into the slot's row and combines the
+// slots as combine_cols does (routed: fma with the weight, ascending; shared: added). The order
+// depends on slots and strips alone, never on the other tokens.
+constexpr int kReduceCols = 32;
+constexpr int kReduceQuads = kReduceCols / 4;
+constexpr int kReduceLanes = kSplitThreads / kReduceQuads;  // (slot, group) pairs per CTA
+
+__global__ void __launch_bounds__(kSplitThreads)
+    split_reduce_kernel(DecodeFfnArgs a, int strips, int groups) {
+  pdl::enter();
+  __shared__ float4 red[kReduceLanes][kReduceQuads];
+  const int t = blockIdx.y;
+  const int quad = threadIdx.x % kReduceQuads;
+  const int q = threadIdx.x / kReduceQuads;
+  const int col = blockIdx.x * kReduceCols + quad * 4;
+  const int slots = a.top_k;
+  const int H = a.hidden;
+  const int* tp = a.lists.pos + int64_t(t) * slots;
+  if (q < slots * groups && col < H) {
+    const int j = q / groups, g = q % groups;
+    const int p = tp[j];
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (p >= 0) {
+      const float* base = a.part + int64_t(p) * strips * H + col;
+      for (int s0 = g; s0 < strips; s0 += groups * kSplitBatch) {
+        float4 v[kSplitBatch];
+#pragma unroll
+        for (int i = 0; i < kSplitBatch; ++i) {
+          const int s = s0 + groups * i;
+          v[i] = s < strips ? __ldcg(reinterpret_cast<const float4*>(base + int64_t(s) * H))
+                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int i = 0; i < kSplitBatch; ++i) {
+          if (s0 + groups * i < strips) {
+            sum.x += v[i].x;
+            sum.y += v[i].y;
+            sum.z += v[i].z;
+            sum.w += v[i].w;
+          }
+        }
+      }
+    }
+    red[q][quad] = sum;
+  }
+  __syncthreads();
+  if (q != 0 || col >= H) return;
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int j = 0; j < slots; ++j) {
+    if (tp[j] < 0) continue;
+    float4 y = red[j * groups][quad];
+    for (int g = 1; g < groups; ++g) {
+      const float4 v = red[j * groups + g][quad];
+      y.x += v.x;
+      y.y += v.y;
+      y.z += v.z;
+      y.w += v.w;
+    }
+    if (j < a.routed) {
+      const float w = a.weights[int64_t(t) * a.routed + j];
+      acc.x = fmaf(w, y.x, acc.x);
+      acc.y = fmaf(w, y.y, acc.y);
+      acc.z = fmaf(w, y.z, acc.z);
+      acc.w = fmaf(w, y.w, acc.w);
+    } else {
+      acc.x += y.x;
+      acc.y += y.y;
+      acc.z += y.z;
+      acc.w += y.w;
+    }
+  }
+  *reinterpret_cast<float4*>(a.out + int64_t(t) * a.out_stride + col) = acc;
+}
+
 // Tokens per pass: n_e <= T when a token's experts are distinct, so small steps get small
 // passes (less shared memory, more CTAs per SM); capped by the staging budget.
 int pick_tc(int64_t num_tokens, int K) {
@@ -481,8 +686,19 @@ void prepare_kind() {
       check(cudaFuncSetAttribute(gate_up_kernel<K, c.value>, attr, kDecodeStageBytes),
             "smem limit");
       check(cudaFuncSetAttribute(down_kernel<K, c.value>, attr, kDecodeStageBytes), "smem limit");
+      if constexpr (K != WeightKind::F32)
+        check(cudaFuncSetAttribute(split_kernel<K, c.value>, attr, kDecodeStageBytes),
+              "smem limit");
     });
   }
+}
+
+template <WeightKind K>
+void launch_split_kind(const DecodeFfnArgs& a, int tc, dim3 grid, cudaStream_t stream) {
+  with_tc(tc, [&](auto c) {
+    pdl::launch(split_kernel<K, c.value>, grid, kSplitThreads, size_t(c.value) * a.hidden * 4,
+                stream, a, int(grid.x));
+  });
 }
 
 }  // namespace
@@ -491,6 +707,33 @@ void prepare_decode_kernels() {
   prepare_kind<WeightKind::BF16>();
   prepare_kind<WeightKind::F16>();
   prepare_kind<WeightKind::F32>();
+}
+
+void launch_split_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
+  if (a.kind == WeightKind::F32)
+    throw UnsupportedError("cuda moe_ffn: the split path takes BF16 or F16 experts");
+  if (a.hidden % 8 != 0 || a.inter % 8 != 0)
+    throw UnsupportedError("cuda moe_ffn: hidden and F must be multiples of 8");
+  if (int64_t(a.hidden) * 4 > kDecodeStageBytes)
+    throw UnsupportedError("cuda moe_ffn: hidden too large for the split kernel");
+  if (a.top_k > kReduceLanes)
+    throw UnsupportedError("cuda moe_ffn: the split path takes at most " +
+                           std::to_string(kReduceLanes) + " slots per token");
+  DS_CHECK(a.part != nullptr && a.out != nullptr && a.weights != nullptr,
+           "split moe: no partial or output buffer");
+  const int strips = split_strips(a.inter);
+  const unsigned slots = unsigned(std::min<int64_t>(a.num_experts, a.num_tokens * a.top_k));
+  const int tc = pick_tc(a.num_tokens, a.hidden);
+  const dim3 grid(unsigned(strips), slots);
+  if (a.kind == WeightKind::BF16)
+    launch_split_kind<WeightKind::BF16>(a, tc, grid, stream);
+  else
+    launch_split_kind<WeightKind::F16>(a, tc, grid, stream);
+  // Strip groups per slot: as many as the CTA's lanes hold (depends on slots and F only).
+  const int groups = std::max(1, std::min(strips, kReduceLanes / a.top_k));
+  const dim3 rgrid(unsigned((a.hidden + kReduceCols - 1) / kReduceCols), unsigned(a.num_tokens));
+  pdl::launch(split_reduce_kernel, rgrid, kSplitThreads, 0, stream, a, strips, groups);
+  check(cudaGetLastError(), "split kernels");
 }
 
 bool launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
