@@ -57,6 +57,13 @@ void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
                                        sets.back()->ids.cpu.ptr<int32_t>() + T * k);
       touched += double(distinct.size() + size_t(S)) / kSets;
     }
+    // Router logits per set (decode_only: the rows with the route kernel before each call).
+    MoeRouteParams route;
+    route.top_k = k;
+    std::vector<test::BackendTensor> logits;
+    for (int s = 0; s < kSets; ++s)
+      logits.push_back(test::upload_floats(g, DType::F32, {T, E - S},
+                                           test::random_floats(size_t(T) * (E - S), 300 + s)));
     g.synchronize();
     // GB/s of touched weights; TFLOP/s at 2 * 3 * H * F flops per (token, expert) assignment.
     auto report = [&](const char* name, double us) {
@@ -67,12 +74,18 @@ void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
     const bool big = T > 1024;  // the decode kernels are far off the pace there
     // Graph-capturable paths replayed from a graph of all sets (launch overhead excluded).
     // (MOE_CUDA_OK asserts, so the time comes back through us.)
-    auto graph_us = [&](cuda::MoeFfnPath path, double& us) {
+    // with_route: each call after the router's top-k on its own logits, as the model runs it
+    // (a small kernel between two MoE layers instead of the previous layer's last one).
+    auto graph_us = [&](cuda::MoeFfnPath path, double& us, bool with_route = false) {
       for (auto& s : sets) d.ffn(s->gpu, path);
       cudaGraph_t graph = nullptr;
       cudaGraphExec_t exec = nullptr;
       MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
-      for (auto& s : sets) cuda::moe_ffn(d.ctx(), s->gpu, path);
+      for (size_t i = 0; i < sets.size(); ++i) {
+        if (with_route)
+          cuda::moe_route(d.ctx(), logits[i].view, route, sets[i]->gpu.ids, sets[i]->gpu.weights);
+        cuda::moe_ffn(d.ctx(), sets[i]->gpu, path);
+      }
       MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
       MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
       MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
@@ -100,6 +113,11 @@ void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
       if (path == cuda::MoeFfnPath::Grouped) cuda::g_moe_tile32.force(0);  // 64-row tiles
       graph_us(path, us);
       cuda::g_moe_tile32.force(-1);
+      if (decode_only) {  // the decode paths again, each after the router's top-k
+        double routed_us = 0;
+        graph_us(path, routed_us, true);
+        report(path == cuda::MoeFfnPath::Decode ? "decode-route" : "split-route", routed_us);
+      }
       report(path == cuda::MoeFfnPath::Decode     ? "decode-graph"
              : path == cuda::MoeFfnPath::Split    ? "split-graph"
              : path == cuda::MoeFfnPath::Grouped  ? "grouped-graph"

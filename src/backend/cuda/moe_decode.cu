@@ -56,7 +56,9 @@ __device__ __forceinline__ void stage_rows(float* xs, const float* src, int64_t 
 // acc[r][j] = dot(row r, staged token j) for j < nt, summed over the whole warp (every
 // lane ends with the same value). Rows are byte pointers to 16-byte aligned rows of K
 // elements.
-template <WeightKind K, int TC>
+// U: 16-byte chunks per row a lane loads before it uses them (the bits do not depend on it: a
+// lane adds its chunks in ascending order either way).
+template <WeightKind K, int TC, int U = kUnroll>
 __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], int chunks,
                                          const float* xs, int Klen, int nt,
                                          float (&acc)[kRows][TC]) {
@@ -69,10 +71,10 @@ __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], in
 #pragma unroll
     for (int j = 0; j < TC; ++j) acc[r][j] = 0.0f;
 
-  for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
-    uint4 w[kUnroll][kRows];
+  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+    uint4 w[U][kRows];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
@@ -80,7 +82,7 @@ __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], in
                              : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
       if (c < chunks) {
         float wf[kRows][V];
@@ -386,10 +388,13 @@ constexpr int kSplitWarps = 8;
 constexpr int kSplitThreads = kSplitWarps * 32;
 constexpr int kSplitChunks = kSplitRows / 8;  // 16-byte chunks of a strip's down row
 constexpr int kSplitRowGroups = kSplitThreads / kSplitChunks;  // down rows in flight per pass
-constexpr int kSplitBatch = 8;                                 // down rows a thread loads at once
+constexpr int kSplitBatch = 8;  // partial rows a reduce thread loads at once
 
-template <WeightKind K, int TC>
+// U: gate/up chunks per row a lane has in flight (dot_rows); a thread loads 4 * U down rows at
+// once. DEEPSERVE_MOE_SPLIT_UNROLL (2 or 4) picks it; the same bits either way.
+template <WeightKind K, int TC, int U>
 __global__ void __launch_bounds__(kSplitThreads) split_kernel(DecodeFfnArgs a, int strips) {
+  constexpr int kBatch = 4 * U;
   static_assert(wstream::kChunkElems<K> == 8, "2-byte weights");
   constexpr int V = 8;
   pdl::enter();
@@ -459,7 +464,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(DecodeFfnArgs a, i
       const uint8_t* rows[kRows];
       unit_rows(u, rows);
       float acc[kRows][TC];
-      dot_rows<K, TC>(rows, H / V, xs, H, nt, acc);
+      dot_rows<K, TC, U>(rows, H / V, xs, H, nt, acc);
 #pragma unroll
       for (int j = 0; j < TC; ++j) {
         if (j < nt && lane == j) {
@@ -471,16 +476,16 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(DecodeFfnArgs a, i
     __syncthreads();
     // Down rows r = row0 + kSplitRowGroups * i: each thread dots its chunk (8 F-columns) with h,
     // then the kSplitChunks threads of a row add theirs in a fixed butterfly (all get the sum).
-    for (int rb = row0; rb - row0 < H; rb += kSplitRowGroups * kSplitBatch) {
-      uint4 w[kSplitBatch];
+    for (int rb = row0; rb - row0 < H; rb += kSplitRowGroups * kBatch) {
+      uint4 w[kBatch];
 #pragma unroll
-      for (int i = 0; i < kSplitBatch; ++i) {
+      for (int i = 0; i < kBatch; ++i) {
         const int r = rb + kSplitRowGroups * i;
         w[i] = has_chunk && r < H ? __ldg(reinterpret_cast<const uint4*>(down + r * down_ld))
                                   : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int i = 0; i < kSplitBatch; ++i) {
+      for (int i = 0; i < kBatch; ++i) {
         const int r = rb + kSplitRowGroups * i;
         float wf[V];
         wstream::chunk_to_float<K>(w[i], wf);
@@ -505,18 +510,26 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(DecodeFfnArgs a, i
 }
 
 // out[t, c .. c + 4) for the columns of CTA (blockIdx.x, token blockIdx.y): each (slot j,
-// strip group g) thread pair sums strips g, g + G, ... of the slot's partial rows (ascending),
-// then one thread per column quad adds the groups in order into the slot's row and combines the
-// slots as combine_cols does (routed: fma with the weight, ascending; shared: added). The order
-// depends on slots and strips alone, never on the other tokens.
+// strip group g) thread pair sums strips g, g + G, ... of the slot's partial rows (ascending);
+// then one thread per (slot, column quad) adds the slot's groups in order, and one per column
+// quad combines the slots as combine_cols does (routed: fma with the weight, ascending; shared:
+// added). The order depends on slots and strips alone, never on the other tokens.
 constexpr int kReduceCols = 32;
 constexpr int kReduceQuads = kReduceCols / 4;
 constexpr int kReduceLanes = kSplitThreads / kReduceQuads;  // (slot, group) pairs per CTA
+
+__device__ __forceinline__ void add4(float4& a, const float4& b) {
+  a.x += b.x;
+  a.y += b.y;
+  a.z += b.z;
+  a.w += b.w;
+}
 
 __global__ void __launch_bounds__(kSplitThreads)
     split_reduce_kernel(DecodeFfnArgs a, int strips, int groups) {
   pdl::enter();
   __shared__ float4 red[kReduceLanes][kReduceQuads];
+  __shared__ float4 slot_sum[kReduceLanes][kReduceQuads];
   const int t = blockIdx.y;
   const int quad = threadIdx.x % kReduceQuads;
   const int q = threadIdx.x / kReduceQuads;
@@ -524,7 +537,8 @@ __global__ void __launch_bounds__(kSplitThreads)
   const int slots = a.top_k;
   const int H = a.hidden;
   const int* tp = a.lists.pos + int64_t(t) * slots;
-  if (q < slots * groups && col < H) {
+  const bool live = col < H;
+  if (q < slots * groups && live) {
     const int j = q / groups, g = q % groups;
     const int p = tp[j];
     float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -539,31 +553,24 @@ __global__ void __launch_bounds__(kSplitThreads)
                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
-        for (int i = 0; i < kSplitBatch; ++i) {
-          if (s0 + groups * i < strips) {
-            sum.x += v[i].x;
-            sum.y += v[i].y;
-            sum.z += v[i].z;
-            sum.w += v[i].w;
-          }
-        }
+        for (int i = 0; i < kSplitBatch; ++i)
+          if (s0 + groups * i < strips) add4(sum, v[i]);
       }
     }
     red[q][quad] = sum;
   }
   __syncthreads();
-  if (q != 0 || col >= H) return;
+  if (q < slots && live) {  // slot q's row: its groups in order
+    float4 y = red[q * groups][quad];
+    for (int g = 1; g < groups; ++g) add4(y, red[q * groups + g][quad]);
+    slot_sum[q][quad] = y;
+  }
+  __syncthreads();
+  if (q != 0 || !live) return;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int j = 0; j < slots; ++j) {
     if (tp[j] < 0) continue;
-    float4 y = red[j * groups][quad];
-    for (int g = 1; g < groups; ++g) {
-      const float4 v = red[j * groups + g][quad];
-      y.x += v.x;
-      y.y += v.y;
-      y.z += v.z;
-      y.w += v.w;
-    }
+    const float4 y = slot_sum[j][quad];
     if (j < a.routed) {
       const float w = a.weights[int64_t(t) * a.routed + j];
       acc.x = fmaf(w, y.x, acc.x);
@@ -571,13 +578,14 @@ __global__ void __launch_bounds__(kSplitThreads)
       acc.z = fmaf(w, y.z, acc.z);
       acc.w = fmaf(w, y.w, acc.w);
     } else {
-      acc.x += y.x;
-      acc.y += y.y;
-      acc.z += y.z;
-      acc.w += y.w;
+      add4(acc, y);
     }
   }
-  *reinterpret_cast<float4*>(a.out + int64_t(t) * a.out_stride + col) = acc;
+  float* o = a.out + int64_t(t) * a.out_stride + col;  // rows need not be 16-byte aligned
+  o[0] = acc.x;
+  o[1] = acc.y;
+  o[2] = acc.z;
+  o[3] = acc.w;
 }
 
 // Tokens per pass: n_e <= T when a token's experts are distinct, so small steps get small
@@ -686,18 +694,25 @@ void prepare_kind() {
       check(cudaFuncSetAttribute(gate_up_kernel<K, c.value>, attr, kDecodeStageBytes),
             "smem limit");
       check(cudaFuncSetAttribute(down_kernel<K, c.value>, attr, kDecodeStageBytes), "smem limit");
-      if constexpr (K != WeightKind::F32)
-        check(cudaFuncSetAttribute(split_kernel<K, c.value>, attr, kDecodeStageBytes),
+      if constexpr (K != WeightKind::F32) {
+        check(cudaFuncSetAttribute(split_kernel<K, c.value, 2>, attr, kDecodeStageBytes),
               "smem limit");
+        check(cudaFuncSetAttribute(split_kernel<K, c.value, 4>, attr, kDecodeStageBytes),
+              "smem limit");
+      }
     });
   }
 }
 
 template <WeightKind K>
 void launch_split_kind(const DecodeFfnArgs& a, int tc, dim3 grid, cudaStream_t stream) {
+  const bool u4 = g_moe_split_unroll.get() != 2;
   with_tc(tc, [&](auto c) {
-    pdl::launch(split_kernel<K, c.value>, grid, kSplitThreads, size_t(c.value) * a.hidden * 4,
-                stream, a, int(grid.x));
+    const size_t smem = size_t(c.value) * a.hidden * 4;
+    if (u4)
+      pdl::launch(split_kernel<K, c.value, 4>, grid, kSplitThreads, smem, stream, a, int(grid.x));
+    else
+      pdl::launch(split_kernel<K, c.value, 2>, grid, kSplitThreads, smem, stream, a, int(grid.x));
   });
 }
 
