@@ -56,9 +56,7 @@ __device__ __forceinline__ void stage_rows(float* xs, const float* src, int64_t 
 // acc[r][j] = dot(row r, staged token j) for j < nt, summed over the whole warp (every
 // lane ends with the same value). Rows are byte pointers to 16-byte aligned rows of K
 // elements.
-// U: 16-byte chunks per row a lane loads before it uses them (the bits do not depend on it: a
-// lane adds its chunks in ascending order either way).
-template <WeightKind K, int TC, int U = kUnroll>
+template <WeightKind K, int TC>
 __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], int chunks,
                                          const float* xs, int Klen, int nt,
                                          float (&acc)[kRows][TC]) {
@@ -71,10 +69,10 @@ __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], in
 #pragma unroll
     for (int j = 0; j < TC; ++j) acc[r][j] = 0.0f;
 
-  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-    uint4 w[U][kRows];
+  for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
+    uint4 w[kUnroll][kRows];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int c = c0 + 32 * u;
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
@@ -82,7 +80,7 @@ __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], in
                              : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int c = c0 + 32 * u;
       if (c < chunks) {
         float wf[kRows][V];
@@ -390,11 +388,13 @@ constexpr int kSplitChunks = kSplitRows / 8;  // 16-byte chunks of a strip's dow
 constexpr int kSplitRowGroups = kSplitThreads / kSplitChunks;  // down rows in flight per pass
 constexpr int kSplitBatch = 8;  // partial rows a reduce thread loads at once
 
-// U: gate/up chunks per row a lane has in flight (dot_rows); a thread loads 4 * U down rows at
-// once. DEEPSERVE_MOE_SPLIT_UNROLL (2 or 4) picks it; the same bits either way.
-template <WeightKind K, int TC, int U>
-__global__ void __launch_bounds__(kSplitThreads) split_kernel(DecodeFfnArgs a, int strips) {
-  constexpr int kBatch = 4 * U;
+// Passes of up to 2 tokens fit three CTAs per SM (79 and 76 registers, no spills, sm_90a);
+// unbounded, the 2-token pass took 100 registers, two CTAs per SM, so a 2-token step with 2
+// shared experts (~13 experts x 44 strips = 585 CTAs) needed 2.2 waves.
+template <WeightKind K, int TC>
+__global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
+    split_kernel(DecodeFfnArgs a, int strips) {
+  constexpr int kBatch = 8;  // down rows a thread loads at once
   static_assert(wstream::kChunkElems<K> == 8, "2-byte weights");
   constexpr int V = 8;
   pdl::enter();
@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(DecodeFfnArgs a, i
       const uint8_t* rows[kRows];
       unit_rows(u, rows);
       float acc[kRows][TC];
-      dot_rows<K, TC, U>(rows, H / V, xs, H, nt, acc);
+      dot_rows<K, TC>(rows, H / V, xs, H, nt, acc);
 #pragma unroll
       for (int j = 0; j < TC; ++j) {
         if (j < nt && lane == j) {
@@ -694,25 +694,18 @@ void prepare_kind() {
       check(cudaFuncSetAttribute(gate_up_kernel<K, c.value>, attr, kDecodeStageBytes),
             "smem limit");
       check(cudaFuncSetAttribute(down_kernel<K, c.value>, attr, kDecodeStageBytes), "smem limit");
-      if constexpr (K != WeightKind::F32) {
-        check(cudaFuncSetAttribute(split_kernel<K, c.value, 2>, attr, kDecodeStageBytes),
+      if constexpr (K != WeightKind::F32)
+        check(cudaFuncSetAttribute(split_kernel<K, c.value>, attr, kDecodeStageBytes),
               "smem limit");
-        check(cudaFuncSetAttribute(split_kernel<K, c.value, 4>, attr, kDecodeStageBytes),
-              "smem limit");
-      }
     });
   }
 }
 
 template <WeightKind K>
 void launch_split_kind(const DecodeFfnArgs& a, int tc, dim3 grid, cudaStream_t stream) {
-  const bool u4 = g_moe_split_unroll.get() != 2;
   with_tc(tc, [&](auto c) {
-    const size_t smem = size_t(c.value) * a.hidden * 4;
-    if (u4)
-      pdl::launch(split_kernel<K, c.value, 4>, grid, kSplitThreads, smem, stream, a, int(grid.x));
-    else
-      pdl::launch(split_kernel<K, c.value, 2>, grid, kSplitThreads, smem, stream, a, int(grid.x));
+    pdl::launch(split_kernel<K, c.value>, grid, kSplitThreads, size_t(c.value) * a.hidden * 4,
+                stream, a, int(grid.x));
   });
 }
 

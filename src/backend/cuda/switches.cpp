@@ -84,9 +84,6 @@ EnvSwitch g_moe_split{"DEEPSERVE_MOE_SPLIT", "0", true};
 // DEEPSERVE_MOE_SPLIT_PREFETCH=1: each Split CTA asks L2 for its strip of down before it streams
 // its gate and up rows (off: it reads the strip when it gets there). The same bits either way.
 EnvSwitch g_moe_split_prefetch{"DEEPSERVE_MOE_SPLIT_PREFETCH", "1", false};
-// The Split kernel's loads in flight per lane: 4 gate/up chunks per row and 16 down rows (unset
-// or 4), or 2 and 8 (DEEPSERVE_MOE_SPLIT_UNROLL=2). The same bits either way.
-EnvCount g_moe_split_unroll{"DEEPSERVE_MOE_SPLIT_UNROLL", 4};
 // The most splits the MLA decode kernels cut a short context into (long ones: up to 128).
 EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
 
