@@ -694,6 +694,14 @@ TEST(CudaMoeFfn, SplitPathMatchesCpuInEveryMode) {
                                c.H, kDecodeRowTol, kDecodeElemTol))
             << "problem " << i;
       }
+      // DEEPSERVE_MOE_SPLIT=1: Auto takes it for decode-sized BF16 steps.
+      if (cuda::moe_auto_path(true, T, 4, S, false, false, true) == cuda::MoeFfnPath::Split) {
+        const test::Forced on(cuda::g_moe_split, 1);
+        poison(*b);
+        cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Auto);
+        d.sync();
+        EXPECT_TRUE(bits_equal(test::download_floats(g, b->out.gpu), out[0][1])) << "auto";
+      }
       cudaGraph_t graph = nullptr;
       cudaGraphExec_t exec = nullptr;
       MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));

@@ -59,10 +59,12 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // expert once, a CTA per (expert, strip of kSplitRows F-rows): its gate and up rows, then the
 // same F-columns of down against the strip's silu(g) * u kept in shared memory, writing a
 // partial output per strip; a small second launch sums the strips and combines (moe_decode.cu).
-// The Decode path's down kernel waits for every gate/up CTA instead. Auto takes Split where it
-// would take Decode for BF16 experts, up to kMoeSplitMaxTokens tokens (DEEPSERVE_MOE_SPLIT=0:
-// Decode); deterministic and batch-invariant, F32 activations like Decode, in another
-// summation order (not Decode's bits).
+// The Decode path's down kernel waits for every gate/up CTA instead. With DEEPSERVE_MOE_SPLIT=1
+// Auto takes Split where it would take Decode for BF16 experts, up to kMoeSplitMaxTokens tokens;
+// deterministic and batch-invariant, F32 activations like Decode, in another summation order
+// (not Decode's bits). H200, V2-Lite experts + 2 shared, each call after the route kernel
+// (MoeBench decode-route / split-route rows): T = 1 50.1 vs 51.0 us, T = 2 86.9 vs 81.6, T = 3
+// 130.7 vs 119.6, T = 5 211.9 vs 240.0; W3's TPOT the same (2.86 ms), so it is off by default.
 enum class MoeFfnPath : uint8_t { Auto, Decode, Prefill, Grouped, Streamed, Wide, Split };
 // From the H200 micro-benchmark (DeepSeek-V2-Lite experts, top-6): decode wins to T = 16,
 // grouped from T = 32 (405 vs 438 us) to past T = 1024; cuBLAS per expert at T = 8192.
@@ -84,7 +86,7 @@ constexpr int64_t kMoeSplitMaxTokens = 8;
 // Prefill outside capture too, DEEPSERVE_MOE_PREFILL=wide; split: Split for BF16 decode steps,
 // DEEPSERVE_MOE_SPLIT).
 inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, bool capturing,
-                                bool wide = false, bool split = true) {
+                                bool wide = false, bool split = false) {
   const int64_t n = T * (top_k + shared);
   if (!bf16) return MoeFfnPath::Decode;
   if (n < kMoeGroupedMinAssignments && (shared == 0 || T < kMoeGroupedMinSharedTokens))

@@ -77,10 +77,11 @@ EnvSwitch g_moe_fused_combine{"DEEPSERVE_MOE_FUSED_COMBINE", "0", true};
 // Decode MoE steps of at most 32 assignments (moe::kWarpListMax): the gate/up kernel builds the
 // token lists itself, one launch fewer (off: the token-list kernel). The same bits either way.
 EnvSwitch g_moe_warp_lists{"DEEPSERVE_MOE_WARP_LISTS", "0", true};
-// BF16 decode MoE steps of at most kMoeSplitMaxTokens tokens take the Split path (moe.cuh: one
-// weight stream per CTA over gate, up and a column strip of down, then a reduce), off: the
-// Decode path's gate/up and down kernels. Not the same bits (another summation order).
-EnvSwitch g_moe_split{"DEEPSERVE_MOE_SPLIT", "0", true};
+// DEEPSERVE_MOE_SPLIT=1: BF16 decode MoE steps of at most kMoeSplitMaxTokens tokens take the
+// Split path (moe.cuh: a CTA streams gate, up and a column strip of down, then a reduce) instead
+// of the Decode path's gate/up and down kernels. Not the same bits (another summation order).
+// Off by default: W3 measured the same either way (docs/PERFORMANCE.md, 2026-12-04).
+EnvSwitch g_moe_split{"DEEPSERVE_MOE_SPLIT", "1", false};
 // DEEPSERVE_MOE_SPLIT_PREFETCH=1: each Split CTA asks L2 for its strip of down before it streams
 // its gate and up rows (off: it reads the strip when it gets there). The same bits either way.
 EnvSwitch g_moe_split_prefetch{"DEEPSERVE_MOE_SPLIT_PREFETCH", "1", false};

@@ -60,7 +60,7 @@ extern EnvCount g_moe_wq_dequant_min;   // DEEPSERVE_MOE_WQ_DEQUANT_MIN (wq_dequ
 extern EnvCount g_moe_decode_upw;       // DEEPSERVE_MOE_DECODE_UPW (moe_decode.cu)
 extern EnvSwitch g_moe_fused_combine;   // on; DEEPSERVE_MOE_FUSED_COMBINE=0 turns it off
 extern EnvSwitch g_moe_warp_lists;      // on; DEEPSERVE_MOE_WARP_LISTS=0 turns it off
-extern EnvSwitch g_moe_split;           // on; DEEPSERVE_MOE_SPLIT=0 turns it off
+extern EnvSwitch g_moe_split;           // off; DEEPSERVE_MOE_SPLIT=1 turns it on
 extern EnvSwitch g_moe_split_prefetch;  // off; DEEPSERVE_MOE_SPLIT_PREFETCH=1 turns it on
 extern EnvCount g_mla_max_splits;       // DEEPSERVE_MLA_SPLITS (attention_mla_decode.cu)
 
