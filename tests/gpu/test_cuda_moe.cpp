@@ -567,6 +567,51 @@ TEST(CudaMoeFfn, WeightPrefetchChangesNothing) {
   }
 }
 
+// Whether two downloads are the same bits.
+bool bits_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// Fills c's output with NaN (0xff bytes) on d's stream, so an output a kernel skips shows.
+void poison_out(DirectCuda& d, FfnCase& c) {
+  MOE_CUDA_OK(cudaMemsetAsync(c.out.gpu.view.data, 0xff, c.out.gpu.view.nbytes(), d.stream()));
+}
+
+// The two problems of the decode-path mode tests over top-4 of ex: a with padded rows (without
+// shared experts also an expert base of 3, ids outside the local range skipped), b with
+// skewed routing.
+std::pair<std::unique_ptr<FfnCase>, std::unique_ptr<FfnCase>> decode_pair(const Experts& ex, int T,
+                                                                          int S, uint64_t seed_a,
+                                                                          uint64_t seed_b) {
+  auto a = make_case(ex, T, 4, false, seed_a + uint64_t(T + 50 * S), 3, S);
+  auto b = make_case(ex, T, 4, true, seed_b + uint64_t(T + 50 * S), 0, S);
+  if (S == 0) {
+    a->gpu.expert_base = a->cpu.expert_base = 3;
+    a->gpu.skip_foreign = a->cpu.skip_foreign = true;
+  }
+  return {std::move(a), std::move(b)};
+}
+
+// path on c captured once and replayed twice into a poisoned output: each replay gives want.
+void expect_replays(DirectCuda& d, FfnCase& c, cuda::MoeFfnPath path,
+                    const std::vector<float>& want) {
+  Backend& g = test::cuda_backend();
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
+  cuda::moe_ffn(d.ctx(), c.gpu, path);
+  MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
+  MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int r = 0; r < 2; ++r) {
+    poison_out(d, c);
+    MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+    d.sync();
+    EXPECT_TRUE(bits_equal(test::download_floats(g, c.out.gpu), want)) << "replay " << r;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 // The decode path's fused combine (the down kernel's last CTA per row tile sums the slots), its
 // one-wave grid sizing and the token lists built in the gate/up kernel (steps of at most 32
 // assignments) give the bits of the token-list kernel, the base grid and the separate combine:
@@ -579,21 +624,11 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
   Backend& g = test::cuda_backend();
   const auto ex = make_experts(18, 2048, 1408, DType::BF16, 23);
   DirectCuda d;
-  auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-  };
-  auto poison = [&](FfnCase& c) {
-    MOE_CUDA_OK(cudaMemsetAsync(c.out.gpu.view.data, 0xff, c.out.gpu.view.nbytes(), d.stream()));
-  };
+  auto poison = [&](FfnCase& c) { poison_out(d, c); };
   for (int S : {0, 2}) {
     for (int T : {1, 2, 3, 5, 8, 21}) {
       SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
-      auto a = make_case(*ex, T, 4, false, uint64_t(600 + T + 50 * S), 3, S);
-      auto b = make_case(*ex, T, 4, true, uint64_t(700 + T + 50 * S), 0, S);
-      if (S == 0) {
-        a->gpu.expert_base = a->cpu.expert_base = 3;
-        a->gpu.skip_foreign = a->cpu.skip_foreign = true;
-      }
+      auto [a, b] = decode_pair(*ex, T, S, 600, 700);
       // (fused combine, units-per-warp multiple, warp lists): the reference first.
       const std::tuple<int, long long, int> modes[] = {{0, 1, 0}, {1, 0, 1}, {1, 1, 1}, {1, 2, 0},
                                                        {1, 3, 1}, {0, 0, 1}, {1, 0, 0}};
@@ -624,20 +659,7 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
                              a->H, kDecodeRowTol, kDecodeElemTol));
 
       // Graph replays: the fused path twice from one capture (Auto's sizing, fused on).
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
-      cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Decode);
-      MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
-      MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int r = 0; r < 2; ++r) {
-        poison(*b);
-        MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
-        d.sync();
-        EXPECT_TRUE(bits_equal(test::download_floats(g, b->out.gpu), out[0][1])) << "replay " << r;
-      }
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
+      expect_replays(d, *b, cuda::MoeFfnPath::Decode, out[0][1]);
     }
   }
 }
@@ -652,21 +674,11 @@ TEST(CudaMoeFfn, SplitPathMatchesCpuInEveryMode) {
   Backend &g = test::cuda_backend(), &cpu = test::cpu_backend();
   const auto ex = make_experts(18, 2048, 1408, DType::BF16, 29);
   DirectCuda d;
-  auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-  };
-  auto poison = [&](FfnCase& c) {
-    MOE_CUDA_OK(cudaMemsetAsync(c.out.gpu.view.data, 0xff, c.out.gpu.view.nbytes(), d.stream()));
-  };
+  auto poison = [&](FfnCase& c) { poison_out(d, c); };
   for (int S : {0, 2}) {
     for (int T : {1, 2, 3, 5, 8, 21}) {
       SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
-      auto a = make_case(*ex, T, 4, false, uint64_t(800 + T + 50 * S), 3, S);
-      auto b = make_case(*ex, T, 4, true, uint64_t(900 + T + 50 * S), 0, S);
-      if (S == 0) {
-        a->gpu.expert_base = a->cpu.expert_base = 3;
-        a->gpu.skip_foreign = a->cpu.skip_foreign = true;
-      }
+      auto [a, b] = decode_pair(*ex, T, S, 800, 900);
       const std::pair<int, int> modes[] = {{1, 0}, {0, 0}, {1, 1}, {0, 1}};  // (lists, prefetch)
       std::vector<float> out[4][2];
       g.synchronize();
@@ -702,20 +714,7 @@ TEST(CudaMoeFfn, SplitPathMatchesCpuInEveryMode) {
         d.sync();
         EXPECT_TRUE(bits_equal(test::download_floats(g, b->out.gpu), out[0][1])) << "auto";
       }
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
-      cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Split);
-      MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
-      MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int r = 0; r < 2; ++r) {
-        poison(*b);
-        MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
-        d.sync();
-        EXPECT_TRUE(bits_equal(test::download_floats(g, b->out.gpu), out[0][1])) << "replay " << r;
-      }
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
+      expect_replays(d, *b, cuda::MoeFfnPath::Split, out[0][1]);
     }
   }
 }
