@@ -159,6 +159,19 @@ __device__ __forceinline__ const T* at_bytes(const void* base, int64_t offset) {
   return reinterpret_cast<const T*>(static_cast<const char*>(base) + offset);
 }
 
+// The warp's highest score s and its index i, ties to the lower index; (score, index) is a total
+// order, so every lane ends with the same winner (a NaN score never wins a comparison).
+__device__ __forceinline__ void warp_argmax(float& s, int& i) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float os = __shfl_xor_sync(0xffffffffu, s, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (os > s || (os == s && oi < i)) {
+      s = os;
+      i = oi;
+    }
+  }
+}
+
 // Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float partial[32];

@@ -43,19 +43,6 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
-// Highest score, ties to the lower index; (score, index) is a total order, so every lane
-// ends with the same winner.
-__device__ __forceinline__ void warp_argmax(float& s, int& i) {
-  for (int off = 16; off > 0; off >>= 1) {
-    const float os = __shfl_xor_sync(kFull, s, off);
-    const int oi = __shfl_xor_sync(kFull, i, off);
-    if (os > s || (os == s && oi < i)) {
-      s = os;
-      i = oi;
-    }
-  }
-}
-
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(RouteArgs a) {
   pdl::enter();
   const int lane = threadIdx.x & 31;

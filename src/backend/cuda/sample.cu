@@ -285,14 +285,7 @@ __device__ int block_argmax(const float* x, int64_t V, Shared& sh) {
       bi = int(i);
     }
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(kFull, bv, o);
-    const int oi = __shfl_xor_sync(kFull, bi, o);
-    if (ov > bv || (ov == bv && oi < bi)) {
-      bv = ov;
-      bi = oi;
-    }
-  }
+  warp_argmax(bv, bi);
   if (lane == 0) {
     sh.best_v[warp] = bv;
     sh.best_i[warp] = bi;
@@ -300,14 +293,7 @@ __device__ int block_argmax(const float* x, int64_t V, Shared& sh) {
   __syncthreads();
   bv = sh.best_v[lane];
   bi = sh.best_i[lane];
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(kFull, bv, o);
-    const int oi = __shfl_xor_sync(kFull, bi, o);
-    if (ov > bv || (ov == bv && oi < bi)) {
-      bv = ov;
-      bi = oi;
-    }
-  }
+  warp_argmax(bv, bi);
   __syncthreads();  // best_v / best_i are free again
   const float x0 = x[0];
   return x0 != x0 || bi == INT_MAX ? 0 : bi;
