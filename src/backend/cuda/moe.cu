@@ -247,7 +247,7 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, in
     s.h16 = c.take<uint16_t>(n * F);
     s.y = c.take<float>(n * H);
   } else if (path == MoeFfnPath::Split) {
-    s.part = c.take<float>(n * moe::split_units(F, moe::split_cluster()) * H);
+    s.part = c.take<float>(n * moe::split_strips(F) * H);
   } else {
     s.h = c.take<float>(n * F);
     s.y = c.take<float>(n * H);

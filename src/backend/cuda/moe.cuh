@@ -56,11 +56,9 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // takes it for prefill-sized steps under capture only (DEEPSERVE_MOE_PREFILL=wide: always,
 // for A/B runs).
 // Split (BF16 or F16 experts): for decode steps of a few tokens, one launch streams each touched
-// expert once, a CTA per (expert, strip of kSplitRows F-rows): its gate and up rows, then down
-// against the strip's silu(g) * u kept in shared memory (alone: the strip's F-columns of every
-// row; in a cluster of kSplitCluster strips, sm_90: the cluster's columns of a quarter of the
-// rows), writing a partial output per unit; a small second launch sums the units and combines
-// (moe_decode.cu).
+// expert once, a CTA per (expert, strip of kSplitRows F-rows): its gate and up rows, then the
+// same F-columns of down against the strip's silu(g) * u kept in shared memory, writing a
+// partial output per strip; a small second launch sums the strips and combines (moe_decode.cu).
 // The Decode path's down kernel waits for every gate/up CTA instead. With DEEPSERVE_MOE_SPLIT=1
 // Auto takes Split where it would take Decode for BF16 experts, up to kMoeSplitMaxTokens tokens;
 // deterministic and batch-invariant, F32 activations like Decode, in another summation order
@@ -315,8 +313,7 @@ struct DecodeFfnArgs : FfnProblem {
   // lists are written one launch before the down kernel, not two.
   const int32_t* ids = nullptr;
   int expert_base = 0;
-  // Split: [N, split_units(F, split_cluster()), hidden] each sorted position's partial output
-  // per unit of strips, and
+  // Split: [N, split_strips(F), hidden] each sorted position's partial output per strip, and
   // whether its CTAs ask L2 for their strip of down first (DEEPSERVE_MOE_SPLIT_PREFETCH).
   float* part = nullptr;
   bool prefetch_down = false;
@@ -327,14 +324,6 @@ constexpr int64_t kWarpListMax = 32;
 constexpr int kSplitRows = 32;
 inline int split_strips(int inter) {
   return (inter + kSplitRows - 1) / kSplitRows;
-}
-// Strips per unit: kSplitCluster (a thread-block cluster pooling its strips' h, sm_90+, unless
-// DEEPSERVE_MOE_SPLIT_CLUSTER=1) or 1. The partial outputs are per unit (a.part holds
-// split_units rows per sorted position); the bits depend on it, not on the tokens.
-constexpr int kSplitCluster = 4;
-int split_cluster();
-inline int split_units(int inter, int cluster) {
-  return (split_strips(inter) + cluster - 1) / cluster;
 }
 // The Split path (MoeFfnPath::Split; BF16 or F16 weights, at most 32 slots per token): the
 // strip kernel into a.part, then the reduce, which writes a.out from a.weights and the lists.

@@ -3,7 +3,6 @@
 // loads, and multiplies it against the expert's tokens, staged in shared memory as F32.
 // Each output element is one lane-strided F32 dot product plus a fixed butterfly reduction,
 // so it depends only on its own token: results are deterministic and batch-invariant.
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -379,41 +378,29 @@ __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int uni
 
 // ---- Split path -------------------------------------------------------------------------
 // A CTA per (touched expert, strip of kSplitRows F-rows): its gate and up rows give the strip's
-// h = silu(gate x) * up x in shared memory. With N = 1 the CTA then multiplies the same
-// F-columns of down (kSplitRows elements of every hidden row, 64 bytes) by it. With N > 1 the
-// N strips of a thread-block cluster (sm_90) pool their h through distributed shared memory
-// and CTA q of the cluster takes rows [q H / N, (q + 1) H / N) of down over all N * kSplitRows
-// columns (N * 64 contiguous bytes per row). Either way it stores one partial output row per
-// (token, unit of N strips) and no CTA waits for another outside its cluster; the reduce kernel
-// then sums the units and combines the slots.
+// h = silu(gate x) * up x in shared memory, then the same F-columns of down (kSplitRows
+// elements of each of the hidden rows) multiply it, and the CTA stores one partial output row
+// per (token, strip). Every weight byte is read by one CTA of one launch, and no CTA waits for
+// another; the reduce kernel then sums the strips and combines the slots.
 constexpr int kSplitWarps = 8;
 constexpr int kSplitThreads = kSplitWarps * 32;
+constexpr int kSplitChunks = kSplitRows / 8;  // 16-byte chunks of a strip's down row
+constexpr int kSplitRowGroups = kSplitThreads / kSplitChunks;  // down rows in flight per pass
 constexpr int kSplitBatch = 8;  // partial rows a reduce thread loads at once
 
 // Passes of up to 2 tokens fit three CTAs per SM (79 and 76 registers, no spills, sm_90a);
 // unbounded, the 2-token pass took 100 registers, two CTAs per SM, so a 2-token step with 2
 // shared experts (~13 experts x 44 strips = 585 CTAs) needed 2.2 waves.
-template <WeightKind K, int TC, int N>
+template <WeightKind K, int TC>
 __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
-    split_kernel(DecodeFfnArgs a, int units) {
+    split_kernel(DecodeFfnArgs a, int strips) {
   constexpr int kBatch = 8;  // down rows a thread loads at once
   static_assert(wstream::kChunkElems<K> == 8, "2-byte weights");
   constexpr int V = 8;
-  constexpr int kCols = N * kSplitRows;                // down columns of a unit
-  constexpr int kChunks = kCols / 8;                   // 16-byte chunks of a unit's down row
-  constexpr int kRowGroups = kSplitThreads / kChunks;  // down rows in flight per pass
-  static_assert(kChunks <= 32 && kSplitThreads % kChunks == 0, "a row's chunks in one warp");
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900
-  if constexpr (N > 1) {
-    __trap();  // launched on sm_90+ only (launch_split_ffn)
-    return;
-  }
-#endif
   pdl::enter();
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   __shared__ float hs[TC][kSplitRows];
-  __shared__ float h_unit[N > 1 ? TC : 1][N > 1 ? kCols : 1];  // N > 1: the cluster's h
   __shared__ int warp_tok[kWarpListMax];
   __shared__ ActiveExpert warp_act;
   ActiveExpert act;
@@ -432,7 +419,7 @@ __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
     act = active_expert(a, blockIdx.y);
     tok_base = act.begin;
   }
-  if (act.e < 0) return;  // the whole cluster: its CTAs share blockIdx.y
+  if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];
   constexpr int esize = 2;
@@ -440,24 +427,14 @@ __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
   const int64_t down_ld = ex.down_ld * esize;
   const uint8_t* gate = static_cast<const uint8_t*>(ex.gate);
   const uint8_t* up = static_cast<const uint8_t*>(ex.up);
-  const int H = a.hidden, F = a.inter;
+  const int H = a.hidden;
   const int f_strip = blockIdx.x * kSplitRows;
-  const int nf = min(kSplitRows, F - f_strip);  // a multiple of 8 (F is); <= 0 past F
-  // The unit's down columns start at col0; its rows [r_begin, r_end) are this CTA's.
-  const int unit = blockIdx.x / N, rank = blockIdx.x % N;
-  const int col0 = unit * kCols;
-  const int rows_per = (H + N - 1) / N;
-  const int r_begin = rank * rows_per, r_end = min(H, r_begin + rows_per);
-  // This thread's 16-byte chunk of the unit's columns in each down row, and its first row.
-  const int chunk = threadIdx.x % kChunks;
-  const int row0 = r_begin + threadIdx.x / kChunks;
-  const bool has_chunk = col0 + chunk * 8 < F;
-  const uint8_t* down = static_cast<const uint8_t*>(ex.down) + (col0 + chunk * 8) * esize;
-  const float(*h)[N > 1 ? kCols : kSplitRows] = nullptr;
-  if constexpr (N > 1)
-    h = h_unit;
-  else
-    h = hs;
+  const int nf = min(kSplitRows, a.inter - f_strip);  // a multiple of 8: F is
+  // This thread's 16-byte chunk of the strip in each down row, and its first row.
+  const int chunk = threadIdx.x % kSplitChunks;
+  const int row0 = threadIdx.x / kSplitChunks;
+  const bool has_chunk = chunk * 8 < nf;
+  const uint8_t* down = static_cast<const uint8_t*>(ex.down) + (f_strip + chunk * 8) * esize;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   // Unit u: gate and up of F-rows f_strip + 2u and + 2u + 1 (nf is even).
@@ -468,8 +445,8 @@ __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
     rows[2] = gate + (f0 + 1) * gate_ld;
     rows[3] = up + (f0 + 1) * up_ld;
   };
-  if (a.prefetch_down && has_chunk) {  // the rows of down, toward L2 while gate/up stream
-    for (int r = row0; r < r_end; r += kRowGroups)
+  if (a.prefetch_down && has_chunk) {  // the strip of down, toward L2 while gate/up stream
+    for (int r = row0; r < H; r += kSplitRowGroups)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(down + r * down_ld));
   }
   if (2 * warp < nf) {
@@ -480,7 +457,7 @@ __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
 
   for (int t0 = 0; t0 < count; t0 += TC) {
     const int nt = min(TC, count - t0);
-    if (t0 > 0) __syncthreads();  // the previous pass is done reading xs and h
+    if (t0 > 0) __syncthreads();  // the previous pass is done reading xs and hs
     stage_rows<V, kSplitThreads>(xs, a.x, a.x_stride, tok, tok_base + t0, nt, H);
     __syncthreads();
     for (int u = warp; 2 * u < nf; u += kSplitWarps) {
@@ -496,35 +473,20 @@ __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
         }
       }
     }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if constexpr (N > 1) {  // every CTA of the cluster copies the N strips' h
-      namespace cg = cooperative_groups;
-      const cg::cluster_group cluster = cg::this_cluster();
-      cluster.sync();
-      for (int i = threadIdx.x; i < N * TC * kSplitRows; i += kSplitThreads) {
-        const int q = i / (TC * kSplitRows), j = (i / kSplitRows) % TC, f = i % kSplitRows;
-        h_unit[j][q * kSplitRows + f] = *cluster.map_shared_rank(&hs[j][f], q);
-      }
-      cluster.sync();  // the others are done reading this CTA's hs
-    } else {
-      __syncthreads();
-    }
-#else
     __syncthreads();
-#endif
-    // Down rows r = row0 + kRowGroups * i below r_end: each thread dots its chunk (8 columns)
-    // with h, then the kChunks threads of a row add theirs in a fixed butterfly (all get it).
-    for (int rb = row0; rb - row0 < r_end - r_begin; rb += kRowGroups * kBatch) {
+    // Down rows r = row0 + kSplitRowGroups * i: each thread dots its chunk (8 F-columns) with h,
+    // then the kSplitChunks threads of a row add theirs in a fixed butterfly (all get the sum).
+    for (int rb = row0; rb - row0 < H; rb += kSplitRowGroups * kBatch) {
       uint4 w[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int r = rb + kRowGroups * i;
-        w[i] = has_chunk && r < r_end ? __ldg(reinterpret_cast<const uint4*>(down + r * down_ld))
-                                      : make_uint4(0, 0, 0, 0);
+        const int r = rb + kSplitRowGroups * i;
+        w[i] = has_chunk && r < H ? __ldg(reinterpret_cast<const uint4*>(down + r * down_ld))
+                                  : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int r = rb + kRowGroups * i;
+        const int r = rb + kSplitRowGroups * i;
         float wf[V];
         wstream::chunk_to_float<K>(w[i], wf);
 #pragma unroll
@@ -533,12 +495,13 @@ __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
             float acc = 0.0f;
             if (has_chunk) {
 #pragma unroll
-              for (int e = 0; e < V; ++e) acc = fmaf(wf[e], h[j][chunk * 8 + e], acc);
+              for (int e = 0; e < V; ++e) acc = fmaf(wf[e], hs[j][chunk * 8 + e], acc);
             }
 #pragma unroll
-            for (int off = 1; off < kChunks; off <<= 1) acc += __shfl_xor_sync(kFull, acc, off);
-            if (chunk == 0 && r < r_end)
-              a.part[(int64_t(begin + t0 + j) * units + unit) * H + r] = acc;
+            for (int off = 1; off < kSplitChunks; off <<= 1)
+              acc += __shfl_xor_sync(kFull, acc, off);
+            if (chunk == 0 && r < H)
+              a.part[(int64_t(begin + t0 + j) * strips + blockIdx.x) * H + r] = acc;
           }
         }
       }
@@ -731,28 +694,18 @@ void prepare_kind() {
       check(cudaFuncSetAttribute(gate_up_kernel<K, c.value>, attr, kDecodeStageBytes),
             "smem limit");
       check(cudaFuncSetAttribute(down_kernel<K, c.value>, attr, kDecodeStageBytes), "smem limit");
-      if constexpr (K != WeightKind::F32) {
-        check(cudaFuncSetAttribute(split_kernel<K, c.value, 1>, attr, kDecodeStageBytes),
+      if constexpr (K != WeightKind::F32)
+        check(cudaFuncSetAttribute(split_kernel<K, c.value>, attr, kDecodeStageBytes),
               "smem limit");
-        check(
-            cudaFuncSetAttribute(split_kernel<K, c.value, kSplitCluster>, attr, kDecodeStageBytes),
-            "smem limit");
-      }
     });
   }
 }
 
-// grid.x: the strips, rounded up to whole units of n (1 or kSplitCluster).
 template <WeightKind K>
-void launch_split_kind(const DecodeFfnArgs& a, int tc, int n, dim3 grid, cudaStream_t stream) {
+void launch_split_kind(const DecodeFfnArgs& a, int tc, dim3 grid, cudaStream_t stream) {
   with_tc(tc, [&](auto c) {
-    const size_t smem = size_t(c.value) * a.hidden * 4;
-    const int units = int(grid.x) / n;
-    if (n > 1)
-      pdl::launch_clusters(split_kernel<K, c.value, kSplitCluster>, grid, kSplitThreads, smem,
-                           stream, dim3(kSplitCluster, 1, 1), a, units);
-    else
-      pdl::launch(split_kernel<K, c.value, 1>, grid, kSplitThreads, smem, stream, a, units);
+    pdl::launch(split_kernel<K, c.value>, grid, kSplitThreads, size_t(c.value) * a.hidden * 4,
+                stream, a, int(grid.x));
   });
 }
 
@@ -762,10 +715,6 @@ void prepare_decode_kernels() {
   prepare_kind<WeightKind::BF16>();
   prepare_kind<WeightKind::F16>();
   prepare_kind<WeightKind::F32>();
-}
-
-int split_cluster() {
-  return g_moe_split_cluster.get() != 1 && pdl::hopper() ? kSplitCluster : 1;
 }
 
 void launch_split_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
@@ -780,17 +729,15 @@ void launch_split_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
                            std::to_string(kReduceLanes) + " slots per token");
   DS_CHECK(a.part != nullptr && a.out != nullptr && a.weights != nullptr,
            "split moe: no partial or output buffer");
-  const int n = split_cluster();
-  const int units = split_units(a.inter, n);
+  const int strips = split_strips(a.inter);
   const unsigned slots = unsigned(std::min<int64_t>(a.num_experts, a.num_tokens * a.top_k));
   const int tc = pick_tc(a.num_tokens, a.hidden);
-  const dim3 grid(unsigned(units * n), slots);
+  const dim3 grid(unsigned(strips), slots);
   if (a.kind == WeightKind::BF16)
-    launch_split_kind<WeightKind::BF16>(a, tc, n, grid, stream);
+    launch_split_kind<WeightKind::BF16>(a, tc, grid, stream);
   else
-    launch_split_kind<WeightKind::F16>(a, tc, n, grid, stream);
-  // Unit groups per slot: as many as the CTA's lanes hold (depends on slots and F only).
-  const int strips = units;  // the reduce's name for them
+    launch_split_kind<WeightKind::F16>(a, tc, grid, stream);
+  // Strip groups per slot: as many as the CTA's lanes hold (depends on slots and F only).
   const int groups = std::max(1, std::min(strips, kReduceLanes / a.top_k));
   const dim3 rgrid(unsigned((a.hidden + kReduceCols - 1) / kReduceCols), unsigned(a.num_tokens));
   pdl::launch(split_reduce_kernel, rgrid, kSplitThreads, 0, stream, a, strips, groups);

@@ -85,10 +85,6 @@ EnvSwitch g_moe_split{"DEEPSERVE_MOE_SPLIT", "1", false};
 // DEEPSERVE_MOE_SPLIT_PREFETCH=1: each Split CTA asks L2 for its strip of down before it streams
 // its gate and up rows (off: it reads the strip when it gets there). The same bits either way.
 EnvSwitch g_moe_split_prefetch{"DEEPSERVE_MOE_SPLIT_PREFETCH", "1", false};
-// DEEPSERVE_MOE_SPLIT_CLUSTER=1: Split CTAs work alone (each reads a 64-byte strip of every
-// down row); otherwise clusters of moe::kSplitCluster on sm_90+ pool their strips. Not the same
-// bits (the partial sums are grouped differently).
-EnvCount g_moe_split_cluster{"DEEPSERVE_MOE_SPLIT_CLUSTER", 4};
 // The most splits the MLA decode kernels cut a short context into (long ones: up to 128).
 EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
 

@@ -62,7 +62,6 @@ extern EnvSwitch g_moe_fused_combine;   // on; DEEPSERVE_MOE_FUSED_COMBINE=0 tur
 extern EnvSwitch g_moe_warp_lists;      // on; DEEPSERVE_MOE_WARP_LISTS=0 turns it off
 extern EnvSwitch g_moe_split;           // off; DEEPSERVE_MOE_SPLIT=1 turns it on
 extern EnvSwitch g_moe_split_prefetch;  // off; DEEPSERVE_MOE_SPLIT_PREFETCH=1 turns it on
-extern EnvCount g_moe_split_cluster;    // DEEPSERVE_MOE_SPLIT_CLUSTER (moe.cuh)
 extern EnvCount g_mla_max_splits;       // DEEPSERVE_MLA_SPLITS (attention_mla_decode.cu)
 
 }  // namespace ds::cuda
