@@ -294,6 +294,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
       throw Error("cuda moe_ffn: first call on a device must happen before graph capture");
     }
     moe::prepare_decode_kernels();
+    moe::prepare_split_kernels();
     moe::prepare_grouped_kernels();
   }
   const ExpertTable& table = expert_table(dev, p.experts, ctx.stream);

@@ -336,8 +336,10 @@ bool launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
 // The same for GGUF block-quantized experts (moe_gguf.cu; leading dimensions in bytes, hidden
 // and F whole numbers of blocks).
 void launch_gguf_ffn(const DecodeFfnArgs& a, DType dtype, cudaStream_t stream);
-// Raises the dynamic shared-memory limit of every decode kernel (once per device).
+// Raise the dynamic shared-memory limit of every decode (moe_decode.cu) and split
+// (moe_split.cu) kernel (once per device).
 void prepare_decode_kernels();
+void prepare_split_kernels();
 // Shared-memory bytes the decode kernels stage activations in; K (hidden or F) must fit
 // at least one token.
 constexpr int kDecodeStageBytes = 64 * 1024;
