@@ -58,7 +58,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p);
 // Split (BF16 or F16 experts): for decode steps of a few tokens, one launch streams each touched
 // expert once, a CTA per (expert, strip of kSplitRows F-rows): its gate and up rows, then the
 // same F-columns of down against the strip's silu(g) * u kept in shared memory, writing a
-// partial output per strip; a small second launch sums the strips and combines (moe_decode.cu).
+// partial output per strip; a small second launch sums the strips and combines (moe_split.cu).
 // The Decode path's down kernel waits for every gate/up CTA instead. With DEEPSERVE_MOE_SPLIT=1
 // Auto takes Split where it would take Decode for BF16 experts, up to kMoeSplitMaxTokens tokens;
 // deterministic and batch-invariant, F32 activations like Decode, in another summation order
