@@ -75,7 +75,9 @@ void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
     // Graph-capturable paths replayed from a graph of all sets (launch overhead excluded).
     // (MOE_CUDA_OK asserts, so the time comes back through us.)
     // with_route: each call after the router's top-k on its own logits, as the model runs it
-    // (a small kernel between two MoE layers instead of the previous layer's last one).
+    // (a small kernel between two MoE layers instead of the previous layer's last one). The
+    // route writes the sets' ids and weights, so the rows timed after it run on its picks (top-6
+    // of random logits: as many distinct experts per token; `experts` counts the first routing).
     auto graph_us = [&](cuda::MoeFfnPath path, double& us, bool with_route = false) {
       for (auto& s : sets) d.ffn(s->gpu, path);
       cudaGraph_t graph = nullptr;
