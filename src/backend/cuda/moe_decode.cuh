@@ -113,8 +113,7 @@ __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], in
 
 // Starts pulling a warp's first rows toward L2 while the activations are being staged, so
 // the CTA's weight stream does not wait behind the staging's latency.
-__device__ __forceinline__ void prefetch_l2(const uint8_t* const (&rows)[kRows],
-                                                   int row_bytes) {
+__device__ __forceinline__ void prefetch_l2(const uint8_t* const (&rows)[kRows], int row_bytes) {
   const int lane = threadIdx.x & 31;
   for (int b = lane * 128; b < row_bytes; b += 32 * 128) {
 #pragma unroll
@@ -140,8 +139,8 @@ __device__ __forceinline__ ActiveExpert active_expert(const DecodeFfnArgs& a, in
 // slot `slot`'s active expert and its sorted range, and puts its tokens in tok[0, count). store:
 // also writes the lists the down kernel and the combine read (pos, sorted_token, active,
 // n_active and the active experts' offsets).
-__device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, int slot,
-                                                          int* tok, bool store) {
+__device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, int slot, int* tok,
+                                                   bool store) {
   const int lane = threadIdx.x & 31;
   const int slots = a.top_k;
   const int n = int(a.num_tokens) * slots;
