@@ -78,7 +78,9 @@ void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
     // (a small kernel between two MoE layers instead of the previous layer's last one). The
     // route writes the sets' ids and weights, so the rows timed after it run on its picks (top-6
     // of random logits: as many distinct experts per token; `experts` counts the first routing).
-    auto graph_us = [&](cuda::MoeFfnPath path, double& us, bool with_route = false) {
+    // stages: moe_ffn's (0: no MoE call, the route kernels alone).
+    auto graph_us = [&](cuda::MoeFfnPath path, double& us, bool with_route = false,
+                        int stages = cuda::kMoeAllStages) {
       for (auto& s : sets) d.ffn(s->gpu, path);
       cudaGraph_t graph = nullptr;
       cudaGraphExec_t exec = nullptr;
@@ -86,7 +88,7 @@ void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
       for (size_t i = 0; i < sets.size(); ++i) {
         if (with_route)
           cuda::moe_route(d.ctx(), logits[i].view, route, sets[i]->gpu.ids, sets[i]->gpu.weights);
-        cuda::moe_ffn(d.ctx(), sets[i]->gpu, path);
+        if (stages != 0) cuda::moe_ffn(d.ctx(), sets[i]->gpu, path, stages);
       }
       MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
       MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
@@ -102,6 +104,11 @@ void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
       cudaGraphDestroy(graph);
       us = 1000.0 * ms / (reps * kSets);
     };
+    if (decode_only) {  // the route kernels alone: what the -route rows pay besides the MoE
+      double route_us = 0;
+      graph_us(cuda::MoeFfnPath::Decode, route_us, true, 0);
+      report("route-only", route_us);
+    }
     for (cuda::MoeFfnPath path :
          {cuda::MoeFfnPath::Decode, cuda::MoeFfnPath::Split, cuda::MoeFfnPath::Grouped,
           cuda::MoeFfnPath::Streamed, cuda::MoeFfnPath::Wide}) {
@@ -116,9 +123,16 @@ void run_moe_bench(int S, const std::vector<int>& Ts, bool decode_only) {
       graph_us(path, us);
       cuda::g_moe_tile32.force(-1);
       if (decode_only) {  // the decode paths again, each after the router's top-k
+        const bool split = path == cuda::MoeFfnPath::Split;
         double routed_us = 0;
         graph_us(path, routed_us, true);
-        report(path == cuda::MoeFfnPath::Decode ? "decode-route" : "split-route", routed_us);
+        report(split ? "split-route" : "decode-route", routed_us);
+        // Each of the two main launches alone after the route (for timing only: the other's
+        // output is stale), to see where the fixed cost of a call goes.
+        graph_us(path, routed_us, true, 1);
+        report(split ? "split-route-strips" : "decode-route-gu", routed_us);
+        graph_us(path, routed_us, true, 2);
+        report(split ? "split-route-reduce" : "decode-route-down", routed_us);
       }
       report(path == cuda::MoeFfnPath::Decode     ? "decode-graph"
              : path == cuda::MoeFfnPath::Split    ? "split-graph"

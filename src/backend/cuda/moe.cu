@@ -261,7 +261,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p) {
   moe_ffn(ctx, p, MoeFfnPath::Auto);
 }
 
-void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
+void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int stages) {
   const int64_t T = p.x.rows();
   const int64_t E = int64_t(p.experts.size());
   const int k = int(p.ids.cols());
@@ -424,6 +424,7 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path) {
     a.y = s.y;
     a.sm_count = ctx.sm_count;
     a.routed = k;
+    a.stages = stages;
     if (warp_lists) {
       a.ids = p.ids.ptr<int32_t>();
       a.expert_base = p.expert_base;

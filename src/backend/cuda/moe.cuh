@@ -96,7 +96,12 @@ inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, boo
   if (n < kMoePrefillMinAssignments) return MoeFfnPath::Grouped;
   return capturing || wide ? MoeFfnPath::Wide : MoeFfnPath::Prefill;
 }
-void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path);
+// stages: which of the Decode and Split paths' two main launches run (bit 0: gate/up, or the
+// strip kernel; bit 1: down, or the reduce). For timing each alone (MoeBench): anything but
+// kMoeAllStages leaves out wrong. Other paths ignore it.
+constexpr int kMoeAllStages = 3;
+void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
+             int stages = kMoeAllStages);
 
 // ---- internals shared by moe*.cu --------------------------------------------------------
 namespace moe {
@@ -317,6 +322,7 @@ struct DecodeFfnArgs : FfnProblem {
   // whether its CTAs ask L2 for their strip of down first (DEEPSERVE_MOE_SPLIT_PREFETCH).
   float* part = nullptr;
   bool prefetch_down = false;
+  int stages = kMoeAllStages;  // moe_ffn's stages
 };
 constexpr int64_t kWarpListMax = 32;
 

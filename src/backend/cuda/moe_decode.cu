@@ -262,11 +262,13 @@ void launch_gate_up(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream)
   pdl::launch(gate_up_kernel<K, TC>, grid, kThreads, smem, stream, a, units);
 }
 
-// Launches both kernels; returns whether the down kernel does the combine.
+// Launches both kernels (those of a.stages); returns whether the down kernel does the combine
+// (true also when down is left out: no combine either).
 template <WeightKind K>
 bool launch_kind(const DecodeFfnArgs& a, int tc_gu, int tc_dn, unsigned slots,
                  cudaStream_t stream) {
-  with_tc(tc_gu, [&](auto tc) { launch_gate_up<K, tc.value>(a, slots, stream); });
+  if (a.stages & 1) with_tc(tc_gu, [&](auto tc) { launch_gate_up<K, tc.value>(a, slots, stream); });
+  if ((a.stages & 2) == 0) return true;
   bool fused = false;
   with_tc(tc_dn, [&](auto tc) { fused = launch_down<K, tc.value>(a, slots, stream); });
   return fused;

@@ -268,14 +268,15 @@ void launch_split_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
   const unsigned slots = unsigned(std::min<int64_t>(a.num_experts, a.num_tokens * a.top_k));
   const int tc = pick_tc(a.num_tokens, a.hidden);
   const dim3 grid(unsigned(strips), slots);
-  if (a.kind == WeightKind::BF16)
+  if ((a.stages & 1) && a.kind == WeightKind::BF16)
     launch_split_kind<WeightKind::BF16>(a, tc, grid, stream);
-  else
+  else if (a.stages & 1)
     launch_split_kind<WeightKind::F16>(a, tc, grid, stream);
   // Strip groups per slot: as many as the CTA's lanes hold (depends on slots and F only).
   const int groups = std::max(1, std::min(strips, kReduceLanes / a.top_k));
   const dim3 rgrid(unsigned((a.hidden + kReduceCols - 1) / kReduceCols), unsigned(a.num_tokens));
-  pdl::launch(split_reduce_kernel, rgrid, kSplitThreads, 0, stream, a, strips, groups);
+  if (a.stages & 2)
+    pdl::launch(split_reduce_kernel, rgrid, kSplitThreads, 0, stream, a, strips, groups);
   check(cudaGetLastError(), "split kernels");
 }
 
