@@ -32,25 +32,11 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
   constexpr int V = wstream::kChunkElems<K>;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
-  // The slot's expert and the rows of x its tokens are: from the token lists, or built here.
   __shared__ int warp_tok[kWarpListMax];
   __shared__ ActiveExpert warp_act;
-  ActiveExpert act;
-  const int* tok = a.lists.sorted_token;  // token of sorted position tok_base + j
-  int tok_base = 0;
-  if (a.ids) {
-    if (threadIdx.x < 32) {
-      const ActiveExpert found =
-          warp_lists(a, blockIdx.y, warp_tok, blockIdx.x == 0 && blockIdx.y == 0);
-      if (threadIdx.x == 0) warp_act = found;
-    }
-    __syncthreads();
-    act = warp_act;
-    tok = warp_tok;
-  } else {
-    act = active_expert(a, blockIdx.y);
-    tok_base = act.begin;
-  }
+  const int* tok;  // token of sorted position tok_base + j: tok[tok_base + j]
+  int tok_base;
+  const ActiveExpert act = cta_slot(a, warp_tok, warp_act, tok, tok_base);
   if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];

@@ -187,6 +187,32 @@ __device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, int s
   return act;
 }
 
+// A gate/up or split CTA's slot (blockIdx.y): returns its active expert (e < 0: none) and sets
+// where the rows of x its tokens are (the token of the expert's sorted position tok_base + j is
+// tok[tok_base + j]): from the token lists, or, with a.ids, built here by warp 0 into warp_tok
+// (CTA (0, 0) also stores the lists). Every thread of the CTA calls it (a barrier with a.ids).
+__device__ __forceinline__ ActiveExpert cta_slot(const DecodeFfnArgs& a, int* warp_tok,
+                                                 ActiveExpert& warp_act, const int*& tok,
+                                                 int& tok_base) {
+  ActiveExpert act;
+  tok = a.lists.sorted_token;
+  tok_base = 0;
+  if (a.ids) {
+    if (threadIdx.x < 32) {
+      const ActiveExpert found =
+          warp_lists(a, blockIdx.y, warp_tok, blockIdx.x == 0 && blockIdx.y == 0);
+      if (threadIdx.x == 0) warp_act = found;
+    }
+    __syncthreads();
+    act = warp_act;
+    tok = warp_tok;
+  } else {
+    act = active_expert(a, blockIdx.y);
+    tok_base = act.begin;
+  }
+  return act;
+}
+
 __device__ __forceinline__ float silu(float g) {
   return g / (1.0f + expf(-g));
 }

@@ -45,22 +45,9 @@ __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
   __shared__ float hs[TC][kSplitRows];
   __shared__ int warp_tok[kWarpListMax];
   __shared__ ActiveExpert warp_act;
-  ActiveExpert act;
-  const int* tok = a.lists.sorted_token;
-  int tok_base = 0;
-  if (a.ids) {
-    if (threadIdx.x < 32) {
-      const ActiveExpert found =
-          warp_lists(a, blockIdx.y, warp_tok, blockIdx.x == 0 && blockIdx.y == 0);
-      if (threadIdx.x == 0) warp_act = found;
-    }
-    __syncthreads();
-    act = warp_act;
-    tok = warp_tok;
-  } else {
-    act = active_expert(a, blockIdx.y);
-    tok_base = act.begin;
-  }
+  const int* tok;  // token of sorted position tok_base + j: tok[tok_base + j]
+  int tok_base;
+  const ActiveExpert act = cta_slot(a, warp_tok, warp_act, tok, tok_base);
   if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];
