@@ -429,24 +429,24 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
       a.ids = p.ids.ptr<int32_t>();
       a.expert_base = p.expert_base;
     }
-    if (path == MoeFfnPath::Split) {  // the reduce kernel combines into out
-      a.part = s.part;
-      a.prefetch_down = g_moe_split_prefetch.on();
+    // The combine in a kernel of the path: Split's reduce, or the down kernel (one launch fewer).
+    const bool split = path == MoeFfnPath::Split;
+    const bool gguf = is_gguf_block_type(table.dtype);
+    if (split || (!gguf && g_moe_fused_combine.on())) {
       a.out = p.out.ptr<float>();
       a.out_stride = p.out.row_stride() / 4;
       a.weights = p.weights.ptr<float>();
+    }
+    if (split) {
+      a.part = s.part;
+      a.prefetch_down = g_moe_split_prefetch.on();
       moe::launch_split_ffn(a, ctx.stream);
       return;
     }
-    if (is_gguf_block_type(table.dtype)) {
+    if (gguf) {
       moe::launch_gguf_ffn(a, table.dtype, ctx.stream);
     } else {
-      if (g_moe_fused_combine.on()) {  // the down kernel combines (one launch fewer)
-        a.out = p.out.ptr<float>();
-        a.out_stride = p.out.row_stride() / 4;
-        a.weights = p.weights.ptr<float>();
-        a.tile_done = tile_counters(dev, ctx.stream);
-      }
+      if (a.out != nullptr) a.tile_done = tile_counters(dev, ctx.stream);
       if (moe::launch_decode_ffn(a, ctx.stream)) return;
     }
     y = s.y;
