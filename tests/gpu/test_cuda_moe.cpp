@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -399,8 +400,9 @@ TEST(CudaMoeFfn, HalfAndFloatWeightsUseTheDecodeKernels) {
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Grouped), UnsupportedError);
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Streamed), UnsupportedError);
       EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Wide), UnsupportedError);
-      if (t == DType::F32)
+      if (t == DType::F32) {
         EXPECT_THROW(cuda::moe_ffn(d.ctx(), c->gpu, cuda::MoeFfnPath::Split), UnsupportedError);
+      }
     }
   }
 }
@@ -592,6 +594,18 @@ std::pair<std::unique_ptr<FfnCase>, std::unique_ptr<FfnCase>> decode_pair(const 
   return {std::move(a), std::move(b)};
 }
 
+// path on a, then on b, back to back without a sync, into poisoned outputs; returns both.
+std::array<std::vector<float>, 2> run_pair(DirectCuda& d, FfnCase& a, FfnCase& b,
+                                           cuda::MoeFfnPath path) {
+  Backend& g = test::cuda_backend();
+  poison_out(d, a);
+  poison_out(d, b);
+  cuda::moe_ffn(d.ctx(), a.gpu, path);
+  cuda::moe_ffn(d.ctx(), b.gpu, path);
+  d.sync();
+  return {test::download_floats(g, a.out.gpu), test::download_floats(g, b.out.gpu)};
+}
+
 // path on c captured once and replayed twice into a poisoned output: each replay gives want.
 void expect_replays(DirectCuda& d, FfnCase& c, cuda::MoeFfnPath path,
                     const std::vector<float>& want) {
@@ -624,7 +638,6 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
   Backend& g = test::cuda_backend();
   const auto ex = make_experts(18, 2048, 1408, DType::BF16, 23);
   DirectCuda d;
-  auto poison = [&](FfnCase& c) { poison_out(d, c); };
   for (int S : {0, 2}) {
     for (int T : {1, 2, 3, 5, 8, 21}) {
       SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
@@ -633,19 +646,13 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
       const std::tuple<int, long long, int> modes[] = {{0, 1, 0}, {1, 0, 1}, {1, 1, 1}, {1, 2, 0},
                                                        {1, 3, 1}, {0, 0, 1}, {1, 0, 0}};
       constexpr int kModes = int(std::size(modes));
-      std::vector<float> out[kModes][2];
+      std::array<std::vector<float>, 2> out[kModes];
       g.synchronize();
       for (int m = 0; m < kModes; ++m) {
         const test::Forced fused(cuda::g_moe_fused_combine, std::get<0>(modes[m]));
         const test::Forced upw(cuda::g_moe_decode_upw, std::get<1>(modes[m]));
         const test::Forced lists(cuda::g_moe_warp_lists, std::get<2>(modes[m]));
-        poison(*a);
-        poison(*b);
-        cuda::moe_ffn(d.ctx(), a->gpu, cuda::MoeFfnPath::Decode);
-        cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Decode);
-        d.sync();
-        out[m][0] = test::download_floats(g, a->out.gpu);
-        out[m][1] = test::download_floats(g, b->out.gpu);
+        out[m] = run_pair(d, *a, *b, cuda::MoeFfnPath::Decode);
       }
       for (int m = 1; m < kModes; ++m) {
         EXPECT_TRUE(bits_equal(out[m][0], out[0][0])) << "first problem, mode " << m;
@@ -674,24 +681,17 @@ TEST(CudaMoeFfn, SplitPathMatchesCpuInEveryMode) {
   Backend &g = test::cuda_backend(), &cpu = test::cpu_backend();
   const auto ex = make_experts(18, 2048, 1408, DType::BF16, 29);
   DirectCuda d;
-  auto poison = [&](FfnCase& c) { poison_out(d, c); };
   for (int S : {0, 2}) {
     for (int T : {1, 2, 3, 5, 8, 21}) {
       SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
       auto [a, b] = decode_pair(*ex, T, S, 800, 900);
       const std::pair<int, int> modes[] = {{1, 0}, {0, 0}, {1, 1}, {0, 1}};  // (lists, prefetch)
-      std::vector<float> out[4][2];
+      std::array<std::vector<float>, 2> out[4];
       g.synchronize();
       for (int m = 0; m < 4; ++m) {
         const test::Forced lists(cuda::g_moe_warp_lists, modes[m].first);
         const test::Forced pf(cuda::g_moe_split_prefetch, modes[m].second);
-        poison(*a);
-        poison(*b);
-        cuda::moe_ffn(d.ctx(), a->gpu, cuda::MoeFfnPath::Split);
-        cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Split);
-        d.sync();
-        out[m][0] = test::download_floats(g, a->out.gpu);
-        out[m][1] = test::download_floats(g, b->out.gpu);
+        out[m] = run_pair(d, *a, *b, cuda::MoeFfnPath::Split);
       }
       for (int m = 1; m < 4; ++m) {
         EXPECT_TRUE(bits_equal(out[m][0], out[0][0])) << "first problem, mode " << m;
@@ -709,7 +709,7 @@ TEST(CudaMoeFfn, SplitPathMatchesCpuInEveryMode) {
       // DEEPSERVE_MOE_SPLIT=1: Auto takes it for decode-sized BF16 steps.
       if (cuda::moe_auto_path(true, T, 4, S, false, false, true) == cuda::MoeFfnPath::Split) {
         const test::Forced on(cuda::g_moe_split, 1);
-        poison(*b);
+        poison_out(d, *b);
         cuda::moe_ffn(d.ctx(), b->gpu, cuda::MoeFfnPath::Auto);
         d.sync();
         EXPECT_TRUE(bits_equal(test::download_floats(g, b->out.gpu), out[0][1])) << "auto";
