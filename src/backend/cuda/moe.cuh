@@ -81,6 +81,8 @@ constexpr int64_t kMoePrefillMinAssignments = 24576;
 // The largest step Auto gives the Split path (its partial sums take tokens x slots x strips x
 // hidden floats of scratch).
 constexpr int64_t kMoeSplitMaxTokens = 8;
+// And the most slots per token (routed + shared) it takes: its reduce gives each its own lanes.
+constexpr int kMoeSplitMaxSlots = 32;
 
 // What Auto picks for T tokens of top_k routed + `shared` shared experts (wide: Wide instead of
 // Prefill outside capture too, DEEPSERVE_MOE_PREFILL=wide; split: Split for BF16 decode steps,
@@ -90,8 +92,9 @@ inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, boo
   const int64_t n = T * (top_k + shared);
   if (!bf16) return MoeFfnPath::Decode;
   if (n < kMoeGroupedMinAssignments && (shared == 0 || T < kMoeGroupedMinSharedTokens))
-    return split && T <= kMoeSplitMaxTokens && top_k + shared <= 32 ? MoeFfnPath::Split
-                                                                    : MoeFfnPath::Decode;
+    return split && T <= kMoeSplitMaxTokens && top_k + shared <= kMoeSplitMaxSlots
+               ? MoeFfnPath::Split
+               : MoeFfnPath::Decode;
   if (T <= kWqBf16MaxTokens) return MoeFfnPath::Streamed;
   if (n < kMoePrefillMinAssignments) return MoeFfnPath::Grouped;
   return capturing || wide ? MoeFfnPath::Wide : MoeFfnPath::Prefill;
@@ -331,7 +334,7 @@ constexpr int kSplitRows = 32;
 inline int split_strips(int inter) {
   return (inter + kSplitRows - 1) / kSplitRows;
 }
-// The Split path (MoeFfnPath::Split; BF16 or F16 weights, at most 32 slots per token): the
+// The Split path (MoeFfnPath::Split; BF16 or F16 weights, at most kMoeSplitMaxSlots slots): the
 // strip kernel into a.part, then the reduce, which writes a.out from a.weights and the lists.
 void launch_split_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
 

@@ -146,6 +146,7 @@ __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
 constexpr int kReduceCols = 32;
 constexpr int kReduceQuads = kReduceCols / 4;
 constexpr int kReduceLanes = kSplitThreads / kReduceQuads;  // (slot, group) pairs per CTA
+static_assert(kReduceLanes == kMoeSplitMaxSlots, "one lane group per slot at least");
 
 __device__ __forceinline__ void add4(float4& a, const float4& b) {
   a.x += b.x;
@@ -246,9 +247,9 @@ void launch_split_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
     throw UnsupportedError("cuda moe_ffn: hidden and F must be multiples of 8");
   if (int64_t(a.hidden) * 4 > kDecodeStageBytes)
     throw UnsupportedError("cuda moe_ffn: hidden too large for the split kernel");
-  if (a.top_k > kReduceLanes)
+  if (a.top_k > kMoeSplitMaxSlots)
     throw UnsupportedError("cuda moe_ffn: the split path takes at most " +
-                           std::to_string(kReduceLanes) + " slots per token");
+                           std::to_string(kMoeSplitMaxSlots) + " slots per token");
   DS_CHECK(a.part != nullptr && a.out != nullptr && a.weights != nullptr,
            "split moe: no partial or output buffer");
   const int strips = split_strips(a.inter);
