@@ -48,7 +48,8 @@
 #           NCU_RANGE=1 profiles only the launches inside cudaProfilerStart/Stop: with
 #           NCU_KERNELS='.*' and NCU_TESTS='WqBench.DISABLED_NcuDecodeStep:
 #           CudaAttention.DISABLED_NcuDecode', every kernel of one MoE layer (W1 / W3 / W5) and
-#           one MLA decode (W1 / W3 / W2 / W5 shapes)
+#           one MLA decode (W1 / W3 / W2 / W5 shapes). NCU_SKIP launches skipped first;
+#           NCU_EXTRA more ncu options (e.g. "--section ComputeWorkloadAnalysis")
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
@@ -127,8 +128,10 @@ nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
 if has_stage build; then
   log "configure + build ($BUILD)"
+  # CUDA_FLAGS: extra nvcc flags (e.g. -DDS_WQ_W4_SUBFREE=0 for an A/B build in another BUILD).
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DDEEPSERVE_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES="90a-real;90-virtual" >"$OUT/cmake.log" 2>&1 ||
+    -DCMAKE_CUDA_ARCHITECTURES="90a-real;90-virtual" ${CUDA_FLAGS:+"-DCMAKE_CUDA_FLAGS=$CUDA_FLAGS"} \
+    >"$OUT/cmake.log" 2>&1 ||
     { log "cmake failed"; tail -30 "$OUT/cmake.log"; exit 1; }
   # BUILD_TARGETS (e.g. "deepserve deepserve_gpu_tests") limits the build when device time is short.
   ninja -C "$BUILD" -j"$(nproc)" ${BUILD_TARGETS:-} >"$OUT/build.log" 2>&1 ||
@@ -282,7 +285,10 @@ fi
 
 if has_stage gemmbench; then
   log "skinny GEMM micro-benchmark"
-  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter='GemmBench.*:WqBench.*Dense' \
+  # GEMMBENCH_FILTER narrows it (e.g. WqBench.*Dense); WQBENCH_M ("1,8") and WQBENCH_SHAPE
+  # ("o_proj") pick WqBench's rows.
+  "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests \
+    --gtest_filter="${GEMMBENCH_FILTER:-GemmBench.*:WqBench.*Dense}" \
     >"$OUT/gemm-bench.log" 2>&1
   grep -vE "^\[|^$" "$OUT/gemm-bench.log" | tail -90
 fi
@@ -405,8 +411,10 @@ if has_stage ncu; then
       stalls+="${stalls:+,}smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
     done
     ncu --clock-control none "${range[@]}" -k "regex:$NCU_KERNELS" --launch-count "${NCU_COUNT:-12}" \
+      --launch-skip "${NCU_SKIP:-0}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
       --section LaunchStats --section WarpStateStats --section SchedulerStats --metrics "$stalls" \
+      ${NCU_EXTRA:-} \
       "$BUILD/deepserve_gpu_tests" --gtest_also_run_disabled_tests --gtest_filter="$NCU_TESTS" \
       >"$OUT/ncu.txt" 2>&1
     log "ncu rc=$?"

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <set>
 #include <vector>
@@ -51,6 +53,25 @@ double time_calls(int n, bool graph, int reps, const std::function<void(int)>& c
   return us / (double(reps) * n);
 }
 
+// WQBENCH_M (e.g. "1,8": the decode rows only): the M / T values the benchmarks time.
+bool bench_m_on(int64_t m) {
+  const char* list = std::getenv("WQBENCH_M");
+  if (!list) return true;
+  for (const char* p = list; *p;) {
+    char* end = nullptr;
+    const long long v = std::strtoll(p, &end, 10);
+    if (end == p) break;
+    if (v == m) return true;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return false;
+}
+// WQBENCH_SHAPE (e.g. o_proj): only the dense shapes whose name holds it.
+bool bench_shape_on(const char* name) {
+  const char* want = std::getenv("WQBENCH_SHAPE");
+  return !want || std::strstr(name, want) != nullptr;
+}
+
 // A weight of `t` filled on the device with a byte pattern (finite codes and scales).
 test::BackendTensor pattern_weight(DType t, int64_t N, int64_t K) {
   Backend& be = cuda_backend();
@@ -85,19 +106,21 @@ TEST(WqBench, DISABLED_Dense) {
     const char* name;
     int64_t n, k;
   };
-  const Shape shapes[] = {{"V2.5 ffn gate/up", 12288, 5120},
-                          {"V2.5 ffn down", 5120, 12288},
-                          {"V2.5 q_b-like", 3072, 1536},
+  const Shape shapes[] = {{"V2.5 ffn gate/up", 12288, 5120}, {"V2.5 ffn down", 5120, 12288},
+                          {"V2.5 q_b-like", 3072, 1536},     {"V2.5 q_b", 24576, 1536},
+                          {"V2.5 o_proj", 5120, 16384},      {"V2.5 q_a+kv_a", 2112, 5120},
                           {"V2-Lite q", 3072, 2048}};
   std::printf("%-18s %-6s %5s %10s %8s %9s\n", "shape (N x K)", "fmt", "M", "us/call", "TB/s",
               "TFLOP/s");
   for (const Shape& s : shapes)
     for (DType t : {DType::W4A16, DType::FP8W}) {
+      if (!bench_shape_on(s.name)) continue;
       const double w_bytes = double(s.n) * double(test::wq_row_stride(t, s.k));
       const int copies = int(std::clamp(512e6 / w_bytes, 1.0, 16.0));
       std::vector<test::BackendTensor> ws;
       for (int c = 0; c < copies; ++c) ws.push_back(pattern_weight(t, s.n, s.k));
       for (int64_t M : {1, 8, 64, 256, 512, 1024, 2048, 8192}) {
+        if (!bench_m_on(M)) continue;
         auto x =
             test::upload_floats(be, DType::F32, {M, s.k}, test::random_floats(size_t(M * s.k), 3));
         auto out = test::zeros(be, DType::F32, {M, s.n});
@@ -132,6 +155,7 @@ TEST(WqBench, DISABLED_Moe) {
       const double expert_bytes = 2.0 * double(m.F) * double(test::wq_row_stride(t, m.H)) +
                                   double(m.H) * double(test::wq_row_stride(t, m.F));
       for (int64_t T : {1, 8, 64, 256, 512, 1024, 2048, 4096, 8192}) {
+        if (!bench_m_on(T)) continue;
         auto x =
             test::upload_floats(be, DType::F32, {T, m.H}, test::random_floats(size_t(T * m.H), 5));
         auto out = test::zeros(be, DType::F32, {T, m.H});

@@ -105,7 +105,7 @@ __device__ void reduce_in_cluster(const DenseArgs& a, const float (&acc)[kRM][BT
 // Grid (row blocks, token blocks, splits). XF: x is F32 (a.xf), rounded in the kernel. CL: the
 // splits are clusters (reduce_in_cluster); else each split writes a.part for reduce_kernel.
 template <WqFormat F, int BT, bool XF, bool CL>
-__global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) dense_kernel(DenseArgs a) {
+__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) dense_kernel(DenseArgs a) {
   const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * BT;
   if (a.prefetch > 0 && blockIdx.y == 0 && threadIdx.x == 0) {
     // The tile's (packed) rows, shared out among its splits: split z asks for its part of the
@@ -218,19 +218,22 @@ bool cluster_splits(int64_t m, int splits) {
   return splits > 1 && splits <= kMaxClusterSplits && m <= 16 && g_wq_cluster.on() && pdl::hopper();
 }
 
-int ctas_per_sm(WqFormat f) {
-  return f == WqFormat::FP8W ? 1 : 2;
+// The CTAs a split-K decode GEMM aims for, per SM: DEEPSERVE_WQ_SPLIT_CTAS, else 2 for FP8W
+// and 4 for the others (their decode variants keep 4 CTAs resident).
+int split_ctas_per_sm(WqFormat f) {
+  const long long env = g_wq_split_ctas.get();
+  return env > 0 ? int(std::min(env, 64LL)) : f == WqFormat::FP8W ? 2 : 4;
 }
 
 }  // namespace
 
-int wq_splits(int64_t n, int64_t k, int sm_count) {
+int wq_split_groups(int64_t n, int64_t k, int target_ctas, int unit) {
   const int64_t blocks = (n + kBN - 1) / kBN, groups = (k + kGroup - 1) / kGroup;
-  const int64_t want = (2 * int64_t(std::max(sm_count, 1)) + blocks - 1) / blocks;
+  const int64_t want = (int64_t(std::max(target_ctas, 1)) + blocks - 1) / blocks;
   const int64_t s =
       std::clamp<int64_t>(want, 1, std::min<int64_t>(16, std::max<int64_t>(1, groups / 2)));
   const int64_t per = (groups + s - 1) / s;
-  return int((groups + per - 1) / per);  // no empty split
+  return int((per + unit - 1) / unit * unit);
 }
 
 bool wq_bf16_fits(const TensorView& w) {
@@ -271,9 +274,14 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   a.k = K;
   a.m = M;
   a.kp = int((K + 7) / 8 * 8);
-  a.splits = M <= kWqSplitMaxM ? wq_splits(N, K, ctx.sm_count * ctas_per_sm(f)) : 1;
+  // Splits start at a multiple of the decode variants' groups per stage (kGpsOf), and every
+  // variant splits alike (the bits do not depend on M up to 64).
   const int64_t groups = (K + kGroup - 1) / kGroup;
-  a.groups_per_split = int((groups + a.splits - 1) / a.splits);
+  const int unit = w4 ? kGpsOf<WqFormat::W4A16, 8> : bf16 ? 1 : kGpsOf<WqFormat::FP8W, 8>;
+  a.groups_per_split = M <= kWqSplitMaxM
+                           ? wq_split_groups(N, K, ctx.sm_count * split_ctas_per_sm(f), unit)
+                           : int(groups);
+  a.splits = int((groups + a.groups_per_split - 1) / a.groups_per_split);  // none empty
   const int64_t ldx = M > 1 ? x.row_stride() / 4 : K;
   const bool xf = stages_f32(f, M, K, ldx, x.data);
   const bool cluster = cluster_splits(M, a.splits);
@@ -347,7 +355,8 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
 // for down's format (staged_col). BT >= the most tokens a tile can hold. XI: x's F32 rows
 // staged through the sorted tokens (rounded in the kernel), else a.xa gathered in BF16.
 template <WqFormat F, int BT, bool XI>
-__global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) gate_up_kernel(GroupedFfnArgs a) {
+__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
+    gate_up_kernel(GroupedFfnArgs a) {
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   const Tile tl = tile_of<kTileM>(a.lists, blockIdx.y);
@@ -382,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) gate_up_kernel(G
 
 // Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p.
 template <WqFormat F, int BT>
-__global__ void __launch_bounds__(kThreads, min_ctas_of<F>(BT)) down_kernel(GroupedFfnArgs a) {
+__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(GroupedFfnArgs a) {
   const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
   const Tile tl = down_start(
       a.prefetch, [&](auto l2) { return tile_of<kTileM, l2.value>(a.lists, blockIdx.y); },

@@ -44,6 +44,8 @@ constexpr int64_t kWqSplitMaxM = 64;
 // Split-K output tiles whose last CTA sums the partials in the kernel (kScratchWqTiles holds
 // one counter each); a product with more tiles takes a reduce launch.
 constexpr int64_t kWqTileCounters = 8192;
-int wq_splits(int64_t n, int64_t k, int sm_count);
+// Groups of 128 k per split of K for an [n, k] weight: about target_ctas CTAs in all, a
+// multiple of `unit`, and at least 2 groups a split where K has them.
+int wq_split_groups(int64_t n, int64_t k, int target_ctas, int unit);
 
 }  // namespace ds::cuda

@@ -65,6 +65,9 @@ EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
 EnvSwitch g_wq_dequant{"DEEPSERVE_WQ_DEQUANT", "0", true};
 EnvCount g_wq_dequant_min_rows{"DEEPSERVE_WQ_DEQUANT_MIN_ROWS", 512};
 EnvCount g_moe_wq_dequant_min{"DEEPSERVE_MOE_WQ_DEQUANT_MIN", 384};
+// CTAs per SM the dense wq GEMM's split-K count aims for at decode sizes (unset: 4, FP8W 2).
+// Another split count sums K in other pieces: not the same bits, still batch-invariant.
+EnvCount g_wq_split_ctas{"DEEPSERVE_WQ_SPLIT_CTAS", 0};
 
 // The decode MoE kernels' row units per warp, as a multiple of what the pass size asks for
 // (unset: the smallest multiple, up to 4, whose grid fits one wave of resident CTAs; 1: the

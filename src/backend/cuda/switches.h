@@ -57,6 +57,7 @@ extern EnvSwitch g_moe_wq_stage_f32;    // on; DEEPSERVE_MOE_WQ_XF32=0 turns it 
 extern EnvSwitch g_wq_dequant;          // on; DEEPSERVE_WQ_DEQUANT=0 turns it off
 extern EnvCount g_wq_dequant_min_rows;  // DEEPSERVE_WQ_DEQUANT_MIN_ROWS (wq_dequant.cuh)
 extern EnvCount g_moe_wq_dequant_min;   // DEEPSERVE_MOE_WQ_DEQUANT_MIN (wq_dequant.cuh)
+extern EnvCount g_wq_split_ctas;        // DEEPSERVE_WQ_SPLIT_CTAS (gemm_wq.cu)
 extern EnvCount g_moe_decode_upw;       // DEEPSERVE_MOE_DECODE_UPW (moe_decode.cu)
 extern EnvSwitch g_moe_fused_combine;   // on; DEEPSERVE_MOE_FUSED_COMBINE=0 turns it off
 extern EnvSwitch g_moe_warp_lists;      // on; DEEPSERVE_MOE_WARP_LISTS=0 turns it off

@@ -29,20 +29,32 @@ constexpr int kWarps = 4;
 constexpr int kBN = 128;  // weight rows per CTA
 constexpr int kRM = 2;    // 16-row blocks per warp
 constexpr int kBT = 64;   // tokens per CTA (prefill); decode variants take 8 or 16
-// Pipeline depth: BF16 stages are 32 KB of weights, so 3 of them (two CTAs per SM at BT <= 16).
-template <WqFormat F>
-constexpr int kStagesOf = F == WqFormat::BF16 ? 3 : 4;
-// CTAs per SM the register budget is cut for: decode variants are latency-bound, so they keep
-// several CTAs resident (their shared memory allows 5; fewer registers than this spill or, for
-// W4A16, serialize the dequantization: at 5 CTAs (96 registers) its MoE at T = 8 went 95 ->
-// 106 us on the H200).
-__host__ __device__ constexpr int min_ctas(int bt) {
-  return bt <= 8 ? 4 : bt <= 16 ? 3 : 1;
-}
-template <WqFormat F>
-__host__ __device__ constexpr int min_ctas_of(int bt) {
-  return F == WqFormat::BF16 ? (bt <= 16 ? 2 : 1) : min_ctas(bt);
-}
+#ifndef DS_WQ_F8_GPS
+#define DS_WQ_F8_GPS 2
+#endif
+// 128-k groups per pipeline stage. The decode variants' loop is bound by its fixed work per
+// stage (wait, barrier, a chain of mmas per group), not by bytes: on the H200 the BF16, FP8W
+// and W4A16 kernels all streamed about the same number of row-groups per second, whatever
+// their bytes. So W4A16's decode variants take two groups a stage (16 KB of codes; one scale
+// word per row holds both groups' scales) and FP8W's 8-token variant two (32 KB, as BF16's
+// one), each group with its own chain of mmas. A group's products are summed and scaled as
+// with one group a stage (group after group into acc), so the bits do not change. A stage
+// starts at a group that is a multiple of the count.
+template <WqFormat F, int BT>
+constexpr int kGpsOf = F == WqFormat::W4A16&& BT <= 16 ? 2
+                       : F == WqFormat::FP8W&& BT <= 8 ? DS_WQ_F8_GPS
+                                                       : 1;
+// Pipeline depth, so that 2-3 CTAs fit an SM: 3 stages of BF16 (32 KB of weights) or two-group
+// W4A16 (16 KB), 2 of two-group FP8W (32 KB), else 4.
+template <WqFormat F, int BT>
+constexpr int kStagesOf = F == WqFormat::FP8W&& kGpsOf<F, BT> == 2    ? 2
+                          : F == WqFormat::BF16 || kGpsOf<F, BT> == 2 ? 3
+                                                                      : 4;
+// Scale words per row and stage (W4A16 packs two groups' scales in a word).
+template <WqFormat F, int BT>
+constexpr int kSwOf = F == WqFormat::BF16    ? 0
+                      : F == WqFormat::W4A16 ? (kGpsOf<F, BT> + 1) / 2
+                                             : kGpsOf<F, BT>;
 constexpr int kGroup = 128;
 constexpr int kTokRow = kGroup * 2;  // staged bytes per token row (BF16)
 
@@ -81,18 +93,32 @@ struct Fmt<WqFormat::BF16> {
   static __device__ __forceinline__ int64_t code_limit(int64_t K) { return K * 2; }
 };
 
-template <WqFormat F>
-constexpr uint32_t kStageA = uint32_t(kBN) * Fmt<F>::kRowBytes;
-template <WqFormat F>
-constexpr uint32_t kStageS = F == WqFormat::BF16 ? 0 : uint32_t(kBN) * 4;
+template <WqFormat F, int BT>
+constexpr uint32_t kStageA = uint32_t(kBN) * Fmt<F>::kRowBytes* kGpsOf<F, BT>;
+template <WqFormat F, int BT>
+constexpr uint32_t kStageS = uint32_t(kBN) * 4 * kSwOf<F, BT>;
 // Token rows staged as F32 (XF: the dense decode variants read x as it is and round each value
 // to BF16 where they build the mma fragment, so no conversion pass runs before them).
 constexpr int kTokRowF32 = kGroup * 4;
 template <WqFormat F, int BT, bool XF = false>
-constexpr uint32_t kStageBytes = kStageA<F> + kStageS<F> +
-                                 uint32_t(BT) * uint32_t(XF ? kTokRowF32 : kTokRow);
+constexpr uint32_t kStageBytes = kStageA<F, BT> + kStageS<F, BT> +
+                                 uint32_t(kGpsOf<F, BT>) * uint32_t(BT) *
+                                     uint32_t(XF ? kTokRowF32 : kTokRow);
 template <WqFormat F, int BT, bool XF = false>
-constexpr size_t kSmem = size_t(kStagesOf<F>) * kStageBytes<F, BT, XF>;
+constexpr size_t kSmem = size_t(kStagesOf<F, BT>) * kStageBytes<F, BT, XF>;
+
+// CTAs per SM the register budget is cut for: decode variants are latency-bound, so they keep
+// as many CTAs resident as their shared memory allows (with F32 token rows, the larger), up to
+// 4 (at 5, 96 registers, W4A16's one-group kernel serialized its dequantization: its MoE at
+// T = 8 went 95 -> 106 us on the H200). BF16: 2 (1 for prefill tiles).
+template <WqFormat F, int BT>
+constexpr int min_ctas_of() {
+  if constexpr (BT > 16) return 1;
+  constexpr size_t per_sm = 228 * 1024, reserved = 1024;  // sm_90 shared memory per SM, per CTA
+  constexpr int fit = int(per_sm / (kSmem<F, BT, true> + reserved));
+  if constexpr (F == WqFormat::BF16) return 2;
+  return fit < 1 ? 1 : fit > 4 ? 4 : fit;
+}
 
 // Where element e (0..7) of each aligned 8-k chunk of a W4A16 activation row is staged: the
 // codes pair as (k, k + 4), so the row is x0 x4 x1 x5 x2 x6 x3 x7 per chunk.
@@ -110,11 +136,14 @@ __host__ __device__ __forceinline__ int64_t staged_col(int64_t k) {
 __device__ __forceinline__ int b_chunk(int r, int c) {
   return c ^ (((c >> 3) & 1) << 1) ^ (r & 1);
 }
-// Physical 16-byte chunk of weight-row chunk c (FP8W rows are 8 chunks: flip by row parity so
-// the two rows one phase reads sit in different banks; BF16 rows are read like token rows).
-template <WqFormat F>
+// Physical 16-byte chunk of weight-row chunk c of a stage of G groups (FP8W rows are 8 chunks:
+// flip by row parity so the two rows one phase reads sit in different banks; two-group W4A16
+// rows too, whose phases read chunks 4u .. 4u + 3 of two rows; BF16 rows are read like token
+// rows).
+template <WqFormat F, int G = 1>
 __device__ __forceinline__ int a_chunk(int r, int c) {
-  return F == WqFormat::FP8W ? (c ^ (r & 1)) : F == WqFormat::BF16 ? b_chunk(r, c) : c;
+  if constexpr (F == WqFormat::W4A16) return G == 2 ? c ^ ((r & 1) << 2) : c;
+  return F == WqFormat::FP8W ? (c ^ (r & 1)) : b_chunk(r, c);
 }
 
 // Physical 16-byte unit of unit u (4 floats) of F32 token row r: lanes (g, t) of step p read
@@ -228,12 +257,17 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   static_assert(XF || !XI, "indexed token rows are F32");
   using Fm = Fmt<F>;
   constexpr bool kBf16 = F == WqFormat::BF16;  // no scales: products go straight into acc
-  constexpr int kStages = kStagesOf<F>;
+  constexpr int kStages = kStagesOf<F, BT>;
+  constexpr int kGps = kGpsOf<F, BT>;  // groups per stage
+  constexpr int kSw = kSwOf<F, BT>;    // scale words per row and stage
   constexpr int kTN = BT / 8;
   constexpr uint32_t kStage = kStageBytes<F, BT, XF>;
-  constexpr int kTokBytes = XF ? kTokRowF32 : kTokRow;  // staged bytes per token row
-  constexpr int kXBytes = XF ? 4 : 2;                   // bytes per element of x
-  constexpr int kCa = Fm::kRowBytes / 16;               // weight chunks per row and group
+  constexpr uint32_t kSA = kStageA<F, BT>;
+  constexpr int kTokBytes = XF ? kTokRowF32 : kTokRow;      // staged bytes per token row and group
+  constexpr uint32_t kTokGroup = uint32_t(BT) * kTokBytes;  // a group's token rows in a stage
+  constexpr int kXBytes = XF ? 4 : 2;                       // bytes per element of x
+  constexpr int kRowB = Fm::kRowBytes * kGps;               // weight bytes per row and stage
+  constexpr int kCa = kRowB / 16;                           // weight chunks per row and stage
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const bool gate_up = jb.w1 != nullptr;
   const uint32_t s0 = ptx::smem_u32(smem);
@@ -255,7 +289,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     const int rr = r0 + (gate_up ? m % (kCa / 2) : m) * kRowStep;
     rows_ok |= uint32_t(rr < jb.rows) << m;
   }
-  const uint32_t a_dst = uint32_t(r0 * Fm::kRowBytes + a_chunk<F>(r0, c_a) * 16);
+  const uint32_t a_dst = uint32_t(r0 * kRowB + a_chunk<F, kGps>(r0, c_a) * 16);
   const uint8_t* s_src = nullptr;  // row tid's scale words (group 0's)
   bool s_ok = false;
   if constexpr (!kBf16) {
@@ -296,9 +330,12 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       return x_src + m * x_step;
   };
   const int64_t x_limit = XF ? jb.K : jb.kp;  // zeros from here (K for F32 rows, kp staged)
+  // Stage kt holds groups g_begin + kGps * kt, + 1 ...: codes of every group (kGps * 128 k of
+  // each row, in one span), one scale word per row (W4A16's holds the group pair's scales),
+  // and the token rows of each group in turn.
   auto load = [&](int stage, int kt) {
-    const int64_t gi = jb.g_begin + kt;
-    const uint32_t sa = s0 + stage * kStage, ss = sa + kStageA<F>, sb = ss + kStageS<F>;
+    const int64_t gi = jb.g_begin + int64_t(kGps) * kt;
+    const uint32_t sa = s0 + stage * kStage, ss = sa + kSA, sb = ss + kStageS<F, BT>;
     const int64_t goff = Fm::code_off(gi);
     const bool g_ok = goff + 16 * c_a < climit;
 #pragma unroll
@@ -306,20 +343,28 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       const bool ok = g_ok && (rows_ok >> m & 1u);
       const uint8_t* row =
           gate_up && m >= kCa / 2 ? wa1 + (m - kCa / 2) * w_step : wa0 + m * w_step;
-      ptx::cp_async16(sa + a_dst + uint32_t(m * kRowStep * Fm::kRowBytes), ok ? row + goff : jb.w0,
-                      ok);
+      ptx::cp_async16(sa + a_dst + uint32_t(m * kRowStep * kRowB), ok ? row + goff : jb.w0, ok);
     }
-    if constexpr (!kBf16)
-      cp_async4(ss + tid * 4,
-                s_ok ? s_src + (Fm::scale_off(jb.K, gi) - Fm::scale_off(jb.K, 0)) : s_src, s_ok);
-    const int64_t k = gi * kGroup + x_k0;
-    const bool k_ok = k < x_limit;
-    const int64_t x_off = gi * kGroup * kXBytes;
+    if constexpr (!kBf16) {
+      // Word w of the stage's scales (rows [w][tid]); one past the last group is zero-filled.
+      const uint8_t* src = s_src + (Fm::scale_off(jb.K, gi) - Fm::scale_off(jb.K, 0));
 #pragma unroll
-    for (int m = 0; m < kTokRows; ++m) {
-      if (tr0 + m * kTokStep >= jb.tokens) break;
-      ptx::cp_async16(sb + b_dst + uint32_t(m * kTokStep * kTokBytes),
-                      k_ok ? x_row_src(m) + x_off : x_src, k_ok);
+      for (int w = 0; w < kSw; ++w) {
+        const bool ok = s_ok && gi + (F == WqFormat::W4A16 ? 2 * w : w) < jb.g_end;
+        cp_async4(ss + (w * kBN + tid) * 4, ok ? src + 4 * w : s_src, ok);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kGps; ++u) {
+      const int64_t k = (gi + u) * kGroup + x_k0;
+      const bool k_ok = k < x_limit;
+      const int64_t x_off = (gi + u) * kGroup * kXBytes;
+#pragma unroll
+      for (int m = 0; m < kTokRows; ++m) {
+        if (tr0 + m * kTokStep >= jb.tokens) break;
+        ptx::cp_async16(sb + u * kTokGroup + b_dst + uint32_t(m * kTokStep * kTokBytes),
+                        k_ok ? x_row_src(m) + x_off : x_src, k_ok);
+      }
     }
   };
 #pragma unroll
@@ -328,8 +373,8 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     for (int j = 0; j < kTN; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-  const int KT = jb.g_end - jb.g_begin;
-  const int tn = (jb.tokens + 7) / 8;  // token blocks with work
+  const int KT = (jb.g_end - jb.g_begin + kGps - 1) / kGps;  // stages
+  const int tn = (jb.tokens + 7) / 8;                        // token blocks with work
 #pragma unroll 1
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < KT) load(s, s);
@@ -343,95 +388,110 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     ptx::cp_async_commit();
     const int stage = kt % kStages;
     const uint8_t* sa = smem + stage * kStage;
-    const auto* ss = reinterpret_cast<const uint32_t*>(sa + kStageA<F>);
-    const uint8_t* sb = sa + kStageA<F> + kStageS<F>;
-    const int64_t gi = jb.g_begin + kt;
-    // Raw codes of rows (block i, half h: row g + 8h): W4 one chunk, FP8 two (BF16 reads its
-    // chunk of each step in the step).
-    uint4 raw[kRM][2][F == WqFormat::FP8W ? 2 : 1];
-    float sc[kRM][2];
+    const auto* ss = reinterpret_cast<const uint32_t*>(sa + kSA);
+    const uint8_t* sb0 = sa + kSA + kStageS<F, BT>;
+    const int64_t g0 = jb.g_begin + int64_t(kGps) * kt;
+    const int groups = min(kGps, jb.g_end - int(g0));  // of this stage (a missing one reads zeros)
+    constexpr int kGc = Fm::kRowBytes / 16;            // a group's chunks of a weight row
+    // Raw codes of rows (block i, half h: row g + 8h) for group u: W4 one chunk, FP8 two (BF16
+    // reads its chunk of each step in the step).
+    uint4 raw[kGps][kRM][2][F == WqFormat::FP8W ? 2 : 1];
+    float sc[kGps][kRM][2];
     if constexpr (!kBf16) {
 #pragma unroll
-      for (int i = 0; i < kRM; ++i)
+      for (int u = 0; u < kGps; ++u)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = warp_row<F>(gate_up, warp, i) + g + 8 * h;
-          if constexpr (F == WqFormat::FP8W) {
+        for (int i = 0; i < kRM; ++i)
 #pragma unroll
-            for (int c = 0; c < 2; ++c)
-              raw[i][h][c] = *reinterpret_cast<const uint4*>(sa + r * Fm::kRowBytes +
-                                                             a_chunk<F>(r, 2 * t + c) * 16);
-          } else {
-            raw[i][h][0] =
-                *reinterpret_cast<const uint4*>(sa + r * Fm::kRowBytes + a_chunk<F>(r, t) * 16);
+          for (int h = 0; h < 2; ++h) {
+            const int r = warp_row<F>(gate_up, warp, i) + g + 8 * h;
+            const uint8_t* row = sa + r * kRowB;
+            if constexpr (F == WqFormat::FP8W) {
+#pragma unroll
+              for (int c = 0; c < 2; ++c)
+                raw[u][i][h][c] = *reinterpret_cast<const uint4*>(
+                    row + a_chunk<F, kGps>(r, kGc * u + 2 * t + c) * 16);
+            } else {
+              raw[u][i][h][0] =
+                  *reinterpret_cast<const uint4*>(row + a_chunk<F, kGps>(r, kGc * u + t) * 16);
+            }
+            sc[u][i][h] = Fm::scale(ss[(F == WqFormat::W4A16 ? u / 2 : u) * kBN + r], g0 + u);
           }
-          sc[i][h] = Fm::scale(ss[r], gi);
-        }
     }
-    float part[kRM][kTN][4];  // this group's sums; token blocks >= tn stay untouched
+    float part[kGps][kRM][kTN][4];  // each group's sums; token blocks >= tn stay untouched
     if constexpr (!kBf16)
-      for_live_frags<kTN>(tn, [&](int i, int j, int q) { part[i][j][q] = 0.0f; });
-    float(*sum)[kTN][4] = kBf16 ? acc : part;  // where this group's products go
+#pragma unroll
+      for (int u = 0; u < kGps; ++u)
+        for_live_frags<kTN>(tn, [&](int i, int j, int q) { part[u][i][j][q] = 0.0f; });
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      uint32_t a[kRM][2][4];  // [block][mma of the pair][fragment]
 #pragma unroll
-      for (int i = 0; i < kRM; ++i) {
-        uint32_t d[2][4];  // rows g and g + 8: real k 32t + 8p + 2q, + 1 in d[h][q]
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if constexpr (kBf16) {
-            const int r = warp_row<F>(gate_up, warp, i) + g + 8 * h;
-            const uint4 v = *reinterpret_cast<const uint4*>(sa + r * Fm::kRowBytes +
-                                                            a_chunk<F>(r, 4 * t + p) * 16);
-            d[h][0] = v.x, d[h][1] = v.y, d[h][2] = v.z, d[h][3] = v.w;
-          } else if constexpr (F == WqFormat::FP8W) {
-            const uint4 v = raw[i][h][p / 2];
-            dequant8_f8((p & 1) ? v.z : v.x, (p & 1) ? v.w : v.y, d[h]);
-          } else {
-            const uint4 v = raw[i][h][0];
-            dequant8_w4(p == 0 ? v.x : p == 1 ? v.y : p == 2 ? v.z : v.w, d[h]);
-          }
-        }
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          a[i][m][0] = d[0][2 * m];
-          a[i][m][1] = d[1][2 * m];
-          a[i][m][2] = d[0][2 * m + 1];
-          a[i][m][3] = d[1][2 * m + 1];
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kTN; ++j) {
-        if (j >= tn) break;
-        const int r = j * 8 + g;
-        uint4 b;
-        if constexpr (XF) {  // chunk 4t + p is units 8t + 2p, + 1; rounded as to_bf16 would
-          const uint8_t* row = sb + r * kTokBytes;
-          const float4 lo = *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p) * 16);
-          const float4 hi =
-              *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p + 1) * 16);
-          if constexpr (F == WqFormat::W4A16) {  // x0 x4 x1 x5 x2 x6 x3 x7 (w4_stage_pos)
-            b = make_uint4(bf16x2_bits(lo.x, hi.x), bf16x2_bits(lo.y, hi.y),
-                           bf16x2_bits(lo.z, hi.z), bf16x2_bits(lo.w, hi.w));
-          } else {
-            b = make_uint4(bf16x2_bits(lo.x, lo.y), bf16x2_bits(lo.z, lo.w),
-                           bf16x2_bits(hi.x, hi.y), bf16x2_bits(hi.z, hi.w));
-          }
-        } else {
-          b = *reinterpret_cast<const uint4*>(sb + r * kTokBytes + b_chunk(r, 4 * t + p) * 16);
-        }
+      for (int u = 0; u < kGps; ++u) {
+        float(*sum)[kTN][4] = kBf16 ? acc : part[u];  // where group u's products go
+        const uint8_t* sb = sb0 + u * kTokGroup;
+        uint32_t a[kRM][2][4];  // [block][mma of the pair][fragment]
 #pragma unroll
         for (int i = 0; i < kRM; ++i) {
-          ptx::mma_bf16(sum[i][j], a[i][0], b.x, b.y);
-          ptx::mma_bf16(sum[i][j], a[i][1], b.z, b.w);
+          uint32_t d[2][4];  // rows g and g + 8: real k 32t + 8p + 2q, + 1 in d[h][q]
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if constexpr (kBf16) {
+              const int r = warp_row<F>(gate_up, warp, i) + g + 8 * h;
+              const uint4 v =
+                  *reinterpret_cast<const uint4*>(sa + r * kRowB + a_chunk<F>(r, 4 * t + p) * 16);
+              d[h][0] = v.x, d[h][1] = v.y, d[h][2] = v.z, d[h][3] = v.w;
+            } else if constexpr (F == WqFormat::FP8W) {
+              const uint4 v = raw[u][i][h][p / 2];
+              dequant8_f8((p & 1) ? v.z : v.x, (p & 1) ? v.w : v.y, d[h]);
+            } else {
+              const uint4 v = raw[u][i][h][0];
+              dequant8_w4(p == 0 ? v.x : p == 1 ? v.y : p == 2 ? v.z : v.w, d[h]);
+            }
+          }
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            a[i][m][0] = d[0][2 * m];
+            a[i][m][1] = d[1][2 * m];
+            a[i][m][2] = d[0][2 * m + 1];
+            a[i][m][3] = d[1][2 * m + 1];
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kTN; ++j) {
+          if (j >= tn) break;
+          const int r = j * 8 + g;
+          uint4 b;
+          if constexpr (XF) {  // chunk 4t + p is units 8t + 2p, + 1; rounded as to_bf16 would
+            const uint8_t* row = sb + r * kTokBytes;
+            const float4 lo =
+                *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p) * 16);
+            const float4 hi =
+                *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p + 1) * 16);
+            if constexpr (F == WqFormat::W4A16) {  // x0 x4 x1 x5 x2 x6 x3 x7 (w4_stage_pos)
+              b = make_uint4(bf16x2_bits(lo.x, hi.x), bf16x2_bits(lo.y, hi.y),
+                             bf16x2_bits(lo.z, hi.z), bf16x2_bits(lo.w, hi.w));
+            } else {
+              b = make_uint4(bf16x2_bits(lo.x, lo.y), bf16x2_bits(lo.z, lo.w),
+                             bf16x2_bits(hi.x, hi.y), bf16x2_bits(hi.z, hi.w));
+            }
+          } else {
+            b = *reinterpret_cast<const uint4*>(sb + r * kTokBytes + b_chunk(r, 4 * t + p) * 16);
+          }
+#pragma unroll
+          for (int i = 0; i < kRM; ++i) {
+            ptx::mma_bf16(sum[i][j], a[i][0], b.x, b.y);
+            ptx::mma_bf16(sum[i][j], a[i][1], b.z, b.w);
+          }
         }
       }
     }
     if constexpr (!kBf16)
-      for_live_frags<kTN>(tn, [&](int i, int j, int q) {
-        acc[i][j][q] = fmaf(part[i][j][q], sc[i][q >> 1], acc[i][j][q]);
-      });
+#pragma unroll
+      for (int u = 0; u < kGps; ++u)  // group after group, as with one group a stage
+        if (u < groups)
+          for_live_frags<kTN>(tn, [&](int i, int j, int q) {
+            acc[i][j][q] = fmaf(part[u][i][j][q], sc[u][i][q >> 1], acc[i][j][q]);
+          });
   }
   ptx::cp_async_wait<0>();
 }
