@@ -29,27 +29,24 @@ constexpr int kWarps = 4;
 constexpr int kBN = 128;  // weight rows per CTA
 constexpr int kRM = 2;    // 16-row blocks per warp
 constexpr int kBT = 64;   // tokens per CTA (prefill); decode variants take 8 or 16
-#ifndef DS_WQ_F8_GPS
-#define DS_WQ_F8_GPS 2
-#endif
-// 128-k groups per pipeline stage. The decode variants' loop is bound by its fixed work per
-// stage (wait, barrier, a chain of mmas per group), not by bytes: on the H200 the BF16, FP8W
-// and W4A16 kernels all streamed about the same number of row-groups per second, whatever
-// their bytes. So W4A16's decode variants take two groups a stage (16 KB of codes; one scale
-// word per row holds both groups' scales) and FP8W's 8-token variant two (32 KB, as BF16's
-// one), each group with its own chain of mmas. A group's products are summed and scaled as
-// with one group a stage (group after group into acc), so the bits do not change. A stage
-// starts at a group that is a multiple of the count.
+// 128-k groups per pipeline stage. The decode variants' loop costs about the same per stage
+// (wait, barrier, a chain of mmas per group) whatever the stage's bytes: on the H200 (a64764e)
+// a dense W4A16 GEMM at M = 8 took about as long as the FP8W one with twice its bytes (V2.5
+// o_proj 37.3 against 46.4 us). So W4A16's decode variants take two groups a stage (16 KB of
+// codes; one scale word per row holds both groups' scales) and FP8W's 8-token variant two
+// (32 KB, as BF16's one), each group with its own chain of mmas: W4A16's MoE at T = 8 went
+// 228.8 -> 180.2 us (76b5847). A group's products are summed and scaled as with one group a
+// stage (group after group into acc), so the bits do not change. A stage starts at a group
+// that is a multiple of the count.
 template <WqFormat F, int BT>
-constexpr int kGpsOf = F == WqFormat::W4A16&& BT <= 16 ? 2
-                       : F == WqFormat::FP8W&& BT <= 8 ? DS_WQ_F8_GPS
-                                                       : 1;
+constexpr int kGpsOf = (F == WqFormat::W4A16 && BT <= 16) || (F == WqFormat::FP8W && BT <= 8) ? 2
+                                                                                              : 1;
 // Pipeline depth, so that 2-3 CTAs fit an SM: 3 stages of BF16 (32 KB of weights) or two-group
 // W4A16 (16 KB), 2 of two-group FP8W (32 KB), else 4.
 template <WqFormat F, int BT>
-constexpr int kStagesOf = F == WqFormat::FP8W&& kGpsOf<F, BT> == 2    ? 2
-                          : F == WqFormat::BF16 || kGpsOf<F, BT> == 2 ? 3
-                                                                      : 4;
+constexpr int kStagesOf = (F == WqFormat::FP8W && kGpsOf<F, BT> == 2)   ? 2
+                          : (F == WqFormat::BF16 || kGpsOf<F, BT> == 2) ? 3
+                                                                        : 4;
 // Scale words per row and stage (W4A16 packs two groups' scales in a word).
 template <WqFormat F, int BT>
 constexpr int kSwOf = F == WqFormat::BF16    ? 0
@@ -94,7 +91,7 @@ struct Fmt<WqFormat::BF16> {
 };
 
 template <WqFormat F, int BT>
-constexpr uint32_t kStageA = uint32_t(kBN) * Fmt<F>::kRowBytes* kGpsOf<F, BT>;
+constexpr uint32_t kStageA = uint32_t(kBN) * uint32_t(Fmt<F>::kRowBytes) * uint32_t(kGpsOf<F, BT>);
 template <WqFormat F, int BT>
 constexpr uint32_t kStageS = uint32_t(kBN) * 4 * kSwOf<F, BT>;
 // Token rows staged as F32 (XF: the dense decode variants read x as it is and round each value
