@@ -128,7 +128,7 @@ nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
 if has_stage build; then
   log "configure + build ($BUILD)"
-  # CUDA_FLAGS: extra nvcc flags (e.g. -DDS_WQ_W4_SUBFREE=0 for an A/B build in another BUILD).
+  # CUDA_FLAGS: extra nvcc flags (e.g. a -D switch for an A/B build in another BUILD).
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DDEEPSERVE_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="90a-real;90-virtual" ${CUDA_FLAGS:+"-DCMAKE_CUDA_FLAGS=$CUDA_FLAGS"} \
     >"$OUT/cmake.log" 2>&1 ||

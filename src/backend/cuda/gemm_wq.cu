@@ -219,7 +219,7 @@ bool cluster_splits(int64_t m, int splits) {
 }
 
 // The CTAs a split-K decode GEMM aims for, per SM: DEEPSERVE_WQ_SPLIT_CTAS, else 2 for FP8W
-// and 4 for the others (their decode variants keep 4 CTAs resident).
+// and 4 for the others (8 was no faster for W5 at 76b5847: docs/PERFORMANCE.md).
 int split_ctas_per_sm(WqFormat f) {
   const long long env = g_wq_split_ctas.get();
   return env > 0 ? int(std::min(env, 64LL)) : f == WqFormat::FP8W ? 2 : 4;

@@ -133,10 +133,10 @@ __host__ __device__ __forceinline__ int64_t staged_col(int64_t k) {
 __device__ __forceinline__ int b_chunk(int r, int c) {
   return c ^ (((c >> 3) & 1) << 1) ^ (r & 1);
 }
-// Physical 16-byte chunk of weight-row chunk c of a stage of G groups (FP8W rows are 8 chunks:
-// flip by row parity so the two rows one phase reads sit in different banks; two-group W4A16
-// rows too, whose phases read chunks 4u .. 4u + 3 of two rows; BF16 rows are read like token
-// rows).
+// Physical 16-byte chunk of weight-row chunk c of a stage of G groups (FP8W rows, 8 chunks a
+// group: flip by row parity so the two rows one phase reads sit in different banks; two-group
+// W4A16 rows too, whose phases read chunks 4u .. 4u + 3 of two rows; BF16 rows are read like
+// token rows).
 template <WqFormat F, int G = 1>
 __device__ __forceinline__ int a_chunk(int r, int c) {
   if constexpr (F == WqFormat::W4A16) return G == 2 ? c ^ ((r & 1) << 2) : c;
