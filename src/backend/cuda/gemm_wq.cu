@@ -274,10 +274,10 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   a.k = K;
   a.m = M;
   a.kp = int((K + 7) / 8 * 8);
-  // Splits start at a multiple of the decode variants' groups per stage (kGpsOf), and every
-  // variant splits alike (the bits do not depend on M up to 64).
   const int64_t groups = (K + kGroup - 1) / kGroup;
-  const int unit = w4 ? kGpsOf<WqFormat::W4A16, 8> : bf16 ? 1 : kGpsOf<WqFormat::FP8W, 8>;
+  const int unit = w4     ? kSplitUnitOf<WqFormat::W4A16>
+                   : bf16 ? kSplitUnitOf<WqFormat::BF16>
+                          : kSplitUnitOf<WqFormat::FP8W>;
   a.groups_per_split = M <= kWqSplitMaxM
                            ? wq_split_groups(N, K, ctx.sm_count * split_ctas_per_sm(f), unit)
                            : int(groups);

@@ -47,6 +47,10 @@ template <WqFormat F, int BT>
 constexpr int kStagesOf = (F == WqFormat::FP8W && kGpsOf<F, BT> == 2)   ? 2
                           : (F == WqFormat::BF16 || kGpsOf<F, BT> == 2) ? 3
                                                                         : 4;
+// Splits of K start at a multiple of this: the most groups any decode variant of F stages at
+// once, so every variant (and so every M up to kWqSplitMaxM) splits alike.
+template <WqFormat F>
+constexpr int kSplitUnitOf = kGpsOf<F, 8> > kGpsOf<F, 16> ? kGpsOf<F, 8> : kGpsOf<F, 16>;
 // Scale words per row and stage (W4A16 packs two groups' scales in a word).
 template <WqFormat F, int BT>
 constexpr int kSwOf = F == WqFormat::BF16    ? 0
@@ -111,9 +115,9 @@ constexpr size_t kSmem = size_t(kStagesOf<F, BT>) * kStageBytes<F, BT, XF>;
 template <WqFormat F, int BT>
 constexpr int min_ctas_of() {
   if constexpr (BT > 16) return 1;
+  if constexpr (F == WqFormat::BF16) return 2;
   constexpr size_t per_sm = 228 * 1024, reserved = 1024;  // sm_90 shared memory per SM, per CTA
   constexpr int fit = int(per_sm / (kSmem<F, BT, true> + reserved));
-  if constexpr (F == WqFormat::BF16) return 2;
   return fit < 1 ? 1 : fit > 4 ? 4 : fit;
 }
 
