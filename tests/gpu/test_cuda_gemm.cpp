@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "backend/cuda/gemm_skinny.cuh"
+#include "backend/cuda/gemm_wq.cuh"
+#include "backend/cuda/switches.h"
 #include "gpu_test_util.h"
 
 namespace ds {
@@ -166,11 +168,22 @@ TEST(CudaGemm, BatchedMatmulOverPermutedViews) {
     bool permuted_x, permuted_out, padded_w;
   };
   const Case cases[] = {
-      {1, 1, 7, 1, false, false, false},    {3, 7, 64, 97, true, true, false},
+      {1, 1, 7, 1, false, false, false},
+      {3, 7, 64, 97, true, true, false},
       {16, 97, 128, 512, true, true, true},  // DeepSeek's q_nope . W_UK over heads
       {16, 1, 512, 128, true, true, false},  // latent . W_UV, one decode token
-      {5, 1000, 7, 3, false, false, true},  {2, 13, 9, 1, true, false, true},
+      {5, 1000, 7, 3, false, false, true},
+      {2, 13, 9, 1, true, false, true},
+      // 128 heads (DeepSeek-V2.5), 8 decode tokens: BF16 weights past the skinny kernel's
+      // range run the dense wq kernel with the batch's row blocks side by side (W_UK: one
+      // 128-k group a product; W_UV: four, split over a cluster).
+      {128, 8, 128, 512, true, true, false},
+      {128, 8, 512, 128, true, true, true},
   };
+  struct Restore {
+    ~Restore() { cuda::g_wq_cluster.force(-1); }
+  } restore;
+  int on_wq_kernel = 0;
   uint32_t seed = 2000;
   for (DType wt : {DType::F32, DType::F16, DType::BF16}) {
     for (const Case& cs : cases) {
@@ -218,6 +231,18 @@ TEST(CudaGemm, BatchedMatmulOverPermutedViews) {
       EXPECT_TRUE(check_output(got, init, out.gpu.view.data, ov, r.exact, r.abs_sum,
                                unit_roundoff(wt) + kAccum * double(k) * kU32,
                                "batched_matmul vs float64", bd));
+      if (!skinny && cuda::wq_batched_fits(xv, wv, ov)) {
+        // Without clusters the products keep K whole (no partials buffer per batch entry).
+        ++on_wq_kernel;
+        cuda::g_wq_cluster.force(0);
+        g.upload(out.gpu.view, init.data(), init.size() * 4);
+        g.batched_matmul(xv, wv, ov);
+        cuda::g_wq_cluster.force(-1);
+        EXPECT_TRUE(check_output(test::download_floats(g, out.gpu), init, out.gpu.view.data, ov,
+                                 r.rounded, r.abs_sum, kAccum * double(k) * kU32,
+                                 "batched_matmul (wq kernel, no cluster) vs float64 on rounded x",
+                                 bd));
+      }
       if (!c.supports(Op::BatchedMatMul, wt)) continue;
       const TensorView ov_c = view_of(out.cpu, {b, m, n}, o_strides);
       c.batched_matmul(view_of(xt.cpu, {b, m, k}, x_strides),
@@ -230,6 +255,7 @@ TEST(CudaGemm, BatchedMatmulOverPermutedViews) {
                                "batched_matmul vs cpu", bd));
     }
   }
+  EXPECT_EQ(on_wq_kernel, 2) << "the 128-head BF16 cases take the wq kernel";
 }
 
 // The same row gives the same result whatever else is in the batch, within the F32 bound

@@ -329,6 +329,11 @@ class CudaBackend final : public Backend {
       cuda::launch_skinny_gemm(sk, ctx_.sm_count, stream_);
       return;
     }
+    if (cuda::wq_batched_fits(x, w, out) && b * n * w.stride[1] <= cuda::kWqBf16MaxWeightBytes &&
+        cuda::g_wq_batched.on()) {
+      cuda::wq_batched_matmul(ctx_, x, w, out);
+      return;
+    }
     cuda::GemmArgs g;
     g.dtype = w.dtype;
     g.batch = b;

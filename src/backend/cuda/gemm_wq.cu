@@ -33,6 +33,10 @@ struct DenseArgs {
   float* part = nullptr;  // partial sums [splits, m, n] for reduce_kernel (splits > 1, no CL)
   float* out = nullptr;   // [m, n] ld ldo
   int64_t ldo = 0;
+  // Products of a batch (batched_matmul, F32 x): entry b's weights at w + b * w_batch bytes,
+  // its x and out rows at xf + b * x_batch, out + b * out_batch elements.
+  int batch = 1;
+  int64_t w_batch = 0, x_batch = 0, out_batch = 0;
   int groups_per_split = 0;
   int splits = 1;
   int64_t prefetch = 0;  // bytes of the tile's rows a CTA asks L2 for before the wait (pdl.h)
@@ -70,8 +74,9 @@ void set_smem_limit(Kernel k) {
 constexpr int kMaxClusterSplits = 16;  // non-portable cluster size: H100 / H200 take 16
 
 template <WqFormat F, int BT>
-__device__ void reduce_in_cluster(const DenseArgs& a, const float (&acc)[kRM][BT / 8][4],
-                                  uint8_t* smem, int64_t n0, int64_t t0, int rows, int toks) {
+__device__ void reduce_in_cluster(const DenseArgs& a, float* out,
+                                  const float (&acc)[kRM][BT / 8][4], uint8_t* smem, int64_t n0,
+                                  int64_t t0, int rows, int toks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   constexpr int kTileLd = kBN + 4;  // floats per token row of the tile (t spreads banks)
@@ -94,7 +99,7 @@ __device__ void reduce_in_cluster(const DenseArgs& a, const float (&acc)[kRM][BT
 #pragma unroll
     for (int c = 1; c < kMaxClusterSplits; ++c)
       if (c < S) sum += v[c];
-    if (r < rows && k < toks) a.out[(t0 + k) * a.ldo + n0 + r] = sum;
+    if (r < rows && k < toks) out[(t0 + k) * a.ldo + n0 + r] = sum;
   }
   cluster.sync();  // the other CTAs read this one's tile up to here
 #else
@@ -102,28 +107,31 @@ __device__ void reduce_in_cluster(const DenseArgs& a, const float (&acc)[kRM][BT
 #endif
 }
 
-// Grid (row blocks, token blocks, splits). XF: x is F32 (a.xf), rounded in the kernel. CL: the
-// splits are clusters (reduce_in_cluster); else each split writes a.part for reduce_kernel.
+// Grid (row blocks, token blocks x batch, splits). XF: x is F32 (a.xf), rounded in the kernel.
+// CL: the splits are clusters (reduce_in_cluster); else each split writes a.part for
+// reduce_kernel.
 template <WqFormat F, int BT, bool XF, bool CL>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) dense_kernel(DenseArgs a) {
-  const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(blockIdx.y) * BT;
-  if (a.prefetch > 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+  const int tblocks = int((a.m + BT - 1) / BT), b = int(blockIdx.y) / tblocks;
+  const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(int(blockIdx.y) - b * tblocks) * BT;
+  const uint8_t* w = a.w + b * a.w_batch;
+  if (a.prefetch > 0 && t0 == 0 && threadIdx.x == 0) {
     // The tile's (packed) rows, shared out among its splits: split z asks for its part of the
     // rows whole, whatever groups it reads itself.
     const int64_t rows = min(int64_t(kBN), a.n - n0), z = blockIdx.z, S = gridDim.z;
     const int64_t r0 = z * rows / S, r1 = (z + 1) * rows / S;
-    pdl::prefetch_l2(a.w + (n0 + r0) * a.w_stride, min(a.prefetch, (r1 - r0) * a.w_stride));
+    pdl::prefetch_l2(w + (n0 + r0) * a.w_stride, min(a.prefetch, (r1 - r0) * a.w_stride));
   }
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   const int G = int((a.k + kGroup - 1) / kGroup);
   CtaJob jb;
-  jb.w0 = a.w + n0 * a.w_stride;
+  jb.w0 = w + n0 * a.w_stride;
   jb.w1 = nullptr;
   jb.w_stride = a.w_stride;
   jb.rows = int(min(int64_t(kBN), a.n - n0));
   if constexpr (XF) {
-    jb.xf = a.xf + t0 * a.ldxf;
+    jb.xf = a.xf + b * a.x_batch + t0 * a.ldxf;
     jb.ldx = a.ldxf;
   } else {
     jb.x = a.xb + t0 * a.kp;
@@ -136,10 +144,11 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) dense_kernel
   jb.g_end = min(G, jb.g_begin + a.groups_per_split);
   float acc[kRM][BT / 8][4];
   run_cta<F, BT, XF>(jb, smem, acc);
+  float* out_b = a.out + b * a.out_batch;
   if constexpr (CL) {
-    reduce_in_cluster<F, BT>(a, acc, smem, n0, t0, jb.rows, jb.tokens);
+    reduce_in_cluster<F, BT>(a, out_b, acc, smem, n0, t0, jb.rows, jb.tokens);
   } else {
-    float* out = a.splits > 1 ? a.part + int64_t(blockIdx.z) * a.m * a.n : a.out;
+    float* out = a.splits > 1 ? a.part + int64_t(blockIdx.z) * a.m * a.n : out_b;
     const int64_t ld = a.splits > 1 ? a.n : a.ldo;
     for_each_out<F>(acc, [&](int r, int k, float v) {
       const int64_t row = n0 + r, tok = t0 + k;
@@ -184,8 +193,9 @@ void launch_dense(const DenseArgs& a, cudaStream_t stream) {
         return true;
       }();
       (void)ready;
-      const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, BT), unsigned(a.splits));
-      DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x");
+      const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, BT) * unsigned(a.batch),
+                      unsigned(a.splits));
+      DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x (times the batch)");
       pdl::launch_clusters(dense_kernel<F, BT, XF, CL>, grid, kThreads, kSmem<F, BT, XF>, stream,
                            dim3(1, 1, CL ? unsigned(a.splits) : 1u), a);
       check_cuda(cudaGetLastError(), "wq gemm launch");
@@ -223,6 +233,66 @@ bool cluster_splits(int64_t m, int splits) {
 int split_ctas_per_sm(WqFormat f) {
   const long long env = g_wq_split_ctas.get();
   return env > 0 ? int(std::min(env, 64LL)) : f == WqFormat::FP8W ? 2 : 4;
+}
+
+// Runs the product a describes (w, w_stride, n, k, m; batch and its strides) on F32 x (ld ldx
+// elements) into out (ld ldo): split-K from N, K, the batch and the SM count, x staged as F32 in
+// the kernel where it can be (else converted to BF16 rows first: one product, not a batch),
+// splits summed in a cluster or by reduce_kernel (one product).
+void run_dense(const Context& ctx, WqFormat f, const float* x, int64_t ldx, float* out, int64_t ldo,
+               DenseArgs& a) {
+  const int64_t M = a.m, N = a.n, K = a.k;
+  a.kp = int((K + 7) / 8 * 8);
+  const int64_t groups = (K + kGroup - 1) / kGroup;
+  const int unit = f == WqFormat::W4A16  ? kSplitUnitOf<WqFormat::W4A16>
+                   : f == WqFormat::BF16 ? kSplitUnitOf<WqFormat::BF16>
+                                         : kSplitUnitOf<WqFormat::FP8W>;
+  // A batch's products are row blocks side by side for the split.
+  const int64_t rows = int64_t(a.batch) * ceil_div(N, kBN) * kBN;
+  a.groups_per_split = M <= kWqSplitMaxM
+                           ? wq_split_groups(rows, K, ctx.sm_count * split_ctas_per_sm(f), unit)
+                           : int(groups);
+  a.splits = int((groups + a.groups_per_split - 1) / a.groups_per_split);  // none empty
+  const bool xf = stages_f32(f, M, K, ldx, x);
+  DS_CHECK(a.batch == 1 || xf, "wq gemm: a batch takes F32 x staged in the kernel");
+  if (a.batch > 1 && !cluster_splits(M, a.splits)) {  // no partials buffer per batch entry
+    a.groups_per_split = int(groups);
+    a.splits = 1;
+  }
+  const bool cluster = cluster_splits(M, a.splits);
+  const size_t xb_bytes = xf ? 0 : (size_t(M) * size_t(a.kp) * 2 + 255) / 256 * 256;
+  const size_t part_bytes = a.splits > 1 && !cluster ? size_t(a.splits) * size_t(M * N) * 4 : 0;
+  uint8_t* base = xb_bytes + part_bytes == 0
+                      ? nullptr
+                      : static_cast<uint8_t*>(ctx.scratch(kScratchMatmul, xb_bytes + part_bytes));
+  if (xf) {
+    a.xf = x;
+    a.ldxf = ldx;
+  } else {
+    auto* xb = reinterpret_cast<__nv_bfloat16*>(base);
+    const dim3 cgrid(ceil_div(a.kp, 256 * 4), unsigned(M));
+    if (f == WqFormat::W4A16)
+      pdl::launch(to_bf16_kernel<WqFormat::W4A16>, cgrid, 256, 0, ctx.stream, x, ldx, K, a.kp, xb);
+    else  // natural order (FP8W, BF16)
+      pdl::launch(to_bf16_kernel<WqFormat::FP8W>, cgrid, 256, 0, ctx.stream, x, ldx, K, a.kp, xb);
+    check_cuda(cudaGetLastError(), "wq gemm convert");
+    a.xb = xb;
+  }
+  a.part = part_bytes > 0 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
+  a.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::DenseWq);
+  a.out = out;
+  a.ldo = ldo;
+  if (f == WqFormat::W4A16)
+    launch_dense<WqFormat::W4A16>(a, cluster, ctx.stream);
+  else if (f == WqFormat::BF16)
+    launch_dense<WqFormat::BF16>(a, cluster, ctx.stream);
+  else
+    launch_dense<WqFormat::FP8W>(a, cluster, ctx.stream);
+  if (a.part) {
+    pdl::launch(reduce_kernel, ceil_div(M * N, 256), 256, 0, ctx.stream, a.part, a.splits, M, N,
+                out, a.ldo);
+    check_cuda(cudaGetLastError(), "wq gemm reduce");
+  }
 }
 
 }  // namespace
@@ -273,53 +343,45 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   a.n = N;
   a.k = K;
   a.m = M;
-  a.kp = int((K + 7) / 8 * 8);
-  const int64_t groups = (K + kGroup - 1) / kGroup;
-  const int unit = w4     ? kSplitUnitOf<WqFormat::W4A16>
-                   : bf16 ? kSplitUnitOf<WqFormat::BF16>
-                          : kSplitUnitOf<WqFormat::FP8W>;
-  a.groups_per_split = M <= kWqSplitMaxM
-                           ? wq_split_groups(N, K, ctx.sm_count * split_ctas_per_sm(f), unit)
-                           : int(groups);
-  a.splits = int((groups + a.groups_per_split - 1) / a.groups_per_split);  // none empty
-  const int64_t ldx = M > 1 ? x.row_stride() / 4 : K;
-  const bool xf = stages_f32(f, M, K, ldx, x.data);
-  const bool cluster = cluster_splits(M, a.splits);
-  const size_t xb_bytes = xf ? 0 : (size_t(M) * size_t(a.kp) * 2 + 255) / 256 * 256;
-  const size_t part_bytes = a.splits > 1 && !cluster ? size_t(a.splits) * size_t(M * N) * 4 : 0;
-  uint8_t* base = xb_bytes + part_bytes == 0
-                      ? nullptr
-                      : static_cast<uint8_t*>(ctx.scratch(kScratchMatmul, xb_bytes + part_bytes));
-  if (xf) {
-    a.xf = x.ptr<float>();
-    a.ldxf = ldx;
-  } else {
-    auto* xb = reinterpret_cast<__nv_bfloat16*>(base);
-    const dim3 cgrid(ceil_div(a.kp, 256 * 4), unsigned(M));
-    if (f == WqFormat::W4A16)
-      pdl::launch(to_bf16_kernel<WqFormat::W4A16>, cgrid, 256, 0, ctx.stream, x.ptr<float>(), ldx,
-                  K, a.kp, xb);
-    else  // natural order (FP8W, BF16)
-      pdl::launch(to_bf16_kernel<WqFormat::FP8W>, cgrid, 256, 0, ctx.stream, x.ptr<float>(), ldx, K,
-                  a.kp, xb);
-    check_cuda(cudaGetLastError(), "wq gemm convert");
-    a.xb = xb;
-  }
-  a.part = part_bytes > 0 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
-  a.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::DenseWq);
-  a.out = out.ptr<float>();
-  a.ldo = M > 1 ? out.row_stride() / 4 : N;
-  if (f == WqFormat::W4A16)
-    launch_dense<WqFormat::W4A16>(a, cluster, ctx.stream);
-  else if (f == WqFormat::BF16)
-    launch_dense<WqFormat::BF16>(a, cluster, ctx.stream);
-  else
-    launch_dense<WqFormat::FP8W>(a, cluster, ctx.stream);
-  if (a.part) {
-    pdl::launch(reduce_kernel, ceil_div(M * N, 256), 256, 0, ctx.stream, a.part, a.splits, M, N,
-                out.ptr<float>(), a.ldo);
-    check_cuda(cudaGetLastError(), "wq gemm reduce");
-  }
+  run_dense(ctx, f, x.ptr<float>(), M > 1 ? x.row_stride() / 4 : K, out.ptr<float>(),
+            M > 1 ? out.row_stride() / 4 : N, a);
+}
+
+bool wq_batched_fits(const TensorView& x, const TensorView& w, const TensorView& out) {
+  if (x.ndim != 3 || w.ndim != 3 || out.ndim != 3 || x.dtype != DType::F32 ||
+      out.dtype != DType::F32 || w.dtype != DType::BF16)
+    return false;
+  const int64_t b = x.shape[0], m = x.shape[1], k = x.shape[2], n = w.shape[1];
+  const auto mul16 = [](int64_t bytes) { return bytes % 16 == 0; };
+  // Weight rows as wq_bf16_fits, F32 x rows whole 16-byte units (stages_f32), F32 out.
+  return b >= 1 && b <= 65535 / ((m + 7) / 8) && m >= 1 && m <= 8 && k % 8 == 0 &&
+         w.stride[2] == 2 && mul16(w.stride[1]) && mul16(w.stride[0]) &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && x.stride[2] == 4 && mul16(x.stride[1]) &&
+         mul16(x.stride[0]) && reinterpret_cast<uintptr_t>(x.data) % 16 == 0 &&
+         out.stride[2] == 4 && out.stride[1] % 4 == 0 && out.stride[0] % 4 == 0 && n >= 1 &&
+         g_wq_stage_f32.on();
+}
+
+void wq_batched_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
+                       const TensorView& out) {
+  DS_CHECK(wq_batched_fits(x, w, out), "wq batched matmul: views it does not take");
+  const int64_t B = x.shape[0], M = x.shape[1], K = x.shape[2], N = w.shape[1];
+  DS_CHECK(w.shape[0] == B && w.shape[2] == K && out.shape[0] == B && out.shape[1] == M &&
+               out.shape[2] == N,
+           "wq batched matmul shapes " + x.shape_str() + " x " + w.shape_str() + " -> " +
+               out.shape_str());
+  DenseArgs a;
+  a.w = static_cast<const uint8_t*>(w.data);
+  a.w_stride = w.stride[1];
+  a.n = N;
+  a.k = K;
+  a.m = M;
+  a.batch = int(B);
+  a.w_batch = w.stride[0];
+  a.x_batch = x.stride[0] / 4;
+  a.out_batch = out.stride[0] / 4;
+  run_dense(ctx, WqFormat::BF16, x.ptr<float>(), x.stride[1] / 4, out.ptr<float>(),
+            out.stride[1] / 4, a);
 }
 
 // ---- MoE experts -----------------------------------------------------------------------------

@@ -38,6 +38,15 @@ constexpr int64_t kWqBf16MaxTokens = 16;
 constexpr int64_t kWqBf16MaxWeightBytes = int64_t(64) << 20;
 bool wq_bf16_fits(const TensorView& w);
 
+// For each b < B: out[b] = x[b] . w[b]^T, BF16 w [B, N, K], F32 x [B, M, K] and out [B, M, N]
+// (strides in bytes as TensorView's), through the same kernel (one launch, the batch's row blocks
+// side by side): batched_matmul's decode-sized products past the skinny kernel, MLA's absorbed
+// W_UK / W_UV at 128 heads (16.8 MB each), which went to cuBLAS at ~1.1 TB/s.
+// wq_batched_fits: M <= 8, K a multiple of 8, 16-byte rows and batch strides (x and w).
+bool wq_batched_fits(const TensorView& x, const TensorView& w, const TensorView& out);
+void wq_batched_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
+                       const TensorView& out);
+
 // Split-K (chosen from N, K and the SM count alone, so batch-invariant) only up to this M:
 // above it one pass over K, so a token's bits can differ between M <= 64 and M > 64.
 constexpr int64_t kWqSplitMaxM = 64;

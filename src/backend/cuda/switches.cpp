@@ -59,6 +59,10 @@ EnvSwitch g_wq_cluster{"DEEPSERVE_WQ_CLUSTER", "0", true};
 // FP8W's decode variants read x's F32 rows through the sorted tokens and round them in the
 // kernel (off: a gather launch into BF16 rows first). The same bits either way.
 EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
+// batched_matmul's decode-sized BF16 products past the skinny kernel (MLA's absorbed W_UK / W_UV
+// at 128 heads) run on the dense wq kernel (off: cuBLAS, x rounded to BF16 by a conversion
+// launch; the same rounding, not the same bits).
+EnvSwitch g_wq_batched{"DEEPSERVE_WQ_BATCHED", "0", true};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.
