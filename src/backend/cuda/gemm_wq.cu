@@ -8,6 +8,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "backend/cuda/common.cuh"
@@ -178,21 +179,65 @@ __global__ void to_bf16_kernel(const float* x, int64_t ldx, int64_t K, int kp, _
     xb[r * kp + staged_col<F>(k)] = __float2bfloat16_rn(k < K ? x[r * ldx + k] : 0.0f);
 }
 
+// dense_kernel<F, BT, XF, CL>'s shared-memory limit (and, CL, non-portable cluster sizes), once
+// per process (the same need on every device).
+template <WqFormat F, int BT, bool XF, bool CL>
+void prepare_dense() {
+  static const bool ready = [] {
+    set_smem_limit<F, BT, XF>(dense_kernel<F, BT, XF, CL>);
+    if constexpr (CL)
+      check_cuda(cudaFuncSetAttribute(dense_kernel<F, BT, XF, CL>,
+                                      cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+                 "wq kernel cluster size");
+    return true;
+  }();
+  (void)ready;
+}
+
+// How many clusters of `size` CTAs of the decode variant for m tokens the device holds at once
+// (cudaOccupancyMaxActiveClusters; asked once per variant and size, 0 if it cannot tell).
+template <WqFormat F, bool XF>
+int max_active_clusters(int64_t m, int size) {
+  int n = 0;
+  with_bt(m, [&]<int BT>() {
+    if constexpr (BT == kBT) {
+      return;
+    } else {
+      static std::atomic<int> known[kMaxClusterSplits + 1] = {};  // count + 1; 0: not asked
+      const int k = known[size].load(std::memory_order_relaxed);
+      if (k > 0) {
+        n = k - 1;
+        return;
+      }
+      prepare_dense<F, BT, XF, true>();
+      cudaLaunchAttribute attr = {};
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 1;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = unsigned(size);
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(1, 1, unsigned(size));
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = kSmem<F, BT, XF>;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n, dense_kernel<F, BT, XF, true>, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        n = 0;
+      }
+      known[size].store(n + 1, std::memory_order_relaxed);
+    }
+  });
+  return n;
+}
+
 template <WqFormat F, bool XF, bool CL>
 void launch_dense(const DenseArgs& a, cudaStream_t stream) {
   with_bt(a.m, [&]<int BT>() {
     if constexpr ((XF || CL) && BT == kBT) {
       throw Error("wq gemm: F32 x and cluster split-K are for decode-sized M only");
     } else {
-      static const bool ready = [] {  // once per process (same smem need on every device)
-        set_smem_limit<F, BT, XF>(dense_kernel<F, BT, XF, CL>);
-        if constexpr (CL)
-          check_cuda(cudaFuncSetAttribute(dense_kernel<F, BT, XF, CL>,
-                                          cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
-                     "wq kernel cluster size");
-        return true;
-      }();
-      (void)ready;
+      prepare_dense<F, BT, XF, CL>();
       const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, BT) * unsigned(a.batch),
                       unsigned(a.splits));
       DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x (times the batch)");
@@ -223,9 +268,23 @@ bool stages_f32(WqFormat f, int64_t m, int64_t k, int64_t ldx, const void* x) {
          ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
-// Whether the splits sum in the kernel (reduce_in_cluster): decode-sized M on sm_90+.
-bool cluster_splits(int64_t m, int splits) {
-  return splits > 1 && splits <= kMaxClusterSplits && m <= 16 && g_wq_cluster.on() && pdl::hopper();
+// Whether the splits sum in the kernel (reduce_in_cluster): decode-sized M on sm_90+, and every
+// cluster of the grid (`clusters` of them) resident at once. A cluster's CTAs start together
+// within one GPC, so fewer clusters fit than CTAs: V2.5's o_proj at M = 8 (40 clusters of 13
+// W4A16 CTAs, 30 resident) took 31.7 us against 26.5 with the reduce launch, FP8W's (40 of 7)
+// 50.7 against 31.0 (H200, 2f260e3); the small products keep the one launch.
+template <WqFormat F>
+bool cluster_splits(int64_t m, int splits, bool xf, int64_t clusters) {
+  if (splits <= 1 || splits > kMaxClusterSplits || m > 16 || !g_wq_cluster.on() || !pdl::hopper())
+    return false;
+  const int fit =
+      xf ? max_active_clusters<F, true>(m, splits) : max_active_clusters<F, false>(m, splits);
+  return clusters <= fit;
+}
+bool cluster_splits(WqFormat f, int64_t m, int splits, bool xf, int64_t clusters) {
+  return f == WqFormat::W4A16  ? cluster_splits<WqFormat::W4A16>(m, splits, xf, clusters)
+         : f == WqFormat::BF16 ? cluster_splits<WqFormat::BF16>(m, splits, xf, clusters)
+                               : cluster_splits<WqFormat::FP8W>(m, splits, xf, clusters);
 }
 
 // The CTAs a split-K decode GEMM aims for, per SM: DEEPSERVE_WQ_SPLIT_CTAS, else 2 for FP8W
@@ -255,11 +314,12 @@ void run_dense(const Context& ctx, WqFormat f, const float* x, int64_t ldx, floa
   a.splits = int((groups + a.groups_per_split - 1) / a.groups_per_split);  // none empty
   const bool xf = stages_f32(f, M, K, ldx, x);
   DS_CHECK(a.batch == 1 || xf, "wq gemm: a batch takes F32 x staged in the kernel");
-  if (a.batch > 1 && !cluster_splits(M, a.splits)) {  // no partials buffer per batch entry
+  const int64_t tiles = rows / kBN * ceil_div(M, tokens_per_cta(M));  // clusters, if split
+  bool cluster = cluster_splits(f, M, a.splits, xf, tiles);
+  if (a.batch > 1 && !cluster) {  // no partials buffer per batch entry
     a.groups_per_split = int(groups);
     a.splits = 1;
   }
-  const bool cluster = cluster_splits(M, a.splits);
   const size_t xb_bytes = xf ? 0 : (size_t(M) * size_t(a.kp) * 2 + 255) / 256 * 256;
   const size_t part_bytes = a.splits > 1 && !cluster ? size_t(a.splits) * size_t(M * N) * 4 : 0;
   uint8_t* base = xb_bytes + part_bytes == 0

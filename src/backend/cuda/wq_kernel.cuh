@@ -38,24 +38,14 @@ constexpr int kBT = 64;   // tokens per CTA (prefill); decode variants take 8 or
 // 228.8 -> 180.2 us (76b5847). A group's products are summed and scaled as with one group a
 // stage (group after group into acc), so the bits do not change. A stage starts at a group
 // that is a multiple of the count.
-// DS_WQ_W4_GPS / DS_WQ_W4_STAGES: W4A16 decode variants' groups per stage and (with 4 groups)
-// stages, for A/B builds (gpu_run.sh CUDA_FLAGS).
-#ifndef DS_WQ_W4_GPS
-#define DS_WQ_W4_GPS 2
-#endif
-#ifndef DS_WQ_W4_STAGES
-#define DS_WQ_W4_STAGES 2
-#endif
 template <WqFormat F, int BT>
-constexpr int kGpsOf = F == WqFormat::W4A16&& BT <= 16 ? DS_WQ_W4_GPS
-                       : F == WqFormat::FP8W&& BT <= 8 ? 2
-                                                       : 1;
-static_assert(DS_WQ_W4_GPS == 1 || DS_WQ_W4_GPS == 2 || DS_WQ_W4_GPS == 4, "1, 2 or 4 groups");
+constexpr int kGpsOf = (F == WqFormat::W4A16 && BT <= 16) || (F == WqFormat::FP8W && BT <= 8) ? 2
+                                                                                              : 1;
 // Pipeline depth, so that 2-3 CTAs fit an SM: 3 stages of BF16 (32 KB of weights) or two-group
-// W4A16 (16 KB), 2 of two-group FP8W (32 KB), else 4.
+// W4A16 (16 KB), 2 of two-group FP8W (32 KB), else 4. (Four-group W4A16 stages, 32 KB in 2
+// stages, were slower: its MoE at T = 8 182 -> 196 us, W5 326 -> 306 tok/s; H200, 2f260e3.)
 template <WqFormat F, int BT>
-constexpr int kStagesOf = kGpsOf<F, BT> == 4                            ? DS_WQ_W4_STAGES
-                          : (F == WqFormat::FP8W && kGpsOf<F, BT> == 2) ? 2
+constexpr int kStagesOf = (F == WqFormat::FP8W && kGpsOf<F, BT> == 2)   ? 2
                           : (F == WqFormat::BF16 || kGpsOf<F, BT> == 2) ? 3
                                                                         : 4;
 // Splits of K start at a multiple of this: the most groups any decode variant of F stages at
@@ -154,7 +144,7 @@ __device__ __forceinline__ int b_chunk(int r, int c) {
 // token rows).
 template <WqFormat F, int G = 1>
 __device__ __forceinline__ int a_chunk(int r, int c) {
-  if constexpr (F == WqFormat::W4A16) return G >= 2 ? c ^ ((r & 1) << 2) : c;
+  if constexpr (F == WqFormat::W4A16) return G == 2 ? c ^ ((r & 1) << 2) : c;
   return F == WqFormat::FP8W ? (c ^ (r & 1)) : b_chunk(r, c);
 }
 
