@@ -4,7 +4,8 @@
 // relative error ~2^-9 per product, so ~2^-9 of the row's sum of |x * w|): by a conversion
 // launch into staged rows, or, for the dense decode variants, in the kernel from F32 rows
 // (stages_f32); their split-K partials are summed in the kernel too, across a thread-block
-// cluster (cluster_splits): one launch a product where it was three.
+// cluster, where the grid's clusters all fit at once (cluster_splits): one launch a product
+// where it was three.
 #include <cooperative_groups.h>
 
 #include <algorithm>
