@@ -316,7 +316,7 @@ void run_dense(const Context& ctx, WqFormat f, const float* x, int64_t ldx, floa
   const bool xf = stages_f32(f, M, K, ldx, x);
   DS_CHECK(a.batch == 1 || xf, "wq gemm: a batch takes F32 x staged in the kernel");
   const int64_t tiles = rows / kBN * ceil_div(M, tokens_per_cta(M));  // clusters, if split
-  bool cluster = cluster_splits(f, M, a.splits, xf, tiles);
+  const bool cluster = cluster_splits(f, M, a.splits, xf, tiles);
   if (a.batch > 1 && !cluster) {  // no partials buffer per batch entry
     a.groups_per_split = int(groups);
     a.splits = 1;
