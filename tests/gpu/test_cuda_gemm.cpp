@@ -17,6 +17,7 @@
 // a few thousand) exceeds them.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -256,6 +257,45 @@ TEST(CudaGemm, BatchedMatmulOverPermutedViews) {
     }
   }
   EXPECT_EQ(on_wq_kernel, 2) << "the 128-head BF16 cases take the wq kernel";
+}
+
+// Which batched products the backend sends to the dense wq kernel (host only: no GPU memory is
+// touched). MLA's absorbed products at 128 heads and 8 decode tokens, x and out heads-first
+// views of [T, H, d] activations, take it; more tokens, K not whole 16-byte BF16 chunks,
+// another weight type, or an x the kernel's 16-byte copies cannot read do not. Their K splits:
+// W_UV (K 512, 128 heads of 128 rows) two per tile, W_UK (K 128) none.
+TEST(WqBatchedPlan, TakesTheDecodeViewsOnly) {
+  struct Restore {
+    ~Restore() { cuda::g_wq_stage_f32.force(-1); }
+  } restore;
+  alignas(16) static uint8_t buf[64];
+  const int64_t H = 128, T = 8;
+  // x {H, T, k} over [T, H, ldx] F32; w [H, n, k] of `wt`; out {H, T, n} over [T, H, n].
+  const auto views = [&](int64_t t, int64_t k, int64_t n, int64_t ldx, DType wt, int64_t x_offset) {
+    const TensorView base = test::make_view(buf, DType::F32, {1});
+    TensorView wbase = test::make_view(buf, wt, {1});
+    const int64_t we = int64_t(test::element_bytes(wt));
+    return std::array<TensorView, 3>{
+        test::strided_view(base, {H, t, k}, {ldx * 4, H * ldx * 4, 4}, x_offset),
+        test::strided_view(wbase, {H, n, k}, {n * k * we, k * we, we}),
+        test::strided_view(base, {H, t, n}, {n * 4, H * n * 4, 4})};
+  };
+  const auto fits = [](const std::array<TensorView, 3>& v) {
+    return cuda::wq_batched_fits(v[0], v[1], v[2]);
+  };
+  EXPECT_TRUE(fits(views(T, 128, 512, 128, DType::BF16, 0)));  // q_nope . W_UK
+  EXPECT_TRUE(fits(views(T, 512, 128, 512, DType::BF16, 0)));  // latent . W_UV
+  EXPECT_TRUE(fits(views(1, 512, 128, 512, DType::BF16, 0)));
+  EXPECT_FALSE(fits(views(9, 512, 128, 512, DType::BF16, 0)));  // 9 tokens
+  EXPECT_FALSE(fits(views(T, 100, 128, 100, DType::BF16, 0)));  // K: 200 bytes a row
+  EXPECT_FALSE(fits(views(T, 512, 128, 512, DType::F16, 0)));   // F16 weights
+  EXPECT_FALSE(fits(views(T, 512, 128, 512, DType::BF16, 4)));  // x off 16-byte alignment
+  EXPECT_FALSE(fits(views(T, 512, 128, 514, DType::BF16, 0)));  // x rows 2056 bytes apart
+  cuda::g_wq_stage_f32.force(0);  // no F32 staging: the batch has no conversion launch
+  EXPECT_FALSE(fits(views(T, 128, 512, 128, DType::BF16, 0)));
+  // Splits from the batch's row blocks side by side (132 SMs, 4 CTAs each).
+  EXPECT_EQ(cuda::wq_split_groups(H * 128, 512, 132 * 4, 1), 2);  // W_UV: 4 groups, 2 splits
+  EXPECT_EQ(cuda::wq_split_groups(H * 512, 128, 132 * 4, 1), 1);  // W_UK: one group
 }
 
 // The same row gives the same result whatever else is in the batch, within the F32 bound
