@@ -282,11 +282,6 @@ bool cluster_splits(int64_t m, int splits, bool xf, int64_t clusters) {
       xf ? max_active_clusters<F, true>(m, splits) : max_active_clusters<F, false>(m, splits);
   return clusters <= fit;
 }
-bool cluster_splits(WqFormat f, int64_t m, int splits, bool xf, int64_t clusters) {
-  return f == WqFormat::W4A16  ? cluster_splits<WqFormat::W4A16>(m, splits, xf, clusters)
-         : f == WqFormat::BF16 ? cluster_splits<WqFormat::BF16>(m, splits, xf, clusters)
-                               : cluster_splits<WqFormat::FP8W>(m, splits, xf, clusters);
-}
 
 // The CTAs a split-K decode GEMM aims for, per SM: DEEPSERVE_WQ_SPLIT_CTAS, else 2 for FP8W
 // and 4 for the others (8 was no faster for W5 at 76b5847: docs/PERFORMANCE.md).
@@ -299,24 +294,23 @@ int split_ctas_per_sm(WqFormat f) {
 // elements) into out (ld ldo): split-K from N, K, the batch and the SM count, x staged as F32 in
 // the kernel where it can be (else converted to BF16 rows first: one product, not a batch),
 // splits summed in a cluster or by reduce_kernel (one product).
-void run_dense(const Context& ctx, WqFormat f, const float* x, int64_t ldx, float* out, int64_t ldo,
+template <WqFormat F>
+void run_dense(const Context& ctx, const float* x, int64_t ldx, float* out, int64_t ldo,
                DenseArgs& a) {
   const int64_t M = a.m, N = a.n, K = a.k;
   a.kp = int((K + 7) / 8 * 8);
   const int64_t groups = (K + kGroup - 1) / kGroup;
-  const int unit = f == WqFormat::W4A16  ? kSplitUnitOf<WqFormat::W4A16>
-                   : f == WqFormat::BF16 ? kSplitUnitOf<WqFormat::BF16>
-                                         : kSplitUnitOf<WqFormat::FP8W>;
   // A batch's products are row blocks side by side for the split.
   const int64_t rows = int64_t(a.batch) * ceil_div(N, kBN) * kBN;
-  a.groups_per_split = M <= kWqSplitMaxM
-                           ? wq_split_groups(rows, K, ctx.sm_count * split_ctas_per_sm(f), unit)
-                           : int(groups);
+  a.groups_per_split =
+      M <= kWqSplitMaxM
+          ? wq_split_groups(rows, K, ctx.sm_count * split_ctas_per_sm(F), kSplitUnitOf<F>)
+          : int(groups);
   a.splits = int((groups + a.groups_per_split - 1) / a.groups_per_split);  // none empty
-  const bool xf = stages_f32(f, M, K, ldx, x);
+  const bool xf = stages_f32(F, M, K, ldx, x);
   DS_CHECK(a.batch == 1 || xf, "wq gemm: a batch takes F32 x staged in the kernel");
   const int64_t tiles = rows / kBN * ceil_div(M, tokens_per_cta(M));  // clusters, if split
-  const bool cluster = cluster_splits(f, M, a.splits, xf, tiles);
+  const bool cluster = cluster_splits<F>(M, a.splits, xf, tiles);
   if (a.batch > 1 && !cluster) {  // no partials buffer per batch entry
     a.groups_per_split = int(groups);
     a.splits = 1;
@@ -332,10 +326,9 @@ void run_dense(const Context& ctx, WqFormat f, const float* x, int64_t ldx, floa
   } else {
     auto* xb = reinterpret_cast<__nv_bfloat16*>(base);
     const dim3 cgrid(ceil_div(a.kp, 256 * 4), unsigned(M));
-    if (f == WqFormat::W4A16)
-      pdl::launch(to_bf16_kernel<WqFormat::W4A16>, cgrid, 256, 0, ctx.stream, x, ldx, K, a.kp, xb);
-    else  // natural order (FP8W, BF16)
-      pdl::launch(to_bf16_kernel<WqFormat::FP8W>, cgrid, 256, 0, ctx.stream, x, ldx, K, a.kp, xb);
+    // W4A16's staged order, else the natural one (FP8W's kernel, also for BF16).
+    constexpr WqFormat kOrder = F == WqFormat::W4A16 ? F : WqFormat::FP8W;
+    pdl::launch(to_bf16_kernel<kOrder>, cgrid, 256, 0, ctx.stream, x, ldx, K, a.kp, xb);
     check_cuda(cudaGetLastError(), "wq gemm convert");
     a.xb = xb;
   }
@@ -343,12 +336,7 @@ void run_dense(const Context& ctx, WqFormat f, const float* x, int64_t ldx, floa
   a.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::DenseWq);
   a.out = out;
   a.ldo = ldo;
-  if (f == WqFormat::W4A16)
-    launch_dense<WqFormat::W4A16>(a, cluster, ctx.stream);
-  else if (f == WqFormat::BF16)
-    launch_dense<WqFormat::BF16>(a, cluster, ctx.stream);
-  else
-    launch_dense<WqFormat::FP8W>(a, cluster, ctx.stream);
+  launch_dense<F>(a, cluster, ctx.stream);
   if (a.part) {
     pdl::launch(reduce_kernel, ceil_div(M * N, 256), 256, 0, ctx.stream, a.part, a.splits, M, N,
                 out, a.ldo);
@@ -396,7 +384,6 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   DS_CHECK(x.stride[x.ndim - 1] == 4 && out.stride[out.ndim - 1] == 4, "wq matmul: dense rows");
   if (M == 0 || N == 0) return;
   DS_CHECK(K > 0 && K < (int64_t(1) << 30), "wq matmul: K out of range");
-  const WqFormat f = w4 ? WqFormat::W4A16 : bf16 ? WqFormat::BF16 : WqFormat::FP8W;
   DS_CHECK(!bf16 || M <= kWqBf16MaxTokens, "wq matmul: BF16 weights take at most 16 rows of x");
   DenseArgs a;
   a.w = static_cast<const uint8_t*>(w.data);
@@ -404,23 +391,30 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   a.n = N;
   a.k = K;
   a.m = M;
-  run_dense(ctx, f, x.ptr<float>(), M > 1 ? x.row_stride() / 4 : K, out.ptr<float>(),
-            M > 1 ? out.row_stride() / 4 : N, a);
+  const int64_t ldx = M > 1 ? x.row_stride() / 4 : K, ldo = M > 1 ? out.row_stride() / 4 : N;
+  if (w4)
+    run_dense<WqFormat::W4A16>(ctx, x.ptr<float>(), ldx, out.ptr<float>(), ldo, a);
+  else if (bf16)
+    run_dense<WqFormat::BF16>(ctx, x.ptr<float>(), ldx, out.ptr<float>(), ldo, a);
+  else
+    run_dense<WqFormat::FP8W>(ctx, x.ptr<float>(), ldx, out.ptr<float>(), ldo, a);
 }
 
 bool wq_batched_fits(const TensorView& x, const TensorView& w, const TensorView& out) {
   if (x.ndim != 3 || w.ndim != 3 || out.ndim != 3 || x.dtype != DType::F32 ||
       out.dtype != DType::F32 || w.dtype != DType::BF16)
     return false;
-  const int64_t b = x.shape[0], m = x.shape[1], k = x.shape[2], n = w.shape[1];
+  const int64_t b = x.shape[0], m = x.shape[1], k = x.shape[2];
   const auto mul16 = [](int64_t bytes) { return bytes % 16 == 0; };
-  // Weight rows as wq_bf16_fits, F32 x rows whole 16-byte units (stages_f32), F32 out.
-  return b >= 1 && b <= 65535 / ((m + 7) / 8) && m >= 1 && m <= 8 && k % 8 == 0 &&
-         w.stride[2] == 2 && mul16(w.stride[1]) && mul16(w.stride[0]) &&
-         reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && x.stride[2] == 4 && mul16(x.stride[1]) &&
-         mul16(x.stride[0]) && reinterpret_cast<uintptr_t>(x.data) % 16 == 0 &&
-         out.stride[2] == 4 && out.stride[1] % 4 == 0 && out.stride[0] % 4 == 0 && n >= 1 &&
-         g_wq_stage_f32.on();
+  // Weight rows as wq_bf16_fits, in 16-byte-aligned entries; x rows the kernel stages as F32
+  // (stages_f32: no conversion launch for a batch), in 16-byte-aligned entries; F32 out. One
+  // token block per entry (M <= 8), so the batch is the grid's y.
+  return b >= 1 && b <= 65535 && m >= 1 && w.shape[1] >= 1 && k % 8 == 0 && w.stride[2] == 2 &&
+         mul16(w.stride[1]) && mul16(w.stride[0]) &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && x.stride[2] == 4 &&
+         x.stride[1] % 4 == 0 && mul16(x.stride[0]) &&
+         stages_f32(WqFormat::BF16, m, k, x.stride[1] / 4, x.data) && out.stride[2] == 4 &&
+         out.stride[1] % 4 == 0 && out.stride[0] % 4 == 0;
 }
 
 void wq_batched_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
@@ -441,8 +435,8 @@ void wq_batched_matmul(const Context& ctx, const TensorView& x, const TensorView
   a.w_batch = w.stride[0];
   a.x_batch = x.stride[0] / 4;
   a.out_batch = out.stride[0] / 4;
-  run_dense(ctx, WqFormat::BF16, x.ptr<float>(), x.stride[1] / 4, out.ptr<float>(),
-            out.stride[1] / 4, a);
+  run_dense<WqFormat::BF16>(ctx, x.ptr<float>(), x.stride[1] / 4, out.ptr<float>(),
+                            out.stride[1] / 4, a);
 }
 
 // ---- MoE experts -----------------------------------------------------------------------------
