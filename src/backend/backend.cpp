@@ -46,6 +46,16 @@ void Backend::add_rms_norm(TensorView x, const TensorView& y, const TensorView& 
   rms_norm(x, w, eps, out);
 }
 
+void Backend::norm_matmul(const NormMatmulParams& p) {
+  if (p.y.data != nullptr) {
+    copy(p.x, p.x_out);
+    add_rms_norm(p.x_out, p.y, p.norm, p.eps, p.xn);
+  } else {
+    rms_norm(p.x, p.norm, p.eps, p.xn);
+  }
+  matmul(p.xn, p.w, p.out);
+}
+
 void Backend::mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) {
   const TensorView& kva = p.kva;
   const int64_t R = p.kv_lora_rank, P = kva.cols() - R;

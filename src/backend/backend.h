@@ -190,6 +190,22 @@ struct MlaPrepareParams {
   int kv_lora_rank = 0;  // R
 };
 
+// A layer's norm and the first product that reads it (Backend::norm_matmul): with y,
+// x_out = x + y (the residual add) and xn = rms_norm(x_out) * norm; without, xn =
+// rms_norm(x) * norm. Then out = xn . w (as matmul). A device may run all of it in one launch
+// whose every CTA reads all of x and y, so x_out and xn must not overlap x or y (nor each other),
+// and out must not overlap any of them. Same bits as add_rms_norm (or rms_norm), then matmul.
+struct NormMatmulParams {
+  TensorView x;     // [T, n] F32: the residual stream
+  TensorView y;     // [T, n] F32, optional: the sublayer output added to x
+  TensorView norm;  // [n] F32
+  float eps = 1e-6f;
+  TensorView x_out;  // [T, n] F32: x + y (with y; unused without)
+  TensorView xn;     // [T, n] F32: the normed rows, always written
+  TensorView w;      // [N, n] weights, as matmul's
+  TensorView out;    // [T, N] F32
+};
+
 // DeepSeek-V2 MoE routing (MoEGate): scores = softmax(logits) over experts, then top_k.
 // GroupLimitedGreedy first keeps the topk_group groups (experts split into n_group equal
 // consecutive groups) with the highest max score and takes top_k among their experts.
@@ -325,6 +341,9 @@ class Backend {
   // devices. out may alias y. The base version runs add, then rms_norm.
   virtual void add_rms_norm(TensorView x, const TensorView& y, const TensorView& w, float eps,
                             TensorView out);
+  // See NormMatmulParams. The base version copies x to x_out, runs add_rms_norm there (or
+  // rms_norm without y), then matmul.
+  virtual void norm_matmul(const NormMatmulParams& p);
   // out[b, m, n] = sum_k x[b, m, k] * w[b, n, k] for every b. 3-D views with byte strides
   // (x, out F32; w F32, F16 or BF16), so heads of a [T, H, d] buffer are batches of a
   // [H, T, d] view. Each (b, m) result depends on that row alone.

@@ -182,6 +182,13 @@ void ProfilingBackend::add_rms_norm(TensorView x, const TensorView& y, const Ten
   timed("add_rms_norm", "add_rms_norm " + dims(x), [&] { inner_.add_rms_norm(x, y, w, eps, out); });
 }
 
+void ProfilingBackend::norm_matmul(const NormMatmulParams& p) {
+  timed("norm_matmul",
+        std::string(p.y.data ? "add_" : "") + "norm_matmul " + dims(p.x) + "x" + dims(p.w) + " " +
+            dt(p.w.dtype),
+        [&] { inner_.norm_matmul(p); });
+}
+
 void ProfilingBackend::matmul(const TensorView& x, const TensorView& w, TensorView out) {
   timed("matmul", "matmul " + dims(x) + "x" + dims(w) + " " + dt(w.dtype),
         [&] { inner_.matmul(x, w, out); });

@@ -84,6 +84,7 @@ class ProfilingBackend final : public Backend {
   void add(TensorView x, const TensorView& y) override;
   void add_rms_norm(TensorView x, const TensorView& y, const TensorView& w, float eps,
                     TensorView out) override;
+  void norm_matmul(const NormMatmulParams& p) override;
   void batched_matmul(const TensorView& x, const TensorView& w, TensorView out) override;
   void mla_attention(const MlaAttentionParams& p, const AttentionMeta& meta) override;
   bool mla_prefill(const MlaPrefillParams& p, const AttentionMeta& meta) override;

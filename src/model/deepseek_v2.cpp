@@ -183,34 +183,56 @@ class DeepseekV2 final : public Model {
              "logits must be [logit rows, vocab]");
     reserve(T, NL);
     const int64_t hidden = cfg_.hidden;
-    TensorView x = x_->view(DType::F32, {T, hidden});
+    // The residual stream alternates between x_ and x2_: each norm with a residual add writes
+    // x + y to the other buffer (norm_matmul: a device may fuse the add, the norm and the
+    // product that reads it into one launch, whose CTAs all read x).
+    TensorView x = x_->view(DType::F32, {T, hidden}), x2 = x2_->view(DType::F32, {T, hidden});
     TensorView xn = xn_->view(DType::F32, {T, hidden});
+    TensorView y = tmp_->view(DType::F32, {T, hidden});
     mixed_ok_ = split_mixed(in, mixed_);
     be_.embed(tok_embd_, in.token_ids(), int(T), x);
     dump("token_embd", x);
-    be_.rms_norm(x, layers_.front().attn_norm, cfg_.rms_eps, xn);
+    // The norm in front of the next product: x (+ y, then x and x2 swap) through `norm`.
+    auto norm_into = [&](bool add, const TensorView& norm, const TensorView& w, TensorView out) {
+      NormMatmulParams np;
+      np.x = x;
+      if (add) {
+        np.y = y;
+        np.x_out = x2;
+      }
+      np.norm = norm;
+      np.eps = cfg_.rms_eps;
+      np.xn = xn;
+      np.w = w;
+      np.out = out;
+      be_.norm_matmul(np);
+      if (add) std::swap(x, x2);
+    };
     for (int l = 0; l < cfg_.layers; ++l) {
       const DsLayer& W = layers_[size_t(l)];
-      dump(l, "attn_norm", xn);
-      attention(l, W, in, cache, xn);  // xn <- attention output
-      all_reduce(xn);                  // tensor parallel: o_proj is row-split
-      be_.add_rms_norm(x, xn, W.ffn_norm, cfg_.rms_eps, xn);
-      dump(l, "ffn_norm", xn);
-      TensorView y = tmp_->view(DType::F32, {T, hidden});
+      // Layer 0's input norm has no residual add before it; the others add the last FFN's y.
+      attention(
+          l, W, in, cache,
+          [&](const TensorView& w, TensorView out) {
+            norm_into(l > 0, W.attn_norm, w, out);
+            if (l > 0) dump(l - 1, "out", x);
+            dump(l, "attn_norm", xn);
+          },
+          y);         // y <- attention output
+      all_reduce(y);  // tensor parallel: o_proj is row-split
+      auto ffn_in = [&](const TensorView& w, TensorView out) {
+        norm_into(true, W.ffn_norm, w, out);
+        dump(l, "ffn_norm", xn);
+      };
       if (W.moe) {
-        moe(W, xn, y);
+        moe(W, ffn_in, xn, y);
       } else {
-        mlp(W.mlp, xn, y);
+        mlp(W.mlp, xn, y, ffn_in);
       }
       all_reduce(y);  // tensor parallel: down_proj row-split; expert parallel: experts by rank
-      // The residual add, fused with the next layer's input norm.
-      if (l + 1 < cfg_.layers) {
-        be_.add_rms_norm(x, y, layers_[size_t(l) + 1].attn_norm, cfg_.rms_eps, xn);
-      } else {
-        be_.add(x, y);
-      }
-      dump(l, "out", x);
     }
+    be_.add(x, y);  // the last residual add; the others went with the next layer's input norm
+    dump(cfg_.layers - 1, "out", x);
     output_logits(be_, x, in.logit_rows, last_->view(DType::F32, {NL, hidden}), output_norm_,
                   cfg_.rms_eps, output_, logits);
   }
@@ -292,8 +314,12 @@ class DeepseekV2 final : public Model {
 
   // Multi-head latent attention of layer l; reads xn [T, hidden], overwrites it with the
   // attention output.
-  void attention(int l, const DsLayer& W, const ForwardInput& in, KvCache& cache, TensorView xn) {
-    const int64_t T = xn.shape[0], H = cfg_.heads, R = cfg_.kv_lora_rank, P = cfg_.qk_rope_dim;
+  // project(w, out): the layer's input norm and the first product that reads it (out = xn . w,
+  // xn written too). The output projection goes to `out`.
+  template <typename Project>
+  void attention(int l, const DsLayer& W, const ForwardInput& in, KvCache& cache, Project&& project,
+                 TensorView out) {
+    const int64_t T = out.shape[0], H = cfg_.heads, R = cfg_.kv_lora_rank, P = cfg_.qk_rope_dim;
     const int64_t nope = cfg_.qk_nope_dim, v = cfg_.v_head_dim, qk = nope + P;
     const int64_t qlr = cfg_.q_lora_rank;
     // The projections of the normed x, [T, lead + R + P] (fused at load where the formats agree,
@@ -302,10 +328,11 @@ class DeepseekV2 final : public Model {
     const int64_t lead = qlr > 0 ? qlr : H * qk;
     TensorView both = qkv_a_->view(DType::F32, {T, lead + R + P});
     TensorView head = cols(both, 0, lead), kva = cols(both, lead, R + P);
+    const TensorView xn = xn_->view(DType::F32, {T, cfg_.hidden});
     if (W.wqkv_a) {
-      be_.matmul(xn, *W.wqkv_a, both);
+      project(*W.wqkv_a, both);
     } else {
-      be_.matmul(xn, qlr > 0 ? W.wq_a : W.wq, head);
+      project(qlr > 0 ? W.wq_a : W.wq, head);
       be_.matmul(xn, W.wkv_a, kva);
     }
     TensorView q = head;
@@ -354,7 +381,7 @@ class DeepseekV2 final : public Model {
       absorbed_attention(l, W, cache, q_nope, q_pe, oh, in.meta);
     }
     dump(l, "attn_out", o);
-    be_.matmul(o, W.wo, xn);
+    be_.matmul(o, W.wo, out);
   }
 
   // The absorbed form over [T, H, *] views: q_latent = q_nope . W_uk, attention over the latent
@@ -502,25 +529,30 @@ class DeepseekV2 final : public Model {
     }
   }
 
-  void mlp(const DsMlp& m, const TensorView& xn, TensorView out) {
+  // project(w, out): out = xn . w, with the norm that writes xn in front where the caller has
+  // one (the dense layers' FFN norm).
+  template <typename Project>
+  void mlp(const DsMlp& m, const TensorView& xn, TensorView out, Project&& project) {
     const int64_t T = xn.shape[0], F = m.ffn;
     TensorView gu = gate_up_->view(DType::F32, {T, 2 * F});
     TensorView act = act_->view(DType::F32, {T, F});
     if (m.gate_up) {
-      be_.matmul(xn, *m.gate_up, gu);
+      project(*m.gate_up, gu);
     } else {
-      be_.matmul(xn, m.gate, cols(gu, 0, F));
+      project(m.gate, cols(gu, 0, F));
       be_.matmul(xn, m.up, cols(gu, F, F));
     }
     be_.silu_mul(gu, act);
     be_.matmul(act, m.down, out);
   }
 
-  // Routed experts plus shared experts, into out [T, hidden].
-  void moe(const DsLayer& W, const TensorView& xn, TensorView out) {
+  // Routed experts plus shared experts, into out [T, hidden]. route_in(w, logits): the FFN norm
+  // (writing xn) and the router product.
+  template <typename Project>
+  void moe(const DsLayer& W, Project&& route_in, const TensorView& xn, TensorView out) {
     const int64_t T = xn.shape[0], E = cfg_.moe_experts, K = cfg_.moe_top_k;
     TensorView logits = router_->view(DType::F32, {T, E});
-    be_.matmul(xn, W.router, logits);
+    route_in(W.router, logits);
     TensorView ids = ids_->view(DType::I32, {T, K});
     TensorView wts = wts_->view(DType::F32, {T, K});
     MoeRouteParams rp;
@@ -543,7 +575,7 @@ class DeepseekV2 final : public Model {
     be_.moe_routed_ffn(logits, rp, fp);
     if (cfg_.moe_shared_experts > 0 && W.num_shared == 0) {
       TensorView shared = shared_->view(DType::F32, {T, cfg_.hidden});
-      mlp(W.mlp, xn, shared);
+      mlp(W.mlp, xn, shared, [&](const TensorView& w, TensorView o) { be_.matmul(xn, w, o); });
       be_.add(out, shared);
     }
   }
@@ -554,6 +586,7 @@ class DeepseekV2 final : public Model {
     const int64_t ffn = std::max<int64_t>(cfg_.intermediate, cfg_.shared_ffn());
     auto grow = [&](std::unique_ptr<Buffer>& b, int64_t n) { ensure_scratch(be_, b, n); };
     grow(x_, T * cfg_.hidden);
+    grow(x2_, T * cfg_.hidden);
     grow(xn_, T * cfg_.hidden);
     grow(tmp_, T * cfg_.hidden);
     grow(shared_, T * cfg_.hidden);
@@ -581,8 +614,8 @@ class DeepseekV2 final : public Model {
   uint64_t total_bytes_ = 0;
   int num_moe_layers_ = 0;
   std::unique_ptr<Buffer> counts_buf_;  // [moe layers, E] int64 tokens routed per expert
-  std::unique_ptr<Buffer> x_, xn_, tmp_, shared_, qkv_a_, qa_n_, q_, q_lat_, o_lat_, o_, gate_up_,
-      act_, router_, ids_, wts_, last_;
+  std::unique_ptr<Buffer> x_, x2_, xn_, tmp_, shared_, qkv_a_, qa_n_, q_, q_lat_, o_lat_, o_,
+      gate_up_, act_, router_, ids_, wts_, last_;
   std::unique_ptr<Buffer> x_lat_, x_kv_, x_k_, x_v_, x_o_, x_meta_;  // expanded-form scratch
 };
 

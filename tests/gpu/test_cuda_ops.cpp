@@ -9,7 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/gemm_skinny.cuh"
 #include "backend/cuda/memory_pool.h"
+#include "backend/cuda/switches.h"
 #include "gpu_test_util.h"
 
 namespace ds {
@@ -296,6 +298,95 @@ TEST(CudaOps, AddRmsNormMatchesCpu) {
                    w.gpu.view, 1e-6f, view_of(target_g, {k.rows, k.n}, {ld, 1}));
     EXPECT_EQ(test::download_floats(g, x.gpu), test::download_floats(c, x.cpu)) << "x += y";
     expect_norm_close(target_g, target_c, k.rows, k.n, ld, "add_rms_norm");
+  }
+}
+
+// norm_matmul: the fused launch (the norm inside the skinny GEMM's CTAs) against the same call
+// with DEEPSERVE_NORM_FUSE off (the norm kernel, then the GEMM), bit for bit in out, xn and
+// x_out, with x and y left as they were; and against the CPU's add, rms_norm and matmul. The
+// shapes cover rms_norm's thread counts (160, 256, 512, 1024 virtual threads), 1-8 rows, padded
+// rows, every skinny weight dtype and the first layer's norm without a residual add.
+TEST(CudaOps, NormMatmulFusedMatchesNormThenMatmul) {
+  DS_REQUIRE_GPU();
+  Backend &g = test::cuda_backend(), &c = test::cpu_backend();
+  struct Case {
+    int rows, n, out_n;
+    DType wt;
+    bool add;
+  };
+  const Case cases[] = {{1, 2048, 3648, DType::BF16, true}, {1, 2048, 64, DType::F32, true},
+                        {1, 2048, 100, DType::BF16, false}, {3, 576, 37, DType::F16, true},
+                        {8, 2048, 64, DType::F32, true},    {2, 5120, 160, DType::BF16, true},
+                        {5, 1000, 33, DType::F32, true},    {1, 7168, 24, DType::BF16, true}};
+  struct Restore {
+    ~Restore() { cuda::g_norm_fuse.force(-1); }
+  } restore;
+  uint32_t seed = 870;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(std::to_string(k.rows) + " x " + std::to_string(k.n) + " -> " +
+                 std::to_string(k.out_n) + " " + std::string(dtype_name(k.wt)) +
+                 (k.add ? " +y" : ""));
+    const int64_t ldx = k.n + 4, ldy = k.n + 8, ldn = k.n + 12, ldo = k.out_n + 3;
+    const Twin x = twin_floats(DType::F32, {k.rows, ldx},
+                               test::random_floats(size_t(k.rows * ldx), ++seed, -2, 2));
+    const Twin y = twin_floats(DType::F32, {k.rows, ldy},
+                               test::random_floats(size_t(k.rows * ldy), ++seed, -2, 2));
+    const Twin nw =
+        twin_floats(DType::F32, {k.n}, test::random_floats(size_t(k.n), ++seed, 0.9f, 1.1f));
+    const float ws = 0.6f / std::sqrt(float(k.n));
+    const Twin w = twin_floats(k.wt, {k.out_n, k.n},
+                               test::random_floats(size_t(k.out_n * k.n), ++seed, -ws, ws));
+    auto params = [&](const test::BackendTensor& xt, const test::BackendTensor& yt,
+                      const test::BackendTensor& wt, const test::BackendTensor& nt,
+                      const test::BackendTensor& xo, const test::BackendTensor& xn,
+                      const test::BackendTensor& out) {
+      NormMatmulParams p;
+      p.x = view_of(xt, {k.rows, k.n}, {ldx, 1});
+      if (k.add) {
+        p.y = view_of(yt, {k.rows, k.n}, {ldy, 1});
+        p.x_out = view_of(xo, {k.rows, k.n}, {ldn, 1});
+      }
+      p.norm = nt.view;
+      p.eps = 1e-6f;
+      p.xn = view_of(xn, {k.rows, k.n}, {ldn, 1});
+      p.w = wt.view;
+      p.out = view_of(out, {k.rows, k.out_n}, {ldo, 1});
+      return p;
+    };
+    struct Outs {
+      std::vector<float> out, xn, x_out, x, y;
+    };
+    auto run = [&](Backend& b, const Twin& xt, const Twin& yt, bool gpu, int fuse) {
+      cuda::g_norm_fuse.force(fuse);
+      const auto pick = [&](const Twin& t) -> const test::BackendTensor& {
+        return gpu ? t.gpu : t.cpu;
+      };
+      const Twin xo = twin_floats(DType::F32, {k.rows, ldn}, sentinel(k.rows * ldn));
+      const Twin xn = twin_floats(DType::F32, {k.rows, ldn}, sentinel(k.rows * ldn));
+      const Twin out = twin_floats(DType::F32, {k.rows, ldo}, sentinel(k.rows * ldo));
+      const NormMatmulParams p =
+          params(pick(xt), pick(yt), pick(w), pick(nw), pick(xo), pick(xn), pick(out));
+      if (gpu && fuse == 1) {
+        // The case takes the fused launch (else this test would compare the fallback to itself).
+        const cuda::SkinnyGemmArgs sk = cuda::skinny_matmul_args(p.x, p.w, p.out);
+        EXPECT_TRUE(cuda::use_skinny_gemm(sk) && cuda::skinny_norm_fits(sk));
+      }
+      b.norm_matmul(p);
+      b.synchronize();
+      return Outs{test::download_floats(b, pick(out)), test::download_floats(b, pick(xn)),
+                  test::download_floats(b, pick(xo)), test::download_floats(b, pick(xt)),
+                  test::download_floats(b, pick(yt))};
+    };
+    const Outs fused = run(g, x, y, true, 1), plain = run(g, x, y, true, 0);
+    const Outs cpu = run(c, x, y, false, -1);
+    EXPECT_TRUE(test::all_equal(fused.out, plain.out, "out", {k.rows, ldo}));
+    EXPECT_TRUE(test::all_equal(fused.xn, plain.xn, "xn", {k.rows, ldn}));
+    EXPECT_TRUE(test::all_equal(fused.x_out, plain.x_out, "x_out", {k.rows, ldn}));
+    EXPECT_TRUE(test::all_equal(fused.x, cpu.x, "x untouched", {k.rows, ldx}));
+    EXPECT_TRUE(test::all_equal(fused.y, cpu.y, "y untouched", {k.rows, ldy}));
+    if (k.add) EXPECT_TRUE(test::all_equal(fused.x_out, cpu.x_out, "x + y", {k.rows, ldn}));
+    EXPECT_TRUE(test::all_close(fused.xn, cpu.xn, {1e-5, 1e-5}, "xn vs cpu", {k.rows, ldn}));
+    EXPECT_TRUE(test::all_close(fused.out, cpu.out, {2e-4, 2e-4}, "out vs cpu", {k.rows, ldo}));
   }
 }
 

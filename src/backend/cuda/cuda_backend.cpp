@@ -265,6 +265,56 @@ class CudaBackend final : public Backend {
     cuda::launch_rms_norm(a, stream_);
   }
 
+  // Skinny-sized products take the norm inside the GEMM's CTAs (launch_skinny_norm_gemm);
+  // the rest run the norm kernel (x + y written to x_out), then matmul.
+  void norm_matmul(const NormMatmulParams& p) override {
+    if (cuda::g_norm_fuse.on() && fused_norm_matmul(p)) return;
+    cuda::RmsNormArgs a{p.x, p.norm, p.eps, p.xn};
+    if (p.y.data != nullptr) {
+      a.residual = p.y;
+      a.x_out = p.x_out;
+    }
+    cuda::launch_rms_norm(a, stream_);
+    matmul(p.xn, p.w, p.out);
+  }
+
+  // norm_matmul in one launch where the skinny kernel takes the product; false: nothing ran.
+  bool fused_norm_matmul(const NormMatmulParams& p) {
+    const bool add = p.y.data != nullptr;
+    const auto same = [&](const TensorView& v) {
+      return v.dtype == DType::F32 && v.rows() == p.x.rows() && v.cols() == p.x.cols() &&
+             cuda::rows_uniform(v);
+    };
+    if (cuda::wq_dtype(p.w.dtype) || cuda::is_gguf_block_type(p.w.dtype) || !same(p.x) ||
+        !same(p.xn) || (add && (!same(p.y) || !same(p.x_out))) || p.norm.dtype != DType::F32 ||
+        !p.norm.is_contiguous() || p.norm.numel() != p.x.cols() || p.w.cols() != p.x.cols() ||
+        p.out.dtype != DType::F32 || p.out.rows() != p.x.rows() || p.out.cols() != p.w.rows() ||
+        !cuda::rows_uniform(p.w) || !cuda::rows_uniform(p.out))
+      return false;
+    for (const TensorView* v : {&p.x, &p.xn, &p.w, &p.out})
+      cuda::check_inner_dense(*v, "norm_matmul");
+    if (add) {
+      cuda::check_inner_dense(p.y, "norm_matmul");
+      cuda::check_inner_dense(p.x_out, "norm_matmul");
+    }
+    require(Op::MatMul, p.w.dtype);
+    const cuda::SkinnyGemmArgs sk = cuda::skinny_matmul_args(p.x, p.w, p.out);
+    if (!cuda::use_skinny_gemm(sk) || !cuda::skinny_norm_fits(sk)) return false;
+    cuda::SkinnyNormArgs nrm;
+    nrm.g = p.norm.ptr<float>();
+    nrm.eps = p.eps;
+    nrm.xn = p.xn.ptr<float>();
+    nrm.xn_row = p.xn.row_stride();
+    if (add) {
+      nrm.y = p.y.ptr<float>();
+      nrm.y_row = p.y.row_stride();
+      nrm.x_out = p.x_out.ptr<float>();
+      nrm.x_out_row = p.x_out.row_stride();
+    }
+    cuda::launch_skinny_norm_gemm(sk, nrm, ctx_.sm_count, stream_);
+    return true;
+  }
+
   void matmul(const TensorView& x, const TensorView& w, TensorView out) override {
     require(Op::MatMul, w.dtype);
     DS_CHECK(x.dtype == DType::F32 && out.dtype == DType::F32, "matmul takes F32 activations");

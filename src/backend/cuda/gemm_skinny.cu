@@ -4,7 +4,9 @@
 #include <climits>
 #include <string>
 
+#include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm_skinny.cuh"
+#include "backend/cuda/norm.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "core/error.h"
 
@@ -53,11 +55,82 @@ struct KernelArgs {
   uint8_t* out = nullptr;
   int64_t out_row = 0, out_batch = 0;
   int64_t prefetch = 0;  // bytes of its weight rows a CTA asks L2 for before the wait (pdl.h)
+  // The fused norm (launch_skinny_norm_gemm): K and rms_norm's threads for a row of K.
+  SkinnyNormArgs nrm;
+  int k = 0, norm_threads = 0;
 };
+
+// rms_norm's threads per row are at most 1024: each thread here plays up to 4 of them.
+constexpr int kNormPer = 1024 / kThreads;
+constexpr size_t kMaxNormSmem = size_t(96) << 10;
+
+// xs[m][:] = rms_norm's xn of x's row m (gs: the norm weight, staged in shared memory) (x + y with
+// a residual), in launch_rms_norm's order: virtual thread v (this thread's t + q * kThreads) sums
+// elements v, v + V, ... and block_sum's two butterflies follow (virtual warp v / 32 lies in lane t
+// % 32 of this warp). CTA c stores x_out and xn for the 256-element blocks b with b % gridDim.x ==
+// c.
+__device__ void norm_rows(const KernelArgs& a, float* xs, const float* gs, float* red, float* inv) {
+  const int K = a.k, V = a.norm_threads, t = int(threadIdx.x), warp = t >> 5, lane = t & 31;
+  const int ctas = int(gridDim.x), cta = int(blockIdx.x);
+  auto mine = [&](int i) { return (i / kThreads) % ctas == cta; };
+  const SkinnyNormArgs& n = a.nrm;
+  for (int m = 0; m < int(a.m); ++m) {
+    const float* xr = reinterpret_cast<const float*>(a.x + m * a.x_row);
+    const float* yr =
+        n.y ? reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(n.y) + m * n.y_row)
+            : nullptr;
+    float* xo =
+        n.y ? reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(n.x_out) + m * n.x_out_row)
+            : nullptr;
+    float* row = xs + int64_t(m) * K;
+    float ss[kNormPer];
+#pragma unroll
+    for (int q = 0; q < kNormPer; ++q) {
+      ss[q] = 0.0f;
+      const int v = t + q * kThreads;
+      if (v >= V) continue;
+      for (int i = v; i < K; i += V) {
+        float e = xr[i];
+        if (yr) {
+          e = rms_residual_add(e, yr[i]);
+          if (mine(i)) xo[i] = e;
+        }
+        row[i] = e;
+        ss[q] = rms_add_square(ss[q], e);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kNormPer; ++q)
+      for (int o = 16; o > 0; o >>= 1) ss[q] += __shfl_xor_sync(0xffffffffu, ss[q], o);
+    __syncthreads();  // red is free (the last row's final sum has read it)
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < kNormPer; ++q)
+        if (warp + q * kWarps < V / 32) red[warp + q * kWarps] = ss[q];
+    }
+    __syncthreads();
+    if (warp == 0) {
+      float v = lane < V / 32 ? red[lane] : 0.0f;
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) inv[m] = rms_inv(v, K, n.eps);
+    }
+  }
+  __syncthreads();  // every row's sums in xs and its inverse rms visible
+  for (int m = 0; m < int(a.m); ++m) {
+    float* row = xs + int64_t(m) * K;
+    float* xn = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(n.xn) + m * n.xn_row);
+    for (int i = t; i < K; i += kThreads) {
+      row[i] = rms_apply(row[i], inv[m], gs[i]);
+      if (mine(i)) xn[i] = row[i];
+    }
+  }
+  __syncthreads();
+}
 
 // Grid (plan.ctas, batch). Every warp runs the same rounds and passes, so all reach each
 // __syncthreads; warps without a unit in a round only skip the arithmetic.
-template <wstream::Elem E, int TM>
+// NORM: x's rows go through norm_rows first and the product reads them from shared memory.
+template <wstream::Elem E, int TM, bool NORM>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs a) {
   const skinny::Plan& p = a.plan;
   if (a.prefetch > 0 && threadIdx.x == 0) {
@@ -68,6 +141,11 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
       pdl::prefetch_l2(a.w + int64_t(blockIdx.y) * a.w_batch + r0 * a.w_row,
                        min(a.prefetch, (r1 - r0 - 1) * a.w_row + int64_t(p.chunks) * 16));
   }
+  extern __shared__ __align__(16) float xs[];  // NORM: [m][k], the normed rows, then g [k]
+  if constexpr (NORM) {
+    // The norm weight is no earlier kernel's output: staged before the wait.
+    for (int i = int(threadIdx.x); i < a.k; i += kThreads) xs[a.m * a.k + i] = a.nrm.g[i];
+  }
   pdl::enter();
   constexpr int kVals = kRows * TM;
   __shared__ float part[kWarps * kVals];  // [warp][row * TM + token] warp sums
@@ -75,6 +153,13 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
   const skinny::WarpJob job = skinny::warp_job(p, warp);
   const int64_t b = blockIdx.y, cta = blockIdx.x;
   const uint8_t* x = a.x + b * a.x_batch;
+  int64_t x_row = a.x_row;
+  if constexpr (NORM) {
+    __shared__ float red[32], inv[skinny::kMaxTm];
+    norm_rows(a, xs, xs + a.m * a.k, red, inv);
+    x = reinterpret_cast<const uint8_t*>(xs);
+    x_row = int64_t(a.k) * 4;
+  }
   const uint8_t* w = a.w + b * a.w_batch;
   uint8_t* out = a.out + b * a.out_batch;
   for (int round = 0; round < p.rounds; ++round) {
@@ -85,8 +170,8 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
       const int nt = int(a.m - m0 < TM ? a.m - m0 : TM);
       if (u < p.units) {
         float v[kVals];
-        skinny::lane_dot<E, TM>(rows, reinterpret_cast<const float*>(x + m0 * a.x_row), a.x_row, nt,
-                                job.c_begin, job.c_end, lane, v);
+        skinny::lane_dot<E, TM, NORM>(rows, reinterpret_cast<const float*>(x + m0 * x_row), x_row,
+                                      nt, job.c_begin, job.c_end, lane, v);
         wstream::warp_scatter_sum<kVals, kVals>(v, lane);
         if (skinny::lane_writes<TM>(lane))
           part[warp * kVals + wstream::scatter_value_of_lane<kVals>(lane)] = v[0];
@@ -99,20 +184,32 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
   }
 }
 
-template <wstream::Elem E>
-void launch_elem(const KernelArgs& ka, dim3 grid, cudaStream_t stream) {
+template <wstream::Elem E, bool NORM>
+void launch_elem(const KernelArgs& ka, dim3 grid, size_t smem, cudaStream_t stream) {
+  auto go = [&](auto kernel) {
+    if constexpr (NORM) {
+      static const bool ready = [&] {
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(kMaxNormSmem)),
+                   "skinny norm GEMM shared memory");
+        return true;
+      }();
+      (void)ready;
+    }
+    pdl::launch(kernel, grid, kThreads, smem, stream, ka);
+  };
   switch (ka.plan.tm) {
     case 1:
-      pdl::launch(skinny_gemm_kernel<E, 1>, grid, kThreads, 0, stream, ka);
+      go(skinny_gemm_kernel<E, 1, NORM>);
       break;
     case 2:
-      pdl::launch(skinny_gemm_kernel<E, 2>, grid, kThreads, 0, stream, ka);
+      go(skinny_gemm_kernel<E, 2, NORM>);
       break;
     case 4:
-      pdl::launch(skinny_gemm_kernel<E, 4>, grid, kThreads, 0, stream, ka);
+      go(skinny_gemm_kernel<E, 4, NORM>);
       break;
     default:
-      pdl::launch(skinny_gemm_kernel<E, 8>, grid, kThreads, 0, stream, ka);
+      go(skinny_gemm_kernel<E, 8, NORM>);
       break;
   }
 }
@@ -180,8 +277,9 @@ bool use_skinny_gemm(const SkinnyGemmArgs& a) {
   return small && skinny_gemm_fits(a);
 }
 
-void launch_skinny_gemm(const SkinnyGemmArgs& a, int sm_count, cudaStream_t stream) {
-  DS_CHECK(skinny_gemm_fits(a), "skinny GEMM: shape, dtype or alignment not supported");
+namespace {
+
+KernelArgs kernel_args(const SkinnyGemmArgs& a, int sm_count) {
   const int es = int(dtype_info(a.wtype).type_size);
   KernelArgs ka;
   ka.plan = skinny::make_plan(a.batch, a.m, a.n, a.k, es, sm_count);
@@ -198,20 +296,51 @@ void launch_skinny_gemm(const SkinnyGemmArgs& a, int sm_count, cudaStream_t stre
   ka.out_batch = a.batch > 1 ? a.out_batch : 0;
   ka.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::Skinny);
   DS_CHECK(ka.plan.ctas <= INT_MAX, "skinny GEMM: too many rows");
+  return ka;
+}
+
+template <bool NORM>
+void launch(const SkinnyGemmArgs& a, const KernelArgs& ka, size_t smem, cudaStream_t stream) {
   const dim3 grid(unsigned(ka.plan.ctas), unsigned(a.batch));
   switch (a.wtype) {
     case DType::BF16:
-      launch_elem<wstream::Elem::BF16>(ka, grid, stream);
+      launch_elem<wstream::Elem::BF16, NORM>(ka, grid, smem, stream);
       break;
     case DType::F16:
-      launch_elem<wstream::Elem::F16>(ka, grid, stream);
+      launch_elem<wstream::Elem::F16, NORM>(ka, grid, smem, stream);
       break;
     default:
-      launch_elem<wstream::Elem::F32>(ka, grid, stream);
+      launch_elem<wstream::Elem::F32, NORM>(ka, grid, smem, stream);
       break;
   }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw Error(std::string("CUDA skinny GEMM: ") + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+void launch_skinny_gemm(const SkinnyGemmArgs& a, int sm_count, cudaStream_t stream) {
+  DS_CHECK(skinny_gemm_fits(a), "skinny GEMM: shape, dtype or alignment not supported");
+  launch<false>(a, kernel_args(a, sm_count), 0, stream);
+}
+
+bool skinny_norm_fits(const SkinnyGemmArgs& a) {
+  return skinny_gemm_fits(a) && a.batch == 1 && a.m <= skinny::kMaxTm &&
+         size_t(a.m + 1) * size_t(a.k) * 4 <= kMaxNormSmem && a.k <= INT_MAX / 2 &&
+         rms_norm_threads(a.k) <= kNormPer * kThreads;
+}
+
+void launch_skinny_norm_gemm(const SkinnyGemmArgs& a, const SkinnyNormArgs& nrm, int sm_count,
+                             cudaStream_t stream) {
+  DS_CHECK(skinny_norm_fits(a), "skinny norm GEMM: shape, dtype or alignment not supported");
+  DS_CHECK(nrm.g != nullptr && nrm.xn != nullptr && (nrm.y == nullptr || nrm.x_out != nullptr),
+           "skinny norm GEMM: norm weight, xn (and x_out with y) needed");
+  KernelArgs ka = kernel_args(a, sm_count);
+  ka.x_row = a.x_row;  // norm_rows steps through x's rows itself
+  ka.nrm = nrm;
+  ka.k = int(a.k);
+  ka.norm_threads = rms_norm_threads(a.k);
+  launch<true>(a, ka, size_t(a.m + 1) * size_t(a.k) * 4, stream);
 }
 
 }  // namespace ds::cuda

@@ -58,6 +58,29 @@ bool skinny_gemm_fits(const SkinnyGemmArgs& a);
 // Enqueues the GEMM (throws when !skinny_gemm_fits(a)). sm_count sizes the K split.
 void launch_skinny_gemm(const SkinnyGemmArgs& a, int sm_count, cudaStream_t stream);
 
+// The norm in front of the product (Backend::norm_matmul): a.x holds the residual stream's
+// rows, and every CTA first computes xn = rms_norm(x (+ y)) * g into shared memory with
+// launch_rms_norm's operations in its order (its thread count, block_sum's tree), so out is
+// bit for bit matmul(rms_norm's xn). The CTAs also store xn and x_out = x + y, each its share.
+struct SkinnyNormArgs {
+  const float* y = nullptr;  // [m, k] F32, rows y_row bytes apart; null: no residual add
+  int64_t y_row = 0;
+  const float* g = nullptr;  // [k] F32 norm weight
+  float eps = 1e-6f;
+  float* x_out = nullptr;  // [m, k] F32: x + y (with y)
+  int64_t x_out_row = 0;
+  float* xn = nullptr;  // [m, k] F32
+  int64_t xn_row = 0;
+};
+
+// Whether the fused launch takes a: skinny_gemm_fits, one batch entry, at most kMaxTm rows (of
+// x, 16-byte aligned) whose normed copies fit shared memory.
+bool skinny_norm_fits(const SkinnyGemmArgs& a);
+
+// Enqueues the norm and the GEMM as one launch (throws when !skinny_norm_fits(a)).
+void launch_skinny_norm_gemm(const SkinnyGemmArgs& a, const SkinnyNormArgs& nrm, int sm_count,
+                             cudaStream_t stream);
+
 // ---- internals, shared with the host simulation test ----------------------------------------
 namespace skinny {
 
@@ -121,8 +144,8 @@ inline constexpr int kUnroll = TM <= 2 ? 4 : 2;
 
 // Lane `lane`'s partial sums v[r * TM + j] = sum over its chunks c (ascending) of the
 // elements of rows[r] and token j (nt tokens valid, rows x_row bytes apart) of chunk c, one
-// F32 FMA per element in memory order; zero for j >= nt.
-template <wstream::Elem E, int TM>
+// F32 FMA per element in memory order; zero for j >= nt. kSharedX: x is in shared memory.
+template <wstream::Elem E, int TM, bool kSharedX = false>
 DS_KDEV void lane_dot(const uint8_t* const (&rows)[kRows], const float* x, int64_t x_row, int nt,
                       int c_begin, int c_end, int lane, float (&v)[kRows * TM]) {
   constexpr int V = wstream::kChunkElems<E>;
@@ -154,7 +177,8 @@ DS_KDEV void lane_dot(const uint8_t* const (&rows)[kRows], const float* x, int64
         float xv[V];
         DS_UNROLL
         for (int q = 0; q < V / 4; ++q) {
-          const float4 f = wstream::load_float4(xp + 4 * q);
+          const float4 f = kSharedX ? *reinterpret_cast<const float4*>(xp + 4 * q)
+                                    : wstream::load_float4(xp + 4 * q);
           xv[4 * q + 0] = f.x;
           xv[4 * q + 1] = f.y;
           xv[4 * q + 2] = f.z;

@@ -7,28 +7,31 @@
 namespace ds::cuda {
 namespace {
 
-// One block per row (looping when rows exceed the grid). kAdd: x += y first, written back;
-// each thread reads y and writes out at the same indices, so out may alias y.
+// One block per row (looping when rows exceed the grid). kAdd: x + y first, written to xo (x
+// itself, or another buffer); each thread reads y and writes out at the same indices, so out
+// may alias y.
 template <bool kAdd>
-__global__ void rms_norm_kernel(void* x, RowIndex xr, const void* y, RowIndex yr,
-                                const float* __restrict__ w, float eps, void* out, RowIndex orow,
-                                int64_t rows, int n) {
+__global__ void rms_norm_kernel(const void* x, RowIndex xr, const void* y, RowIndex yr, void* xo,
+                                RowIndex xor_, const float* __restrict__ w, float eps, void* out,
+                                RowIndex orow, int64_t rows, int n) {
   pdl::enter();
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    float* xp = at_bytes<float>(x, xr.offset(r));
+    const float* xp = at_bytes<float>(x, xr.offset(r));
+    float* sp = kAdd ? at_bytes<float>(xo, xor_.offset(r)) : nullptr;
     float ss = 0.0f;
     for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {
       float v = xp[i];
       if constexpr (kAdd) {
-        v += at_bytes<float>(y, yr.offset(r))[i];
-        xp[i] = v;
+        v = rms_residual_add(v, at_bytes<float>(y, yr.offset(r))[i]);
+        sp[i] = v;
       }
       ss = rms_add_square(ss, v);
     }
     ss = block_sum(ss);
     const float s = rms_inv(ss, n, eps);
     float* op = at_bytes<float>(out, orow.offset(r));
-    for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) op[i] = rms_apply(xp[i], s, w[i]);
+    const float* vp = kAdd ? sp : xp;
+    for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) op[i] = rms_apply(vp[i], s, w[i]);
   }
 }
 
@@ -54,13 +57,17 @@ void launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
   const int threads = rms_norm_threads(n);
   const unsigned blocks = unsigned(std::min<int64_t>(rows, int64_t(1) << 30));
   if (add) {
+    const TensorView& xo = a.x_out.data != nullptr ? a.x_out : a.x;
+    DS_CHECK(xo.rows() == rows && xo.cols() == n && xo.dtype == DType::F32,
+             "add_rms_norm: x_out " + xo.shape_str() + " for x " + a.x.shape_str());
+    check_inner_dense(xo, "add_rms_norm");
     pdl::launch(rms_norm_kernel<true>, blocks, threads, 0, stream, a.x.data, row_index(a.x),
-                a.residual.data, row_index(a.residual), a.w.ptr<float>(), a.eps, a.out.data,
-                row_index(a.out), rows, int(n));
+                a.residual.data, row_index(a.residual), xo.data, row_index(xo), a.w.ptr<float>(),
+                a.eps, a.out.data, row_index(a.out), rows, int(n));
   } else {
     pdl::launch(rms_norm_kernel<false>, blocks, threads, 0, stream, a.x.data, row_index(a.x),
-                nullptr, RowIndex{}, a.w.ptr<float>(), a.eps, a.out.data, row_index(a.out), rows,
-                int(n));
+                nullptr, RowIndex{}, nullptr, RowIndex{}, a.w.ptr<float>(), a.eps, a.out.data,
+                row_index(a.out), rows, int(n));
   }
   check_cuda(cudaGetLastError(), "rms_norm");
 }

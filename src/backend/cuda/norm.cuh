@@ -14,8 +14,10 @@ struct RmsNormArgs {
   TensorView w;  // [n] F32
   float eps = 1e-6f;
   TensorView out;  // [rows, n] F32; may be x itself (or residual)
-  // Optional [rows, n] F32: x += residual first (written back to x), as Backend::add_rms_norm.
+  // Optional [rows, n] F32: x + residual first, written to x_out (x itself when x_out is empty),
+  // and normalized from there, as Backend::add_rms_norm.
   TensorView residual;
+  TensorView x_out;
 };
 
 // out = x / sqrt(mean(x^2) + eps) * w per row, the sum of squares in F32.
@@ -31,6 +33,9 @@ inline int rms_norm_threads(int64_t n) {
 #ifdef __CUDACC__
 // The norm's float operations with explicit rounding, shared by every kernel that normalizes
 // so fused versions cannot contract them differently.
+__device__ __forceinline__ float rms_residual_add(float x, float y) {
+  return __fadd_rn(x, y);
+}
 __device__ __forceinline__ float rms_add_square(float ss, float v) {
   return __fmaf_rn(v, v, ss);
 }

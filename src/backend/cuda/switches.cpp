@@ -63,6 +63,9 @@ EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
 // at 128 heads) run on the dense wq kernel (off: cuBLAS, x rounded to BF16 by a conversion
 // launch; the same rounding, not the same bits).
 EnvSwitch g_wq_batched{"DEEPSERVE_WQ_BATCHED", "0", true};
+// norm_matmul on skinny-sized products: the residual add and RMS norm run inside the GEMM's CTAs
+// (off: the norm kernel, then the GEMM). The same bits either way.
+EnvSwitch g_norm_fuse{"DEEPSERVE_NORM_FUSE", "0", true};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.

@@ -109,6 +109,11 @@ TEST(OpProfile, DeepseekDecodeStepHasMlaAndMoe) {
   const auto calls = kind_calls(*prof.profile->step);
   const double L = prof.config.layers;
   EXPECT_EQ(calls.at("mla_attention"), L);
+  // Each layer's two norms run with the product that reads them (norm_matmul: the q / kv_a
+  // projection, the router or the dense FFN's gate/up); the last residual add stays alone.
+  EXPECT_EQ(calls.at("norm_matmul"), 2 * L);
+  EXPECT_EQ(calls.count("add_rms_norm"), 0u);
+  EXPECT_EQ(calls.at("add"), 1);
   EXPECT_EQ(calls.at("batched_matmul"), 2 * L);
   EXPECT_EQ(calls.at("moe_ffn"), L - 1);  // the first layer is dense
   // The router's choice is part of the moe_ffn op (Backend::moe_routed_ffn), so a backend can
