@@ -8,6 +8,7 @@
 #include "backend/cuda/gemm_skinny.cuh"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
 #include "core/error.h"
 
 namespace ds::cuda {
@@ -58,6 +59,7 @@ struct KernelArgs {
   // The fused norm (launch_skinny_norm_gemm): K and rms_norm's threads for a row of K.
   SkinnyNormArgs nrm;
   int k = 0, norm_threads = 0;
+  bool early = false;  // the first weight step loaded before the wait (always with the norm)
 };
 
 // rms_norm's threads per row are at most 1024: each thread here plays up to 4 of them.
@@ -141,17 +143,27 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
       pdl::prefetch_l2(a.w + int64_t(blockIdx.y) * a.w_batch + r0 * a.w_row,
                        min(a.prefetch, (r1 - r0 - 1) * a.w_row + int64_t(p.chunks) * 16));
   }
+  const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+  const skinny::WarpJob job = skinny::warp_job(p, warp);
+  const int64_t b = blockIdx.y, cta = blockIdx.x;
+  const uint8_t* w = a.w + b * a.w_batch;
+  // a.early: the first step of weight chunks (round 0) is loaded into registers before the wait;
+  // weights are no earlier kernel's output.
+  uint4 first[skinny::kUnroll<TM>][kRows];
+  const bool early = a.early && skinny::unit_of(p, cta, 0, job.rg) < p.units;
+  if (early) {
+    const uint8_t* rows[kRows];
+    skinny::unit_rows(w, a.w_row, a.n, skinny::unit_of(p, cta, 0, job.rg), rows);
+    skinny::load_step<TM>(rows, job.c_begin + lane, job.c_end, first);
+  }
   extern __shared__ __align__(16) float xs[];  // NORM: [m][k], the normed rows, then g [k]
   if constexpr (NORM) {
-    // The norm weight is no earlier kernel's output: staged before the wait.
+    // The norm weight is no earlier kernel's output either: staged before the wait.
     for (int i = int(threadIdx.x); i < a.k; i += kThreads) xs[a.m * a.k + i] = a.nrm.g[i];
   }
   pdl::enter();
   constexpr int kVals = kRows * TM;
   __shared__ float part[kWarps * kVals];  // [warp][row * TM + token] warp sums
-  const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
-  const skinny::WarpJob job = skinny::warp_job(p, warp);
-  const int64_t b = blockIdx.y, cta = blockIdx.x;
   const uint8_t* x = a.x + b * a.x_batch;
   int64_t x_row = a.x_row;
   if constexpr (NORM) {
@@ -160,7 +172,6 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
     x = reinterpret_cast<const uint8_t*>(xs);
     x_row = int64_t(a.k) * 4;
   }
-  const uint8_t* w = a.w + b * a.w_batch;
   uint8_t* out = a.out + b * a.out_batch;
   for (int round = 0; round < p.rounds; ++round) {
     const int64_t u = skinny::unit_of(p, cta, round, job.rg);
@@ -170,8 +181,12 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
       const int nt = int(a.m - m0 < TM ? a.m - m0 : TM);
       if (u < p.units) {
         float v[kVals];
-        skinny::lane_dot<E, TM, NORM>(rows, reinterpret_cast<const float*>(x + m0 * x_row), x_row,
-                                      nt, job.c_begin, job.c_end, lane, v);
+        const float* xm = reinterpret_cast<const float*>(x + m0 * x_row);
+        if (early && round == 0 && m0 == 0)
+          skinny::lane_dot<E, TM, NORM, true>(rows, xm, x_row, nt, job.c_begin, job.c_end, lane, v,
+                                              first);
+        else
+          skinny::lane_dot<E, TM, NORM>(rows, xm, x_row, nt, job.c_begin, job.c_end, lane, v);
         wstream::warp_scatter_sum<kVals, kVals>(v, lane);
         if (skinny::lane_writes<TM>(lane))
           part[warp * kVals + wstream::scatter_value_of_lane<kVals>(lane)] = v[0];
@@ -184,33 +199,32 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
   }
 }
 
+template <wstream::Elem E, int TM, bool NORM>
+void launch_tm(const KernelArgs& ka, dim3 grid, size_t smem, cudaStream_t stream) {
+  if constexpr (NORM) {
+    static const bool ready = [] {  // once per kernel: the normed rows may pass 48 KB
+      check_cuda(
+          cudaFuncSetAttribute(skinny_gemm_kernel<E, TM, NORM>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMaxNormSmem)),
+          "skinny norm GEMM shared memory");
+      return true;
+    }();
+    (void)ready;
+  }
+  pdl::launch(skinny_gemm_kernel<E, TM, NORM>, grid, kThreads, smem, stream, ka);
+}
+
 template <wstream::Elem E, bool NORM>
 void launch_elem(const KernelArgs& ka, dim3 grid, size_t smem, cudaStream_t stream) {
-  auto go = [&](auto kernel) {
-    if constexpr (NORM) {
-      static const bool ready = [&] {
-        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(kMaxNormSmem)),
-                   "skinny norm GEMM shared memory");
-        return true;
-      }();
-      (void)ready;
-    }
-    pdl::launch(kernel, grid, kThreads, smem, stream, ka);
-  };
   switch (ka.plan.tm) {
     case 1:
-      go(skinny_gemm_kernel<E, 1, NORM>);
-      break;
+      return launch_tm<E, 1, NORM>(ka, grid, smem, stream);
     case 2:
-      go(skinny_gemm_kernel<E, 2, NORM>);
-      break;
+      return launch_tm<E, 2, NORM>(ka, grid, smem, stream);
     case 4:
-      go(skinny_gemm_kernel<E, 4, NORM>);
-      break;
+      return launch_tm<E, 4, NORM>(ka, grid, smem, stream);
     default:
-      go(skinny_gemm_kernel<E, 8, NORM>);
-      break;
+      return launch_tm<E, 8, NORM>(ka, grid, smem, stream);
   }
 }
 
@@ -295,6 +309,7 @@ KernelArgs kernel_args(const SkinnyGemmArgs& a, int sm_count) {
   ka.out_row = a.m > 1 ? a.out_row : 0;
   ka.out_batch = a.batch > 1 ? a.out_batch : 0;
   ka.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::Skinny);
+  ka.early = g_skinny_early.on();
   DS_CHECK(ka.plan.ctas <= INT_MAX, "skinny GEMM: too many rows");
   return ka;
 }
@@ -340,6 +355,7 @@ void launch_skinny_norm_gemm(const SkinnyGemmArgs& a, const SkinnyNormArgs& nrm,
   ka.nrm = nrm;
   ka.k = int(a.k);
   ka.norm_threads = rms_norm_threads(a.k);
+  ka.early = true;
   launch<true>(a, ka, size_t(a.m + 1) * size_t(a.k) * 4, stream);
 }
 

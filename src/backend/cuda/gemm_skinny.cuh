@@ -142,55 +142,82 @@ DS_KDEV void unit_rows(const uint8_t* w, int64_t w_row, int64_t n, int64_t u,
 template <int TM>
 inline constexpr int kUnroll = TM <= 2 ? 4 : 2;
 
+// A lane's loads of one step: chunks c0, c0 + 32, ... (kUnroll of them) of each row, zero
+// past c_end.
+template <int TM>
+DS_KDEV void load_step(const uint8_t* const (&rows)[kRows], int c0, int c_end,
+                       uint4 (&w)[kUnroll<TM>][kRows]) {
+  DS_UNROLL
+  for (int u = 0; u < kUnroll<TM>; ++u) {
+    const int c = c0 + 32 * u;
+    DS_UNROLL
+    for (int r = 0; r < kRows; ++r)
+      w[u][r] = c < c_end ? wstream::load_chunk(rows[r] + int64_t(c) * 16) : uint4{0, 0, 0, 0};
+  }
+}
+
+// One step's FMAs: v[r * TM + j] += the elements of w's chunks (c0, c0 + 32, ... below c_end)
+// times token j's, one F32 FMA per element in memory order. kSharedX: x is in shared memory.
+template <wstream::Elem E, int TM, bool kSharedX>
+DS_KDEV void dot_step(const uint4 (&w)[kUnroll<TM>][kRows], int c0, int c_end, const float* x,
+                      int64_t x_row, int nt, float (&v)[kRows * TM]) {
+  constexpr int V = wstream::kChunkElems<E>;
+  DS_UNROLL
+  for (int u = 0; u < kUnroll<TM>; ++u) {
+    const int c = c0 + 32 * u;
+    if (c >= c_end) break;
+    float wf[kRows][V];
+    DS_UNROLL
+    for (int r = 0; r < kRows; ++r) wstream::chunk_to_float<E>(w[u][r], wf[r]);
+    DS_UNROLL
+    for (int j = 0; j < TM; ++j) {
+      if (j >= nt) break;
+      const float* xp =
+          reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(x) + j * x_row) +
+          int64_t(c) * V;
+      float xv[V];
+      DS_UNROLL
+      for (int q = 0; q < V / 4; ++q) {
+        const float4 f = kSharedX ? *reinterpret_cast<const float4*>(xp + 4 * q)
+                                  : wstream::load_float4(xp + 4 * q);
+        xv[4 * q + 0] = f.x;
+        xv[4 * q + 1] = f.y;
+        xv[4 * q + 2] = f.z;
+        xv[4 * q + 3] = f.w;
+      }
+      DS_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        DS_UNROLL
+        for (int i = 0; i < V; ++i) v[r * TM + j] = fmaf(wf[r][i], xv[i], v[r * TM + j]);
+      }
+    }
+  }
+}
+
 // Lane `lane`'s partial sums v[r * TM + j] = sum over its chunks c (ascending) of the
 // elements of rows[r] and token j (nt tokens valid, rows x_row bytes apart) of chunk c, one
 // F32 FMA per element in memory order; zero for j >= nt. kSharedX: x is in shared memory.
-template <wstream::Elem E, int TM, bool kSharedX = false>
+// With `first` (kFirst), the lane's first step was loaded ahead (load_step at c_begin + lane).
+template <wstream::Elem E, int TM, bool kSharedX = false, bool kFirst = false>
 DS_KDEV void lane_dot(const uint8_t* const (&rows)[kRows], const float* x, int64_t x_row, int nt,
-                      int c_begin, int c_end, int lane, float (&v)[kRows * TM]) {
-  constexpr int V = wstream::kChunkElems<E>;
+                      int c_begin, int c_end, int lane, float (&v)[kRows * TM],
+                      const uint4 (*first)[kRows] = nullptr) {
   constexpr int U = kUnroll<TM>;
   DS_UNROLL
   for (int i = 0; i < kRows * TM; ++i) v[i] = 0.0f;
-  for (int c0 = c_begin + lane; c0 < c_end; c0 += 32 * U) {
+  int c0 = c_begin + lane;
+  if constexpr (kFirst) {
     uint4 w[U][kRows];
     DS_UNROLL
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      DS_UNROLL
-      for (int r = 0; r < kRows; ++r)
-        w[u][r] = c < c_end ? wstream::load_chunk(rows[r] + int64_t(c) * 16) : uint4{0, 0, 0, 0};
-    }
-    DS_UNROLL
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c >= c_end) break;
-      float wf[kRows][V];
-      DS_UNROLL
-      for (int r = 0; r < kRows; ++r) wstream::chunk_to_float<E>(w[u][r], wf[r]);
-      DS_UNROLL
-      for (int j = 0; j < TM; ++j) {
-        if (j >= nt) break;
-        const float* xp =
-            reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(x) + j * x_row) +
-            int64_t(c) * V;
-        float xv[V];
-        DS_UNROLL
-        for (int q = 0; q < V / 4; ++q) {
-          const float4 f = kSharedX ? *reinterpret_cast<const float4*>(xp + 4 * q)
-                                    : wstream::load_float4(xp + 4 * q);
-          xv[4 * q + 0] = f.x;
-          xv[4 * q + 1] = f.y;
-          xv[4 * q + 2] = f.z;
-          xv[4 * q + 3] = f.w;
-        }
-        DS_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          DS_UNROLL
-          for (int i = 0; i < V; ++i) v[r * TM + j] = fmaf(wf[r][i], xv[i], v[r * TM + j]);
-        }
-      }
-    }
+    for (int u = 0; u < U; ++u) DS_UNROLL
+    for (int r = 0; r < kRows; ++r) w[u][r] = first[u][r];
+    dot_step<E, TM, kSharedX>(w, c0, c_end, x, x_row, nt, v);
+    c0 += 32 * U;
+  }
+  for (; c0 < c_end; c0 += 32 * U) {
+    uint4 w[U][kRows];
+    load_step<TM>(rows, c0, c_end, w);
+    dot_step<E, TM, kSharedX>(w, c0, c_end, x, x_row, nt, v);
   }
 }
 

@@ -66,6 +66,9 @@ EnvSwitch g_wq_batched{"DEEPSERVE_WQ_BATCHED", "0", true};
 // norm_matmul on skinny-sized products: the residual add and RMS norm run inside the GEMM's CTAs
 // (off: the norm kernel, then the GEMM). The same bits either way.
 EnvSwitch g_norm_fuse{"DEEPSERVE_NORM_FUSE", "0", true};
+// DEEPSERVE_SKINNY_EARLY=1: every skinny GEMM loads its first step of weight chunks into
+// registers before the dependent-launch wait (the fused norm GEMM always does). Same bits.
+EnvSwitch g_skinny_early{"DEEPSERVE_SKINNY_EARLY", "1", false};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.
