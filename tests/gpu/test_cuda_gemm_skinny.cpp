@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/switches.h"
 #include "gpu_test_util.h"
 #include "skinny_gemm_sim.h"
 
@@ -120,12 +121,20 @@ TEST(SkinnyGemm, KernelMatchesFloat64AndHostSim) {
   DS_REQUIRE_GPU();
   const int sm = device_sm_count();
   uint32_t seed = 100;
+  struct Restore {
+    ~Restore() { cuda::g_skinny_early.force(-1); }
+  } restore;
   for (const Spec& s : kernel_specs()) {
     SCOPED_TRACE(spec_str(s));
     const Problem p = skinny_sim::make_problem(s, ++seed);
-    const std::vector<float> got = run_kernel(p, sm);
-    EXPECT_TRUE(near_float64(p, got, "skinny GEMM vs float64"));
-    EXPECT_TRUE(same_bits(got, skinny_sim::simulate(p, sm), "skinny GEMM vs host simulation"));
+    // With the first weight step loaded before the wait (the default) and after it.
+    for (int early : {1, 0}) {
+      cuda::g_skinny_early.force(early);
+      const std::vector<float> got = run_kernel(p, sm);
+      EXPECT_TRUE(near_float64(p, got, "skinny GEMM vs float64")) << "early " << early;
+      EXPECT_TRUE(same_bits(got, skinny_sim::simulate(p, sm), "skinny GEMM vs host simulation"))
+          << "early " << early;
+    }
   }
 }
 

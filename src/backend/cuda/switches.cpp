@@ -63,12 +63,15 @@ EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
 // at 128 heads) run on the dense wq kernel (off: cuBLAS, x rounded to BF16 by a conversion
 // launch; the same rounding, not the same bits).
 EnvSwitch g_wq_batched{"DEEPSERVE_WQ_BATCHED", "0", true};
-// norm_matmul on skinny-sized products: the residual add and RMS norm run inside the GEMM's CTAs
-// (off: the norm kernel, then the GEMM). The same bits either way.
-EnvSwitch g_norm_fuse{"DEEPSERVE_NORM_FUSE", "0", true};
-// DEEPSERVE_SKINNY_EARLY=1: every skinny GEMM loads its first step of weight chunks into
-// registers before the dependent-launch wait (the fused norm GEMM always does). Same bits.
-EnvSwitch g_skinny_early{"DEEPSERVE_SKINNY_EARLY", "1", false};
+// DEEPSERVE_NORM_FUSE=1: norm_matmul on skinny-sized products runs the residual add and RMS norm
+// inside the GEMM's CTAs (off: the norm kernel, then the GEMM). The same bits either way. Off
+// by default: slower on the H200 (W3 TPOT 3.27 against 3.14 ms, W1 1,092 against 1,199 tok/s;
+// docs/PERFORMANCE.md, twentieth session).
+EnvSwitch g_norm_fuse{"DEEPSERVE_NORM_FUSE", "1", false};
+// Every skinny GEMM loads its first step of weight chunks into registers before the
+// dependent-launch wait (DEEPSERVE_SKINNY_EARLY=0: after it; the fused norm GEMM always does).
+// The same bits either way.
+EnvSwitch g_skinny_early{"DEEPSERVE_SKINNY_EARLY", "0", true};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.
