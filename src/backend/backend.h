@@ -155,6 +155,9 @@ struct MlaAttentionParams {
   int kv_lora_rank = 0;  // R
   float scale = 1.0f;
   bool causal = true;
+  // The caller wrote this step's cache rows (mla_prepare / store_kv) before the op ahead of
+  // this one, not by it: a device may then read the cache before waiting for that op.
+  bool cache_settled = false;
 };
 
 // The same attention in the expanded form, for prefill: every cached latent c_j of a step's

@@ -399,6 +399,7 @@ class DeepseekV2 final : public Model {
     mp.cache = cache.layer(l);
     mp.kv_lora_rank = int(R);
     mp.scale = cfg_.attn_scale;
+    mp.cache_settled = true;  // mla_prepare wrote the cache before the W_uk product above
     be_.mla_attention(mp, meta);
     be_.batched_matmul(heads_first(o_lat), W.w_uv, heads_first(oh));
   }

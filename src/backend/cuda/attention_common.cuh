@@ -60,6 +60,9 @@ struct AttnParams {
   // Split-K partials (splits > 1): unnormalized outputs and (max, sum) of each split.
   float* part_o = nullptr;   // [splits, num_tokens, heads, dv]
   float* part_ml = nullptr;  // [splits, num_tokens, heads, 2]
+  // MlaAttentionParams::cache_settled: the cache rows and the step's metadata are no output of
+  // the kernel just ahead, so a kernel may read them before its dependent-launch wait.
+  int early_cache = 0;
 };
 
 // The CTA's share of the work, the same in every thread.

@@ -35,8 +35,10 @@ static_assert(kGroups * 2 == kWarps && kRows == 2 * kWarps, "warp roles");
 
 // Grid (num_seqs, splits, ceil(heads / 16)).
 template <bool kLo>
+// With p.early_cache the split's keys, their cache slots and the first tile's copies are issued
+// before the dependent-launch wait (none of them is the previous kernel's output); Q after it.
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern::AttnParams p) {
-  pdl::enter();
+  if (!p.early_cache) pdl::enter();
   using namespace regq;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* stage0 = smem;
@@ -81,6 +83,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   __syncthreads();  // tiles 0 and 1's slots visible
   load_tile(0, 0);
   ptx::cp_async_commit();
+  if (p.early_cache) pdl::enter();
 
   // Q fragments of this warp's dim group (rows g / g + 8 = heads h0 + g (+ 8); zeros past the
   // heads), as hi (and lo) BF16 pairs; every load is issued before the first conversion.
@@ -283,9 +286,11 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp) {
     return false;
   const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
                   unsigned((a.heads + kRows - 1) / kRows));
+  kern::AttnParams k = a;
+  k.early_cache = a.early_cache && g_mla_early.on() ? 1 : 0;
   auto go = [&]<bool kLo>() {
     allow_smem<mla_decode_regq_kernel<kLo>>(regq::kSmemBytes);
-    pdl::launch(mla_decode_regq_kernel<kLo>, grid, kThreads, regq::kSmemBytes, stream, a);
+    pdl::launch(mla_decode_regq_kernel<kLo>, grid, kThreads, regq::kSmemBytes, stream, k);
   };
   if (bf16_qp)
     go.template operator()<false>();

@@ -212,6 +212,7 @@ inline kern::AttnParams mla_params(const MlaAttentionParams& p, const AttentionM
   a.group = heads;
   a.scale_log2 = p.scale * 1.4426950408889634f;
   a.causal = p.causal ? 1 : 0;
+  a.early_cache = p.cache_settled ? 1 : 0;
   set_meta(a, meta);
   return a;
 }

@@ -72,6 +72,10 @@ EnvSwitch g_norm_fuse{"DEEPSERVE_NORM_FUSE", "1", false};
 // dependent-launch wait (DEEPSERVE_SKINNY_EARLY=0: after it; the fused norm GEMM always does).
 // The same bits either way.
 EnvSwitch g_skinny_early{"DEEPSERVE_SKINNY_EARLY", "0", true};
+// The register-Q MLA decode kernel looks up its cache slots and issues its first tile's copies
+// before the dependent-launch wait when the model says the cache was written before the op
+// ahead (MlaAttentionParams::cache_settled); DEEPSERVE_MLA_EARLY=0: after it. The same bits.
+EnvSwitch g_mla_early{"DEEPSERVE_MLA_EARLY", "0", true};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.
