@@ -66,11 +66,11 @@ struct KernelArgs {
 constexpr int kNormPer = 1024 / kThreads;
 constexpr size_t kMaxNormSmem = size_t(96) << 10;
 
-// xs[m][:] = rms_norm's xn of x's row m (gs: the norm weight, staged in shared memory) (x + y with
-// a residual), in launch_rms_norm's order: virtual thread v (this thread's t + q * kThreads) sums
-// elements v, v + V, ... and block_sum's two butterflies follow (virtual warp v / 32 lies in lane t
-// % 32 of this warp). CTA c stores x_out and xn for the 256-element blocks b with b % gridDim.x ==
-// c.
+// xs[m][:] = rms_norm's xn of x's row m (of x + y with a residual), in launch_rms_norm's order:
+// virtual thread v (this thread's t + q * kThreads) sums elements v, v + V, ..., then block_sum's
+// two butterflies (virtual warp v / 32 lies in lane t % 32 of this warp). gs: the norm weight,
+// staged in shared memory. CTA c stores x_out and xn for the 256-element blocks b with
+// b % gridDim.x == c.
 __device__ void norm_rows(const KernelArgs& a, float* xs, const float* gs, float* red, float* inv) {
   const int K = a.k, V = a.norm_threads, t = int(threadIdx.x), warp = t >> 5, lane = t & 31;
   const int ctas = int(gridDim.x), cta = int(blockIdx.x);

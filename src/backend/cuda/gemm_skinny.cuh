@@ -209,8 +209,10 @@ DS_KDEV void lane_dot(const uint8_t* const (&rows)[kRows], const float* x, int64
   if constexpr (kFirst) {
     uint4 w[U][kRows];
     DS_UNROLL
-    for (int u = 0; u < U; ++u) DS_UNROLL
-    for (int r = 0; r < kRows; ++r) w[u][r] = first[u][r];
+    for (int u = 0; u < U; ++u) {
+      DS_UNROLL
+      for (int r = 0; r < kRows; ++r) w[u][r] = first[u][r];
+    }
     dot_step<E, TM, kSharedX>(w, c0, c_end, x, x_row, nt, v);
     c0 += 32 * U;
   }
