@@ -3,7 +3,7 @@
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded, ncu,
 # bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
-# multigpu, w1kv8, abenv, mutate.
+# multigpu, w1kv8, abenv, ncu, ncustep, mutate.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -50,6 +50,10 @@
 #           CudaAttention.DISABLED_NcuDecode', every kernel of one MoE layer (W1 / W3 / W5) and
 #           one MLA decode (W1 / W3 / W2 / W5 shapes). NCU_SKIP launches skipped first;
 #           NCU_EXTRA more ncu options (e.g. "--section ComputeWorkloadAnalysis")
+#   ncustep Nsight Compute times every kernel of a stretch of a workload's decode steps, each
+#           alone (NCUSTEP_WORKLOAD, default w3; NCUSTEP_SKIP launches past warm-up and prefill,
+#           default 70000, right for w3; NCUSTEP_COUNT, default 1100): ncu-step-<w>.csv and the
+#           per-step table of tools/ncu_step_table.py (needs lite)
 # The machine has no package registry: PCRE2 comes from Debian .debs unpacked into .carry/deps
 # (scripts/fetch_gpu_deps.sh), passed to the run with carry=[".carry/deps"]; the Boost headers
 # the HTTP server needs are the machine's own (/usr/include/boost);
@@ -421,6 +425,17 @@ if has_stage ncu; then
     grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slot|No Eligible|Waves Per SM|issue_stalled" \
       "$OUT/ncu.txt" | head -${NCU_LINES:-120}
   fi
+fi
+
+if has_stage ncustep; then
+  w=${NCUSTEP_WORKLOAD:-w3}
+  log "ncu over $w's decode steps, kernel by kernel"
+  DEEPSERVE_V2_LITE="$LITE_DIR" ncu --clock-control none --cache-control none \
+    --metrics gpu__time_duration.sum --launch-skip "${NCUSTEP_SKIP:-70000}" \
+    --launch-count "${NCUSTEP_COUNT:-1100}" --csv \
+    "$BUILD/deepserve" bench --config "bench/$w.yaml" >"$OUT/ncu-step-$w.csv" 2>"$OUT/ncu-step-$w.err"
+  log "ncu rc=$?"
+  python3 tools/ncu_step_table.py "$OUT/ncu-step-$w.csv" | tee "$OUT/ncu-step-$w.txt" | head -30
 fi
 
 if has_stage hfbase; then
