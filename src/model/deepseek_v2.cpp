@@ -312,10 +312,9 @@ class DeepseekV2 final : public Model {
     L.w_uv = uv;
   }
 
-  // Multi-head latent attention of layer l; reads xn [T, hidden], overwrites it with the
-  // attention output.
-  // project(w, out): the layer's input norm and the first product that reads it (out = xn . w,
-  // xn written too). The output projection goes to `out`.
+  // Multi-head latent attention of layer l into out [T, hidden]. project(w, out): the layer's
+  // input norm and the first product that reads it (out = xn . w, xn written too); the other
+  // projections of the normed rows read xn.
   template <typename Project>
   void attention(int l, const DsLayer& W, const ForwardInput& in, KvCache& cache, Project&& project,
                  TensorView out) {

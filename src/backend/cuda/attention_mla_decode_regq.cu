@@ -33,10 +33,10 @@ static_assert(kDim == kMaxDim && kDim % (16 * kGroups) == 0, "dim groups of whol
 static_assert(kGroups * 2 == kWarps && kRows == 2 * kWarps, "warp roles");
 }  // namespace regq
 
-// Grid (num_seqs, splits, ceil(heads / 16)).
+// Grid (num_seqs, splits, ceil(heads / 16)). With p.early_cache the split's keys, their cache
+// slots and the first tile's copies are issued before the dependent-launch wait (none of them is
+// the previous kernel's output); Q is read after it.
 template <bool kLo>
-// With p.early_cache the split's keys, their cache slots and the first tile's copies are issued
-// before the dependent-launch wait (none of them is the previous kernel's output); Q after it.
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern::AttnParams p) {
   if (!p.early_cache) pdl::enter();
   using namespace regq;
