@@ -5,8 +5,12 @@
 //
 // The contract: a kernel launched with the attribute may start before the kernel ahead of it has
 // finished, so it must wait (griddepcontrol.wait) before it reads what that kernel writes or
-// writes what it reads. enter() does that first thing, so no kernel touches memory early; it then
-// allows its own dependants to launch. Both instructions are no-ops when the kernel was launched
+// writes what it reads. enter() waits, then allows its own dependants to launch, so when a kernel
+// starts, every kernel two or more launches ahead of it has finished: only the one just ahead may
+// still run. Before enter() a kernel may therefore read what no kernel writes (weights: the
+// skinny GEMM's first weight step) and what only earlier kernels wrote (the MLA decode's cache
+// rows, written by mla_prepare before the W_uk product: MlaAttentionParams::cache_settled);
+// everything else comes after it. Both instructions are no-ops when the kernel was launched
 // without the attribute, and are compiled out below sm_90. DEEPSERVE_PDL=0 turns the attribute
 // off (for A/B runs and as an escape hatch).
 #pragma once
