@@ -627,8 +627,10 @@ void expect_replays(DirectCuda& d, FfnCase& c, cuda::MoeFfnPath path,
 }
 
 // The decode path's fused combine (the down kernel's last CTA per row tile sums the slots), its
-// one-wave grid sizing and the token lists built in the gate/up kernel (steps of at most 32
-// assignments) give the bits of the token-list kernel, the base grid and the separate combine:
+// one-wave grid sizing, the token lists built in the gate/up kernel (steps of at most 32
+// assignments) and 4 chunks per row in flight (passes of up to 2 tokens;
+// DEEPSERVE_MOE_DECODE_UNROLL) give the bits of the token-list kernel, the base grid, the
+// separate combine and 2 chunks in flight:
 // every mode on the same problems, back to back without a sync (the arrival counters must be
 // left zero), into outputs poisoned with NaN first (a row tile left uncombined would show), then
 // replayed from a graph twice. Without shared experts the first problem also has an expert base
@@ -642,9 +644,10 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
     for (int T : {1, 2, 3, 5, 8, 21}) {
       SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
       auto [a, b] = decode_pair(*ex, T, S, 600, 700);
-      // (fused combine, units-per-warp multiple, warp lists): the reference first.
-      const std::tuple<int, long long, int> modes[] = {{0, 1, 0}, {1, 0, 1}, {1, 1, 1}, {1, 2, 0},
-                                                       {1, 3, 1}, {0, 0, 1}, {1, 0, 0}};
+      // (fused combine, units-per-warp multiple, warp lists, unroll): the reference first.
+      const std::tuple<int, long long, int, long long> modes[] = {
+          {0, 1, 0, 2}, {1, 0, 1, 2}, {1, 1, 1, 2}, {1, 2, 0, 2}, {1, 3, 1, 2},
+          {0, 0, 1, 2}, {1, 0, 0, 2}, {1, 0, 1, 4}, {0, 1, 0, 4}, {1, 2, 1, 4}};
       constexpr int kModes = int(std::size(modes));
       std::array<std::vector<float>, 2> out[kModes];
       g.synchronize();
@@ -652,6 +655,7 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
         const test::Forced fused(cuda::g_moe_fused_combine, std::get<0>(modes[m]));
         const test::Forced upw(cuda::g_moe_decode_upw, std::get<1>(modes[m]));
         const test::Forced lists(cuda::g_moe_warp_lists, std::get<2>(modes[m]));
+        const test::Forced unroll(cuda::g_moe_decode_unroll, std::get<3>(modes[m]));
         out[m] = run_pair(d, *a, *b, cuda::MoeFfnPath::Decode);
       }
       for (int m = 1; m < kModes; ++m) {

@@ -597,5 +597,81 @@ TEST(CudaWq, WeightPrefetchChangesNothing) {
   }
 }
 
+// The decode variants' first weights asked for before the dependent-launch wait
+// (DEEPSERVE_WQ_EARLY) and the deeper pipeline of two-group FP8W over BF16 token rows
+// (DEEPSERVE_WQ_DEEP) change no bit: dense products of every format (M = 1, 8, 16; one split and
+// several, N and K not whole tiles) and the MoE (T = 1, 8, 12; x's F32 rows read in the kernel
+// and gathered in BF16 first, where FP8W's gate/up takes both), each against both off.
+TEST(CudaWq, EarlyWeightsAndDeepStagesChangeNothing) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  const test::Forced kernels_only(cuda::g_wq_dequant, 0);
+  const int modes[][2] = {{1, 0}, {0, 1}, {1, 1}};  // (early, deep) against (0, 0)
+  auto run_modes = [&](auto&& run, const std::string& what) {
+    std::vector<float> base;
+    {
+      const test::Forced early(cuda::g_wq_early, 0), deep(cuda::g_wq_deep, 0);
+      base = run();
+    }
+    for (const auto& md : modes) {
+      const test::Forced early(cuda::g_wq_early, md[0]), deep(cuda::g_wq_deep, md[1]);
+      const auto got = run();
+      ASSERT_EQ(got.size(), base.size());
+      EXPECT_EQ(0, std::memcmp(got.data(), base.data(), got.size() * 4))
+          << what << " (early " << md[0] << ", deep " << md[1] << ")";
+    }
+  };
+  struct Dense {
+    DType t;
+    int64_t n, k;
+  };
+  for (const Dense& c : {Dense{DType::W4A16, 1000, 2048}, Dense{DType::W4A16, 200, 384},
+                         Dense{DType::FP8W, 576, 2048}, Dense{DType::FP8W, 1000, 1400},
+                         Dense{DType::BF16, 2048, 1024}}) {
+    std::unique_ptr<Buffer> wbuf;
+    TensorView w;
+    test::QWeight q;
+    if (c.t == DType::BF16) {
+      const float amp = 0.6f / std::sqrt(float(c.k)) * 1.7f;
+      const auto wr = test::random_floats(size_t(c.n * c.k), uint32_t(c.n + c.k), -amp, amp);
+      test::BackendTensor wb = test::upload_floats(be, DType::BF16, {c.n, c.k}, wr);
+      wbuf = std::move(wb.buffer);
+      w = wb.view;
+    } else {
+      q = test::make_qweight(be, c.t, c.n, c.k, uint32_t(c.n * 5 + c.k), false);
+      w = q.dev;
+    }
+    const auto x = test::random_floats(size_t(16 * c.k), uint32_t(c.k + 3));
+    auto xd = be.alloc(size_t(16 * c.k) * 4), od = be.alloc(size_t(16 * c.n) * 4);
+    be.upload(test::make_view(xd->data(), DType::F32, {16 * c.k}, be.device()), x.data(),
+              x.size() * 4);
+    be.synchronize();
+    for (const int64_t M : {1, 8, 16}) {
+      const TensorView xv = test::make_view(xd->data(), DType::F32, {M, c.k}, be.device());
+      const TensorView ov = test::make_view(od->data(), DType::F32, {M, c.n}, be.device());
+      run_modes([&] { return wq_direct(xv, w, ov); },
+                std::string("dense ") + fmt_name(c.t) + " N " + std::to_string(c.n) + " K " +
+                    std::to_string(c.k) + " M " + std::to_string(M));
+    }
+  }
+  const int E = 12, k = 6, shared = 2;
+  const int64_t H = 1024, F = 768;
+  for (DType t : {DType::W4A16, DType::FP8W}) {
+    const QExperts qe = make_experts(t, E, H, F);
+    for (int xf32 = 0; xf32 < 2; ++xf32) {
+      const test::Forced stage(cuda::g_moe_wq_stage_f32, xf32);
+      for (const int64_t T : {1, 8, 12}) {
+        std::vector<int32_t> ids;
+        std::vector<float> wts;
+        spread_routing(T, k, E - shared, ids, wts);
+        const auto xm = test::random_floats(size_t(T * H), uint32_t(95 + T));
+        run_modes([&] { return moe_test::run_moe_ffn(be, xm, ids, wts, qe.dev, shared, T, H, k); },
+                  std::string("MoE ") + fmt_name(t) + " T " + std::to_string(T) + " F32 x " +
+                      std::to_string(xf32));
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ds

@@ -63,11 +63,11 @@ void with_bt(int64_t m, Fn&& f) {
   }
 }
 
-template <WqFormat F, int BT, bool XF, typename Kernel>
+template <WqFormat F, int BT, bool XF, int S = kStagesOf<F, BT>, typename Kernel>
 void set_smem_limit(Kernel k) {
-  check_cuda(
-      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem<F, BT, XF>)),
-      "wq kernel smem limit");
+  check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  int(kSmem<F, BT, XF, S>)),
+             "wq kernel smem limit");
 }
 
 // Split-K in one launch (sm_90): the splits of a tile are one thread-block cluster; each CTA
@@ -111,8 +111,8 @@ __device__ void reduce_in_cluster(const DenseArgs& a, float* out,
 
 // Grid (row blocks, token blocks x batch, splits). XF: x is F32 (a.xf), rounded in the kernel.
 // CL: the splits are clusters (reduce_in_cluster); else each split writes a.part for
-// reduce_kernel.
-template <WqFormat F, int BT, bool XF, bool CL>
+// reduce_kernel. E: the first stages' weights are asked for before the wait (run_cta's kEarly).
+template <WqFormat F, int BT, bool XF, bool CL, bool E>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) dense_kernel(DenseArgs a) {
   const int tblocks = int((a.m + BT - 1) / BT), b = int(blockIdx.y) / tblocks;
   const int64_t n0 = int64_t(blockIdx.x) * kBN, t0 = int64_t(int(blockIdx.y) - b * tblocks) * BT;
@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) dense_kernel
     const int64_t r0 = z * rows / S, r1 = (z + 1) * rows / S;
     pdl::prefetch_l2(w + (n0 + r0) * a.w_stride, min(a.prefetch, (r1 - r0) * a.w_stride));
   }
-  pdl::enter();
+  if constexpr (!E) pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   const int G = int((a.k + kGroup - 1) / kGroup);
   CtaJob jb;
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) dense_kernel
   jb.g_begin = int(blockIdx.z) * a.groups_per_split;
   jb.g_end = min(G, jb.g_begin + a.groups_per_split);
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, XF>(jb, smem, acc);
+  run_cta<F, BT, XF, false, kStagesOf<F, BT>, E>(jb, smem, acc);
   float* out_b = a.out + b * a.out_batch;
   if constexpr (CL) {
     reduce_in_cluster<F, BT>(a, out_b, acc, smem, n0, t0, jb.rows, jb.tokens);
@@ -180,14 +180,14 @@ __global__ void to_bf16_kernel(const float* x, int64_t ldx, int64_t K, int kp, _
     xb[r * kp + staged_col<F>(k)] = __float2bfloat16_rn(k < K ? x[r * ldx + k] : 0.0f);
 }
 
-// dense_kernel<F, BT, XF, CL>'s shared-memory limit (and, CL, non-portable cluster sizes), once
-// per process (the same need on every device).
-template <WqFormat F, int BT, bool XF, bool CL>
+// dense_kernel<F, BT, XF, CL, E>'s shared-memory limit (and, CL, non-portable cluster sizes),
+// once per process (the same need on every device).
+template <WqFormat F, int BT, bool XF, bool CL, bool E = false>
 void prepare_dense() {
   static const bool ready = [] {
-    set_smem_limit<F, BT, XF>(dense_kernel<F, BT, XF, CL>);
+    set_smem_limit<F, BT, XF>(dense_kernel<F, BT, XF, CL, E>);
     if constexpr (CL)
-      check_cuda(cudaFuncSetAttribute(dense_kernel<F, BT, XF, CL>,
+      check_cuda(cudaFuncSetAttribute(dense_kernel<F, BT, XF, CL, E>,
                                       cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
                  "wq kernel cluster size");
     return true;
@@ -222,7 +222,8 @@ int max_active_clusters(int64_t m, int size) {
       cfg.dynamicSmemBytes = kSmem<F, BT, XF>;
       cfg.attrs = &attr;
       cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&n, dense_kernel<F, BT, XF, true>, &cfg) != cudaSuccess) {
+      if (cudaOccupancyMaxActiveClusters(&n, dense_kernel<F, BT, XF, true, false>, &cfg) !=
+          cudaSuccess) {
         (void)cudaGetLastError();
         n = 0;
       }
@@ -232,18 +233,27 @@ int max_active_clusters(int64_t m, int size) {
   return n;
 }
 
+// The decode variants ask for their first weights before the wait (DEEPSERVE_WQ_EARLY=0: after
+// it); the prefill-sized variant always waits first.
 template <WqFormat F, bool XF, bool CL>
 void launch_dense(const DenseArgs& a, cudaStream_t stream) {
   with_bt(a.m, [&]<int BT>() {
     if constexpr ((XF || CL) && BT == kBT) {
       throw Error("wq gemm: F32 x and cluster split-K are for decode-sized M only");
     } else {
-      prepare_dense<F, BT, XF, CL>();
       const dim3 grid(ceil_div(a.n, kBN), ceil_div(a.m, BT) * unsigned(a.batch),
                       unsigned(a.splits));
       DS_CHECK(grid.y <= 65535, "wq gemm: too many rows of x (times the batch)");
-      pdl::launch_clusters(dense_kernel<F, BT, XF, CL>, grid, kThreads, kSmem<F, BT, XF>, stream,
-                           dim3(1, 1, CL ? unsigned(a.splits) : 1u), a);
+      const dim3 cluster(1, 1, CL ? unsigned(a.splits) : 1u);
+      const auto go = [&]<bool E>() {
+        prepare_dense<F, BT, XF, CL, E>();
+        pdl::launch_clusters(dense_kernel<F, BT, XF, CL, E>, grid, kThreads, kSmem<F, BT, XF>,
+                             stream, cluster, a);
+      };
+      if (BT != kBT && g_wq_early.on())
+        go.template operator()<BT != kBT>();
+      else
+        go.template operator()<false>();
       check_cuda(cudaGetLastError(), "wq gemm launch");
     }
   });
@@ -470,14 +480,21 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
 
 // Grid (ceil(F / 64), tiles): h[p, f] = bf16(silu(gate_f . x_p) * (up_f . x_p)), h staged
 // for down's format (staged_col). BT >= the most tokens a tile can hold. XI: x's F32 rows
-// staged through the sorted tokens (rounded in the kernel), else a.xa gathered in BF16.
-template <WqFormat F, int BT, bool XI>
+// staged through the sorted tokens (rounded in the kernel), else a.xa gathered in BF16. S:
+// pipeline stages. E (not XI: the gather launch sits between the token lists and this kernel,
+// so the lists are settled when it starts, pdl.cuh): the tile is looked up through L2 and its
+// first stages' weights asked for before the wait.
+template <WqFormat F, int BT, bool XI, int S, bool E>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     gate_up_kernel(GroupedFfnArgs a) {
-  pdl::enter();
+  static_assert(!(XI && E), "with XI the lists are written by the launch just ahead");
+  if constexpr (!E) pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
-  const Tile tl = tile_of<kTileM>(a.lists, blockIdx.y);
-  if (tl.e < 0) return;
+  const Tile tl = tile_of<kTileM, E>(a.lists, blockIdx.y);
+  if (tl.e < 0) {
+    if constexpr (E) pdl::enter();
+    return;
+  }
   const ExpertPtrs ex = a.experts[tl.e];
   const int H = a.hidden, Fi = a.inter, f0 = blockIdx.x * (kBN / 2);
   const int64_t gate_ld = ld_bytes<F>(ex.gate_ld), up_ld = ld_bytes<F>(ex.up_ld);
@@ -491,7 +508,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     jb.xrow = a.lists.sorted_token + tl.begin;
   }
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, XI, XI>(jb, smem, acc);
+  run_cta<F, BT, XI, XI, S, E>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   auto* h = static_cast<__nv_bfloat16*>(a.h);
 #pragma unroll
@@ -506,18 +523,26 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     }
 }
 
-// Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p.
-template <WqFormat F, int BT>
+// Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p. S: pipeline stages. E: the tile is
+// looked up through L2 (the lists are two launches back) and its first stages' weights asked
+// for before the wait; else a.prefetch may ask L2 for them (down_start).
+template <WqFormat F, int BT, int S, bool E>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(GroupedFfnArgs a) {
   const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
-  const Tile tl = down_start(
-      a.prefetch, [&](auto l2) { return tile_of<kTileM, l2.value>(a.lists, blockIdx.y); },
-      [&](const Tile& found) {                     // the tile's rows of down
-        const ExpertPtrs ex = a.experts[found.e];  // the expert table is constant
-        const int64_t ld = ld_bytes<F>(ex.down_ld);
-        pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + n0 * ld,
-                         min(a.prefetch, (min(kBN, H - n0) - 1) * ld + 16));
-      });
+  Tile tl;
+  if constexpr (E) {
+    tl = tile_of<kTileM, true>(a.lists, blockIdx.y);
+    if (tl.e < 0) pdl::enter();
+  } else {
+    tl = down_start(
+        a.prefetch, [&](auto l2) { return tile_of<kTileM, l2.value>(a.lists, blockIdx.y); },
+        [&](const Tile& found) {                     // the tile's rows of down
+          const ExpertPtrs ex = a.experts[found.e];  // the expert table is constant
+          const int64_t ld = ld_bytes<F>(ex.down_ld);
+          pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + n0 * ld,
+                           min(a.prefetch, (min(kBN, H - n0) - 1) * ld + 16));
+        });
+  }
   extern __shared__ __align__(128) uint8_t smem[];
   if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
@@ -525,18 +550,22 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(
   const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
                              nullptr, down_ld, min(kBN, H - n0), a.h, Fi);
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT>(jb, smem, acc);
+  run_cta<F, BT, false, false, S, E>(jb, smem, acc);
   for_each_out<F>(acc, [&](int r, int tok, float v) {
     const int row = n0 + r;
     if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
   });
 }
 
-template <WqFormat F, int BT, bool XI>
+// S: the stages of the kernels whose token rows are BF16 (gate/up unless XI, down). E: their
+// first weights before the wait.
+template <WqFormat F, int BT, bool XI, int S, bool E>
 void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
+  constexpr int kGuS = XI ? kStagesOf<F, BT> : S;
+  constexpr bool kGuE = E && !XI;
   static const bool ready = [] {
-    set_smem_limit<F, BT, XI>(gate_up_kernel<F, BT, XI>);
-    set_smem_limit<F, BT, false>(down_kernel<F, BT>);
+    set_smem_limit<F, BT, XI, kGuS>(gate_up_kernel<F, BT, XI, kGuS, kGuE>);
+    set_smem_limit<F, BT, false, S>(down_kernel<F, BT, S, E>);
     return true;
   }();
   (void)ready;
@@ -545,12 +574,29 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
                        a.num_tokens * a.top_k, a.hidden, a.xa, stream,
                        /*w4_order=*/F == WqFormat::W4A16);
   const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
-  pdl::launch(gate_up_kernel<F, BT, XI>, dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads,
-              kSmem<F, BT, XI>, stream, a);
+  pdl::launch(gate_up_kernel<F, BT, XI, kGuS, kGuE>, dim3(ceil_div(a.inter, kBN / 2), tiles),
+              kThreads, kSmem<F, BT, XI, kGuS>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe gate/up");
-  pdl::launch(down_kernel<F, BT>, dim3(ceil_div(a.hidden, kBN), tiles), kThreads, kSmem<F, BT>,
-              stream, a);
+  pdl::launch(down_kernel<F, BT, S, E>, dim3(ceil_div(a.hidden, kBN), tiles), kThreads,
+              kSmem<F, BT, false, S>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe down");
+}
+
+// launch_ffn<F, BT, XI, S, E> with the run-time switches: the deeper pipeline where it differs
+// (DEEPSERVE_WQ_DEEP=0: not), and for decode variants the early weights (DEEPSERVE_WQ_EARLY=0:
+// not).
+template <WqFormat F, int BT, bool XI>
+void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
+  constexpr int kS = kStagesOf<F, BT>, kDeep = kDeepStagesOf<F, BT, false>;
+  const bool early = BT != kBT && g_wq_early.on();
+  if constexpr (kDeep != kS) {
+    if (g_wq_deep.on()) {
+      if (early) return launch_ffn<F, BT, XI, kDeep, BT != kBT>(a, stream);
+      return launch_ffn<F, BT, XI, kDeep, false>(a, stream);
+    }
+  }
+  if (early) return launch_ffn<F, BT, XI, kS, BT != kBT>(a, stream);
+  launch_ffn<F, BT, XI, kS, false>(a, stream);
 }
 
 // Whether FP8W's decode variants (the caller's BT < kBT) read x's F32 rows themselves (no

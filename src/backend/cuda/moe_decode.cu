@@ -25,8 +25,9 @@ namespace {
 
 using namespace decode;
 
-// Grid (ceil(F / rows_per_cta), min(E, N)); a warp's unit is 2 F-rows of gate and up.
-template <WeightKind K, int TC>
+// Grid (ceil(F / rows_per_cta), min(E, N)); a warp's unit is 2 F-rows of gate and up. U: the
+// chunks per row a lane has in flight (dot_rows).
+template <WeightKind K, int TC, int U>
 __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int units_per_cta) {
   pdl::enter();
   constexpr int V = wstream::kChunkElems<K>;
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
       const uint8_t* rows[kRows];
       unit_rows(f0, rows);
       float acc[kRows][TC];
-      dot_rows<K, TC>(rows, chunks, xs, a.hidden, nt, acc);
+      dot_rows<K, TC, U>(rows, chunks, xs, a.hidden, nt, acc);
 #pragma unroll
       for (int j = 0; j < TC; ++j) {
         if (j < nt && lane == j) {
@@ -116,7 +117,7 @@ __device__ __forceinline__ void combine_row_tile(const DecodeFfnArgs& a, int r_t
 }
 
 // A down CTA's rows [r_tile, r_tile + units_per_cta * kRows) of expert act.e for its tokens.
-template <WeightKind K, int TC>
+template <WeightKind K, int TC, int U>
 __device__ __forceinline__ void down_rows(const DecodeFfnArgs& a, const ActiveExpert& act,
                                           int r_tile, int units_per_cta) {
   constexpr int V = wstream::kChunkElems<K>;
@@ -154,7 +155,7 @@ __device__ __forceinline__ void down_rows(const DecodeFfnArgs& a, const ActiveEx
       const uint8_t* rows[kRows];
       unit_rows(r0, rows);
       float acc[kRows][TC];
-      dot_rows<K, TC>(rows, chunks, xs, F, nt, acc);
+      dot_rows<K, TC, U>(rows, chunks, xs, F, nt, acc);
 #pragma unroll
       for (int j = 0; j < TC; ++j) {
         if (j < nt && lane == j) {
@@ -170,7 +171,7 @@ __device__ __forceinline__ void down_rows(const DecodeFfnArgs& a, const ActiveEx
 
 // Grid (ceil(hidden / rows_per_cta), min(E, N)); a warp's unit is kRows hidden rows of down.
 // With a.out, the last CTA of each row tile then does the combine for those rows.
-template <WeightKind K, int TC>
+template <WeightKind K, int TC, int U>
 __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int units_per_cta) {
   const int esize = wstream::elem_bytes(K);
   const int F = a.inter;
@@ -184,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) down_kernel(DecodeFfnArgs a, int uni
         pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + r_tile * ex.down_ld * esize,
                          min(a.prefetch, ((tile_rows - 1) * ex.down_ld + F) * esize));
       });
-  if (act.e >= 0) down_rows<K, TC>(a, act, r_tile, units_per_cta);
+  if (act.e >= 0) down_rows<K, TC, U>(a, act, r_tile, units_per_cta);
   if (a.out) combine_row_tile(a, r_tile, tile_rows);
 }
 
@@ -224,28 +225,37 @@ int units_per_cta(int tc, int64_t total, unsigned slots, int resident, int sm_co
   return base;
 }
 
+// Chunks per row a lane has in flight: DEEPSERVE_MOE_DECODE_UNROLL=4 takes 4 for passes of up
+// to 2 tokens (their sums need few registers), else 2. The same bits either way.
+template <int TC>
+constexpr bool kMayUnroll4 = TC <= 2;
+template <int TC>
+bool unroll4() {
+  return kMayUnroll4<TC> && g_moe_decode_unroll.get() == 4;
+}
+
 // Returns whether the kernel does the combine (a.out, with a counter for every row tile).
-template <WeightKind K, int TC>
+template <WeightKind K, int TC, int U>
 bool launch_down(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream) {
   const size_t smem = size_t(TC) * a.inter * 4;
   const int units = units_per_cta(TC, (a.hidden + kRows - 1) / kRows, slots,
-                                  resident_per_sm(down_kernel<K, TC>, smem), a.sm_count);
+                                  resident_per_sm(down_kernel<K, TC, U>, smem), a.sm_count);
   const int rows = units * kRows;
   const dim3 grid(unsigned((a.hidden + rows - 1) / rows), slots);
   DecodeFfnArgs d = a;
   if (a.tile_done == nullptr || grid.x > unsigned(kTileCounters)) d.out = nullptr;
-  pdl::launch(down_kernel<K, TC>, grid, kThreads, smem, stream, d, units);
+  pdl::launch(down_kernel<K, TC, U>, grid, kThreads, smem, stream, d, units);
   return d.out != nullptr;
 }
 
-template <WeightKind K, int TC>
+template <WeightKind K, int TC, int U>
 void launch_gate_up(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream) {
   const size_t smem = size_t(TC) * a.hidden * 4;
   const int units = units_per_cta(TC, (a.inter + 1) / 2, slots,
-                                  resident_per_sm(gate_up_kernel<K, TC>, smem), a.sm_count);
+                                  resident_per_sm(gate_up_kernel<K, TC, U>, smem), a.sm_count);
   const int rows = units * 2;
   const dim3 grid(unsigned((a.inter + rows - 1) / rows), slots);
-  pdl::launch(gate_up_kernel<K, TC>, grid, kThreads, smem, stream, a, units);
+  pdl::launch(gate_up_kernel<K, TC, U>, grid, kThreads, smem, stream, a, units);
 }
 
 // Launches both kernels (those of a.stages); returns whether the down kernel does the combine
@@ -253,10 +263,24 @@ void launch_gate_up(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream)
 template <WeightKind K>
 bool launch_kind(const DecodeFfnArgs& a, int tc_gu, int tc_dn, unsigned slots,
                  cudaStream_t stream) {
-  if (a.stages & 1) with_tc(tc_gu, [&](auto tc) { launch_gate_up<K, tc.value>(a, slots, stream); });
+  if (a.stages & 1)
+    with_tc(tc_gu, [&](auto tc) {
+      constexpr int T = tc.value;
+      if constexpr (kMayUnroll4<T>)
+        if (unroll4<T>()) return launch_gate_up<K, T, 4>(a, slots, stream);
+      launch_gate_up<K, T, kUnroll>(a, slots, stream);
+    });
   if ((a.stages & 2) == 0) return true;
   bool fused = false;
-  with_tc(tc_dn, [&](auto tc) { fused = launch_down<K, tc.value>(a, slots, stream); });
+  with_tc(tc_dn, [&](auto tc) {
+    constexpr int T = tc.value;
+    if constexpr (kMayUnroll4<T>)
+      if (unroll4<T>()) {
+        fused = launch_down<K, T, 4>(a, slots, stream);
+        return;
+      }
+    fused = launch_down<K, T, kUnroll>(a, slots, stream);
+  });
   return fused;
 }
 
@@ -265,9 +289,15 @@ void prepare_kind() {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
   for (int tc : {1, 2, 4, 8}) {
     with_tc(tc, [&](auto c) {
-      check(cudaFuncSetAttribute(gate_up_kernel<K, c.value>, attr, kDecodeStageBytes),
+      constexpr int T = c.value;
+      check(cudaFuncSetAttribute(gate_up_kernel<K, T, kUnroll>, attr, kDecodeStageBytes),
             "smem limit");
-      check(cudaFuncSetAttribute(down_kernel<K, c.value>, attr, kDecodeStageBytes), "smem limit");
+      check(cudaFuncSetAttribute(down_kernel<K, T, kUnroll>, attr, kDecodeStageBytes),
+            "smem limit");
+      if constexpr (kMayUnroll4<T>) {
+        check(cudaFuncSetAttribute(gate_up_kernel<K, T, 4>, attr, kDecodeStageBytes), "smem limit");
+        check(cudaFuncSetAttribute(down_kernel<K, T, 4>, attr, kDecodeStageBytes), "smem limit");
+      }
     });
   }
 }

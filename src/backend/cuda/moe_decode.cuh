@@ -18,7 +18,7 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 4;    // weight rows a warp streams together (x is reused across them)
-constexpr int kUnroll = 2;  // 16-byte chunks per row a lane has in flight
+constexpr int kUnroll = 2;  // 16-byte chunks per row a lane has in flight (dot_rows' default U)
 
 // Shared-memory index of element k of a staged row: chunk c's V floats are split into
 // 4-float parts stored part-major ([part][chunk][4]), so a warp reading one part of 32
@@ -48,7 +48,7 @@ __device__ __forceinline__ void stage_rows(float* xs, const float* src, int64_t 
 // acc[r][j] = dot(row r, staged token j) for j < nt, summed over the whole warp (every
 // lane ends with the same value). Rows are byte pointers to 16-byte aligned rows of K
 // elements.
-template <WeightKind K, int TC>
+template <WeightKind K, int TC, int U = kUnroll>
 __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], int chunks,
                                          const float* xs, int Klen, int nt,
                                          float (&acc)[kRows][TC]) {
@@ -61,10 +61,10 @@ __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], in
 #pragma unroll
     for (int j = 0; j < TC; ++j) acc[r][j] = 0.0f;
 
-  for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
-    uint4 w[kUnroll][kRows];
+  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+    uint4 w[U][kRows];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
@@ -72,7 +72,7 @@ __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], in
                              : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
       if (c < chunks) {
         float wf[kRows][V];

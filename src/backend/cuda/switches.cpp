@@ -76,6 +76,13 @@ EnvSwitch g_skinny_early{"DEEPSERVE_SKINNY_EARLY", "0", true};
 // before the dependent-launch wait when the model says the cache was written before the op
 // ahead (MlaAttentionParams::cache_settled); DEEPSERVE_MLA_EARLY=0: after it. The same bits.
 EnvSwitch g_mla_early{"DEEPSERVE_MLA_EARLY", "0", true};
+// The decode variants of the wq kernels (dense; MoE down, and gate/up after a gather launch) ask
+// for their first stages' weights before the dependent-launch wait (DEEPSERVE_WQ_EARLY=0: after
+// it). The same bits either way.
+EnvSwitch g_wq_early{"DEEPSERVE_WQ_EARLY", "0", true};
+// The wq MoE kernels whose token rows are BF16 take kDeepStagesOf's pipeline (two-group FP8W:
+// 3 stages, not 2); DEEPSERVE_WQ_DEEP=0: kStagesOf's. The same bits either way.
+EnvSwitch g_wq_deep{"DEEPSERVE_WQ_DEEP", "0", true};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.
@@ -91,6 +98,9 @@ EnvCount g_wq_split_ctas{"DEEPSERVE_WQ_SPLIT_CTAS", 0};
 // grids before that sizing). The same bits either way: a unit's sums do not depend on which
 // warp or CTA runs it.
 EnvCount g_moe_decode_upw{"DEEPSERVE_MOE_DECODE_UPW", 0};
+// Chunks per weight row a lane of the decode MoE kernels has in flight for passes of up to 2
+// tokens: 4, else (unset) 2. The same bits either way (moe_decode.cu).
+EnvCount g_moe_decode_unroll{"DEEPSERVE_MOE_DECODE_UNROLL", 2};
 // The decode MoE's combine (each token's expert outputs summed in slot order) done by the last
 // down CTA of each row tile instead of a launch of its own. The same bits either way.
 EnvSwitch g_moe_fused_combine{"DEEPSERVE_MOE_FUSED_COMBINE", "0", true};

@@ -57,12 +57,15 @@ extern EnvSwitch g_wq_batched;          // on; DEEPSERVE_WQ_BATCHED=0 turns it o
 extern EnvSwitch g_norm_fuse;           // off; DEEPSERVE_NORM_FUSE=1 turns it on
 extern EnvSwitch g_skinny_early;        // on; DEEPSERVE_SKINNY_EARLY=0 turns it off
 extern EnvSwitch g_mla_early;           // on; DEEPSERVE_MLA_EARLY=0 turns it off
+extern EnvSwitch g_wq_early;            // on; DEEPSERVE_WQ_EARLY=0 turns it off
+extern EnvSwitch g_wq_deep;             // on; DEEPSERVE_WQ_DEEP=0 turns it off
 extern EnvSwitch g_moe_wq_stage_f32;    // on; DEEPSERVE_MOE_WQ_XF32=0 turns it off
 extern EnvSwitch g_wq_dequant;          // on; DEEPSERVE_WQ_DEQUANT=0 turns it off
 extern EnvCount g_wq_dequant_min_rows;  // DEEPSERVE_WQ_DEQUANT_MIN_ROWS (wq_dequant.cuh)
 extern EnvCount g_moe_wq_dequant_min;   // DEEPSERVE_MOE_WQ_DEQUANT_MIN (wq_dequant.cuh)
 extern EnvCount g_wq_split_ctas;        // DEEPSERVE_WQ_SPLIT_CTAS (gemm_wq.cu)
 extern EnvCount g_moe_decode_upw;       // DEEPSERVE_MOE_DECODE_UPW (moe_decode.cu)
+extern EnvCount g_moe_decode_unroll;    // DEEPSERVE_MOE_DECODE_UNROLL (moe_decode.cu)
 extern EnvSwitch g_moe_fused_combine;   // on; DEEPSERVE_MOE_FUSED_COMBINE=0 turns it off
 extern EnvSwitch g_moe_warp_lists;      // on; DEEPSERVE_MOE_WARP_LISTS=0 turns it off
 extern EnvSwitch g_moe_split;           // off; DEEPSERVE_MOE_SPLIT=1 turns it on

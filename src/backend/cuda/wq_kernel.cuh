@@ -19,6 +19,7 @@
 
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/mma_ptx.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/fp8w.h"
 #include "backend/w4a16.h"
 
@@ -48,6 +49,12 @@ template <WqFormat F, int BT>
 constexpr int kStagesOf = (F == WqFormat::FP8W && kGpsOf<F, BT> == 2)   ? 2
                           : (F == WqFormat::BF16 || kGpsOf<F, BT> == 2) ? 3
                                                                         : 4;
+// The deeper pipeline of a variant whose token rows are BF16 (!XF): two-group FP8W takes 3
+// stages there (3 x 37 KB, still 2 CTAs an SM; with F32 token rows 3 stages would leave one),
+// as deep as BF16's. Others as kStagesOf.
+template <WqFormat F, int BT, bool XF>
+constexpr int kDeepStagesOf =
+    F == WqFormat::FP8W&& kGpsOf<F, BT> == 2 && !XF ? 3 : kStagesOf<F, BT>;
 // Splits of K start at a multiple of this: the most groups any decode variant of F stages at
 // once, so every variant (and so every M up to kWqSplitMaxM) splits alike.
 template <WqFormat F>
@@ -106,8 +113,8 @@ template <WqFormat F, int BT, bool XF = false>
 constexpr uint32_t kStageBytes = kStageA<F, BT> + kStageS<F, BT> +
                                  uint32_t(kGpsOf<F, BT>) * uint32_t(BT) *
                                      uint32_t(XF ? kTokRowF32 : kTokRow);
-template <WqFormat F, int BT, bool XF = false>
-constexpr size_t kSmem = size_t(kStagesOf<F, BT>) * kStageBytes<F, BT, XF>;
+template <WqFormat F, int BT, bool XF = false, int S = kStagesOf<F, BT>>
+constexpr size_t kSmem = size_t(S) * kStageBytes<F, BT, XF>;
 
 // CTAs per SM the register budget is cut for: decode variants are latency-bound, so they keep
 // as many CTAs resident as their shared memory allows (with F32 token rows, the larger), up to
@@ -121,6 +128,11 @@ constexpr int min_ctas_of() {
   constexpr int fit = int(per_sm / (kSmem<F, BT, true> + reserved));
   return fit < 1 ? 1 : fit > 4 ? 4 : fit;
 }
+static_assert((228 * 1024) /
+                      (kSmem<WqFormat::FP8W, 8, false, kDeepStagesOf<WqFormat::FP8W, 8, false>> +
+                       1024) >=
+                  min_ctas_of<WqFormat::FP8W, 8>(),
+              "the deep FP8W variant keeps the CTAs per SM its launch bound is cut for");
 
 // Where element e (0..7) of each aligned 8-k chunk of a W4A16 activation row is staged: the
 // codes pair as (k, k + 4), so the row is x0 x4 x1 x5 x2 x6 x3 x7 per chunk.
@@ -254,12 +266,18 @@ __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
       }
 }
 
-template <WqFormat F, int BT, bool XF = false, bool XI = false>
+// S: pipeline stages. kEarly: the weights (codes and scales) of the first S - 1 stages are
+// asked for before pdl::enter(), which run_cta calls, and the token rows after it: the
+// caller's job must not depend on what the kernel ahead writes (pdl.cuh), and the caller
+// must not call enter() itself.
+template <WqFormat F, int BT, bool XF = false, bool XI = false, int S = kStagesOf<F, BT>,
+          bool kEarly = false>
 __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
   static_assert(XF || !XI, "indexed token rows are F32");
+  static_assert(!(kEarly && XI), "the token indices come from the lists, after the wait");
   using Fm = Fmt<F>;
   constexpr bool kBf16 = F == WqFormat::BF16;  // no scales: products go straight into acc
-  constexpr int kStages = kStagesOf<F, BT>;
+  constexpr int kStages = S;
   constexpr int kGps = kGpsOf<F, BT>;  // groups per stage
   constexpr int kSw = kSwOf<F, BT>;    // scale words per row and stage
   constexpr int kTN = BT / 8;
@@ -334,10 +352,11 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   const int64_t x_limit = XF ? jb.K : jb.kp;  // zeros from here (K for F32 rows, kp staged)
   // Stage kt holds groups g_begin + kGps * kt, + 1 ...: codes of every group (kGps * 128 k of
   // each row, in one span), one scale word per row (W4A16's holds the group pair's scales),
-  // and the token rows of each group in turn.
-  auto load = [&](int stage, int kt) {
+  // and the token rows of each group in turn. load_w copies a stage's weights (codes and scale
+  // words) into buffer `stage`, load_x its token rows.
+  auto load_w = [&](int stage, int kt) {
     const int64_t gi = jb.g_begin + int64_t(kGps) * kt;
-    const uint32_t sa = s0 + stage * kStage, ss = sa + kSA, sb = ss + kStageS<F, BT>;
+    const uint32_t sa = s0 + stage * kStage, ss = sa + kSA;
     const int64_t goff = Fm::code_off(gi);
     const bool g_ok = goff + 16 * c_a < climit;
 #pragma unroll
@@ -356,6 +375,10 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
         cp_async4(ss + (w * kBN + tid) * 4, ok ? src + 4 * w : s_src, ok);
       }
     }
+  };
+  auto load_x = [&](int stage, int kt) {
+    const int64_t gi = jb.g_begin + int64_t(kGps) * kt;
+    const uint32_t sb = s0 + stage * kStage + kSA + kStageS<F, BT>;
 #pragma unroll
     for (int u = 0; u < kGps; ++u) {
       const int64_t k = (gi + u) * kGroup + x_k0;
@@ -377,16 +400,30 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
   const int KT = (jb.g_end - jb.g_begin + kGps - 1) / kGps;  // stages
   const int tn = (jb.tokens + 7) / 8;                        // token blocks with work
+  // The prologue: stages 0 .. kStages - 2, one commit group each (kEarly: every early weight
+  // copy lands in group 0, which the first wait then covers).
+  if constexpr (kEarly) {
+#pragma unroll 1
+    for (int s = 0; s < kStages - 1; ++s)
+      if (s < KT) load_w(s, s);
+    pdl::enter();
+  }
 #pragma unroll 1
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < KT) load(s, s);
+    if (s < KT) {
+      if constexpr (!kEarly) load_w(s, s);
+      load_x(s, s);
+    }
     ptx::cp_async_commit();
   }
 #pragma unroll 1
   for (int kt = 0; kt < KT; ++kt) {
     ptx::cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    if (kt + kStages - 1 < KT) {
+      load_w((kt + kStages - 1) % kStages, kt + kStages - 1);
+      load_x((kt + kStages - 1) % kStages, kt + kStages - 1);
+    }
     ptx::cp_async_commit();
     const int stage = kt % kStages;
     const uint8_t* sa = smem + stage * kStage;
