@@ -3,9 +3,10 @@
 // (N not a multiple of the 128-row tile, odd group counts, FP8W K not a multiple of 16,
 // strided rows), its batch invariance over the decode range, and the MoE experts with top-6,
 // shared experts, an expert without tokens and one with more tokens than a tile.
-// Tolerances: the kernels round activations (and the MoE's SiLU * up) to BF16, so the sharp
-// check uses a reference with the same BF16 inputs (1e-4 of the row's sum of |w * x|), and
-// the loose one the F32 inputs (2^-8 of it: a BF16 rounding is at most 2^-9 relative).
+// Tolerances: the kernels round activations (and the MoE's SiLU * up) to BF16 (FP8W's to FP16;
+// the BF16 expansions' cuBLAS products to BF16), so the sharp check uses a reference with the
+// same rounded inputs (1e-4 of the row's sum of |w * x|), and the loose one the F32 inputs
+// (2^-8 of it: a BF16 rounding is at most 2^-9 relative).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -88,7 +89,7 @@ TEST(CudaWq, MatmulMatchesTheDequantizedProduct) {
           for (int64_t m = 0; m < M && bad < 5; ++m) {
             std::vector<double> xb(static_cast<size_t>(K));
             for (int64_t k = 0; k < K; ++k)
-              xb[size_t(k)] = test::bf16_round(x[size_t(m * ldx + k)]);
+              xb[size_t(k)] = test::act_round(t, x[size_t(m * ldx + k)]);
             for (int64_t n = 0; n < N && bad < 5; ++n) {
               const float* wr = w.deq.data() + n * K;
               double s = 0, s32 = 0, mag = 0;
@@ -179,7 +180,7 @@ TEST(CudaWq, PrefillSizedMatmulTakesTheExpandedWeights) {
               for (int64_t k = 0; k < K; ++k) {
                 const double xk = x[size_t(m * ldx + k)];
                 s += double(expanded ? test::bf16_round(wr[k]) : wr[k]) *
-                     test::bf16_round(float(xk));
+                     (expanded ? test::bf16_round(float(xk)) : test::act_round(t, float(xk)));
                 s32 += double(wr[k]) * xk;
                 mag += std::fabs(double(wr[k]) * xk);
               }
@@ -408,11 +409,12 @@ QExperts make_experts(DType t, int E, int64_t H, int64_t F) {
   return q;
 }
 
-// y = down . bf16(silu(gate . x) * (up . x)) for one expert, with x already BF16-rounded (and
-// the weights too when `rounded`: the BF16 expansion's products); mag gets sum_n-wise
-// |down| . |h| (the scale of each output's rounding).
+// y = down . act(silu(gate . x) * (up . x)) for one expert, with x already rounded (and the
+// weights to BF16 when `rounded`: the BF16 expansion's products); act rounds to FP16 when
+// f16_act (FP8W's kernels), else to BF16; mag gets sum_n-wise |down| . |h| (the scale of each
+// output's rounding).
 void expert_ref(const QExperts& q, int e, const std::vector<double>& x, int64_t H, int64_t F,
-                std::vector<double>& y, std::vector<double>& mag, bool rounded = false) {
+                std::vector<double>& y, std::vector<double>& mag, bool rounded, bool f16_act) {
   const auto wv = [&](const test::QWeight& m, int64_t i) {
     const float v = m.deq[size_t(i)];
     return double(rounded ? test::bf16_round(v) : v);
@@ -427,7 +429,8 @@ void expert_ref(const QExperts& q, int e, const std::vector<double>& x, int64_t 
       gv += wv(g, f * H + k) * x[size_t(k)];
       uv += wv(u, f * H + k) * x[size_t(k)];
     }
-    h[size_t(f)] = test::bf16_round(float(gv / (1.0 + std::exp(-gv)) * uv));
+    const float hv = float(gv / (1.0 + std::exp(-gv)) * uv);
+    h[size_t(f)] = f16_act ? test::f16_round(hv) : test::bf16_round(hv);
   }
   y.assign(size_t(H), 0.0);
   mag.assign(size_t(H), 0.0);
@@ -492,11 +495,16 @@ void check_moe_against_reference(bool expand) {
           if (T > 17 && i % 5 != 0 && i != T - 1) continue;  // a sample keeps the host quick
           std::vector<double> xr(static_cast<size_t>(H)), want(size_t(H), 0.0), mag(size_t(H), 0.0),
               y, ym;
-          for (int64_t c = 0; c < H; ++c) xr[size_t(c)] = test::bf16_round(x[size_t(i * H + c)]);
+          // The in-register kernels round as the format does; the expansions' products to BF16.
+          const bool f16_act = !expand && t == DType::FP8W;
+          for (int64_t c = 0; c < H; ++c) {
+            const float xc = x[size_t(i * H + c)];
+            xr[size_t(c)] = f16_act ? test::f16_round(xc) : test::bf16_round(xc);
+          }
           for (int j = 0; j < k + shared; ++j) {
             const int e = j < k ? ids[size_t(i * k + j)] : E - shared + (j - k);
             const double wj = j < k ? wts[size_t(i * k + j)] : 1.0;
-            expert_ref(q, e, xr, H, F, y, ym, expand);
+            expert_ref(q, e, xr, H, F, y, ym, expand, f16_act);
             for (int64_t c = 0; c < H; ++c) {
               want[size_t(c)] += wj * y[size_t(c)];
               mag[size_t(c)] += std::fabs(wj) * ym[size_t(c)];

@@ -2,6 +2,9 @@
 // sharp random floats, kept dequantized for the references, uploaded as the packed layout.
 #pragma once
 
+#include <cuda_fp16.h>
+
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -77,6 +80,17 @@ inline QWeight make_qweight(Backend& be, DType t, int64_t N, int64_t K, uint32_t
 // The BF16 value (round to nearest even) of an activation, as the kernels stage it.
 inline float bf16_round(float x) {
   return w4a16::from_bf16(w4a16::to_bf16(x));
+}
+
+// The FP16 value (clamped to +-65504, then round to nearest even) of an activation, as the FP8W
+// kernels stage it (wq_kernel.cuh, act_bits).
+inline float f16_round(float x) {
+  return __half2float(__float2half_rn(std::fmin(std::fmax(x, -65504.0f), 65504.0f)));
+}
+
+// An activation as the in-register kernels of weight type t round it: FP16 for FP8W, else BF16.
+inline float act_round(DType t, float x) {
+  return t == DType::FP8W ? f16_round(x) : bf16_round(x);
 }
 
 }  // namespace ds::test

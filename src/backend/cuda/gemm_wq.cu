@@ -170,14 +170,15 @@ __global__ void reduce_kernel(const float* part, int splits, int64_t m, int64_t 
   out[(i / n) * ldo + i % n] = s;
 }
 
-// xb[r, staged_col(k)] = bf16(x[r, k]) for k < K, 0 up to kp (kp a multiple of 8).
+// xb[r, staged_col(k)] = x[r, k] as F stages it (act_bits: BF16, FP8W's FP16) for k < K, 0 up
+// to kp (kp a multiple of 8).
 template <WqFormat F>
-__global__ void to_bf16_kernel(const float* x, int64_t ldx, int64_t K, int kp, __nv_bfloat16* xb) {
+__global__ void to_act_kernel(const float* x, int64_t ldx, int64_t K, int kp, uint16_t* xb) {
   pdl::enter();
   const int64_t r = blockIdx.y;
   for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < kp;
        k += int64_t(gridDim.x) * blockDim.x)
-    xb[r * kp + staged_col<F>(k)] = __float2bfloat16_rn(k < K ? x[r * ldx + k] : 0.0f);
+    xb[r * kp + staged_col<F>(k)] = act_bits<F>(k < K ? x[r * ldx + k] : 0.0f);
 }
 
 // dense_kernel<F, BT, XF, CL, E>'s shared-memory limit (and, CL, non-portable cluster sizes),
@@ -334,13 +335,11 @@ void run_dense(const Context& ctx, const float* x, int64_t ldx, float* out, int6
     a.xf = x;
     a.ldxf = ldx;
   } else {
-    auto* xb = reinterpret_cast<__nv_bfloat16*>(base);
+    auto* xb = reinterpret_cast<uint16_t*>(base);
     const dim3 cgrid(ceil_div(a.kp, 256 * 4), unsigned(M));
-    // W4A16's staged order, else the natural one (FP8W's kernel, also for BF16).
-    constexpr WqFormat kOrder = F == WqFormat::W4A16 ? F : WqFormat::FP8W;
-    pdl::launch(to_bf16_kernel<kOrder>, cgrid, 256, 0, ctx.stream, x, ldx, K, a.kp, xb);
+    pdl::launch(to_act_kernel<F>, cgrid, 256, 0, ctx.stream, x, ldx, K, a.kp, xb);
     check_cuda(cudaGetLastError(), "wq gemm convert");
-    a.xb = xb;
+    a.xb = reinterpret_cast<const __nv_bfloat16*>(xb);
   }
   a.part = part_bytes > 0 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
   a.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::DenseWq);
@@ -478,9 +477,10 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
   return F == WqFormat::BF16 ? ld * 2 : ld;
 }
 
-// Grid (ceil(F / 64), tiles): h[p, f] = bf16(silu(gate_f . x_p) * (up_f . x_p)), h staged
-// for down's format (staged_col). BT >= the most tokens a tile can hold. XI: x's F32 rows
-// staged through the sorted tokens (rounded in the kernel), else a.xa gathered in BF16. S:
+// Grid (ceil(F / 64), tiles): h[p, f] = act(silu(gate_f . x_p) * (up_f . x_p)), h staged
+// for down's format (staged_col, act_bits). BT >= the most tokens a tile can hold. XI: x's F32 rows
+// staged through the sorted tokens (rounded in the kernel), else a.xa gathered (BF16; FP8W's
+// FP16). S:
 // pipeline stages. E (not XI: the gather launch sits between the token lists and this kernel,
 // so the lists are settled when it starts, pdl.cuh): the tile is looked up through L2 and its
 // first stages' weights asked for before the wait.
@@ -510,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
   float acc[kRM][BT / 8][4];
   run_cta<F, BT, XI, XI, S, E>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  auto* h = static_cast<__nv_bfloat16*>(a.h);
+  auto* h = static_cast<uint16_t*>(a.h);
 #pragma unroll
   for (int j = 0; j < BT / 8; ++j)
 #pragma unroll
@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
       if (f >= Fi || tok >= tl.rows) continue;
       const float gv = acc[0][j][q], uv = acc[1][j][q];
       h[int64_t(tl.begin + tok) * Fi + staged_col<F>(f)] =
-          __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv);
+          act_bits<F>(gv / (1.0f + expf(-gv)) * uv);
     }
 }
 
@@ -572,7 +572,7 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   if (!XI)
     launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts,
                        a.num_tokens * a.top_k, a.hidden, a.xa, stream,
-                       /*w4_order=*/F == WqFormat::W4A16);
+                       /*w4_order=*/F == WqFormat::W4A16, /*f16=*/kF16Act<F>);
   const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
   pdl::launch(gate_up_kernel<F, BT, XI, kGuS, kGuE>, dim3(ceil_div(a.inter, kBN / 2), tiles),
               kThreads, kSmem<F, BT, XI, kGuS>, stream, a);

@@ -225,8 +225,8 @@ int units_per_cta(int tc, int64_t total, unsigned slots, int resident, int sm_co
   return base;
 }
 
-// Chunks per row a lane has in flight: DEEPSERVE_MOE_DECODE_UNROLL=4 takes 4 for passes of up
-// to 2 tokens (their sums need few registers), else 2. The same bits either way.
+// Chunks per row a lane has in flight: 4 for passes of up to 2 tokens (their sums need few
+// registers) unless DEEPSERVE_MOE_DECODE_UNROLL=2, else 2. The same bits either way.
 template <int TC>
 constexpr bool kMayUnroll4 = TC <= 2;
 template <int TC>

@@ -28,19 +28,20 @@ constexpr int kThreads = 256;
 // act[p, :] = bf16(x[sorted_token[p], :]); one block per sorted position below *assigned
 // (sorted_token null: row p of x; assigned null: every block).
 // W4: each 8-column chunk in the order the W4A16 kernels read (wq_kernel.cuh's staged_col).
-template <bool W4>
+// H: FP16 (clamped, wqk::act_bits), for the FP8W kernels.
+template <bool W4, bool H>
 __global__ void gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride,
                                    const int* __restrict__ sorted_token,
                                    const int* __restrict__ assigned, int hidden,
-                                   __nv_bfloat16* __restrict__ act) {
+                                   uint16_t* __restrict__ act) {
   pdl::enter();
   const int64_t p = blockIdx.x;
   if (assigned && p >= *assigned) return;
   const float* src = x + (sorted_token ? int64_t(sorted_token[p]) : p) * x_stride;
-  __nv_bfloat16* dst = act + p * hidden;
-  for (int k = threadIdx.x; k < hidden; k += kThreads) {
-    dst[W4 ? wqk::staged_col<WqFormat::W4A16>(k) : k] = __float2bfloat16_rn(src[k]);
-  }
+  uint16_t* dst = act + p * hidden;
+  constexpr WqFormat kAs = W4 ? WqFormat::W4A16 : H ? WqFormat::FP8W : WqFormat::BF16;
+  for (int k = threadIdx.x; k < hidden; k += kThreads)
+    dst[wqk::staged_col<kAs>(k)] = wqk::act_bits<kAs>(src[k]);
 }
 
 // act[p, f] = bf16(silu(gu[p, f]) * gu[p, F + f]) for the rows p = begin + blockIdx.x.
@@ -72,16 +73,16 @@ void gemm_bf16(cublasHandle_t h, int m, int n, int k, const void* A, int64_t lda
 
 void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_token,
                         const int* assigned, int64_t n, int hidden, void* act, cudaStream_t stream,
-                        bool w4_order) {
+                        bool w4_order, bool f16) {
   if (n == 0) return;
   DS_CHECK(!w4_order || hidden % 8 == 0, "gather: W4A16 order needs whole 8-column chunks");
-  auto* dst = static_cast<__nv_bfloat16*>(act);
-  if (w4_order)
-    pdl::launch(gather_bf16_kernel<true>, unsigned(n), kThreads, 0, stream, x, x_stride,
-                sorted_token, assigned, hidden, dst);
-  else
-    pdl::launch(gather_bf16_kernel<false>, unsigned(n), kThreads, 0, stream, x, x_stride,
-                sorted_token, assigned, hidden, dst);
+  DS_CHECK(!(w4_order && f16), "gather: FP16 rows are in the natural order");
+  auto* dst = static_cast<uint16_t*>(act);
+  const auto kernel = w4_order ? gather_bf16_kernel<true, false>
+                      : f16    ? gather_bf16_kernel<false, true>
+                               : gather_bf16_kernel<false, false>;
+  pdl::launch(kernel, unsigned(n), kThreads, 0, stream, x, x_stride, sorted_token, assigned, hidden,
+              dst);
   check(cudaGetLastError(), "gather");
 }
 

@@ -99,8 +99,9 @@ EnvCount g_wq_split_ctas{"DEEPSERVE_WQ_SPLIT_CTAS", 0};
 // warp or CTA runs it.
 EnvCount g_moe_decode_upw{"DEEPSERVE_MOE_DECODE_UPW", 0};
 // Chunks per weight row a lane of the decode MoE kernels has in flight for passes of up to 2
-// tokens: 4, else (unset) 2. The same bits either way (moe_decode.cu).
-EnvCount g_moe_decode_unroll{"DEEPSERVE_MOE_DECODE_UNROLL", 2};
+// tokens: 4 (unset; W3 TPOT 2.99 / 3.02 ms against 3.05 / 3.07 with 2, H200, cef1370), or 2
+// (DEEPSERVE_MOE_DECODE_UNROLL=2). The same bits either way (moe_decode.cu).
+EnvCount g_moe_decode_unroll{"DEEPSERVE_MOE_DECODE_UNROLL", 4};
 // The decode MoE's combine (each token's expert outputs summed in slot order) done by the last
 // down CTA of each row tile instead of a launch of its own. The same bits either way.
 EnvSwitch g_moe_fused_combine{"DEEPSERVE_MOE_FUSED_COMBINE", "0", true};

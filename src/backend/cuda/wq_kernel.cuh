@@ -8,7 +8,8 @@
 // real k 32t + 8p .. + 7 into two mmas. The token side uses the same permutation of k, so the
 // products are the true ones. W4A16 also pairs the codes of each 8-k chunk as (k, k + 4)
 // (two per 32-bit lop3, see dequant8_w4): its activations are staged in that order
-// (w4_stage_pos), by the producers of the BF16 rows.
+// (w4_stage_pos), by the producers of the BF16 rows. FP8W's products take FP16 activations
+// (kF16Act): its staged rows hold FP16 bits, and its fragments go to FP16 mmas.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -172,6 +173,38 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
+// FP8W's activations are FP16, not BF16: an e4m3 pair becomes an FP16 pair in one cvt (exact;
+// e4m3 fits FP16), where a BF16 pair took four instructions through F32, and the dequantization
+// is most of the kernel's issued work per weight byte (FP8W's MoE streamed 3.0 TB/s at T = 8
+// on V2-Lite shapes against BF16 weights' 4.3). FP16 keeps 11 significant bits to BF16's 8;
+// its range ends at 65504, so values are clamped there first (finite, never inf).
+template <WqFormat F>
+constexpr bool kF16Act = F == WqFormat::FP8W;
+constexpr float kF16Max = 65504.0f;
+__device__ __forceinline__ float f16_clamp(float v) {
+  return fminf(fmaxf(v, -kF16Max), kF16Max);  // NaN comes out as a bound: never in practice
+}
+__device__ __forceinline__ uint32_t f16x2_bits(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(f16_clamp(lo), f16_clamp(hi));  // lo in the low half
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+// Two activations as the mma operand of format F (low half first).
+template <WqFormat F>
+__device__ __forceinline__ uint32_t act2_bits(float lo, float hi) {
+  if constexpr (kF16Act<F>)
+    return f16x2_bits(lo, hi);
+  else
+    return bf16x2_bits(lo, hi);
+}
+// One activation as format F stages it (the 16 bits of a staged row).
+template <WqFormat F>
+__device__ __forceinline__ uint16_t act_bits(float v) {
+  if constexpr (kF16Act<F>)
+    return __half_as_ushort(__float2half_rn(f16_clamp(v)));
+  else
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 4 : 0));
@@ -198,21 +231,24 @@ __device__ __forceinline__ void dequant8_w4(uint32_t w, uint32_t (&o)[4]) {
   }
 }
 // The e4m3 codes in the low 16 bits of w (low byte first) as two floats, exactly (e4m3 fits
-// f16).
+// f16; the BF16 expansion, wq_dequant.cu).
 __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t w) {
   const auto pair = static_cast<__nv_fp8x2_storage_t>(w & 0xffffu);
   return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
 }
-// Eight e4m3 codes (two words, k order) -> four BF16x2, exact (e4m3 fits f16 and bf16).
-// (An integer form, sign and 7 bits shifted into a BF16 then one exact multiply by 2^120,
-// was ~6% slower on the H200 at T = 8: five issued instructions per pair against four.)
+// The e4m3 codes in the low 16 bits of w (low byte first) as an FP16 pair, exactly (one
+// cvt.rn.f16x2.e4m3x2 on sm_89 and later).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t w) {
+  const auto pair = static_cast<__nv_fp8x2_storage_t>(w & 0xffffu);
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+// Eight e4m3 codes (two words, k order) -> four FP16x2, exact. (Into BF16 it took four
+// instructions a pair, through F32; an integer form, sign and 7 bits shifted into a BF16 then
+// one exact multiply by 2^120, five.)
 __device__ __forceinline__ void dequant8_f8(uint32_t lo, uint32_t hi, uint32_t (&o)[4]) {
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint32_t w = q < 2 ? lo : hi;
-    const __nv_bfloat162 b = __float22bfloat162_rn(e4m3x2_to_float2(w >> (16 * (q & 1))));
-    o[q] = *reinterpret_cast<const uint32_t*>(&b);
-  }
+  for (int q = 0; q < 4; ++q) o[q] = e4m3x2_to_f16x2((q < 2 ? lo : hi) >> (16 * (q & 1)));
 }
 
 // What a CTA works on: weight rows (A) and token rows (B, BF16, ld elements, k >= kp zero).
@@ -221,7 +257,7 @@ struct CtaJob {
   const uint8_t* w1;       // gate/up: up's rows (CTA rows kBN/2..), else nullptr
   int64_t w_stride;        // bytes
   int rows;                // valid rows in each matrix from the CTA's first
-  const __nv_bfloat16* x;  // BF16 rows as staged (k >= kp zero); or, for run_cta<..., true>,
+  const __nv_bfloat16* x;  // BF16 (FP8W: FP16) rows as staged (k >= kp zero); or, for XF,
   const float* xf;         // F32 rows as they are (K a multiple of 4, rows 16-byte aligned);
   const int* xrow;         // run_cta<..., true, true>: token r is row xrow[r] of xf
   int64_t ldx;             // elements
@@ -510,16 +546,21 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
               b = make_uint4(bf16x2_bits(lo.x, hi.x), bf16x2_bits(lo.y, hi.y),
                              bf16x2_bits(lo.z, hi.z), bf16x2_bits(lo.w, hi.w));
             } else {
-              b = make_uint4(bf16x2_bits(lo.x, lo.y), bf16x2_bits(lo.z, lo.w),
-                             bf16x2_bits(hi.x, hi.y), bf16x2_bits(hi.z, hi.w));
+              b = make_uint4(act2_bits<F>(lo.x, lo.y), act2_bits<F>(lo.z, lo.w),
+                             act2_bits<F>(hi.x, hi.y), act2_bits<F>(hi.z, hi.w));
             }
           } else {
             b = *reinterpret_cast<const uint4*>(sb + r * kTokBytes + b_chunk(r, 4 * t + p) * 16);
           }
 #pragma unroll
           for (int i = 0; i < kRM; ++i) {
-            ptx::mma_bf16(sum[i][j], a[i][0], b.x, b.y);
-            ptx::mma_bf16(sum[i][j], a[i][1], b.z, b.w);
+            if constexpr (kF16Act<F>) {
+              ptx::mma_f16(sum[i][j], a[i][0], b.x, b.y);
+              ptx::mma_f16(sum[i][j], a[i][1], b.z, b.w);
+            } else {
+              ptx::mma_bf16(sum[i][j], a[i][0], b.x, b.y);
+              ptx::mma_bf16(sum[i][j], a[i][1], b.z, b.w);
+            }
           }
         }
       }
