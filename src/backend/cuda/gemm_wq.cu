@@ -63,11 +63,11 @@ void with_bt(int64_t m, Fn&& f) {
   }
 }
 
-template <WqFormat F, int BT, bool XF, int S = kStagesOf<F, BT>, typename Kernel>
+template <WqFormat F, int BT, bool XF, typename Kernel>
 void set_smem_limit(Kernel k) {
-  check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  int(kSmem<F, BT, XF, S>)),
-             "wq kernel smem limit");
+  check_cuda(
+      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem<F, BT, XF>)),
+      "wq kernel smem limit");
 }
 
 // Split-K in one launch (sm_90): the splits of a tile are one thread-block cluster; each CTA
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) dense_kernel
   jb.g_begin = int(blockIdx.z) * a.groups_per_split;
   jb.g_end = min(G, jb.g_begin + a.groups_per_split);
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, XF, false, kStagesOf<F, BT>, E>(jb, smem, acc);
+  run_cta<F, BT, XF, false, E>(jb, smem, acc);
   float* out_b = a.out + b * a.out_batch;
   if constexpr (CL) {
     reduce_in_cluster<F, BT>(a, out_b, acc, smem, n0, t0, jb.rows, jb.tokens);
@@ -251,10 +251,14 @@ void launch_dense(const DenseArgs& a, cudaStream_t stream) {
         pdl::launch_clusters(dense_kernel<F, BT, XF, CL, E>, grid, kThreads, kSmem<F, BT, XF>,
                              stream, cluster, a);
       };
-      if (BT != kBT && g_wq_early.on())
-        go.template operator()<BT != kBT>();
-      else
+      if constexpr (BT != kBT) {
+        if (g_wq_early.on())
+          go.template operator()<true>();
+        else
+          go.template operator()<false>();
+      } else {
         go.template operator()<false>();
+      }
       check_cuda(cudaGetLastError(), "wq gemm launch");
     }
   });
@@ -477,14 +481,13 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
   return F == WqFormat::BF16 ? ld * 2 : ld;
 }
 
-// Grid (ceil(F / 64), tiles): h[p, f] = act(silu(gate_f . x_p) * (up_f . x_p)), h staged
-// for down's format (staged_col, act_bits). BT >= the most tokens a tile can hold. XI: x's F32 rows
+// Grid (ceil(F / 64), tiles): h[p, f] = act(silu(gate_f . x_p) * (up_f . x_p)), h staged for
+// down's format (staged_col, act_bits). BT >= the most tokens a tile can hold. XI: x's F32 rows
 // staged through the sorted tokens (rounded in the kernel), else a.xa gathered (BF16; FP8W's
-// FP16). S:
-// pipeline stages. E (not XI: the gather launch sits between the token lists and this kernel,
-// so the lists are settled when it starts, pdl.cuh): the tile is looked up through L2 and its
-// first stages' weights asked for before the wait.
-template <WqFormat F, int BT, bool XI, int S, bool E>
+// FP16). E (not XI: the gather launch sits between the token lists and this kernel, so the
+// lists are settled when it starts, pdl.cuh): the tile is looked up through L2 and its first
+// stages' weights asked for before the wait.
+template <WqFormat F, int BT, bool XI, bool E>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     gate_up_kernel(GroupedFfnArgs a) {
   static_assert(!(XI && E), "with XI the lists are written by the launch just ahead");
@@ -508,7 +511,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     jb.xrow = a.lists.sorted_token + tl.begin;
   }
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, XI, XI, S, E>(jb, smem, acc);
+  run_cta<F, BT, XI, XI, E>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   auto* h = static_cast<uint16_t*>(a.h);
 #pragma unroll
@@ -523,10 +526,10 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     }
 }
 
-// Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p. S: pipeline stages. E: the tile is
-// looked up through L2 (the lists are two launches back) and its first stages' weights asked
-// for before the wait; else a.prefetch may ask L2 for them (down_start).
-template <WqFormat F, int BT, int S, bool E>
+// Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p. E: the tile is looked up through
+// L2 (the lists are two launches back) and its first stages' weights asked for before the wait;
+// else a.prefetch may ask L2 for them (down_start).
+template <WqFormat F, int BT, bool E>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(GroupedFfnArgs a) {
   const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
   Tile tl;
@@ -550,22 +553,21 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(
   const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
                              nullptr, down_ld, min(kBN, H - n0), a.h, Fi);
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, false, false, S, E>(jb, smem, acc);
+  run_cta<F, BT, false, false, E>(jb, smem, acc);
   for_each_out<F>(acc, [&](int r, int tok, float v) {
     const int row = n0 + r;
     if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
   });
 }
 
-// S: the stages of the kernels whose token rows are BF16 (gate/up unless XI, down). E: their
-// first weights before the wait.
-template <WqFormat F, int BT, bool XI, int S, bool E>
+// E: the kernels whose token rows are BF16 (gate/up unless XI, down) ask for their first
+// weights before the wait.
+template <WqFormat F, int BT, bool XI, bool E>
 void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
-  constexpr int kGuS = XI ? kStagesOf<F, BT> : S;
   constexpr bool kGuE = E && !XI;
   static const bool ready = [] {
-    set_smem_limit<F, BT, XI, kGuS>(gate_up_kernel<F, BT, XI, kGuS, kGuE>);
-    set_smem_limit<F, BT, false, S>(down_kernel<F, BT, S, E>);
+    set_smem_limit<F, BT, XI>(gate_up_kernel<F, BT, XI, kGuE>);
+    set_smem_limit<F, BT, false>(down_kernel<F, BT, E>);
     return true;
   }();
   (void)ready;
@@ -574,29 +576,20 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
                        a.num_tokens * a.top_k, a.hidden, a.xa, stream,
                        /*w4_order=*/F == WqFormat::W4A16, /*f16=*/kF16Act<F>);
   const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
-  pdl::launch(gate_up_kernel<F, BT, XI, kGuS, kGuE>, dim3(ceil_div(a.inter, kBN / 2), tiles),
-              kThreads, kSmem<F, BT, XI, kGuS>, stream, a);
+  pdl::launch(gate_up_kernel<F, BT, XI, kGuE>, dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads,
+              kSmem<F, BT, XI>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe gate/up");
-  pdl::launch(down_kernel<F, BT, S, E>, dim3(ceil_div(a.hidden, kBN), tiles), kThreads,
-              kSmem<F, BT, false, S>, stream, a);
+  pdl::launch(down_kernel<F, BT, E>, dim3(ceil_div(a.hidden, kBN), tiles), kThreads, kSmem<F, BT>,
+              stream, a);
   check_cuda(cudaGetLastError(), "wq moe down");
 }
 
-// launch_ffn<F, BT, XI, S, E> with the run-time switches: the deeper pipeline where it differs
-// (DEEPSERVE_WQ_DEEP=0: not), and for decode variants the early weights (DEEPSERVE_WQ_EARLY=0:
-// not).
+// launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0.
 template <WqFormat F, int BT, bool XI>
 void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
-  constexpr int kS = kStagesOf<F, BT>, kDeep = kDeepStagesOf<F, BT, false>;
-  const bool early = BT != kBT && g_wq_early.on();
-  if constexpr (kDeep != kS) {
-    if (g_wq_deep.on()) {
-      if (early) return launch_ffn<F, BT, XI, kDeep, BT != kBT>(a, stream);
-      return launch_ffn<F, BT, XI, kDeep, false>(a, stream);
-    }
-  }
-  if (early) return launch_ffn<F, BT, XI, kS, BT != kBT>(a, stream);
-  launch_ffn<F, BT, XI, kS, false>(a, stream);
+  if constexpr (BT != kBT)
+    if (g_wq_early.on()) return launch_ffn<F, BT, XI, true>(a, stream);
+  launch_ffn<F, BT, XI, false>(a, stream);
 }
 
 // Whether FP8W's decode variants (the caller's BT < kBT) read x's F32 rows themselves (no

@@ -229,9 +229,12 @@ int units_per_cta(int tc, int64_t total, unsigned slots, int resident, int sm_co
 // registers) unless DEEPSERVE_MOE_DECODE_UNROLL=2, else 2. The same bits either way.
 template <int TC>
 constexpr bool kMayUnroll4 = TC <= 2;
-template <int TC>
-bool unroll4() {
-  return kMayUnroll4<TC> && g_moe_decode_unroll.get() == 4;
+// f(std::integral_constant<int, U>{}) with U those chunks for passes of TC tokens.
+template <int TC, typename Fn>
+auto with_unroll(Fn&& f) {
+  if constexpr (kMayUnroll4<TC>)
+    if (g_moe_decode_unroll.get() == 4) return f(std::integral_constant<int, 4>{});
+  return f(std::integral_constant<int, kUnroll>{});
 }
 
 // Returns whether the kernel does the combine (a.out, with a counter for every row tile).
@@ -265,21 +268,15 @@ bool launch_kind(const DecodeFfnArgs& a, int tc_gu, int tc_dn, unsigned slots,
                  cudaStream_t stream) {
   if (a.stages & 1)
     with_tc(tc_gu, [&](auto tc) {
-      constexpr int T = tc.value;
-      if constexpr (kMayUnroll4<T>)
-        if (unroll4<T>()) return launch_gate_up<K, T, 4>(a, slots, stream);
-      launch_gate_up<K, T, kUnroll>(a, slots, stream);
+      constexpr int T = decltype(tc)::value;
+      with_unroll<T>([&](auto u) { launch_gate_up<K, T, decltype(u)::value>(a, slots, stream); });
     });
   if ((a.stages & 2) == 0) return true;
   bool fused = false;
   with_tc(tc_dn, [&](auto tc) {
-    constexpr int T = tc.value;
-    if constexpr (kMayUnroll4<T>)
-      if (unroll4<T>()) {
-        fused = launch_down<K, T, 4>(a, slots, stream);
-        return;
-      }
-    fused = launch_down<K, T, kUnroll>(a, slots, stream);
+    constexpr int T = decltype(tc)::value;
+    fused = with_unroll<T>(
+        [&](auto u) { return launch_down<K, T, decltype(u)::value>(a, slots, stream); });
   });
   return fused;
 }

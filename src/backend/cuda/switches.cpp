@@ -80,9 +80,6 @@ EnvSwitch g_mla_early{"DEEPSERVE_MLA_EARLY", "0", true};
 // for their first stages' weights before the dependent-launch wait (DEEPSERVE_WQ_EARLY=0: after
 // it). The same bits either way.
 EnvSwitch g_wq_early{"DEEPSERVE_WQ_EARLY", "0", true};
-// The wq MoE kernels whose token rows are BF16 take kDeepStagesOf's pipeline (two-group FP8W:
-// 3 stages, not 2); DEEPSERVE_WQ_DEEP=0: kStagesOf's. The same bits either way.
-EnvSwitch g_wq_deep{"DEEPSERVE_WQ_DEEP", "0", true};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.

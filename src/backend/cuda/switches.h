@@ -58,7 +58,6 @@ extern EnvSwitch g_norm_fuse;           // off; DEEPSERVE_NORM_FUSE=1 turns it o
 extern EnvSwitch g_skinny_early;        // on; DEEPSERVE_SKINNY_EARLY=0 turns it off
 extern EnvSwitch g_mla_early;           // on; DEEPSERVE_MLA_EARLY=0 turns it off
 extern EnvSwitch g_wq_early;            // on; DEEPSERVE_WQ_EARLY=0 turns it off
-extern EnvSwitch g_wq_deep;             // on; DEEPSERVE_WQ_DEEP=0 turns it off
 extern EnvSwitch g_moe_wq_stage_f32;    // on; DEEPSERVE_MOE_WQ_XF32=0 turns it off
 extern EnvSwitch g_wq_dequant;          // on; DEEPSERVE_WQ_DEQUANT=0 turns it off
 extern EnvCount g_wq_dequant_min_rows;  // DEEPSERVE_WQ_DEQUANT_MIN_ROWS (wq_dequant.cuh)

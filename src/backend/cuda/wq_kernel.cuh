@@ -50,12 +50,6 @@ template <WqFormat F, int BT>
 constexpr int kStagesOf = (F == WqFormat::FP8W && kGpsOf<F, BT> == 2)   ? 2
                           : (F == WqFormat::BF16 || kGpsOf<F, BT> == 2) ? 3
                                                                         : 4;
-// The deeper pipeline of a variant whose token rows are BF16 (!XF): two-group FP8W takes 3
-// stages there (3 x 37 KB, still 2 CTAs an SM; with F32 token rows 3 stages would leave one),
-// as deep as BF16's. Others as kStagesOf.
-template <WqFormat F, int BT, bool XF>
-constexpr int kDeepStagesOf =
-    F == WqFormat::FP8W&& kGpsOf<F, BT> == 2 && !XF ? 3 : kStagesOf<F, BT>;
 // Splits of K start at a multiple of this: the most groups any decode variant of F stages at
 // once, so every variant (and so every M up to kWqSplitMaxM) splits alike.
 template <WqFormat F>
@@ -114,8 +108,8 @@ template <WqFormat F, int BT, bool XF = false>
 constexpr uint32_t kStageBytes = kStageA<F, BT> + kStageS<F, BT> +
                                  uint32_t(kGpsOf<F, BT>) * uint32_t(BT) *
                                      uint32_t(XF ? kTokRowF32 : kTokRow);
-template <WqFormat F, int BT, bool XF = false, int S = kStagesOf<F, BT>>
-constexpr size_t kSmem = size_t(S) * kStageBytes<F, BT, XF>;
+template <WqFormat F, int BT, bool XF = false>
+constexpr size_t kSmem = size_t(kStagesOf<F, BT>) * kStageBytes<F, BT, XF>;
 
 // CTAs per SM the register budget is cut for: decode variants are latency-bound, so they keep
 // as many CTAs resident as their shared memory allows (with F32 token rows, the larger), up to
@@ -129,11 +123,6 @@ constexpr int min_ctas_of() {
   constexpr int fit = int(per_sm / (kSmem<F, BT, true> + reserved));
   return fit < 1 ? 1 : fit > 4 ? 4 : fit;
 }
-static_assert((228 * 1024) /
-                      (kSmem<WqFormat::FP8W, 8, false, kDeepStagesOf<WqFormat::FP8W, 8, false>> +
-                       1024) >=
-                  min_ctas_of<WqFormat::FP8W, 8>(),
-              "the deep FP8W variant keeps the CTAs per SM its launch bound is cut for");
 
 // Where element e (0..7) of each aligned 8-k chunk of a W4A16 activation row is staged: the
 // codes pair as (k, k + 4), so the row is x0 x4 x1 x5 x2 x6 x3 x7 per chunk.
@@ -174,10 +163,10 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 }
 
 // FP8W's activations are FP16, not BF16: an e4m3 pair becomes an FP16 pair in one cvt (exact;
-// e4m3 fits FP16), where a BF16 pair took four instructions through F32, and the dequantization
-// is most of the kernel's issued work per weight byte (FP8W's MoE streamed 3.0 TB/s at T = 8
-// on V2-Lite shapes against BF16 weights' 4.3). FP16 keeps 11 significant bits to BF16's 8;
-// its range ends at 65504, so values are clamped there first (finite, never inf).
+// e4m3 fits FP16), where a BF16 pair took four instructions through F32 (W1f +1.5% on the H200,
+// c910aba against cef1370: the FP8W MoE is not bound by its issued instructions). FP16 keeps 11
+// significant bits to BF16's 8; its range ends at 65504, so values are clamped there first
+// (finite, never inf).
 template <WqFormat F>
 constexpr bool kF16Act = F == WqFormat::FP8W;
 constexpr float kF16Max = 65504.0f;
@@ -302,18 +291,16 @@ __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
       }
 }
 
-// S: pipeline stages. kEarly: the weights (codes and scales) of the first S - 1 stages are
-// asked for before pdl::enter(), which run_cta calls, and the token rows after it: the
-// caller's job must not depend on what the kernel ahead writes (pdl.cuh), and the caller
-// must not call enter() itself.
-template <WqFormat F, int BT, bool XF = false, bool XI = false, int S = kStagesOf<F, BT>,
-          bool kEarly = false>
+// kEarly: the weights (codes and scales) of the first kStages - 1 stages are asked for before
+// pdl::enter(), which run_cta calls, and the token rows after it: the caller's job must not
+// depend on what the kernel ahead writes (pdl.cuh), and the caller must not call enter() itself.
+template <WqFormat F, int BT, bool XF = false, bool XI = false, bool kEarly = false>
 __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
   static_assert(XF || !XI, "indexed token rows are F32");
   static_assert(!(kEarly && XI), "the token indices come from the lists, after the wait");
   using Fm = Fmt<F>;
   constexpr bool kBf16 = F == WqFormat::BF16;  // no scales: products go straight into acc
-  constexpr int kStages = S;
+  constexpr int kStages = kStagesOf<F, BT>;
   constexpr int kGps = kGpsOf<F, BT>;  // groups per stage
   constexpr int kSw = kSwOf<F, BT>;    // scale words per row and stage
   constexpr int kTN = BT / 8;
