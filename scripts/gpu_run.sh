@@ -3,7 +3,7 @@
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded, ncu,
 # bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
-# multigpu, w1kv8, abenv, ncu, ncustep, mutate.
+# multigpu, w1kv8, abenv, abtree, abarg, ncu, ncustep, mutate.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -32,6 +32,11 @@
 #           AB_ENVS="DEEPSERVE_PDL=0 DEEPSERVE_MLA_PREPARE=0 DEEPSERVE_MOE_PREFILL=wide";
 #           AB_ROUNDS=3 runs the defaults and every item in turn, three times (tools/ab_table.py
 #           prints the medians)
+#   abtree  A/B of two builds on one machine (a compile-time change): builds the deepserve
+#           binary of the tree in .carry/abtree.tgz (scripts/gpu_abtree_archive.sh <commit>
+#           writes it; carry it) in /tmp/build-abtree, then benches ABTREE_WORKLOADS (default
+#           w1) alternating this build and that one, AB_ROUNDS rounds (default 2): files
+#           bench-{this,base}-<w>-r<k>.json, each naming its own commit. Needs build first.
 #   abarg   bench ABARG_WORKLOADS (default w2; not AB_WORKLOADS, which is abenv's) under each of
 #           AB_ARGS (bench options, several joined by commas), e.g. AB_ARGS="--prefill-first-steps=0"
 #           (A/B of an engine setting)
@@ -227,6 +232,36 @@ if has_stage abenv; then
       done
     done
   done
+fi
+
+if has_stage abtree; then
+  archive=$ROOT/.carry/abtree.tgz
+  if [ ! -f "$archive" ]; then
+    log "abtree: no $archive (scripts/gpu_abtree_archive.sh <commit>, then carry it)"
+  else
+    base_src=/tmp/abtree-src base_build=/tmp/build-abtree
+    rm -rf "$base_src" && mkdir -p "$base_src" "$OUT/abtree" && tar xzf "$archive" -C "$base_src"
+    ln -sfn "$ROOT/.carry" "$base_src/.carry"
+    log "abtree: building $(cat "$base_src/.commit") in $base_build"
+    (cd "$base_src" && OUT="$OUT/abtree" BUILD=$base_build BUILD_TARGETS=deepserve \
+      bash "$ROOT/scripts/gpu_run.sh" build)
+    if [ -x "$base_build/deepserve" ]; then
+      for ((round = 1; round <= ${AB_ROUNDS:-2}; round++)); do
+        for w in ${ABTREE_WORKLOADS:-w1}; do
+          for side in this base; do
+            bin=$BUILD/deepserve
+            [ $side = base ] && bin=$base_build/deepserve
+            DEEPSERVE_V2_LITE="$LITE_DIR" "$bin" bench --config "bench/$w.yaml" \
+              --output "$OUT/bench-$side-$w-r$round.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
+              >"$OUT/bench-$side-$w-r$round.log" 2>&1
+            log "bench $w ($side, round $round) rc=$?: $(grep -m1 'output tok/s' "$OUT/bench-$side-$w-r$round.log")"
+          done
+        done
+      done
+    else
+      log "abtree: the base build failed (abtree/build.log)"
+    fi
+  fi
 fi
 
 if has_stage abarg; then
