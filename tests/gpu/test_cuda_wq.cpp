@@ -180,7 +180,7 @@ TEST(CudaWq, PrefillSizedMatmulTakesTheExpandedWeights) {
               for (int64_t k = 0; k < K; ++k) {
                 const double xk = x[size_t(m * ldx + k)];
                 s += double(expanded ? test::bf16_round(wr[k]) : wr[k]) *
-                     (expanded ? test::bf16_round(float(xk)) : test::act_round(t, float(xk)));
+                     test::act_round(expanded ? DType::BF16 : t, float(xk));
                 s32 += double(wr[k]) * xk;
                 mag += std::fabs(double(wr[k]) * xk);
               }
@@ -410,11 +410,11 @@ QExperts make_experts(DType t, int E, int64_t H, int64_t F) {
 }
 
 // y = down . act(silu(gate . x) * (up . x)) for one expert, with x already rounded (and the
-// weights to BF16 when `rounded`: the BF16 expansion's products); act rounds to FP16 when
-// f16_act (FP8W's kernels), else to BF16; mag gets sum_n-wise |down| . |h| (the scale of each
-// output's rounding).
+// weights to BF16 when `rounded`: the BF16 expansion's products); act rounds as
+// test::act_round(act_type, ...); mag gets sum_n-wise |down| . |h| (the scale of each output's
+// rounding).
 void expert_ref(const QExperts& q, int e, const std::vector<double>& x, int64_t H, int64_t F,
-                std::vector<double>& y, std::vector<double>& mag, bool rounded, bool f16_act) {
+                std::vector<double>& y, std::vector<double>& mag, bool rounded, DType act_type) {
   const auto wv = [&](const test::QWeight& m, int64_t i) {
     const float v = m.deq[size_t(i)];
     return double(rounded ? test::bf16_round(v) : v);
@@ -429,8 +429,7 @@ void expert_ref(const QExperts& q, int e, const std::vector<double>& x, int64_t 
       gv += wv(g, f * H + k) * x[size_t(k)];
       uv += wv(u, f * H + k) * x[size_t(k)];
     }
-    const float hv = float(gv / (1.0 + std::exp(-gv)) * uv);
-    h[size_t(f)] = f16_act ? test::f16_round(hv) : test::bf16_round(hv);
+    h[size_t(f)] = test::act_round(act_type, float(gv / (1.0 + std::exp(-gv)) * uv));
   }
   y.assign(size_t(H), 0.0);
   mag.assign(size_t(H), 0.0);
@@ -496,15 +495,13 @@ void check_moe_against_reference(bool expand) {
           std::vector<double> xr(static_cast<size_t>(H)), want(size_t(H), 0.0), mag(size_t(H), 0.0),
               y, ym;
           // The in-register kernels round as the format does; the expansions' products to BF16.
-          const bool f16_act = !expand && t == DType::FP8W;
-          for (int64_t c = 0; c < H; ++c) {
-            const float xc = x[size_t(i * H + c)];
-            xr[size_t(c)] = f16_act ? test::f16_round(xc) : test::bf16_round(xc);
-          }
+          const DType act_type = expand ? DType::BF16 : t;
+          for (int64_t c = 0; c < H; ++c)
+            xr[size_t(c)] = test::act_round(act_type, x[size_t(i * H + c)]);
           for (int j = 0; j < k + shared; ++j) {
             const int e = j < k ? ids[size_t(i * k + j)] : E - shared + (j - k);
             const double wj = j < k ? wts[size_t(i * k + j)] : 1.0;
-            expert_ref(q, e, xr, H, F, y, ym, expand, f16_act);
+            expert_ref(q, e, xr, H, F, y, ym, expand, act_type);
             for (int64_t c = 0; c < H; ++c) {
               want[size_t(c)] += wj * y[size_t(c)];
               mag[size_t(c)] += std::fabs(wj) * ym[size_t(c)];

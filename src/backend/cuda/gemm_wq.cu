@@ -572,9 +572,8 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   }();
   (void)ready;
   if (!XI)
-    launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts,
-                       a.num_tokens * a.top_k, a.hidden, a.xa, stream,
-                       /*w4_order=*/F == WqFormat::W4A16, /*f16=*/kF16Act<F>);
+    launch_gather_act(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts,
+                      a.num_tokens * a.top_k, a.hidden, a.xa, stream, F);
   const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
   pdl::launch(gate_up_kernel<F, BT, XI, kGuE>, dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads,
               kSmem<F, BT, XI>, stream, a);

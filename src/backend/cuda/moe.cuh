@@ -395,13 +395,13 @@ void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream);
 void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream);
 void prepare_grouped_kernels();
 
-// act[p, :] = bf16(x[sorted_token[p], :]) for p < *assigned (grid n rows; sorted_token null:
-// row p of x; assigned null: all n rows); w4_order: each
-// 8-column chunk staged as the W4A16 kernels read it (wq_kernel.cuh, w4_stage_pos; hidden a
-// multiple of 8); f16: FP16 (clamped to its range), as the FP8W kernels read it.
-void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_token,
-                        const int* assigned, int64_t n, int hidden, void* act, cudaStream_t stream,
-                        bool w4_order = false, bool f16 = false);
+// act[p, :] = x[sorted_token[p], :] for p < *assigned (grid n rows; sorted_token null: row p of
+// x; assigned null: all n rows), 16 bits an element as the kernels of format `as` stage them:
+// BF16; W4A16's 8-column chunks in its order (wq_kernel.cuh, w4_stage_pos; hidden a multiple
+// of 8); FP8W's FP16, clamped to its range.
+void launch_gather_act(const float* x, int64_t x_stride, const int* sorted_token,
+                       const int* assigned, int64_t n, int hidden, void* act, cudaStream_t stream,
+                       WqFormat as = WqFormat::BF16);
 
 // Gathers, runs the GEMMs of every touched expert and leaves y [N, hidden] F32 in a.gu.
 // Synchronizes the stream once to read the per-expert counts.

@@ -273,7 +273,7 @@ void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
                a.lists.tile_rows == kSmallTileM,
            "grouped moe: tile table of " + std::to_string(a.lists.tile_rows) + " rows");
   // x once in BF16, row t for token t (the kernels index it through sorted_token).
-  launch_gather_bf16(a.x, a.x_stride, nullptr, nullptr, a.num_tokens, a.hidden, a.xa, stream);
+  launch_gather_act(a.x, a.x_stride, nullptr, nullptr, a.num_tokens, a.hidden, a.xa, stream);
   if (a.lists.tile_rows == kWideTileM)
     launch_shape<Wide>(a, n, stream);
   else if (a.lists.tile_rows == kSmallTileM)

@@ -25,23 +25,21 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// act[p, :] = bf16(x[sorted_token[p], :]); one block per sorted position below *assigned
-// (sorted_token null: row p of x; assigned null: every block).
-// W4: each 8-column chunk in the order the W4A16 kernels read (wq_kernel.cuh's staged_col).
-// H: FP16 (clamped, wqk::act_bits), for the FP8W kernels.
-template <bool W4, bool H>
-__global__ void gather_bf16_kernel(const float* __restrict__ x, int64_t x_stride,
-                                   const int* __restrict__ sorted_token,
-                                   const int* __restrict__ assigned, int hidden,
-                                   uint16_t* __restrict__ act) {
+// act[p, :] = x[sorted_token[p], :] as the kernels of format F stage it (wq_kernel.cuh's
+// staged_col and act_bits: BF16, W4A16's chunk order, FP8W's FP16); one block per sorted
+// position below *assigned (sorted_token null: row p of x; assigned null: every block).
+template <WqFormat F>
+__global__ void gather_act_kernel(const float* __restrict__ x, int64_t x_stride,
+                                  const int* __restrict__ sorted_token,
+                                  const int* __restrict__ assigned, int hidden,
+                                  uint16_t* __restrict__ act) {
   pdl::enter();
   const int64_t p = blockIdx.x;
   if (assigned && p >= *assigned) return;
   const float* src = x + (sorted_token ? int64_t(sorted_token[p]) : p) * x_stride;
   uint16_t* dst = act + p * hidden;
-  constexpr WqFormat kAs = W4 ? WqFormat::W4A16 : H ? WqFormat::FP8W : WqFormat::BF16;
   for (int k = threadIdx.x; k < hidden; k += kThreads)
-    dst[wqk::staged_col<kAs>(k)] = wqk::act_bits<kAs>(src[k]);
+    dst[wqk::staged_col<F>(k)] = wqk::act_bits<F>(src[k]);
 }
 
 // act[p, f] = bf16(silu(gu[p, f]) * gu[p, F + f]) for the rows p = begin + blockIdx.x.
@@ -71,16 +69,16 @@ void gemm_bf16(cublasHandle_t h, int m, int n, int k, const void* A, int64_t lda
 
 }  // namespace
 
-void launch_gather_bf16(const float* x, int64_t x_stride, const int* sorted_token,
-                        const int* assigned, int64_t n, int hidden, void* act, cudaStream_t stream,
-                        bool w4_order, bool f16) {
+void launch_gather_act(const float* x, int64_t x_stride, const int* sorted_token,
+                       const int* assigned, int64_t n, int hidden, void* act, cudaStream_t stream,
+                       WqFormat as) {
   if (n == 0) return;
-  DS_CHECK(!w4_order || hidden % 8 == 0, "gather: W4A16 order needs whole 8-column chunks");
-  DS_CHECK(!(w4_order && f16), "gather: FP16 rows are in the natural order");
+  DS_CHECK(as != WqFormat::W4A16 || hidden % 8 == 0,
+           "gather: W4A16 order needs whole 8-column chunks");
   auto* dst = static_cast<uint16_t*>(act);
-  const auto kernel = w4_order ? gather_bf16_kernel<true, false>
-                      : f16    ? gather_bf16_kernel<false, true>
-                               : gather_bf16_kernel<false, false>;
+  const auto kernel = as == WqFormat::W4A16  ? gather_act_kernel<WqFormat::W4A16>
+                      : as == WqFormat::FP8W ? gather_act_kernel<WqFormat::FP8W>
+                                             : gather_act_kernel<WqFormat::BF16>;
   pdl::launch(kernel, unsigned(n), kThreads, 0, stream, x, x_stride, sorted_token, assigned, hidden,
               dst);
   check(cudaGetLastError(), "gather");
@@ -180,7 +178,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
     args.experts = expanded.data();
   }
   // Gather first (positions past the last valid one exit), then read the counts.
-  launch_gather_bf16(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + E, n, H, xg, stream);
+  launch_gather_act(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + E, n, H, xg, stream);
   std::vector<int> offsets(size_t(E) + 1);
   check(cudaMemcpyAsync(offsets.data(), a.lists.offsets, offsets.size() * sizeof(int),
                         cudaMemcpyDeviceToHost, stream),
