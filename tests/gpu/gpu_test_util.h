@@ -596,6 +596,11 @@ inline BackendKv random_paged_kv(Backend& b, const KvSpec& s, uint32_t seed, int
   return r;
 }
 
+// Whether two downloads are the same bits.
+inline bool bits_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
 // Forces a switch or threshold of the CUDA backend for one scope.
 struct Forced {
   cuda::EnvSwitch* sw = nullptr;

@@ -19,7 +19,9 @@
 #include "attention_reference.h"
 #include "backend/cuda/attention.cuh"
 #include "backend/cuda/attention_mla_decode.cuh"
+#include "backend/cuda/attention_setup.h"
 #include "backend/cuda/context.cuh"
+#include "backend/cuda/switches.h"
 #include "launch_context.h"
 
 namespace ds {
@@ -410,6 +412,67 @@ TEST(CudaAttention, MlaDecodeKernelEdges) {
   f.path = AttentionPath::MlaDecode;
   const Inputs in = make_inputs(f, seed);
   EXPECT_THROW(launch(f, in), Error);
+}
+
+// The register-Q kernel's splits merged inside thread-block clusters (DEEPSERVE_MLA_CLUSTER=1;
+// one cluster of splits per sequence and head chunk, no merge launch) give the merge kernel's
+// bits: W3's, W1's and W5's shapes, contexts around the tiles (splits without keys), partial and
+// several head chunks, padded output rows, Q and P split hi + lo or rounded once, and outputs
+// poisoned with NaN before each launch. W3's shape (one cluster of 16), 5-split clusters over a
+// partial head chunk and a padded 13-split one must take the cluster path; one split or more
+// than 16 must not (the switch then changes nothing); whether all of W1's 8 clusters of 16 fit at
+// once depends on the device's GPCs.
+TEST(CudaAttention, MlaDecodeClusterMergeChangesNothing) {
+  DS_REQUIRE_GPU();
+  const std::vector<test::StepSeq> edges = {{1, 1},   {1, 63},  {1, 64},  {1, 65},
+                                            {1, 128}, {1, 129}, {1, 777}, {1, 2049}};
+  enum Taken { kMust, kMustNot, kAny };
+  struct Shape {
+    int heads;
+    std::vector<test::StepSeq> seqs;
+    Taken cluster;
+    bool strided = false;
+  };
+  const Shape shapes[] = {{16, {{1, 1088}}, kMust},
+                          {16, decodes(8, 1400, 8), kAny},
+                          {128, decodes(8, 1300, 5), kAny},
+                          {16, edges, kAny},
+                          {8, edges, kAny},
+                          {20, {{1, 300}, {1, 77}}, kMust},
+                          {16, {{1, 777}}, kMust, true},
+                          {16, {{1, 1}}, kMustNot},
+                          {16, {{1, 20000}}, kMustNot}};
+  const int sms = launch_context().get().sm_count;
+  uint32_t seed = 2900;
+  for (AttentionPath path : {AttentionPath::MlaDecode, AttentionPath::MlaDecodeBf16})
+    for (const Shape& sh : shapes) {
+      Case c;
+      c.seqs = sh.seqs;
+      c.heads = sh.heads, c.hd = 512, c.rope = 64, c.path = path, c.strided = sh.strided;
+      SCOPED_TRACE(describe(c));
+      std::vector<float> out[2];
+      for (int on : {0, 1}) {
+        const test::Forced cluster(cuda::g_mla_cluster, on);
+        const Inputs in = make_inputs(c, seed);  // the same inputs, outputs NaN again
+        if (on) {
+          cuda::kern::AttnParams a = cuda::mla_params(mla_params(c, in), in.step.meta);
+          a.splits = cuda::mla_decode_splits(a, sms);
+          const bool taken = cuda::mla_decode_merges_in_cluster(a);
+          if (sh.cluster != kAny) EXPECT_EQ(taken, sh.cluster == kMust) << a.splits << " splits";
+          std::printf("[ cluster  ] %s: %d splits, %s\n", describe(c).c_str(), a.splits,
+                      taken ? "merged in clusters" : "merge kernel");
+        }
+        launch(c, in);
+        out[on] = read_out(c, in);
+      }
+      EXPECT_TRUE(test::bits_equal(out[1], out[0]));
+      if (path == AttentionPath::MlaDecode) {
+        const Inputs in = make_inputs(c, seed);
+        EXPECT_TRUE(test::all_close(out[1], reference(c, in), test::attention_tolerance(),
+                                    "vs float64", {in.h.num_tokens, c.heads, c.hd}));
+      }
+      ++seed;
+    }
 }
 
 // The MLA decode kernel's split count (host code; no GPU needed): with fewer CTAs than SMs the

@@ -9,11 +9,13 @@
 #include <ucontext.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -597,6 +599,70 @@ TEST(CudaAttentionSim, RealShapes) {
     run_case(c, seed++);
     c.heads = 3, c.kv_heads = 3, c.hd = 80, c.dtype = DType::F16;
     run_case(c, seed++);
+  }
+}
+
+// The MLA decode kernel's in-cluster merge (merge_cluster_items, DEEPSERVE_MLA_CLUSTER=1) shares
+// a head chunk's rows x dims out among the cluster's CTAs: every item of an existing row merged
+// exactly once, rows past the heads left alone, and each value the merge kernel's bits, with
+// splits that saw no key (max -inf) among them.
+TEST(CudaAttentionSim, ClusterMergeMatchesTheMergeKernel) {
+  constexpr int kRows = 16, kDv = 512, kThreads = 256;
+  std::mt19937 rng(41);
+  std::uniform_real_distribution<float> val(-3.0f, 3.0f), mx(-6.0f, 6.0f), sum(0.5f, 40.0f);
+  for (int S : {2, 3, 7, 9, 16}) {
+    for (int heads : {16, 13}) {
+      SCOPED_TRACE("splits " + std::to_string(S) + " heads " + std::to_string(heads));
+      std::vector<float> part_o(size_t(S) * heads * kDv), part_ml(size_t(S) * heads * 2);
+      for (float& v : part_o) v = val(rng);
+      for (int s = 0; s < S; ++s)
+        for (int h = 0; h < heads; ++h) {
+          const bool empty = s % 4 == 3;  // split 0 always has keys
+          part_ml[(size_t(s) * heads + h) * 2] = empty ? -INFINITY : mx(rng);
+          part_ml[(size_t(s) * heads + h) * 2 + 1] = empty ? 0.0f : sum(rng);
+        }
+      std::vector<float> ref(size_t(heads) * kDv, std::numeric_limits<float>::quiet_NaN());
+      kern::MergeParams m;
+      m.part_o = part_o.data();
+      m.part_ml = part_ml.data();
+      m.out = reinterpret_cast<uint8_t*>(ref.data());
+      m.out_ts = int64_t(heads) * kDv * 4;
+      m.out_hs = kDv * 4;
+      m.num_tokens = 1;
+      m.heads = heads;
+      m.dv = kDv;
+      m.splits = S;
+      sim_grid(unsigned(heads), 1, 1, 128, 0,
+               [&](const kern::Thread& th, uint8_t*) { kern::merge_splits(m, th); });
+
+      std::vector<float> got(size_t(kRows) * kDv, std::numeric_limits<float>::quiet_NaN());
+      std::vector<int> stores(size_t(kRows) * kDv, 0);
+      const auto at = [&](int s, int row) { return (size_t(s) * heads + size_t(row)) * 2; };
+      for (int z = 0; z < S; ++z)
+        for (int tid = 0; tid < kThreads; ++tid)
+          kern::merge_cluster_items(
+              S, z, tid, kThreads, kRows, kDv, [&](int row) { return row < heads; },
+              [&](int s, int row) { return part_ml[at(s, row)]; },
+              [&](int s, int row) { return part_ml[at(s, row) + 1]; },
+              [&](int s, int row, int d, float(&o)[4]) {
+                for (int e = 0; e < 4; ++e)
+                  o[e] = part_o[(size_t(s) * heads + size_t(row)) * kDv + size_t(d + e)];
+              },
+              [&](int row, int d, const float(&acc)[4]) {
+                for (int e = 0; e < 4; ++e) {
+                  got[size_t(row) * kDv + size_t(d + e)] = acc[e];
+                  ++stores[size_t(row) * kDv + size_t(d + e)];
+                }
+              });
+      for (int row = 0; row < kRows; ++row)
+        for (int d = 0; d < kDv; ++d) {
+          const size_t i = size_t(row) * kDv + size_t(d);
+          ASSERT_EQ(stores[i], row < heads ? 1 : 0) << "row " << row << " dim " << d;
+          if (row < heads)
+            ASSERT_EQ(std::memcmp(&got[i], &ref[i], 4), 0)
+                << "row " << row << " dim " << d << ": " << got[i] << " vs " << ref[i];
+        }
+    }
   }
 }
 

@@ -569,10 +569,7 @@ TEST(CudaMoeFfn, WeightPrefetchChangesNothing) {
   }
 }
 
-// Whether two downloads are the same bits.
-bool bits_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-}
+using test::bits_equal;
 
 // Fills c's output with NaN (0xff bytes) on d's stream, so an output a kernel skips shows.
 void poison_out(DirectCuda& d, FfnCase& c) {
@@ -629,8 +626,10 @@ void expect_replays(DirectCuda& d, FfnCase& c, cuda::MoeFfnPath path,
 // The decode path's fused combine (the down kernel's last CTA per row tile sums the slots), its
 // one-wave grid sizing, the token lists built in the gate/up kernel (steps of at most 32
 // assignments) and 4 chunks per row in flight (passes of up to 2 tokens;
-// DEEPSERVE_MOE_DECODE_UNROLL) give the bits of the token-list kernel, the base grid, the
-// separate combine and 2 chunks in flight:
+// DEEPSERVE_MOE_DECODE_UNROLL), the down kernel's early start (its expert and first weights
+// before the wait, DEEPSERVE_MOE_DOWN_EARLY) and shared experts' gate/up before the wait (one
+// token, DEEPSERVE_MOE_SHARED_EARLY) give the bits of the token-list kernel, the base grid, the
+// separate combine, 2 chunks in flight and everything after the wait:
 // every mode on the same problems, back to back without a sync (the arrival counters must be
 // left zero), into outputs poisoned with NaN first (a row tile left uncombined would show), then
 // replayed from a graph twice. Without shared experts the first problem also has an expert base
@@ -644,19 +643,32 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
     for (int T : {1, 2, 3, 5, 8, 21}) {
       SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
       auto [a, b] = decode_pair(*ex, T, S, 600, 700);
-      // (fused combine, units-per-warp multiple, warp lists, unroll): the reference first.
-      const std::tuple<int, long long, int, long long> modes[] = {
-          {0, 1, 0, 2}, {1, 0, 1, 2}, {1, 1, 1, 2}, {1, 2, 0, 2}, {1, 3, 1, 2},
-          {0, 0, 1, 2}, {1, 0, 0, 2}, {1, 0, 1, 4}, {0, 1, 0, 4}, {1, 2, 1, 4}};
+      // (fused combine, units-per-warp multiple, warp lists, unroll, down's early start, shared
+      // experts first): the reference first.
+      const std::tuple<int, long long, int, long long, int, int> modes[] = {
+          {0, 1, 0, 2, 0, 0}, {1, 0, 1, 2, 0, 0}, {1, 1, 1, 2, 0, 0}, {1, 2, 0, 2, 0, 0},
+          {1, 3, 1, 2, 0, 0}, {0, 0, 1, 2, 0, 0}, {1, 0, 0, 2, 0, 0}, {1, 0, 1, 4, 0, 0},
+          {0, 1, 0, 4, 0, 0}, {1, 2, 1, 4, 0, 0}, {1, 0, 1, 4, 1, 0}, {1, 0, 0, 4, 1, 0},
+          {0, 1, 1, 2, 1, 0}, {1, 2, 0, 2, 1, 0}, {1, 0, 1, 4, 0, 1}, {1, 0, 1, 4, 1, 1},
+          {0, 1, 1, 2, 1, 1}, {1, 3, 1, 4, 0, 1}};
       constexpr int kModes = int(std::size(modes));
       std::array<std::vector<float>, 2> out[kModes];
       g.synchronize();
+      auto& counts = cuda::moe::early_launch_counts();
       for (int m = 0; m < kModes; ++m) {
         const test::Forced fused(cuda::g_moe_fused_combine, std::get<0>(modes[m]));
         const test::Forced upw(cuda::g_moe_decode_upw, std::get<1>(modes[m]));
         const test::Forced lists(cuda::g_moe_warp_lists, std::get<2>(modes[m]));
         const test::Forced unroll(cuda::g_moe_decode_unroll, std::get<3>(modes[m]));
+        const test::Forced early(cuda::g_moe_down_early, std::get<4>(modes[m]));
+        const test::Forced shared_first(cuda::g_moe_shared_early, std::get<5>(modes[m]));
+        const int64_t sf = counts.shared_first, de = counts.down_early;
         out[m] = run_pair(d, *a, *b, cuda::MoeFfnPath::Decode);
+        // Each switch is taken where it applies: the early down on every launch, shared experts
+        // first on one-token steps with shared experts whose lists the gate/up kernel builds.
+        EXPECT_EQ(counts.down_early - de, std::get<4>(modes[m]) ? 2 : 0) << "mode " << m;
+        const bool sf_applies = std::get<5>(modes[m]) && std::get<2>(modes[m]) && T == 1 && S > 0;
+        EXPECT_EQ(counts.shared_first - sf, sf_applies ? 2 : 0) << "mode " << m;
       }
       for (int m = 1; m < kModes; ++m) {
         EXPECT_TRUE(bits_equal(out[m][0], out[0][0])) << "first problem, mode " << m;
@@ -669,7 +681,11 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
                              rows_of(test::download_floats(cpu, a->out.cpu), T, a->H, a->out_ld), T,
                              a->H, kDecodeRowTol, kDecodeElemTol));
 
-      // Graph replays: the fused path twice from one capture (Auto's sizing, fused on).
+      // Graph replays: the fused path twice from one capture (Auto's sizing, fused on), with the
+      // down kernel's lookup after its wait and before it.
+      expect_replays(d, *b, cuda::MoeFfnPath::Decode, out[0][1]);
+      const test::Forced early(cuda::g_moe_down_early, 1);
+      const test::Forced shared_first(cuda::g_moe_shared_early, 1);
       expect_replays(d, *b, cuda::MoeFfnPath::Decode, out[0][1]);
     }
   }

@@ -104,7 +104,7 @@ void run(const Context& ctx, int scratch_slot, kern::AttnParams a, bool tensor_c
   }
 }
 
-// The MLA decode kernel, then the shared split merge.
+// The MLA decode kernel, then the shared split merge unless the kernel merged in clusters.
 void run_mla_decode(const Context& ctx, kern::AttnParams a, bool bf16_qp) {
   a.splits = mla_decode_splits(a, sm_count_of(ctx));
   if (a.splits > 1) {
@@ -112,8 +112,8 @@ void run_mla_decode(const Context& ctx, kern::AttnParams a, bool bf16_qp) {
     DS_CHECK(scratch != nullptr, "cuda mla_attention: no scratch memory for the split partials");
     bind_split_scratch(a, scratch);
   }
-  launch_mla_decode(a, ctx.stream, bf16_qp);
-  if (a.splits > 1) {
+  const bool merged = launch_mla_decode(a, ctx.stream, bf16_qp);
+  if (a.splits > 1 && !merged) {
     pdl::launch(merge_kernel, unsigned(a.num_tokens) * unsigned(a.heads), 128, 0, ctx.stream,
                 merge_params(a));
     check_cuda(cudaGetLastError(), "attention merge kernel");

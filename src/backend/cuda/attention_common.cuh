@@ -369,6 +369,63 @@ DS_KDEV void store_f4(float* p, const float (&v)[4]) {
 // Splits whose loads a merge thread issues together (the kernel is one round trip per chunk).
 constexpr int kMergeChunk = 8;
 
+// The scale of a merged row over `splits` splits: mx = the largest split max, inv = 1 / the sum
+// over splits s (ascending, skipping empty ones: max -inf) of l_s * 2^(m_s - mx). m_of(s), l_of(s):
+// split s's max and sum. The loads of kMergeChunk splits are issued before they are used.
+template <typename MaxOf, typename SumOf>
+DS_KDEV void merge_scale(int splits, const MaxOf& m_of, const SumOf& l_of, float& mx, float& inv) {
+  mx = -INFINITY;
+  for (int s0 = 0; s0 < splits; s0 += kMergeChunk) {
+    float v[kMergeChunk];
+    DS_UNROLL
+    for (int i = 0; i < kMergeChunk; ++i) v[i] = s0 + i < splits ? m_of(s0 + i) : -INFINITY;
+    DS_UNROLL
+    for (int i = 0; i < kMergeChunk; ++i) mx = fmaxf(mx, v[i]);
+  }
+  float sum = 0.0f;
+  for (int s0 = 0; s0 < splits; s0 += kMergeChunk) {
+    float ms[kMergeChunk], ls[kMergeChunk];
+    DS_UNROLL
+    for (int i = 0; i < kMergeChunk; ++i) {
+      const bool in = s0 + i < splits;
+      ms[i] = in ? m_of(s0 + i) : -INFINITY;
+      ls[i] = in ? l_of(s0 + i) : 0.0f;
+    }
+    DS_UNROLL
+    for (int i = 0; i < kMergeChunk; ++i)
+      if (ms[i] != -INFINITY) sum += ls[i] * exp2_approx(ms[i] - mx);
+  }
+  inv = 1.0f / sum;
+}
+
+// V consecutive dims of a merged row: the sum over splits s (ascending, skipping empty ones) of
+// o_s * 2^(m_s - mx), times inv (merge_scale's). load_o(s, v) reads split s's V partial values.
+template <int V, typename MaxOf, typename LoadO>
+DS_KDEV void merge_dims(int splits, const MaxOf& m_of, const LoadO& load_o, float mx, float inv,
+                        float (&acc)[V]) {
+  DS_UNROLL
+  for (int e = 0; e < V; ++e) acc[e] = 0.0f;
+  for (int s0 = 0; s0 < splits; s0 += kMergeChunk) {
+    float wgt[kMergeChunk], o[kMergeChunk][V];
+    DS_UNROLL
+    for (int i = 0; i < kMergeChunk; ++i) {
+      const int s = s0 + i;
+      const float ms = s < splits ? m_of(s) : -INFINITY;
+      wgt[i] = ms;
+      if (ms != -INFINITY) load_o(s, o[i]);
+    }
+    DS_UNROLL
+    for (int i = 0; i < kMergeChunk; ++i) {
+      if (wgt[i] == -INFINITY) continue;
+      const float f = exp2_approx(wgt[i] - mx);
+      DS_UNROLL
+      for (int e = 0; e < V; ++e) acc[e] += o[i][e] * f;
+    }
+  }
+  DS_UNROLL
+  for (int e = 0; e < V; ++e) acc[e] *= inv;
+}
+
 // out row = sum over splits s (ascending, skipping empty ones) of part_o[s] * 2^(m_s - max),
 // divided by the same weighted sum of the l_s. One CTA per (token, head) row; with V = 4 a
 // thread owns 4 consecutive dims (16-byte loads), else one.
@@ -379,64 +436,54 @@ DS_KDEV void merge_splits_v(const MergeParams& m, const Thread& th) {
   const int64_t stride = int64_t(m.num_tokens) * m.heads;
   const float* ml = m.part_ml + int64_t(row) * 2;
   const int64_t ml_step = stride * 2;
-  float mx = -INFINITY;
-  for (int s0 = 0; s0 < m.splits; s0 += kMergeChunk) {
-    float v[kMergeChunk];
-    DS_UNROLL
-    for (int i = 0; i < kMergeChunk; ++i)
-      v[i] = s0 + i < m.splits ? ml[(s0 + i) * ml_step] : -INFINITY;
-    DS_UNROLL
-    for (int i = 0; i < kMergeChunk; ++i) mx = fmaxf(mx, v[i]);
-  }
-  float sum = 0.0f;
-  for (int s0 = 0; s0 < m.splits; s0 += kMergeChunk) {
-    float ms[kMergeChunk], ls[kMergeChunk];
-    DS_UNROLL
-    for (int i = 0; i < kMergeChunk; ++i) {
-      const bool in = s0 + i < m.splits;
-      ms[i] = in ? ml[(s0 + i) * ml_step] : -INFINITY;
-      ls[i] = in ? ml[(s0 + i) * ml_step + 1] : 0.0f;
-    }
-    DS_UNROLL
-    for (int i = 0; i < kMergeChunk; ++i)
-      if (ms[i] != -INFINITY) sum += ls[i] * exp2_approx(ms[i] - mx);
-  }
-  const float inv = 1.0f / sum;
+  const auto m_of = [&](int s) { return ml[s * ml_step]; };
+  const auto l_of = [&](int s) { return ml[s * ml_step + 1]; };
+  float mx, inv;
+  merge_scale(m.splits, m_of, l_of, mx, inv);
   float* out = reinterpret_cast<float*>(m.out + token * m.out_ts + head * m.out_hs);
   const float* po = m.part_o + int64_t(row) * m.dv;
   const int64_t po_step = stride * m.dv;
   for (int d = th.tid * V; d < m.dv; d += th.nthreads * V) {
-    float acc[V] = {};
-    for (int s0 = 0; s0 < m.splits; s0 += kMergeChunk) {
-      float wgt[kMergeChunk], o[kMergeChunk][V];
-      DS_UNROLL
-      for (int i = 0; i < kMergeChunk; ++i) {
-        const int s = s0 + i;
-        const float ms = s < m.splits ? ml[s * ml_step] : -INFINITY;
-        wgt[i] = ms;
-        if (ms != -INFINITY) {
+    float acc[V];
+    merge_dims<V>(
+        m.splits, m_of,
+        [&](int s, float(&o)[V]) {
           if constexpr (V == 4) {
             const float4 q = wstream::load_float4(po + s * po_step + d);
-            o[i][0] = q.x, o[i][1] = q.y, o[i][2] = q.z, o[i][3] = q.w;
+            o[0] = q.x, o[1] = q.y, o[2] = q.z, o[3] = q.w;
           } else {
-            o[i][0] = po[s * po_step + d];
+            o[0] = po[s * po_step + d];
           }
-        }
-      }
-      DS_UNROLL
-      for (int i = 0; i < kMergeChunk; ++i) {
-        if (wgt[i] == -INFINITY) continue;
-        const float f = exp2_approx(wgt[i] - mx);
-        DS_UNROLL
-        for (int e = 0; e < V; ++e) acc[e] += o[i][e] * f;
-      }
-    }
-    DS_UNROLL
-    for (int e = 0; e < V; ++e) acc[e] *= inv;
+        },
+        mx, inv, acc);
     if constexpr (V == 4)
       store_f4(out + d, acc);
     else
       out[d] = acc[0];
+  }
+}
+
+// The merge of one cluster's splits (the MLA decode kernel's in-cluster merge): the `rows` x dv
+// values of the group (dv a multiple of 4) are cut into 4-dim items shared out among the S CTAs
+// in rank order, and CTA z, thread tid of nthreads, merges its items as merge_splits_v does (the
+// same bits). has(row): whether the row exists; m_of(s, row), l_of(s, row): split s's max and
+// sum; load_o(s, row, d, float(&)[4]): its partial dims d .. d + 4; store(row, d, acc).
+template <typename Has, typename MaxOf, typename SumOf, typename LoadO, typename Store>
+DS_KDEV void merge_cluster_items(int S, int z, int tid, int nthreads, int rows, int dv,
+                                 const Has& has, const MaxOf& m_of, const SumOf& l_of,
+                                 const LoadO& load_o, const Store& store) {
+  const int per_row = dv / 4, items = rows * per_row, per = (items + S - 1) / S;
+  const int end = (z + 1) * per < items ? (z + 1) * per : items;
+  for (int i = z * per + tid; i < end; i += nthreads) {
+    const int row = i / per_row, d = (i - row * per_row) * 4;
+    if (!has(row)) continue;
+    const auto m_row = [&](int s) { return m_of(s, row); };
+    float mx, inv, acc[4];
+    merge_scale(
+        S, m_row, [&](int s) { return l_of(s, row); }, mx, inv);
+    merge_dims<4>(
+        S, m_row, [&](int s, float(&o)[4]) { load_o(s, row, d, o); }, mx, inv, acc);
+    store(row, d, acc);
   }
 }
 

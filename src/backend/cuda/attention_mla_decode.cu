@@ -343,8 +343,9 @@ int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
   return int(std::min<int64_t>({sm_count / ctas, by_capacity, cap}));
 }
 
-void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp) {
-  if (launch_regq(a, stream, bf16_qp)) return;
+bool launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp) {
+  bool merged = false;
+  if (launch_regq(a, stream, bf16_qp, merged)) return merged;
   const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
                   unsigned((a.heads + kRows - 1) / kRows));
   const bool fp8 = a.cache_type == kern::kCacheFP8;
@@ -361,6 +362,7 @@ void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16
   else
     go.template operator()<false, false>();
   check_cuda(cudaGetLastError(), "mla decode kernel");
+  return false;
 }
 
 }  // namespace ds::cuda

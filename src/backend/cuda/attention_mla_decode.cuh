@@ -20,7 +20,13 @@ bool mla_decode_fits(const kern::AttnParams& a);
 int mla_decode_splits(const kern::AttnParams& a, int sm_count);
 // Grid (num_seqs, a.splits, head chunks); with splits > 1 it writes a.part_o / a.part_ml for
 // the shared merge kernel, else the normalized output. bf16_qp: Q and P rounded to BF16 once
-// (half the products of the default hi + lo split, which keeps them to ~16 bits).
-void launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp = false);
+// (half the products of the default hi + lo split, which keeps them to ~16 bits). Returns true
+// when the splits were merged in the kernel (thread-block clusters, DEEPSERVE_MLA_CLUSTER=1):
+// the output is written and no merge kernel must follow.
+bool launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp = false);
+// Whether the register-Q kernel merges a's splits (a.splits set) in clusters: asked for
+// (DEEPSERVE_MLA_CLUSTER=1), sm_90+, 2 to 16 splits, 16-byte aligned output rows, and every
+// cluster of the grid resident at once.
+bool mla_decode_merges_in_cluster(const kern::AttnParams& a);
 
 }  // namespace ds::cuda

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 
 #include "backend/cuda/attention_mla_decode_tiles.cuh"
 #include "backend/cuda/mma_ptx.cuh"
@@ -35,8 +36,9 @@ static_assert(kGroups * 2 == kWarps && kRows == 2 * kWarps, "warp roles");
 
 // Grid (num_seqs, splits, ceil(heads / 16)). With p.early_cache the split's keys, their cache
 // slots and the first tile's copies are issued before the dependent-launch wait (none of them is
-// the previous kernel's output); Q is read after it.
-template <bool kLo>
+// the previous kernel's output); Q is read after it. kCl: the splits of a (sequence, head chunk)
+// are one cluster and merge there (merge_in_cluster), writing the output; no partials.
+template <bool kLo, bool kCl>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern::AttnParams p) {
   if (!p.early_cache) pdl::enter();
   using namespace regq;
@@ -53,7 +55,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
   SplitKeys sk;
-  if (!split_keys(p, seq, split, h0, tid, sk)) return;
+  if (!split_keys(p, seq, split, h0, tid, sk, !kCl)) {
+    if constexpr (kCl) {  // no keys: the cluster still counts this CTA, as an empty split
+      if (p.early_cache) pdl::enter();  // the merge writes the output
+      if (tid < kRows) {
+        row_m[tid] = -INFINITY;
+        row_l[tid] = 0.0f;
+      }
+      merge_in_cluster(p, sk.token, h0, reinterpret_cast<const float*>(stage0), row_m, row_l);
+    }
+    return;
+  }
   const int token = sk.token, key_begin = sk.key_begin, key_end = sk.key_end;
   const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
   // Cache slot of key k of tile t (-1 past the split).
@@ -274,13 +286,63 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   }
   __syncthreads();  // every row's max and sum visible
 
-  const float m_rows[2] = {row_m[g], row_m[g + 8]}, l_rows[2] = {row_l[g], row_l[g + 8]};
-  store_rows(p, sk, split, h0, warp, lane, o, m_rows, l_rows);
+  if constexpr (kCl) {
+    // The barrier above: every warp is past its last tile, so the stages are free for part.
+    float* part = reinterpret_cast<float*>(stage0);
+    stash_rows(part, warp, lane, o);
+    merge_in_cluster(p, token, h0, part, row_m, row_l);
+  } else {
+    const float m_rows[2] = {row_m[g], row_m[g + 8]}, l_rows[2] = {row_l[g], row_l[g + 8]};
+    store_rows(p, sk, split, h0, warp, lane, o, m_rows, l_rows);
+  }
+}
+
+constexpr int kMaxClusterSplits = 16;  // non-portable cluster size: H100 / H200 take 16
+
+template <bool kLo, bool kCl>
+void prepare_regq() {
+  static const bool ready = [] {
+    allow_smem<mla_decode_regq_kernel<kLo, kCl>>(regq::kSmemBytes);
+    if constexpr (kCl)
+      check_cuda(cudaFuncSetAttribute(mla_decode_regq_kernel<kLo, kCl>,
+                                      cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+                 "mla decode cluster size");
+    return true;
+  }();
+  (void)ready;
+}
+
+// How many clusters of `size` CTAs (one split each) the device holds at once
+// (cudaOccupancyMaxActiveClusters, asked once per size; 0 if it cannot tell).
+int max_active_clusters(int size) {
+  static std::atomic<int> known[kMaxClusterSplits + 1] = {};  // count + 1; 0: not asked
+  const int k = known[size].load(std::memory_order_relaxed);
+  if (k > 0) return k - 1;
+  prepare_regq<true, true>();
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = unsigned(size);
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(1, unsigned(size), 1);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = regq::kSmemBytes;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, mla_decode_regq_kernel<true, true>, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  known[size].store(n + 1, std::memory_order_relaxed);
+  return n;
 }
 
 }  // namespace
 
-bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp) {
+bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, bool& merged) {
+  merged = false;
   if (a.cache_type == kern::kCacheFP8 || a.dim != regq::kDim || a.q_dims != kR ||
       !g_mla_decode_regq.on())
     return false;
@@ -288,16 +350,39 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp) {
                   unsigned((a.heads + kRows - 1) / kRows));
   kern::AttnParams k = a;
   k.early_cache = a.early_cache && g_mla_early.on() ? 1 : 0;
-  auto go = [&]<bool kLo>() {
-    allow_smem<mla_decode_regq_kernel<kLo>>(regq::kSmemBytes);
-    pdl::launch(mla_decode_regq_kernel<kLo>, grid, kThreads, regq::kSmemBytes, stream, k);
+  merged = mla_decode_merges_in_cluster(a);
+  auto go = [&]<bool kLo, bool kCl>() {
+    prepare_regq<kLo, kCl>();
+    const dim3 cluster(1, kCl ? unsigned(a.splits) : 1u, 1);
+    pdl::launch_clusters(mla_decode_regq_kernel<kLo, kCl>, grid, kThreads, regq::kSmemBytes, stream,
+                         cluster, k);
   };
-  if (bf16_qp)
-    go.template operator()<false>();
+  if (bf16_qp && merged)
+    go.template operator()<false, true>();
+  else if (bf16_qp)
+    go.template operator()<false, false>();
+  else if (merged)
+    go.template operator()<true, true>();
   else
-    go.template operator()<true>();
+    go.template operator()<true, false>();
   check_cuda(cudaGetLastError(), "mla decode kernel");
   return true;
 }
 
 }  // namespace ds::cuda::mla_decode
+
+namespace ds::cuda {
+
+// Asked for (DEEPSERVE_MLA_CLUSTER=1), sm_90+, 2..16 splits, 16-byte aligned output rows, and
+// every cluster of the grid resident at once (each waits at a cluster barrier for all of its CTAs).
+bool mla_decode_merges_in_cluster(const kern::AttnParams& a) {
+  using namespace mla_decode;
+  if (!g_mla_cluster.on() || a.splits <= 1 || a.splits > kMaxClusterSplits || !pdl::hopper())
+    return false;
+  if ((reinterpret_cast<uintptr_t>(a.out) | uintptr_t(a.out_ts) | uintptr_t(a.out_hs)) % 16 != 0)
+    return false;
+  const int64_t clusters = int64_t(a.num_seqs) * ((a.heads + kRows - 1) / kRows);
+  return clusters <= max_active_clusters(a.splits);
+}
+
+}  // namespace ds::cuda

@@ -3,6 +3,7 @@
 // rows' swizzle, the hi + lo split of F32 values, a split's key range and the row stores.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -41,13 +42,13 @@ __device__ __forceinline__ void split_bf16(float v, __nv_bfloat16& hi, __nv_bflo
 
 // The keys of split `split` of sequence `seq`: whole 64-key tiles, as few splits as the context
 // needs. Returns false (in every thread) for a split with no keys, after telling the merge to
-// skip it.
+// skip it (report_empty: through part_ml; the in-cluster merge is told through shared memory).
 struct SplitKeys {
   int token = 0, key_begin = 0, key_end = 0;
   bool partial = false;
 };
 __device__ __forceinline__ bool split_keys(const kern::AttnParams& p, int seq, int split, int h0,
-                                           int tid, SplitKeys& k) {
+                                           int tid, SplitKeys& k, bool report_empty = true) {
   k.token = p.query_start[seq];
   const int ctx = p.context_lens[seq];
   const int tiles_total = (ctx + kKeys - 1) / kKeys;
@@ -57,7 +58,7 @@ __device__ __forceinline__ bool split_keys(const kern::AttnParams& p, int seq, i
   k.key_end = min(ctx, k.key_begin + tiles_per * kKeys);
   k.partial = p.splits > 1;
   if (k.key_begin < k.key_end) return true;
-  if (k.partial && tid < kRows && h0 + tid < p.heads) {
+  if (report_empty && k.partial && tid < kRows && h0 + tid < p.heads) {
     float* ml = p.part_ml + ((int64_t(split) * p.num_tokens + k.token) * p.heads + h0 + tid) * 2;
     ml[0] = -INFINITY;
     ml[1] = 0.0f;
@@ -94,8 +95,55 @@ __device__ __forceinline__ void store_rows(const kern::AttnParams& p, const Spli
   }
 }
 
+// The split merge inside the kernel (the register-Q kernel's kCl): the splits of a (sequence,
+// head chunk) are one thread-block cluster, cluster rank = split. Each CTA leaves its rows'
+// unnormalized outputs in `part` ([kRows][kR] F32, its own shared memory; stash_rows) and their
+// max and sum in row_m / row_l (-inf and 0 for a split without keys); then CTA z merges its
+// share of the chunk's rows x dims from every CTA's shared memory, as the merge kernel does (the
+// same bits), into the output. Every CTA of the cluster calls it, with or without keys.
+__device__ __forceinline__ void stash_rows(float* part, int warp, int lane,
+                                           const float (&o)[8][4]) {
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+      *reinterpret_cast<float2*>(part + (g + 8 * h) * kR + warp * 64 + n * 8 + c2) =
+          make_float2(o[n][2 * h], o[n][2 * h + 1]);
+}
+
+__device__ __forceinline__ void merge_in_cluster(const kern::AttnParams& p, int token, int h0,
+                                                 const float* part, const float* row_m,
+                                                 const float* row_l) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every CTA's part, row_m and row_l visible to the cluster
+  kern::merge_cluster_items(
+      int(cluster.num_blocks()), int(cluster.block_rank()), int(threadIdx.x), kThreads, kRows, kR,
+      [&](int row) { return h0 + row < p.heads; },
+      [&](int s, int row) { return *cluster.map_shared_rank(row_m + row, s); },
+      [&](int s, int row) { return *cluster.map_shared_rank(row_l + row, s); },
+      [&](int s, int row, int d, float(&o)[4]) {
+        const float4 q =
+            *reinterpret_cast<const float4*>(cluster.map_shared_rank(part + row * kR + d, s));
+        o[0] = q.x, o[1] = q.y, o[2] = q.z, o[3] = q.w;
+      },
+      [&](int row, int d, const float(&acc)[4]) {
+        kern::store_f4(
+            reinterpret_cast<float*>(p.out + token * p.out_ts + (h0 + row) * p.out_hs) + d, acc);
+      });
+  cluster.sync();  // the other CTAs are done reading this one's shared memory
+#else
+  (void)p, (void)token, (void)h0, (void)part, (void)row_m, (void)row_l;
+  __trap();  // launched on sm_90+ only (launch_regq)
+#endif
+}
+
 // The register-Q kernel (attention_mla_decode_regq.cu) for `a` if it takes it (BF16 cache, 64
 // rope dims, the latent from q, not switched off); false leaves `a` to the first kernel.
-bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp);
+// Returns whether the kernel took it; `merged`: whether it also merged the splits in clusters
+// (DEEPSERVE_MLA_CLUSTER=1, where every cluster fits at once), so no merge kernel follows.
+bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, bool& merged);
 
 }  // namespace ds::cuda::mla_decode

@@ -16,6 +16,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -217,14 +218,16 @@ __device__ __forceinline__ Tile tile_of(const TokenLists& l, int slot) {
 }
 
 // Expert of assignment i = t * (top_k + shared) + j: routed slots read ids [T, top_k]; the
-// shared slots are the last `shared` experts; -1 for ids out of the routed range.
+// shared slots are the last `shared` experts; -1 for ids out of the routed range. L2: ids read
+// through L2 only, as list_int<true> reads the lists (before a wait, ids two launches back).
+template <bool L2 = false>
 __device__ __forceinline__ int expert_of(const int32_t* ids, int64_t i, int top_k, int shared,
                                          int E, int base) {
   const int slots = top_k + shared;
   const int64_t t = i / slots;
   const int j = int(i - t * slots);
   if (j >= top_k) return E - shared + (j - top_k);
-  const int e = ids[t * top_k + j] - base;
+  const int e = list_int<L2>(ids + t * top_k + j) - base;
   return e >= 0 && e < E - shared ? e : -1;
 }
 
@@ -342,6 +345,13 @@ void launch_split_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
 // sm_count. With a.out (and a.tile_done for the down grid's row tiles) the down kernel also does
 // the combine: returns whether it did (false: launch_combine is still to run).
 bool launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream);
+// Launches of launch_decode_ffn's early variants so far in this process (tests check that the
+// switch they turn on is taken): the shared-first gate/up kernel (DEEPSERVE_MOE_SHARED_EARLY)
+// and the down kernel's early start (DEEPSERVE_MOE_DOWN_EARLY).
+struct EarlyLaunchCounts {
+  std::atomic<int64_t> shared_first{0}, down_early{0};
+};
+EarlyLaunchCounts& early_launch_counts();
 // The same for GGUF block-quantized experts (moe_gguf.cu; leading dimensions in bytes, hidden
 // and F whole numbers of blocks).
 void launch_gguf_ffn(const DecodeFfnArgs& a, DType dtype, cudaStream_t stream);

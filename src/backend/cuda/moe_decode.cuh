@@ -33,25 +33,43 @@ __device__ __forceinline__ int stage_index(int k, int chunks) {
 }
 
 // Copies nt rows of length K (F32, global) into shared memory in the staged layout (a CTA of
-// NT threads).
-template <int V, int NT = kThreads>
+// NT threads). L2: the rows read through L2 only (before a wait, rows two launches back).
+template <int V, int NT = kThreads, bool L2 = false>
 __device__ __forceinline__ void stage_rows(float* xs, const float* src, int64_t src_stride,
                                            const int* row_ids, int row_base, int nt, int K) {
   const int chunks = K / V;
   for (int j = 0; j < nt; ++j) {
     const int64_t r = row_ids ? row_ids[row_base + j] : row_base + j;
     const float* s = src + r * src_stride;
-    for (int k = threadIdx.x; k < K; k += NT) xs[j * K + stage_index<V>(k, chunks)] = s[k];
+    for (int k = threadIdx.x; k < K; k += NT)
+      xs[j * K + stage_index<V>(k, chunks)] = L2 ? __ldcg(s + k) : s[k];
+  }
+}
+
+// A lane's step of a warp's rows: chunks c0 + 32 u (u < U) of every row, zeros past the row.
+template <int U>
+__device__ __forceinline__ void load_step(const uint8_t* const (&rows)[kRows], int chunks, int c0,
+                                          uint4 (&w)[U][kRows]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = c0 + 32 * u;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      w[u][r] =
+          c < chunks ? __ldg(reinterpret_cast<const uint4*>(rows[r]) + c) : make_uint4(0, 0, 0, 0);
   }
 }
 
 // acc[r][j] = dot(row r, staged token j) for j < nt, summed over the whole warp (every
 // lane ends with the same value). Rows are byte pointers to 16-byte aligned rows of K
-// elements.
-template <WeightKind K, int TC, int U = kUnroll>
+// elements. kFirst and use_first: the lane's first step (load_step at c0 = lane) is `first`,
+// loaded earlier (the down kernel's, before its wait); it is taken out of the loop, so `first`
+// is dead after it. The sums are the same.
+template <WeightKind K, int TC, int U = kUnroll, bool kFirst = false>
 __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], int chunks,
-                                         const float* xs, int Klen, int nt,
-                                         float (&acc)[kRows][TC]) {
+                                         const float* xs, int Klen, int nt, float (&acc)[kRows][TC],
+                                         const uint4 (&first)[U][kRows] = {},
+                                         bool use_first = false) {
   constexpr int V = wstream::kChunkElems<K>;
   constexpr int P = V / 4;
   const int lane = threadIdx.x & 31;
@@ -61,16 +79,8 @@ __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], in
 #pragma unroll
     for (int j = 0; j < TC; ++j) acc[r][j] = 0.0f;
 
-  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-    uint4 w[U][kRows];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-        w[u][r] = c < chunks ? __ldg(reinterpret_cast<const uint4*>(rows[r]) + c)
-                             : make_uint4(0, 0, 0, 0);
-    }
+  // The products of step c0's chunks w.
+  auto step = [&](int c0, const uint4(&w)[U][kRows]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
@@ -98,6 +108,18 @@ __device__ __forceinline__ void dot_rows(const uint8_t* const (&rows)[kRows], in
         }
       }
     }
+  };
+  int c0 = lane;
+  if constexpr (kFirst) {
+    if (use_first && c0 < chunks) {
+      step(c0, first);
+      c0 += 32 * U;
+    }
+  }
+  for (; c0 < chunks; c0 += 32 * U) {
+    uint4 w[U][kRows];
+    load_step<U>(rows, chunks, c0, w);
+    step(c0, w);
   }
   // xor butterfly: partners add the same two values, so all lanes agree bit for bit.
 #pragma unroll
@@ -139,14 +161,16 @@ __device__ __forceinline__ ActiveExpert active_expert(const DecodeFfnArgs& a, in
 // slot `slot`'s active expert and its sorted range, and puts its tokens in tok[0, count). store:
 // also writes the lists the down kernel and the combine read (pos, sorted_token, active,
 // n_active and the active experts' offsets).
+// L2: ids read through L2 only (the down kernel's lookup before its wait; store must be false).
+template <bool L2 = false>
 __device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, int slot, int* tok,
                                                    bool store) {
   const int lane = threadIdx.x & 31;
   const int slots = a.top_k;
   const int n = int(a.num_tokens) * slots;
-  const int e =
-      lane < n ? expert_of(a.ids, lane, a.routed, slots - a.routed, a.num_experts, a.expert_base)
-               : -1;
+  const int e = lane < n ? expert_of<L2>(a.ids, lane, a.routed, slots - a.routed, a.num_experts,
+                                         a.expert_base)
+                         : -1;
   const unsigned peers = __match_any_sync(kFull, e);
   const unsigned below = peers & ((1u << lane) - 1u);
   const bool leader = e >= 0 && below == 0;  // the expert's first assignment
@@ -185,6 +209,18 @@ __device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, int s
     if (lane == 0) *a.lists.n_active = __popc(leaders);
   }
   return act;
+}
+
+// The sorted position of expert e's first assignment in the lists warp_lists builds: the valid
+// assignments to lower experts (one warp; every lane returns it).
+__device__ __forceinline__ int warp_begin_of(const DecodeFfnArgs& a, int e) {
+  const int lane = threadIdx.x & 31;
+  const int slots = a.top_k;
+  const int n = int(a.num_tokens) * slots;
+  const int ei =
+      lane < n ? expert_of(a.ids, lane, a.routed, slots - a.routed, a.num_experts, a.expert_base)
+               : -1;
+  return __popc(__ballot_sync(kFull, ei >= 0 && ei < e));
 }
 
 // A gate/up or split CTA's slot (blockIdx.y): returns its active expert (e < 0: none) and sets

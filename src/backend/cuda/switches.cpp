@@ -113,7 +113,22 @@ EnvSwitch g_moe_split{"DEEPSERVE_MOE_SPLIT", "1", false};
 // DEEPSERVE_MOE_SPLIT_PREFETCH=1: each Split CTA asks L2 for its strip of down before it streams
 // its gate and up rows (off: it reads the strip when it gets there). The same bits either way.
 EnvSwitch g_moe_split_prefetch{"DEEPSERVE_MOE_SPLIT_PREFETCH", "1", false};
+// DEEPSERVE_MOE_DOWN_EARLY=1: the decode MoE's down CTAs find their expert (from the route
+// kernel's ids or the token-list kernel's lists, two launches back) and load the first step of
+// their weight rows before the dependent-launch wait, during the gate/up kernel's tail. Not yet
+// measured on the H200, so off. The same bits either way (moe_decode.cu).
+EnvSwitch g_moe_down_early{"DEEPSERVE_MOE_DOWN_EARLY", "1", false};
+// DEEPSERVE_MOE_SHARED_EARLY=1: in one-token decode MoE steps (W3) the gate/up kernel computes the
+// shared experts' rows before the dependent-launch wait (their token and weights are known
+// before the route kernel ends; x was written three launches back), so they overlap the route
+// kernel; routed experts follow the wait. Not yet measured on the H200, so off. The same bits.
+EnvSwitch g_moe_shared_early{"DEEPSERVE_MOE_SHARED_EARLY", "1", false};
 // The most splits the MLA decode kernels cut a short context into (long ones: up to 128).
 EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
+// DEEPSERVE_MLA_CLUSTER=1: the register-Q MLA decode kernel's splits of a sequence are one
+// thread-block cluster that merges them through distributed shared memory (no partials in global
+// memory, no merge launch), where every cluster fits at once. Not yet measured on the H200, so
+// off. The same bits either way (attention_mla_decode_tiles.cuh).
+EnvSwitch g_mla_cluster{"DEEPSERVE_MLA_CLUSTER", "1", false};
 
 }  // namespace ds::cuda
