@@ -297,8 +297,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   }
 }
 
-constexpr int kMaxClusterSplits = 16;  // non-portable cluster size: H100 / H200 take 16
-
 template <bool kLo, bool kCl>
 void prepare_regq() {
   static const bool ready = [] {
@@ -312,29 +310,15 @@ void prepare_regq() {
   (void)ready;
 }
 
-// How many clusters of `size` CTAs (one split each) the device holds at once
-// (cudaOccupancyMaxActiveClusters, asked once per size; 0 if it cannot tell).
+// How many clusters of `size` CTAs (one split each) the device holds at once (asked once per
+// size; 0 if it cannot tell).
 int max_active_clusters(int size) {
-  static std::atomic<int> known[kMaxClusterSplits + 1] = {};  // count + 1; 0: not asked
+  static std::atomic<int> known[kMaxClusterSize + 1] = {};  // count + 1; 0: not asked
   const int k = known[size].load(std::memory_order_relaxed);
   if (k > 0) return k - 1;
   prepare_regq<true, true>();
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = unsigned(size);
-  attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(1, unsigned(size), 1);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = regq::kSmemBytes;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, mla_decode_regq_kernel<true, true>, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();
-    n = 0;
-  }
+  const int n = cuda::max_active_clusters(mla_decode_regq_kernel<true, true>,
+                                          dim3(1, unsigned(size), 1), kThreads, regq::kSmemBytes);
   known[size].store(n + 1, std::memory_order_relaxed);
   return n;
 }
@@ -377,7 +361,7 @@ namespace ds::cuda {
 // every cluster of the grid resident at once (each waits at a cluster barrier for all of its CTAs).
 bool mla_decode_merges_in_cluster(const kern::AttnParams& a) {
   using namespace mla_decode;
-  if (!g_mla_cluster.on() || a.splits <= 1 || a.splits > kMaxClusterSplits || !pdl::hopper())
+  if (!g_mla_cluster.on() || a.splits <= 1 || a.splits > kMaxClusterSize || !pdl::hopper())
     return false;
   if ((reinterpret_cast<uintptr_t>(a.out) | uintptr_t(a.out_ts) | uintptr_t(a.out_hs)) % 16 != 0)
     return false;

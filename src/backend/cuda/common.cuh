@@ -37,6 +37,33 @@ void allow_smem(int bytes) {
   }
 }
 
+// Thread-block clusters larger than 8 CTAs are non-portable; H100 / H200 take 16.
+constexpr int kMaxClusterSize = 16;
+
+// How many clusters of `cluster` CTAs of `kernel` (block `threads`, `smem` bytes of dynamic
+// shared memory) the device holds at once (cudaOccupancyMaxActiveClusters); 0 if it cannot tell.
+// The kernel's shared-memory limit and cluster-size attribute must be set already.
+template <typename Kernel>
+int max_active_clusters(Kernel kernel, dim3 cluster, int threads, size_t smem) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster.x;
+  attr.val.clusterDim.y = cluster.y;
+  attr.val.clusterDim.z = cluster.z;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = cluster;
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  return n;
+}
+
 // Input errors a kernel cannot throw: it sets the flag word (plain stores of the same value, so
 // no atomics on host memory are needed) and the backend reports it at the next synchronize().
 struct DeviceErrors {

@@ -73,7 +73,7 @@ void set_smem_limit(Kernel k) {
 // Split-K in one launch (sm_90): the splits of a tile are one thread-block cluster; each CTA
 // puts its sums in its shared memory, and CTA z of the cluster adds up slice z of the tile over
 // the cluster's CTAs in split order, as reduce_kernel does (the same bits).
-constexpr int kMaxClusterSplits = 16;  // non-portable cluster size: H100 / H200 take 16
+constexpr int kMaxClusterSplits = kMaxClusterSize;
 
 template <WqFormat F, int BT>
 __device__ void reduce_in_cluster(const DenseArgs& a, float* out,
@@ -212,22 +212,8 @@ int max_active_clusters(int64_t m, int size) {
         return;
       }
       prepare_dense<F, BT, XF, true>();
-      cudaLaunchAttribute attr = {};
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 1;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = unsigned(size);
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(1, 1, unsigned(size));
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = kSmem<F, BT, XF>;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&n, dense_kernel<F, BT, XF, true, false>, &cfg) !=
-          cudaSuccess) {
-        (void)cudaGetLastError();
-        n = 0;
-      }
+      n = cuda::max_active_clusters(dense_kernel<F, BT, XF, true, false>,
+                                    dim3(1, 1, unsigned(size)), kThreads, kSmem<F, BT, XF>);
       known[size].store(n + 1, std::memory_order_relaxed);
     }
   });
