@@ -81,6 +81,16 @@ __device__ __forceinline__ void gate_up_rows(const DecodeFfnArgs& a, int e, cons
   }
 }
 
+// gate_up_rows' put for the h rows of sorted positions begin + t.
+template <int TC>
+__device__ __forceinline__ auto h_rows_from(const DecodeFfnArgs& a, int begin) {
+  return [h = a.h, F = a.inter, begin](int t, int j, int f0, const float(&acc)[kRows][TC]) {
+    float* hrow = h + int64_t(begin + t) * F;
+    hrow[f0] = silu(acc[0][j]) * acc[1][j];
+    if (f0 + 1 < F) hrow[f0 + 1] = silu(acc[2][j]) * acc[3][j];
+  };
+}
+
 // Shared experts first (kEarly of gate_up_kernel; steps of one token whose lists the kernel
 // builds from a.ids): grid rows y < shared are the shared experts, whose token (0) and weights
 // no kernel ahead writes, so their products are computed before the wait into shared memory
@@ -128,11 +138,7 @@ __device__ __forceinline__ void gate_up_shared_first(const DecodeFfnArgs& a, int
   const ActiveExpert act = warp_act;
   if (act.e < 0 || act.e >= a.num_experts - shared) return;
   gate_up_rows<K, 1, U>(a, act.e, warp_tok, 0, act.count, units_per_cta,
-                        [&](int t, int j, int f0, const float(&acc)[kRows][1]) {
-                          float* hrow = a.h + int64_t(act.begin + t) * F;
-                          hrow[f0] = silu(acc[0][j]) * acc[1][j];
-                          if (f0 + 1 < F) hrow[f0 + 1] = silu(acc[2][j]) * acc[3][j];
-                        });
+                        h_rows_from<1>(a, act.begin));
 }
 
 // Grid (ceil(F / rows_per_cta), min(E, N)); a warp's unit is 2 F-rows of gate and up. U: the
@@ -152,13 +158,8 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
   int tok_base;
   const ActiveExpert act = cta_slot(a, warp_tok, warp_act, tok, tok_base);
   if (act.e < 0) return;
-  const int begin = act.begin, F = a.inter;
   gate_up_rows<K, TC, U>(a, act.e, tok, tok_base, act.count, units_per_cta,
-                         [&](int t, int j, int f0, const float(&acc)[kRows][TC]) {
-                           float* hrow = a.h + int64_t(begin + t) * F;
-                           hrow[f0] = silu(acc[0][j]) * acc[1][j];
-                           if (f0 + 1 < F) hrow[f0 + 1] = silu(acc[2][j]) * acc[3][j];
-                         });
+                         h_rows_from<TC>(a, act.begin));
 }
 
 // The fused combine, run by every CTA of the down grid after its rows of y are stored (active
