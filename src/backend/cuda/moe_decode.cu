@@ -101,8 +101,7 @@ __device__ __forceinline__ auto h_rows_from(const DecodeFfnArgs& a, int begin) {
 constexpr int kSharedEarlyMaxUnits = 256;  // units per CTA the early rows' buffer holds
 template <WeightKind K, int U>
 __device__ __forceinline__ void gate_up_shared_first(const DecodeFfnArgs& a, int units_per_cta) {
-  __shared__ int warp_tok[kWarpListMax];
-  __shared__ ActiveExpert warp_act;
+  __shared__ SlotLists lists;
   __shared__ float hs[2 * kSharedEarlyMaxUnits];  // this CTA's F-rows of h
   __shared__ int pos;
   const int shared = a.top_k - a.routed;
@@ -119,7 +118,7 @@ __device__ __forceinline__ void gate_up_shared_first(const DecodeFfnArgs& a, int
     pdl::enter();
     if (threadIdx.x < 32) {
       // CTA (0, 0) stores the lists the down kernel and the combine read.
-      if (blockIdx.x == 0 && y == 0) warp_lists(a, 0, warp_tok, true);
+      if (blockIdx.x == 0 && y == 0) warp_lists(a, 0, lists.tok, true);
       const int begin = warp_begin_of(a, e);
       if (threadIdx.x == 0) pos = begin;
     }
@@ -130,14 +129,9 @@ __device__ __forceinline__ void gate_up_shared_first(const DecodeFfnArgs& a, int
     return;
   }
   pdl::enter();
-  if (threadIdx.x < 32) {
-    const ActiveExpert found = warp_lists(a, y - shared, warp_tok, false);
-    if (threadIdx.x == 0) warp_act = found;
-  }
-  __syncthreads();
-  const ActiveExpert act = warp_act;
+  const ActiveExpert act = cta_warp_lists(a, y - shared, lists, false);
   if (act.e < 0 || act.e >= a.num_experts - shared) return;
-  gate_up_rows<K, 1, U>(a, act.e, warp_tok, 0, act.count, units_per_cta,
+  gate_up_rows<K, 1, U>(a, act.e, lists.tok, 0, act.count, units_per_cta,
                         h_rows_from<1>(a, act.begin));
 }
 
@@ -152,11 +146,10 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
     return;
   }
   pdl::enter();
-  __shared__ int warp_tok[kWarpListMax];
-  __shared__ ActiveExpert warp_act;
+  __shared__ SlotLists lists;
   const int* tok;  // token of sorted position tok_base + j: tok[tok_base + j]
   int tok_base;
-  const ActiveExpert act = cta_slot(a, warp_tok, warp_act, tok, tok_base);
+  const ActiveExpert act = cta_slot(a, lists, tok, tok_base);
   if (act.e < 0) return;
   gate_up_rows<K, TC, U>(a, act.e, tok, tok_base, act.count, units_per_cta,
                          h_rows_from<TC>(a, act.begin));
@@ -281,19 +274,9 @@ template <WeightKind K, int U>
 __device__ __forceinline__ ActiveExpert down_early_start(const DecodeFfnArgs& a, int r_tile,
                                                          int units_per_cta,
                                                          uint4 (&first)[U][kRows]) {
-  __shared__ int warp_tok[kWarpListMax];
-  __shared__ ActiveExpert warp_act;
-  ActiveExpert act;
-  if (a.ids) {
-    if (threadIdx.x < 32) {
-      const ActiveExpert found = warp_lists<true>(a, blockIdx.y, warp_tok, false);
-      if (threadIdx.x == 0) warp_act = found;
-    }
-    __syncthreads();
-    act = warp_act;
-  } else {
-    act = active_expert<true>(a, blockIdx.y);
-  }
+  __shared__ SlotLists lists;
+  const ActiveExpert act = a.ids ? cta_warp_lists<true>(a, blockIdx.y, lists, false)
+                                 : active_expert<true>(a, blockIdx.y);
   const int warp = threadIdx.x >> 5;
   const int r0 = r_tile + kRows * warp;
   if (act.e >= 0 && warp < units_per_cta && r0 < a.hidden) {

@@ -156,6 +156,18 @@ __device__ __forceinline__ ActiveExpert active_expert(const DecodeFfnArgs& a, in
   return {e, begin, list_int<L2>(a.lists.offsets + e + 1) - begin};
 }
 
+// The expert of the lane's assignment (lane = t * top_k + j) of a step of at most kWarpListMax
+// assignments read from a.ids (expert_of; -1 past the step or for an id out of range).
+template <bool L2 = false>
+__device__ __forceinline__ int lane_expert(const DecodeFfnArgs& a) {
+  const int lane = threadIdx.x & 31;
+  const int slots = a.top_k;
+  const int n = int(a.num_tokens) * slots;
+  return lane < n
+             ? expert_of<L2>(a.ids, lane, a.routed, slots - a.routed, a.num_experts, a.expert_base)
+             : -1;
+}
+
 // The token lists of a step of at most kWarpListMax assignments, by one warp from ids alone, in
 // the token-list kernel's order (experts ascending, an expert's assignments by index): returns
 // slot `slot`'s active expert and its sorted range, and puts its tokens in tok[0, count). store:
@@ -168,9 +180,7 @@ __device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, int s
   const int lane = threadIdx.x & 31;
   const int slots = a.top_k;
   const int n = int(a.num_tokens) * slots;
-  const int e = lane < n ? expert_of<L2>(a.ids, lane, a.routed, slots - a.routed, a.num_experts,
-                                         a.expert_base)
-                         : -1;
+  const int e = lane_expert<L2>(a);
   const unsigned peers = __match_any_sync(kFull, e);
   const unsigned below = peers & ((1u << lane) - 1u);
   const bool leader = e >= 0 && below == 0;  // the expert's first assignment
@@ -214,34 +224,41 @@ __device__ __forceinline__ ActiveExpert warp_lists(const DecodeFfnArgs& a, int s
 // The sorted position of expert e's first assignment in the lists warp_lists builds: the valid
 // assignments to lower experts (one warp; every lane returns it).
 __device__ __forceinline__ int warp_begin_of(const DecodeFfnArgs& a, int e) {
-  const int lane = threadIdx.x & 31;
-  const int slots = a.top_k;
-  const int n = int(a.num_tokens) * slots;
-  const int ei =
-      lane < n ? expert_of(a.ids, lane, a.routed, slots - a.routed, a.num_experts, a.expert_base)
-               : -1;
+  const int ei = lane_expert(a);
   return __popc(__ballot_sync(kFull, ei >= 0 && ei < e));
+}
+
+// Where warp 0 builds a slot's lists for its CTA: the slot's tokens and active expert.
+struct SlotLists {
+  int tok[kWarpListMax];
+  ActiveExpert act;
+};
+
+// Slot `slot`'s active expert, its tokens in s.tok: built by warp 0 (warp_lists) and handed to
+// the CTA through s (a barrier: every thread calls it).
+template <bool L2 = false>
+__device__ __forceinline__ ActiveExpert cta_warp_lists(const DecodeFfnArgs& a, int slot,
+                                                       SlotLists& s, bool store) {
+  if (threadIdx.x < 32) {
+    const ActiveExpert found = warp_lists<L2>(a, slot, s.tok, store);
+    if (threadIdx.x == 0) s.act = found;
+  }
+  __syncthreads();
+  return s.act;
 }
 
 // A gate/up or split CTA's slot (blockIdx.y): returns its active expert (e < 0: none) and sets
 // where the rows of x its tokens are (the token of the expert's sorted position tok_base + j is
-// tok[tok_base + j]): from the token lists, or, with a.ids, built here by warp 0 into warp_tok
+// tok[tok_base + j]): from the token lists, or, with a.ids, built here by warp 0 into s
 // (CTA (0, 0) also stores the lists). Every thread of the CTA calls it (a barrier with a.ids).
-__device__ __forceinline__ ActiveExpert cta_slot(const DecodeFfnArgs& a, int* warp_tok,
-                                                 ActiveExpert& warp_act, const int*& tok,
-                                                 int& tok_base) {
+__device__ __forceinline__ ActiveExpert cta_slot(const DecodeFfnArgs& a, SlotLists& s,
+                                                 const int*& tok, int& tok_base) {
   ActiveExpert act;
   tok = a.lists.sorted_token;
   tok_base = 0;
   if (a.ids) {
-    if (threadIdx.x < 32) {
-      const ActiveExpert found =
-          warp_lists(a, blockIdx.y, warp_tok, blockIdx.x == 0 && blockIdx.y == 0);
-      if (threadIdx.x == 0) warp_act = found;
-    }
-    __syncthreads();
-    act = warp_act;
-    tok = warp_tok;
+    act = cta_warp_lists(a, blockIdx.y, s, blockIdx.x == 0 && blockIdx.y == 0);
+    tok = s.tok;
   } else {
     act = active_expert(a, blockIdx.y);
     tok_base = act.begin;

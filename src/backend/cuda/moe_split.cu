@@ -43,11 +43,10 @@ __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   __shared__ float hs[TC][kSplitRows];
-  __shared__ int warp_tok[kWarpListMax];
-  __shared__ ActiveExpert warp_act;
+  __shared__ SlotLists lists;
   const int* tok;  // token of sorted position tok_base + j: tok[tok_base + j]
   int tok_base;
-  const ActiveExpert act = cta_slot(a, warp_tok, warp_act, tok, tok_base);
+  const ActiveExpert act = cta_slot(a, lists, tok, tok_base);
   if (act.e < 0) return;
   const int begin = act.begin, count = act.count;
   const ExpertPtrs ex = a.experts[act.e];
