@@ -297,17 +297,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   }
 }
 
+// The kernel's shared-memory limit (allow_smem: per device, as every launch did before the
+// cluster variants) and, for those, non-portable cluster sizes (once per process, as
+// gemm_wq.cu's prepare_dense sets them).
 template <bool kLo, bool kCl>
 void prepare_regq() {
-  static const bool ready = [] {
-    allow_smem<mla_decode_regq_kernel<kLo, kCl>>(regq::kSmemBytes);
-    if constexpr (kCl)
+  allow_smem<mla_decode_regq_kernel<kLo, kCl>>(regq::kSmemBytes);
+  if constexpr (kCl) {
+    static const bool ready = [] {
       check_cuda(cudaFuncSetAttribute(mla_decode_regq_kernel<kLo, kCl>,
                                       cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
                  "mla decode cluster size");
-    return true;
-  }();
-  (void)ready;
+      return true;
+    }();
+    (void)ready;
+  }
 }
 
 // How many clusters of `size` CTAs (one split each) the device holds at once (asked once per
