@@ -3,7 +3,7 @@
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded, ncu,
 # bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
-# multigpu, w1kv8, abenv, abtree, abarg, ncu, ncustep, mutate.
+# multigpu, w1kv8, abenv, abtree, abarg, ncu, ncustep, trace, mutate.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -55,6 +55,9 @@
 #           CudaAttention.DISABLED_NcuDecode', every kernel of one MoE layer (W1 / W3 / W5) and
 #           one MLA decode (W1 / W3 / W2 / W5 shapes). NCU_SKIP launches skipped first;
 #           NCU_EXTRA more ncu options (e.g. "--section ComputeWorkloadAnalysis")
+#   trace   each kernel's start and end inside the replayed decode graphs of TRACE_WORKLOADS
+#           (default w3 w1f w5; CUPTI through DEEPSERVE_KERNEL_TRACE): what each adds to a step
+#           (tools/kernel_trace_table.py; needs lite). TRACE_TIMELINE=A:B, TRACE_KEEP_ROWS
 #   ncustep Nsight Compute times every kernel of a stretch of a workload's decode steps, each
 #           alone (NCUSTEP_WORKLOAD, default w3; NCUSTEP_SKIP launches past warm-up and prefill,
 #           default 70000, right for w3; NCUSTEP_COUNT, default 1100): ncu-step-<w>.csv and the
@@ -471,6 +474,30 @@ if has_stage ncustep; then
     "$BUILD/deepserve" bench --config "bench/$w.yaml" >"$OUT/ncu-step-$w.csv" 2>"$OUT/ncu-step-$w.err"
   log "ncu rc=$?"
   python3 tools/ncu_step_table.py "$OUT/ncu-step-$w.csv" | tee "$OUT/ncu-step-$w.txt" | head -30
+fi
+
+if has_stage trace; then
+  # Each kernel's start and end inside the replayed decode graphs (CUPTI, DEEPSERVE_KERNEL_TRACE),
+  # for TRACE_WORKLOADS: what a kernel adds to a step where dependent launch overlaps it with
+  # the kernel ahead (ncustep times them alone). trace-<w>.txt / .json: tools/kernel_trace_table.py
+  # with a timeline of TRACE_TIMELINE (default the first 60 launches of the median step);
+  # bench-trace-<w>.json: the run's own figures under tracing (compare with an untraced run);
+  # trace-<w>.tsv.gz: the first TRACE_KEEP_ROWS rows of the table (the whole one stays in /tmp).
+  cupti_lib=$(ls "$ROOT"/.carry/deps/cupti/lib/libcupti.so* 2>/dev/null | head -1)
+  for w in ${TRACE_WORKLOADS:-w3 w1f w5}; do
+    log "kernel trace of $w"
+    env ${cupti_lib:+DEEPSERVE_CUPTI_LIB=$cupti_lib} DEEPSERVE_KERNEL_TRACE="/tmp/trace-$w.tsv" \
+      DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
+      --output "$OUT/bench-trace-$w.json" --gpu-hour-price "${GPU_HOUR_PRICE:-3.5}" \
+      >"$OUT/bench-trace-$w.log" 2>&1
+    log "bench $w (traced) rc=$?"
+    grep -E "kernel trace" "$OUT/bench-trace-$w.log" | tail -2
+    python3 tools/kernel_trace_table.py "/tmp/trace-$w.tsv" --timeline "${TRACE_TIMELINE:-0:60}" \
+      >"$OUT/trace-$w.txt" 2>&1
+    python3 tools/kernel_trace_table.py "/tmp/trace-$w.tsv" --json >"$OUT/trace-$w.json" 2>&1
+    head -25 "$OUT/trace-$w.txt"
+    head -n "${TRACE_KEEP_ROWS:-30000}" "/tmp/trace-$w.tsv" | gzip >"$OUT/trace-$w.tsv.gz"
+  done
 fi
 
 if has_stage hfbase; then

@@ -23,10 +23,12 @@ from collections import defaultdict
 
 
 def short(name: str) -> str:
-    s = re.sub(r"\(.*$", "", name)  # the parameter list
+    # Anonymous namespaces: "<unnamed>::" from ncu (or cut to "unnamed>::" at the start),
+    # "(anonymous namespace)::" from the C++ demangler (kernel_trace_table.py); before the
+    # parameter list goes, which would take the latter's parenthesis for its start.
+    s = re.sub(r"(<|\b)unnamed>::|\(anonymous namespace\)::", "", name)
+    s = re.sub(r"\(.*$", "", s)  # the parameter list
     s = re.sub(r"^void ", "", s)
-    # ncu prints anonymous namespaces as "<unnamed>::", or cut to "unnamed>::" at the start.
-    s = re.sub(r"(<|\b)unnamed>::|\(anonymous namespace\)::", "", s)
     return re.sub(r"\bds::cuda::", "", s)
 
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
@@ -23,6 +24,7 @@
 #include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gemm_skinny.cuh"
 #include "backend/cuda/gemm_wq.cuh"
+#include "backend/cuda/kernel_trace.h"
 #include "backend/cuda/kv_store.cuh"
 #include "backend/cuda/memory_pool.h"
 #include "backend/cuda/mla_prefill.cuh"
@@ -84,6 +86,7 @@ class CudaBackend final : public Backend {
   CudaBackend(const BackendOptions& o, int device) : device_(device) {
     DS_CHECK(o.gpu_memory_utilization > 0.0 && o.gpu_memory_utilization <= 1.0,
              "--gpu-memory-utilization must be in (0, 1]");
+    cuda::kernel_trace_start();  // DEEPSERVE_KERNEL_TRACE: before the first CUDA call
     check_cuda(cudaSetDevice(device), "cudaSetDevice");
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     cudaDeviceProp prop{};
@@ -118,6 +121,11 @@ class CudaBackend final : public Backend {
 
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
+    try {
+      cuda::kernel_trace_write();  // DEEPSERVE_KERNEL_TRACE: every kernel so far
+    } catch (const std::exception& e) {
+      log_error(e.what());
+    }
     reset_graphs();
     for (cudaEvent_t e : mark_events_) cudaEventDestroy(e);
     gemm_.reset();
