@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/norm.cuh"
 #include "backend/cuda/switches.h"
 #include "gpu_test_util.h"
 
@@ -222,6 +223,56 @@ TEST(CudaMlaPrepare, Fp8CacheFallsBackAndMatches) {
       c.cache = DType::F8_E4M3;
       check_case(c, seed++);
     }
+}
+
+// DEEPSERVE_NORM_REGS=1 (the token's loads at once, the norm weight, angles and slot before the
+// wait): the fused kernel's bytes either way, over decode and prefill token counts, 16 and 128
+// heads (one and two rounds of q's pairs), both rope styles, the cache dtypes, a padding token,
+// and the widths it takes (R = 96, 512) or leaves to the loop (R = 1,536: 384 threads).
+TEST(CudaMlaPrepare, RegisterRowsChangeNothing) {
+  DS_REQUIRE_GPU();
+  const FusedOn fused_on;
+  uint32_t seed = 1300;
+  std::vector<PrepCase> cases;
+  for (int T : {1, 3, 17, 300})
+    for (int H : {16, 128})
+      for (RopeStyle st : {RopeStyle::Adjacent, RopeStyle::RotateHalf}) {
+        PrepCase c;
+        c.T = T;
+        c.H = H;
+        c.style = st;
+        c.cache = T == 3 ? DType::F16 : T == 17 ? DType::F32 : DType::BF16;
+        c.padded = T != 17;
+        cases.push_back(c);
+      }
+  PrepCase narrow;
+  narrow.R = 96, narrow.P = 32, narrow.rotary = 32, narrow.H = 3, narrow.T = 17;
+  cases.push_back(narrow);
+  narrow.nope = 0, narrow.rotary = 16;  // a tail of rope dims stored unrotated
+  cases.push_back(narrow);
+  PrepCase wide;
+  wide.R = 1536;
+  cases.push_back(wide);
+  for (const PrepCase& c : cases) {
+    SCOPED_TRACE(describe(c));
+    const std::vector<test::StepSeq> seqs = seqs_for(c.T);
+    int blocks = 3;
+    for (const auto& sq : seqs) blocks += (sq.context_len + c.block_size - 1) / c.block_size;
+    test::HostStep h = test::make_step(seqs, c.block_size, blocks, seed + 10);
+    if (c.T >= 3) h.slot_mapping[1] = -1;
+    cuda::g_norm_regs.force(0);
+    const Outputs loop = run_case(c, h, blocks, true, seed);
+    cuda::g_norm_regs.force(1);
+    const int64_t before = cuda::norm_regs_launches();
+    const Outputs regs = run_case(c, h, blocks, true, seed);
+    const bool took = cuda::norm_regs_launches() > before;
+    cuda::g_norm_regs.force(-1);
+    EXPECT_EQ(took, c.R <= 512) << "the register-row kernel ran where it applies, and only there";
+    EXPECT_TRUE(same_bytes(regs.kva, loop.kva, "kva"));
+    EXPECT_TRUE(same_bytes(regs.q, loop.q, "q"));
+    EXPECT_TRUE(same_bytes(regs.cache, loop.cache, "cache"));
+    ++seed;
+  }
 }
 
 // A slot outside the cache is reported at the next synchronize, as store_kv reports it.

@@ -11,6 +11,7 @@
 
 #include "backend/cuda/gemm_skinny.cuh"
 #include "backend/cuda/memory_pool.h"
+#include "backend/cuda/norm.cuh"
 #include "backend/cuda/switches.h"
 #include "gpu_test_util.h"
 
@@ -298,6 +299,56 @@ TEST(CudaOps, AddRmsNormMatchesCpu) {
                    w.gpu.view, 1e-6f, view_of(target_g, {k.rows, k.n}, {ld, 1}));
     EXPECT_EQ(test::download_floats(g, x.gpu), test::download_floats(c, x.cpu)) << "x += y";
     expect_norm_close(target_g, target_c, k.rows, k.n, ld, "add_rms_norm");
+  }
+}
+
+// DEEPSERVE_NORM_REGS=1 (each thread's elements of a row in registers, the weights read before
+// the wait): rms_norm and add_rms_norm give the same bits as the loop kernel, in out and in x
+// after the add, over rms_norm's thread counts (32 to 1,024), rows that leave threads idle,
+// out aliasing y, many rows, and the widths past kRowRegs x 1,024 that keep the loop.
+TEST(CudaOps, NormRegsChangeNothing) {
+  DS_REQUIRE_GPU();
+  Backend& g = test::cuda_backend();
+  struct Case {
+    int rows, n;
+    bool add, out_is_y;
+  };
+  const Case cases[] = {{1, 1, false, false},     {1, 2048, true, true},   {8, 2048, true, false},
+                        {3, 5120, true, false},   {1, 7168, false, false}, {97, 576, true, true},
+                        {1000, 13, false, false}, {2, 8192, true, false},  {1, 8200, true, false},
+                        {5, 1000, false, false}};
+  uint32_t seed = 700;
+  for (const Case& k : cases) {
+    SCOPED_TRACE("rows " + std::to_string(k.rows) + " n " + std::to_string(k.n) +
+                 (k.add ? " add" : "") + (k.out_is_y ? " out = y" : ""));
+    const int64_t ldx = k.n + 3, ldy = k.n + 1, ldo = k.n + 2;
+    const std::vector<float> xs = test::random_floats(size_t(k.rows * ldx), ++seed, -2, 2);
+    const std::vector<float> ys = test::random_floats(size_t(k.rows * ldy), ++seed, -2, 2);
+    const Twin w = twin_floats(DType::F32, {k.n}, test::random_floats(size_t(k.n), ++seed));
+    std::vector<float> got[2][2];  // [regs][x after the add, out]
+    int64_t launches[2] = {0, 0};
+    for (int regs : {0, 1}) {
+      cuda::g_norm_regs.force(regs);
+      const Twin x = twin_floats(DType::F32, {k.rows, ldx}, xs);
+      const Twin y = twin_floats(DType::F32, {k.rows, ldy}, ys);
+      const Twin out = twin_floats(DType::F32, {k.rows, ldo}, sentinel(k.rows * ldo));
+      const BackendTensor& target = k.out_is_y ? y.gpu : out.gpu;
+      const TensorView tv = view_of(target, {k.rows, k.n}, {k.out_is_y ? ldy : ldo, 1});
+      const int64_t before = cuda::norm_regs_launches();
+      if (k.add)
+        g.add_rms_norm(view_of(x.gpu, {k.rows, k.n}, {ldx, 1}),
+                       view_of(y.gpu, {k.rows, k.n}, {ldy, 1}), w.gpu.view, 1e-6f, tv);
+      else
+        g.rms_norm(view_of(x.gpu, {k.rows, k.n}, {ldx, 1}), w.gpu.view, 1e-6f, tv);
+      launches[regs] = cuda::norm_regs_launches() - before;
+      got[regs][0] = test::download_floats(g, x.gpu);
+      got[regs][1] = test::download_floats(g, target);
+    }
+    cuda::g_norm_regs.force(-1);
+    EXPECT_EQ(launches[0], 0);
+    EXPECT_EQ(launches[1], k.n <= cuda::kRowRegs * 1024 ? 1 : 0);
+    EXPECT_TRUE(test::bits_equal(got[1][0], got[0][0])) << "x after the add";
+    EXPECT_TRUE(test::bits_equal(got[1][1], got[0][1])) << "out";
   }
 }
 

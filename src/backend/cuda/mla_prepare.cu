@@ -6,6 +6,7 @@
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/rope.cuh"
+#include "backend/cuda/switches.h"
 
 namespace ds::cuda {
 namespace {
@@ -73,6 +74,122 @@ __global__ void mla_prepare_kernel(Rows kva, const float* __restrict__ norm, flo
   }
 }
 
+// q's rope pairs a thread of mla_prepare_regs_kernel loads at once (a round; V2-Lite's 16 heads
+// x 32 pairs take one round at 256 threads, V2.5's 128 heads two).
+constexpr int kPairRegs = 8;
+// Threads of mla_prepare_regs_kernel at most (its registers: 256 threads is V2's R = 512).
+constexpr int kPrepareRegsThreads = 256;
+
+// mla_prepare_kernel with every load of a token issued at once (DEEPSERVE_NORM_REGS=1; the
+// launcher checks R <= kRowRegs * norm_threads, half <= blockDim.x <= kPrepareRegsThreads): the
+// latent's elements in the registers of its norm's threads, which also normalize them (the other
+// threads add 0 to block_sum, as there), the key's rope pair, and q's rope pairs a round at a time.
+// In mla_prepare_kernel each element is a round trip of its own (a load cannot pass the store of
+// the element before it, which may alias it). Before the dependent-launch wait it reads what no
+// kernel writes (pdl.cuh): the norm weight, and the first token's position, rotation angles
+// and cache slot (the step's metadata, uploaded before it). Each value sees the same
+// operations, the sum of squares the same order: the same bits.
+template <typename T>
+__global__ void __launch_bounds__(kPrepareRegsThreads)
+    mla_prepare_regs_kernel(Rows kva, const float* __restrict__ norm, float eps, int R, int P,
+                            int norm_threads, Rows q, int heads,
+                            const int32_t* __restrict__ positions,
+                            const float* __restrict__ inv_freq, int half, bool adjacent,
+                            float attn_factor, T* cache, const int32_t* __restrict__ slots,
+                            int64_t rows, int num_tokens, int64_t capacity, DeviceErrors* errors) {
+  extern __shared__ float cs_sn[];  // [2 * half]: cos then sin
+  const int tid = int(threadIdx.x), nt = int(blockDim.x);
+  const bool normer = tid < norm_threads;
+  float nw[kRowRegs];
+#pragma unroll
+  for (int j = 0; j < kRowRegs; ++j) {
+    const int i = tid + j * norm_threads;
+    nw[j] = normer && i < R ? norm[i] : 0.0f;
+  }
+  int64_t t = blockIdx.x;
+  int64_t slot = t < num_tokens ? slots[t] : -1;
+  if (tid < half)
+    rope_cos_sin(positions[t], inv_freq[tid], attn_factor, cs_sn[tid], cs_sn[half + tid]);
+  pdl::enter();
+  const int pairs = heads * half;
+  for (; t < rows; t += gridDim.x) {
+    if (t != int64_t(blockIdx.x)) {  // a later token of this block
+      __syncthreads();               // the previous token's readers of cs_sn are done
+      slot = t < num_tokens ? slots[t] : -1;
+      if (tid < half)
+        rope_cos_sin(positions[t], inv_freq[tid], attn_factor, cs_sn[tid], cs_sn[half + tid]);
+    }
+    float* x = at_bytes<float>(kva.data, t * kva.stride_t);
+    float* k = x + R;
+    char* qrow = static_cast<char*>(q.data) + t * q.stride_t;
+    // The token's loads, all at once: latent, the key's rope pair, q's first round of pairs.
+    float xv[kRowRegs];
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int i = tid + j * norm_threads;
+      xv[j] = normer && i < R ? x[i] : 0.0f;
+    }
+    const int ka = adjacent ? 2 * tid : tid, kb = adjacent ? 2 * tid + 1 : tid + half;
+    float k0 = 0.0f, k1 = 0.0f;
+    if (tid < half) k0 = k[ka], k1 = k[kb];
+    float qa[kPairRegs], qb[kPairRegs];
+    auto q_at = [&](int j) {  // pair j's two values: head j / half, pair j % half
+      const int i = j % half;
+      float* v = reinterpret_cast<float*>(qrow + int64_t(j / half) * q.stride_h);
+      return adjacent ? v + 2 * i : v + i;  // and + 1, or + half
+    };
+    const int second = adjacent ? 1 : half;
+    auto load_round = [&](int base) {
+#pragma unroll
+      for (int m = 0; m < kPairRegs; ++m) {
+        const int j = base + tid + m * nt;
+        if (j < pairs) qa[m] = q_at(j)[0], qb[m] = q_at(j)[second];
+      }
+    };
+    load_round(0);
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j)
+      if (normer && tid + j * norm_threads < R) ss = rms_add_square(ss, xv[j]);
+    ss = block_sum(ss);  // its barriers also publish cs_sn
+    const float inv = rms_inv(ss, R, eps);
+    T* dst = nullptr;
+    if (t < num_tokens && storable(slot, capacity, errors)) dst = cache + slot * (R + P);
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int i = tid + j * norm_threads;
+      if (!normer || i >= R) break;
+      const float y = rms_apply(xv[j], inv, nw[j]);
+      x[i] = y;
+      if (dst) dst[i] = from_f32<T>(y);
+    }
+    if (tid < half) {
+      rope_rotate(k0, k1, cs_sn[tid], cs_sn[half + tid]);
+      k[ka] = k0;
+      k[kb] = k1;
+      if (dst) {
+        dst[R + ka] = from_f32<T>(k0);
+        dst[R + kb] = from_f32<T>(k1);
+      }
+    }
+    if (dst)  // rope key dims past rotary_dim are stored unrotated
+      for (int i = 2 * half + tid; i < P; i += nt) dst[R + i] = from_f32<T>(k[i]);
+    for (int base = 0; base < pairs; base += kPairRegs * nt) {
+      if (base > 0) load_round(base);
+#pragma unroll
+      for (int m = 0; m < kPairRegs; ++m) {
+        const int j = base + tid + m * nt;
+        if (j >= pairs) break;
+        const int i = j % half;
+        rope_rotate(qa[m], qb[m], cs_sn[i], cs_sn[half + i]);
+        float* v = q_at(j);
+        v[0] = qa[m];
+        v[second] = qb[m];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 bool mla_prepare_supported(DType cache_dtype) {
@@ -112,12 +229,16 @@ void launch_mla_prepare(const MlaPrepareArgs& a, cudaStream_t stream) {
   const Rows kr{kva.data, kva.stride[0], 0};
   const Rows qr{q.data, q.stride[0], q.stride[1]};
   const int64_t capacity = int64_t(kv.num_blocks) * kv.block_size;
+  const bool regs = g_norm_regs.on() && R <= kRowRegs * norm_threads && half <= threads &&
+                    threads <= kPrepareRegsThreads;
+  if (regs) note_norm_regs_launch();
   dispatch_float(kv.dtype, "mla_prepare cache", [&](auto tag) {
     using T = decltype(tag);
-    pdl::launch(mla_prepare_kernel<T>, blocks, threads, size_t(2 * half) * sizeof(float), stream,
-                kr, a.norm, a.eps, R, P, norm_threads, qr, int(q.shape[1]), a.positions, a.inv_freq,
-                half, a.style == RopeStyle::Adjacent, a.attn_factor, static_cast<T*>(kv.k),
-                a.slot_mapping, rows, a.num_tokens, capacity, a.errors);
+    pdl::launch(regs ? mla_prepare_regs_kernel<T> : mla_prepare_kernel<T>, blocks, threads,
+                size_t(2 * half) * sizeof(float), stream, kr, a.norm, a.eps, R, P, norm_threads, qr,
+                int(q.shape[1]), a.positions, a.inv_freq, half, a.style == RopeStyle::Adjacent,
+                a.attn_factor, static_cast<T*>(kv.k), a.slot_mapping, rows, a.num_tokens, capacity,
+                a.errors);
   });
   check_cuda(cudaGetLastError(), "mla_prepare");
 }

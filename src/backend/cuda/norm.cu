@@ -1,8 +1,10 @@
 #include <algorithm>
+#include <atomic>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
 
 namespace ds::cuda {
 namespace {
@@ -35,7 +37,68 @@ __global__ void rms_norm_kernel(const void* x, RowIndex xr, const void* y, RowIn
   }
 }
 
+// The same norm with each thread's elements of the row (i = tid + j * blockDim.x, j < kRowRegs)
+// in registers (launch_rms_norm: DEEPSERVE_NORM_REGS=1, n <= kRowRegs * threads). In
+// rms_norm_kernel every element is a round trip of its own: the loads of element i + blockDim.x
+// cannot pass the store of element i, which may alias them, so a row of 4 elements a thread
+// waits on memory 8 times in a row (PTX: ld, ld, st, ld, ld, st ...). Here a thread's loads
+// all issue at once, the normalized values come from its registers, and the weights, which no
+// kernel writes (pdl.cuh), are read before the dependent-launch wait. Each element sees the same
+// operations, and the sum of squares the same order: the same bits.
+template <bool kAdd>
+__global__ void __launch_bounds__(1024)
+    rms_norm_regs_kernel(const void* x, RowIndex xr, const void* y, RowIndex yr, void* xo,
+                         RowIndex xor_, const float* __restrict__ w, float eps, void* out,
+                         RowIndex orow, int64_t rows, int n) {
+  const int tid = int(threadIdx.x), nt = int(blockDim.x);
+  float wr[kRowRegs];
+#pragma unroll
+  for (int j = 0; j < kRowRegs; ++j) wr[j] = tid + j * nt < n ? w[tid + j * nt] : 0.0f;
+  pdl::enter();
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* xp = at_bytes<float>(x, xr.offset(r));
+    float v[kRowRegs], yv[kRowRegs];
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int i = tid + j * nt;
+      v[j] = i < n ? xp[i] : 0.0f;
+      if constexpr (kAdd) yv[j] = i < n ? at_bytes<float>(y, yr.offset(r))[i] : 0.0f;
+    }
+    float* sp = kAdd ? at_bytes<float>(xo, xor_.offset(r)) : nullptr;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int i = tid + j * nt;
+      if (i >= n) break;
+      if constexpr (kAdd) {
+        v[j] = rms_residual_add(v[j], yv[j]);
+        sp[i] = v[j];
+      }
+      ss = rms_add_square(ss, v[j]);
+    }
+    ss = block_sum(ss);
+    const float s = rms_inv(ss, n, eps);
+    float* op = at_bytes<float>(out, orow.offset(r));
+#pragma unroll
+    for (int j = 0; j < kRowRegs; ++j) {
+      const int i = tid + j * nt;
+      if (i >= n) break;
+      op[i] = rms_apply(v[j], s, wr[j]);
+    }
+  }
+}
+
+std::atomic<int64_t> g_regs_launches{0};
+
 }  // namespace
+
+int64_t norm_regs_launches() {
+  return g_regs_launches.load(std::memory_order_relaxed);
+}
+
+void note_norm_regs_launch() {
+  g_regs_launches.fetch_add(1, std::memory_order_relaxed);
+}
 
 void launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
   const bool add = a.residual.data != nullptr;
@@ -56,18 +119,20 @@ void launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
   // About 4 elements per thread, whole warps, at most 1024 threads.
   const int threads = rms_norm_threads(n);
   const unsigned blocks = unsigned(std::min<int64_t>(rows, int64_t(1) << 30));
+  const bool regs = g_norm_regs.on() && n <= int64_t(kRowRegs) * threads;
+  if (regs) note_norm_regs_launch();
   if (add) {
     const TensorView& xo = a.x_out.data != nullptr ? a.x_out : a.x;
     DS_CHECK(xo.rows() == rows && xo.cols() == n && xo.dtype == DType::F32,
              "add_rms_norm: x_out " + xo.shape_str() + " for x " + a.x.shape_str());
     check_inner_dense(xo, "add_rms_norm");
-    pdl::launch(rms_norm_kernel<true>, blocks, threads, 0, stream, a.x.data, row_index(a.x),
-                a.residual.data, row_index(a.residual), xo.data, row_index(xo), a.w.ptr<float>(),
-                a.eps, a.out.data, row_index(a.out), rows, int(n));
+    pdl::launch(regs ? rms_norm_regs_kernel<true> : rms_norm_kernel<true>, blocks, threads, 0,
+                stream, a.x.data, row_index(a.x), a.residual.data, row_index(a.residual), xo.data,
+                row_index(xo), a.w.ptr<float>(), a.eps, a.out.data, row_index(a.out), rows, int(n));
   } else {
-    pdl::launch(rms_norm_kernel<false>, blocks, threads, 0, stream, a.x.data, row_index(a.x),
-                nullptr, RowIndex{}, nullptr, RowIndex{}, a.w.ptr<float>(), a.eps, a.out.data,
-                row_index(a.out), rows, int(n));
+    pdl::launch(regs ? rms_norm_regs_kernel<false> : rms_norm_kernel<false>, blocks, threads, 0,
+                stream, a.x.data, row_index(a.x), nullptr, RowIndex{}, nullptr, RowIndex{},
+                a.w.ptr<float>(), a.eps, a.out.data, row_index(a.out), rows, int(n));
   }
   check_cuda(cudaGetLastError(), "rms_norm");
 }

@@ -130,5 +130,11 @@ EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
 // memory, no merge launch), where every cluster fits at once. Not yet measured on the H200, so
 // off. The same bits either way (attention_mla_decode_tiles.cuh).
 EnvSwitch g_mla_cluster{"DEEPSERVE_MLA_CLUSTER", "1", false};
+// DEEPSERVE_NORM_REGS=1: the one-CTA-per-row norm kernels (rms_norm, add_rms_norm, mla_prepare)
+// hold each thread's elements of a row in registers, so its loads issue at once instead of one
+// round trip per element, and read their weights (and mla_prepare its rotation angles and cache
+// slot, the step's metadata) before the dependent-launch wait. Not yet measured on the H200, so
+// off. The same bits either way (norm.cu, mla_prepare.cu).
+EnvSwitch g_norm_regs{"DEEPSERVE_NORM_REGS", "1", false};
 
 }  // namespace ds::cuda

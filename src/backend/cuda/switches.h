@@ -73,5 +73,6 @@ extern EnvSwitch g_moe_down_early;      // off; DEEPSERVE_MOE_DOWN_EARLY=1 turns
 extern EnvSwitch g_moe_shared_early;    // off; DEEPSERVE_MOE_SHARED_EARLY=1 turns it on
 extern EnvCount g_mla_max_splits;       // DEEPSERVE_MLA_SPLITS (attention_mla_decode.cu)
 extern EnvSwitch g_mla_cluster;         // off; DEEPSERVE_MLA_CLUSTER=1 turns it on
+extern EnvSwitch g_norm_regs;           // off; DEEPSERVE_NORM_REGS=1 turns it on
 
 }  // namespace ds::cuda
