@@ -370,7 +370,10 @@ TEST(CudaOps, NormMatmulFusedMatchesNormThenMatmul) {
                         {8, 2048, 64, DType::F32, true},    {2, 5120, 160, DType::BF16, true},
                         {5, 1000, 33, DType::F32, true},    {1, 7168, 24, DType::BF16, true}};
   struct Restore {
-    ~Restore() { cuda::g_norm_fuse.force(-1); }
+    ~Restore() {
+      cuda::g_norm_fuse.force(-1);
+      cuda::g_norm_regs.force(-1);
+    }
   } restore;
   uint32_t seed = 870;
   for (const Case& k : cases) {
@@ -430,6 +433,19 @@ TEST(CudaOps, NormMatmulFusedMatchesNormThenMatmul) {
     };
     const Outs fused = run(g, x, y, true, 1), plain = run(g, x, y, true, 0);
     const Outs cpu = run(c, x, y, false, -1);
+    // DEEPSERVE_NORM_REGS=1 (rows in registers: norm_rows' loads at once, up to 4 elements a
+    // virtual thread, and the norm kernel's): the same bits, fused and not.
+    cuda::g_norm_regs.force(1);
+    const int64_t before = cuda::norm_regs_launches();
+    const Outs fused_regs = run(g, x, y, true, 1);
+    EXPECT_EQ(cuda::norm_regs_launches() > before, k.n <= 4 * cuda::rms_norm_threads(k.n));
+    const Outs plain_regs = run(g, x, y, true, 0);
+    cuda::g_norm_regs.force(-1);
+    for (const Outs* o : {&fused_regs, &plain_regs}) {
+      EXPECT_TRUE(test::all_equal(o->out, plain.out, "out, regs", {k.rows, ldo}));
+      EXPECT_TRUE(test::all_equal(o->xn, plain.xn, "xn, regs", {k.rows, ldn}));
+      EXPECT_TRUE(test::all_equal(o->x_out, plain.x_out, "x_out, regs", {k.rows, ldn}));
+    }
     EXPECT_TRUE(test::all_equal(fused.out, plain.out, "out", {k.rows, ldo}));
     EXPECT_TRUE(test::all_equal(fused.xn, plain.xn, "xn", {k.rows, ldn}));
     EXPECT_TRUE(test::all_equal(fused.x_out, plain.x_out, "x_out", {k.rows, ldn}));

@@ -60,11 +60,54 @@ struct KernelArgs {
   SkinnyNormArgs nrm;
   int k = 0, norm_threads = 0;
   bool early = false;  // the first weight step loaded before the wait (always with the norm)
+  // DEEPSERVE_NORM_REGS=1 and K <= kNormJ * norm_threads: norm_rows loads a row's elements into
+  // registers first (norm_row_regs).
+  bool norm_regs = false;
 };
 
 // rms_norm's threads per row are at most 1024: each thread here plays up to 4 of them.
 constexpr int kNormPer = 1024 / kThreads;
 constexpr size_t kMaxNormSmem = size_t(96) << 10;
+
+// Elements of a row each virtual thread of norm_rows holds in registers with norm_regs: rms_norm's
+// threads give a row of up to 4,096 at most 4 each.
+constexpr int kNormJ = 4;
+
+// One row's x (+ y) as norm_rows' first loop sees it, in registers: every load of the thread
+// issues at once (in the loop, a load cannot pass the store to x_out before it, which may alias
+// it), then the same additions, stores and sums in the same order.
+__device__ __forceinline__ void norm_row_regs(const float* xr, const float* yr, float* xo,
+                                              float* row, int K, int V, float (&ss)[kNormPer],
+                                              const int t, auto&& mine) {
+  float e[kNormPer][kNormJ], yv[kNormPer][kNormJ];
+#pragma unroll
+  for (int q = 0; q < kNormPer; ++q)
+#pragma unroll
+    for (int j = 0; j < kNormJ; ++j) {
+      const int v = t + q * kThreads, i = v + j * V;
+      const bool in = v < V && i < K;
+      e[q][j] = in ? xr[i] : 0.0f;
+      yv[q][j] = in && yr ? yr[i] : 0.0f;
+    }
+#pragma unroll
+  for (int q = 0; q < kNormPer; ++q) {
+    ss[q] = 0.0f;
+    const int v = t + q * kThreads;
+    if (v >= V) continue;
+#pragma unroll
+    for (int j = 0; j < kNormJ; ++j) {
+      const int i = v + j * V;
+      if (i >= K) break;
+      float x = e[q][j];
+      if (yr) {
+        x = rms_residual_add(x, yv[q][j]);
+        if (mine(i)) xo[i] = x;
+      }
+      row[i] = x;
+      ss[q] = rms_add_square(ss[q], x);
+    }
+  }
+}
 
 // xs[m][:] = rms_norm's xn of x's row m (of x + y with a residual), in launch_rms_norm's order:
 // virtual thread v (this thread's t + q * kThreads) sums elements v, v + V, ..., then block_sum's
@@ -86,19 +129,23 @@ __device__ void norm_rows(const KernelArgs& a, float* xs, const float* gs, float
             : nullptr;
     float* row = xs + int64_t(m) * K;
     float ss[kNormPer];
+    if (a.norm_regs) {
+      norm_row_regs(xr, yr, xo, row, K, V, ss, t, mine);
+    } else {
 #pragma unroll
-    for (int q = 0; q < kNormPer; ++q) {
-      ss[q] = 0.0f;
-      const int v = t + q * kThreads;
-      if (v >= V) continue;
-      for (int i = v; i < K; i += V) {
-        float e = xr[i];
-        if (yr) {
-          e = rms_residual_add(e, yr[i]);
-          if (mine(i)) xo[i] = e;
+      for (int q = 0; q < kNormPer; ++q) {
+        ss[q] = 0.0f;
+        const int v = t + q * kThreads;
+        if (v >= V) continue;
+        for (int i = v; i < K; i += V) {
+          float e = xr[i];
+          if (yr) {
+            e = rms_residual_add(e, yr[i]);
+            if (mine(i)) xo[i] = e;
+          }
+          row[i] = e;
+          ss[q] = rms_add_square(ss[q], e);
         }
-        row[i] = e;
-        ss[q] = rms_add_square(ss[q], e);
       }
     }
 #pragma unroll
@@ -356,6 +403,8 @@ void launch_skinny_norm_gemm(const SkinnyGemmArgs& a, const SkinnyNormArgs& nrm,
   ka.k = int(a.k);
   ka.norm_threads = rms_norm_threads(a.k);
   ka.early = true;
+  ka.norm_regs = g_norm_regs.on() && a.k <= int64_t(kNormJ) * ka.norm_threads;
+  if (ka.norm_regs) note_norm_regs_launch();
   launch<true>(a, ka, size_t(a.m + 1) * size_t(a.k) * 4, stream);
 }
 
