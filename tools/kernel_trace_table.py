@@ -2,8 +2,9 @@
 """What each kernel adds to a replayed decode graph, from DEEPSERVE_KERNEL_TRACE's table.
 
 Input: the tab-separated table a run writes with DEEPSERVE_KERNEL_TRACE=path (CUPTI's start
-and end of every kernel, src/backend/cuda/kernel_trace.h). The kernels of one graph launch share
-a correlation id: each such group of the chosen graph is a step. Within a step, in start order,
+and end of every kernel, src/backend/cuda/kernel_trace.h). Each launch of the chosen graph is a
+step: a launch runs every node once, so a node seen again starts the next (without node ids,
+the kernels of one launch share its correlation id). Within a step, in start order,
 a kernel *adds* the time from the latest end of the kernels before it to its own end (0 when it
 ends before them); the additions of a step sum to its span, first start to last end. A kernel's
 *lead* is its start minus that latest end: negative when dependent launch started it while the
@@ -41,19 +42,31 @@ def load(path):
         grid = "(" + ", ".join(r["grid"].split(",")) + ")"
         out.append({"start": int(r["start_ns"]), "end": int(r["end_ns"]),
                     "corr": int(r["correlation"]), "graph": int(r["graph_id"]),
+                    "node": int(r["graph_node"]),
                     "name": short(r["name"]), "grid": grid})
     return out
 
 
 def steps_of(kernels, graph):
-    """The chosen graph's launches (steps), each its kernels in start order, steps in time order."""
+    """The chosen graph's launches (steps), each its kernels in start order, steps in time order.
+
+    A launch runs each node of the graph once, so in time order a node seen again starts the
+    next launch. Where CUPTI gave no node ids, the kernels of one launch share the graph
+    launch's correlation id instead."""
+    ks = sorted((k for k in kernels if k["graph"] == graph), key=lambda k: (k["start"], k["end"]))
+    if ks and all(k["node"] != 0 for k in ks):
+        steps, seen = [], set()
+        for k in ks:
+            if not steps or k["node"] in seen:
+                steps.append([])
+                seen = set()
+            steps[-1].append(k)
+            seen.add(k["node"])
+        return steps
     launches = defaultdict(list)
-    for k in kernels:
-        if k["graph"] == graph:
-            launches[k["corr"]].append(k)
-    steps = [sorted(ks, key=lambda k: (k["start"], k["end"])) for ks in launches.values()]
-    steps.sort(key=lambda ks: ks[0]["start"])
-    return steps
+    for k in ks:
+        launches[k["corr"]].append(k)
+    return sorted(launches.values(), key=lambda s: s[0]["start"])
 
 
 def additions(step):
@@ -75,11 +88,10 @@ def main():
     ap.add_argument("--json", action="store_true", help="the table as JSON")
     a = ap.parse_args()
     kernels = load(a.tsv)
-    per_graph = Counter()
-    for corr, graph in {(k["corr"], k["graph"]) for k in kernels if k["graph"] != 0}:
-        per_graph[graph] += 1
+    per_graph = Counter(k["graph"] for k in kernels if k["graph"] != 0)
     if not per_graph:
         sys.exit(f"{a.tsv}: no kernel ran inside a graph")
+    # The graph that ran the most kernels (the steady decode size).
     graph = a.graph if a.graph is not None else per_graph.most_common(1)[0][0]
     steps = steps_of(kernels, graph)
     # A step whose kernels were cut by the trace's window has fewer: keep the usual count.

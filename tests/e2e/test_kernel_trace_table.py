@@ -16,29 +16,37 @@ TAIL = "void ds::cuda::merge_kernel(float*)"
 LAST = "void ds::cuda::argmax_kernel(float const*, int*)"
 
 
-def row(start, end, corr, graph, name, grid="1,1,1"):
-    return f"{start}\t{end}\t{corr}\t{graph}\t0\t{grid}\t128,1,1\t1,1,1\t0\t32\t{name}\n"
+def row(start, end, corr, graph, name, grid="1,1,1", node=0):
+    return (f"{start}\t{end}\t{corr}\t{graph}\t{node}\t{grid}\t128,1,1\t1,1,1\t0\t32"
+            f"\t{name}\n")
 
 
-def step(base, corr, norm_end=6000):
-    """One launch of graph 5: six kernels, the later ones started early (dependent launch)."""
-    return [row(base, base + 2000, corr, 5, EMBED),
-            row(base + 1500, base + norm_end, corr, 5, NORM),
-            row(base + 5000, base + 15000, corr, 5, GEMM, "64,1,1"),
-            row(base + 14000, base + 20000, corr, 5, GEMM, "64,1,1"),
-            row(base + 16000, base + 19000, corr, 5, TAIL),  # ends inside the GEMM: adds 0
-            row(base + 19500, base + 21000, corr, 5, LAST)]  # adds 1 us past the GEMM's end
+def step(base, corr, norm_end=6000, nodes=True, corr_each=False):
+    """One launch of graph 5: six kernels, the later ones started early (dependent launch).
+    nodes: each kernel carries its graph node id (else 0, as where CUPTI gives none);
+    corr_each: each kernel its own correlation id rather than the launch's."""
+    spec = [(0, 2000, EMBED, "1,1,1"), (1500, norm_end, NORM, "1,1,1"),
+            (5000, 15000, GEMM, "64,1,1"), (14000, 20000, GEMM, "64,1,1"),
+            (16000, 19000, TAIL, "1,1,1"),  # ends inside the GEMM: adds 0
+            (19500, 21000, LAST, "1,1,1")]  # adds 1 us past the GEMM's end
+    return [row(base + s, base + e, corr * 10 + i if corr_each else corr, 5, name, grid,
+                100 + i if nodes else 0)
+            for i, (s, e, name, grid) in enumerate(spec)]
+
+
+def write_trace(path, **kw):
+    lines = [HEAD, row(0, 50_000, 1, 0, GEMM, "8,1,1")]  # an eager launch (prefill): no graph
+    lines += step(100_000, 10, **kw) + step(200_000, 11, **kw)
+    lines += step(300_000, 12, norm_end=7000, **kw)
+    lines += step(400_000, 13, **kw)[:2]  # cut by the trace's window: not a complete launch
+    lines += [row(500_000, 501_000, 14, 9, EMBED, node=7)]  # another graph, launched once
+    path.write_text("".join(lines))
+    return path
 
 
 @pytest.fixture
 def trace(tmp_path):
-    lines = [HEAD, row(0, 50_000, 1, 0, GEMM, "8,1,1")]  # an eager launch (prefill): no graph
-    lines += step(100_000, 10) + step(200_000, 11) + step(300_000, 12, norm_end=7000)
-    lines += step(400_000, 13)[:2]  # cut by the trace's window: not a complete launch
-    lines += [row(500_000, 501_000, 14, 9, EMBED)]  # another graph, launched once
-    p = tmp_path / "trace.tsv"
-    p.write_text("".join(lines))
-    return p
+    return write_trace(tmp_path / "trace.tsv")
 
 
 def run(*args):
@@ -87,6 +95,17 @@ def test_text_table_and_timeline(trace):
     assert [t[0] for t in timeline] == ["1", "2", "3"]
     assert timeline[0][1] == "rms_norm_kernel<1>" and timeline[0][-3:] == ["1.50", "6.00", "4.00"]
     assert timeline[2][-3:] == ["14.00", "20.00", "5.00"]
+
+
+@pytest.mark.parametrize("kw", [{"nodes": False}, {"corr_each": True}])
+def test_launches_found_by_correlation_or_by_node(tmp_path, kw):
+    # Without node ids the launch's shared correlation id groups a step; with node ids a node
+    # seen again starts the next launch, whatever the correlation ids say.
+    p = run(str(write_trace(tmp_path / "t.tsv", **kw)), "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["steps"] == 3 and doc["kernels_per_step"] == 6
+    assert doc["span_us"] == pytest.approx(21.0)
 
 
 def test_choosing_another_graph_and_errors(trace, tmp_path):
