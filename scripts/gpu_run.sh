@@ -57,7 +57,9 @@
 #           NCU_EXTRA more ncu options (e.g. "--section ComputeWorkloadAnalysis")
 #   trace   each kernel's start and end inside the replayed decode graphs of TRACE_WORKLOADS
 #           (default w3 w1f w5; CUPTI through DEEPSERVE_KERNEL_TRACE): what each adds to a step
-#           (tools/kernel_trace_table.py; needs lite). TRACE_TIMELINE=A:B, TRACE_KEEP_ROWS
+#           (tools/kernel_trace_table.py; needs lite). TRACE_TIMELINE=A:B, TRACE_KEEP_ROWS. Carry
+#           .carry/cupti (scripts/fetch_gpu_deps.sh) in the calls that build and trace, in case
+#           the machine lacks CUPTI's headers or library
 #   ncustep Nsight Compute times every kernel of a stretch of a workload's decode steps, each
 #           alone (NCUSTEP_WORKLOAD, default w3; NCUSTEP_SKIP launches past warm-up and prefill,
 #           default 70000, right for w3; NCUSTEP_COUNT, default 1100): ncu-step-<w>.csv and the
@@ -483,7 +485,14 @@ if has_stage trace; then
   # with a timeline of TRACE_TIMELINE (default the first 60 launches of the median step);
   # bench-trace-<w>.json: the run's own figures under tracing (compare with an untraced run);
   # trace-<w>.tsv.gz: the first TRACE_KEEP_ROWS rows of the table (the whole one stays in /tmp).
-  cupti_lib=$(ls "$ROOT"/.carry/deps/cupti/lib/libcupti.so* 2>/dev/null | head -1)
+  # libcupti: carried in .carry/cupti (scripts/fetch_gpu_deps.sh), else the loader's, else any
+  # on the machine (the toolkit's, or torch's pip package).
+  cupti_lib=$(ls "$ROOT"/.carry/cupti/lib/libcupti.so* 2>/dev/null | head -1)
+  if [ -z "$cupti_lib" ] && ! ldconfig -p 2>/dev/null | grep -q libcupti.so; then
+    cupti_lib=$(find /usr/local/cuda* /usr/local/lib /usr/lib -name 'libcupti.so*' 2>/dev/null |
+      head -1)
+  fi
+  log "CUPTI: ${cupti_lib:-the loader's}"
   for w in ${TRACE_WORKLOADS:-w3 w1f w5}; do
     log "kernel trace of $w"
     env ${cupti_lib:+DEEPSERVE_CUPTI_LIB=$cupti_lib} DEEPSERVE_KERNEL_TRACE="/tmp/trace-$w.tsv" \
