@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/norm.cuh"
 #include "backend/cuda/switches.h"
 #include "gpu_test_util.h"
 
@@ -225,7 +224,7 @@ TEST(CudaMlaPrepare, Fp8CacheFallsBackAndMatches) {
     }
 }
 
-// DEEPSERVE_NORM_REGS=1 (the token's loads at once, the norm weight, angles and slot before the
+// DEEPSERVE_ROW_REGS=1 (the token's loads at once, the norm weight, angles and slot before the
 // wait): the fused kernel's bytes either way, over decode and prefill token counts, 16 and 128
 // heads (one and two rounds of q's pairs), both rope styles, the cache dtypes, a padding token,
 // and the widths it takes (R = 96, 512) or leaves to the loop (R = 1,536: 384 threads).
@@ -260,13 +259,13 @@ TEST(CudaMlaPrepare, RegisterRowsChangeNothing) {
     for (const auto& sq : seqs) blocks += (sq.context_len + c.block_size - 1) / c.block_size;
     test::HostStep h = test::make_step(seqs, c.block_size, blocks, seed + 10);
     if (c.T >= 3) h.slot_mapping[1] = -1;
-    cuda::g_norm_regs.force(0);
+    cuda::g_row_regs.force(0);
     const Outputs loop = run_case(c, h, blocks, true, seed);
-    cuda::g_norm_regs.force(1);
-    const int64_t before = cuda::norm_regs_launches();
+    cuda::g_row_regs.force(1);
+    const int64_t before = cuda::row_regs_launches();
     const Outputs regs = run_case(c, h, blocks, true, seed);
-    const bool took = cuda::norm_regs_launches() > before;
-    cuda::g_norm_regs.force(-1);
+    const bool took = cuda::row_regs_launches() > before;
+    cuda::g_row_regs.force(-1);
     EXPECT_EQ(took, c.R <= 512) << "the register-row kernel ran where it applies, and only there";
     EXPECT_TRUE(same_bytes(regs.kva, loop.kva, "kva"));
     EXPECT_TRUE(same_bytes(regs.q, loop.q, "q"));

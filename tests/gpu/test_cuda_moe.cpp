@@ -628,8 +628,9 @@ void expect_replays(DirectCuda& d, FfnCase& c, cuda::MoeFfnPath path,
 // assignments) and 4 chunks per row in flight (passes of up to 2 tokens;
 // DEEPSERVE_MOE_DECODE_UNROLL), the down kernel's early start (its expert and first weights
 // before the wait, DEEPSERVE_MOE_DOWN_EARLY) and shared experts' gate/up before the wait (one
-// token, DEEPSERVE_MOE_SHARED_EARLY) give the bits of the token-list kernel, the base grid, the
-// separate combine, 2 chunks in flight and everything after the wait:
+// token, DEEPSERVE_MOE_SHARED_EARLY) and x and h staged a batch of loads at a time
+// (DEEPSERVE_ROW_REGS) give the bits of the token-list kernel, the base grid, the separate
+// combine, 2 chunks in flight, everything after the wait and the staging loop:
 // every mode on the same problems, back to back without a sync (the arrival counters must be
 // left zero), into outputs poisoned with NaN first (a row tile left uncombined would show), then
 // replayed from a graph twice. Without shared experts the first problem also has an expert base
@@ -644,13 +645,16 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
       SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
       auto [a, b] = decode_pair(*ex, T, S, 600, 700);
       // (fused combine, units-per-warp multiple, warp lists, unroll, down's early start, shared
-      // experts first): the reference first.
-      const std::tuple<int, long long, int, long long, int, int> modes[] = {
-          {0, 1, 0, 2, 0, 0}, {1, 0, 1, 2, 0, 0}, {1, 1, 1, 2, 0, 0}, {1, 2, 0, 2, 0, 0},
-          {1, 3, 1, 2, 0, 0}, {0, 0, 1, 2, 0, 0}, {1, 0, 0, 2, 0, 0}, {1, 0, 1, 4, 0, 0},
-          {0, 1, 0, 4, 0, 0}, {1, 2, 1, 4, 0, 0}, {1, 0, 1, 4, 1, 0}, {1, 0, 0, 4, 1, 0},
-          {0, 1, 1, 2, 1, 0}, {1, 2, 0, 2, 1, 0}, {1, 0, 1, 4, 0, 1}, {1, 0, 1, 4, 1, 1},
-          {0, 1, 1, 2, 1, 1}, {1, 3, 1, 4, 0, 1}};
+      // experts first, rows staged a batch of loads at a time): the reference first.
+      const std::tuple<int, long long, int, long long, int, int, int> modes[] = {
+          {0, 1, 0, 2, 0, 0, 0}, {1, 0, 1, 2, 0, 0, 0}, {1, 1, 1, 2, 0, 0, 0},
+          {1, 2, 0, 2, 0, 0, 0}, {1, 3, 1, 2, 0, 0, 0}, {0, 0, 1, 2, 0, 0, 0},
+          {1, 0, 0, 2, 0, 0, 0}, {1, 0, 1, 4, 0, 0, 0}, {0, 1, 0, 4, 0, 0, 0},
+          {1, 2, 1, 4, 0, 0, 0}, {1, 0, 1, 4, 1, 0, 0}, {1, 0, 0, 4, 1, 0, 0},
+          {0, 1, 1, 2, 1, 0, 0}, {1, 2, 0, 2, 1, 0, 0}, {1, 0, 1, 4, 0, 1, 0},
+          {1, 0, 1, 4, 1, 1, 0}, {0, 1, 1, 2, 1, 1, 0}, {1, 3, 1, 4, 0, 1, 0},
+          {1, 0, 1, 4, 0, 0, 1}, {0, 1, 0, 2, 0, 0, 1}, {1, 0, 1, 4, 1, 1, 1},
+          {1, 2, 0, 2, 1, 0, 1}};
       constexpr int kModes = int(std::size(modes));
       std::array<std::vector<float>, 2> out[kModes];
       g.synchronize();
@@ -662,13 +666,16 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
         const test::Forced unroll(cuda::g_moe_decode_unroll, std::get<3>(modes[m]));
         const test::Forced early(cuda::g_moe_down_early, std::get<4>(modes[m]));
         const test::Forced shared_first(cuda::g_moe_shared_early, std::get<5>(modes[m]));
+        const test::Forced row_regs(cuda::g_row_regs, std::get<6>(modes[m]));
         const int64_t sf = counts.shared_first, de = counts.down_early;
+        const int64_t rr = cuda::row_regs_launches();
         out[m] = run_pair(d, *a, *b, cuda::MoeFfnPath::Decode);
         // Each switch is taken where it applies: the early down on every launch, shared experts
         // first on one-token steps with shared experts whose lists the gate/up kernel builds.
         EXPECT_EQ(counts.down_early - de, std::get<4>(modes[m]) ? 2 : 0) << "mode " << m;
         const bool sf_applies = std::get<5>(modes[m]) && std::get<2>(modes[m]) && T == 1 && S > 0;
         EXPECT_EQ(counts.shared_first - sf, sf_applies ? 2 : 0) << "mode " << m;
+        EXPECT_EQ(cuda::row_regs_launches() - rr, std::get<6>(modes[m]) ? 2 : 0) << "mode " << m;
       }
       for (int m = 1; m < kModes; ++m) {
         EXPECT_TRUE(bits_equal(out[m][0], out[0][0])) << "first problem, mode " << m;

@@ -302,7 +302,7 @@ TEST(CudaOps, AddRmsNormMatchesCpu) {
   }
 }
 
-// DEEPSERVE_NORM_REGS=1 (each thread's elements of a row in registers, the weights read before
+// DEEPSERVE_ROW_REGS=1 (each thread's elements of a row in registers, the weights read before
 // the wait): rms_norm and add_rms_norm give the same bits as the loop kernel, in out and in x
 // after the add, over rms_norm's thread counts (32 to 1,024), rows that leave threads idle,
 // out aliasing y, many rows, and the widths past kRowRegs x 1,024 that keep the loop.
@@ -328,23 +328,23 @@ TEST(CudaOps, NormRegsChangeNothing) {
     std::vector<float> got[2][2];  // [regs][x after the add, out]
     int64_t launches[2] = {0, 0};
     for (int regs : {0, 1}) {
-      cuda::g_norm_regs.force(regs);
+      cuda::g_row_regs.force(regs);
       const Twin x = twin_floats(DType::F32, {k.rows, ldx}, xs);
       const Twin y = twin_floats(DType::F32, {k.rows, ldy}, ys);
       const Twin out = twin_floats(DType::F32, {k.rows, ldo}, sentinel(k.rows * ldo));
       const BackendTensor& target = k.out_is_y ? y.gpu : out.gpu;
       const TensorView tv = view_of(target, {k.rows, k.n}, {k.out_is_y ? ldy : ldo, 1});
-      const int64_t before = cuda::norm_regs_launches();
+      const int64_t before = cuda::row_regs_launches();
       if (k.add)
         g.add_rms_norm(view_of(x.gpu, {k.rows, k.n}, {ldx, 1}),
                        view_of(y.gpu, {k.rows, k.n}, {ldy, 1}), w.gpu.view, 1e-6f, tv);
       else
         g.rms_norm(view_of(x.gpu, {k.rows, k.n}, {ldx, 1}), w.gpu.view, 1e-6f, tv);
-      launches[regs] = cuda::norm_regs_launches() - before;
+      launches[regs] = cuda::row_regs_launches() - before;
       got[regs][0] = test::download_floats(g, x.gpu);
       got[regs][1] = test::download_floats(g, target);
     }
-    cuda::g_norm_regs.force(-1);
+    cuda::g_row_regs.force(-1);
     EXPECT_EQ(launches[0], 0);
     EXPECT_EQ(launches[1], k.n <= cuda::kRowRegs * 1024 ? 1 : 0);
     EXPECT_TRUE(test::bits_equal(got[1][0], got[0][0])) << "x after the add";
@@ -372,7 +372,7 @@ TEST(CudaOps, NormMatmulFusedMatchesNormThenMatmul) {
   struct Restore {
     ~Restore() {
       cuda::g_norm_fuse.force(-1);
-      cuda::g_norm_regs.force(-1);
+      cuda::g_row_regs.force(-1);
     }
   } restore;
   uint32_t seed = 870;
@@ -433,14 +433,14 @@ TEST(CudaOps, NormMatmulFusedMatchesNormThenMatmul) {
     };
     const Outs fused = run(g, x, y, true, 1), plain = run(g, x, y, true, 0);
     const Outs cpu = run(c, x, y, false, -1);
-    // DEEPSERVE_NORM_REGS=1 (rows in registers: norm_rows' loads at once, up to 4 elements a
+    // DEEPSERVE_ROW_REGS=1 (rows in registers: norm_rows' loads at once, up to 4 elements a
     // virtual thread, and the norm kernel's): the same bits, fused and not.
-    cuda::g_norm_regs.force(1);
-    const int64_t before = cuda::norm_regs_launches();
+    cuda::g_row_regs.force(1);
+    const int64_t before = cuda::row_regs_launches();
     const Outs fused_regs = run(g, x, y, true, 1);
-    EXPECT_EQ(cuda::norm_regs_launches() > before, k.n <= 4 * cuda::rms_norm_threads(k.n));
+    EXPECT_EQ(cuda::row_regs_launches() > before, k.n <= 4 * cuda::rms_norm_threads(k.n));
     const Outs plain_regs = run(g, x, y, true, 0);
-    cuda::g_norm_regs.force(-1);
+    cuda::g_row_regs.force(-1);
     for (const Outs* o : {&fused_regs, &plain_regs}) {
       EXPECT_TRUE(test::all_equal(o->out, plain.out, "out, regs", {k.rows, ldo}));
       EXPECT_TRUE(test::all_equal(o->xn, plain.xn, "xn, regs", {k.rows, ldn}));

@@ -60,7 +60,7 @@ struct KernelArgs {
   SkinnyNormArgs nrm;
   int k = 0, norm_threads = 0;
   bool early = false;  // the first weight step loaded before the wait (always with the norm)
-  // DEEPSERVE_NORM_REGS=1 and K <= kNormJ * norm_threads: norm_rows loads a row's elements into
+  // DEEPSERVE_ROW_REGS=1 and K <= kNormJ * norm_threads: norm_rows loads a row's elements into
   // registers first (norm_row_regs).
   bool norm_regs = false;
 };
@@ -403,8 +403,8 @@ void launch_skinny_norm_gemm(const SkinnyGemmArgs& a, const SkinnyNormArgs& nrm,
   ka.k = int(a.k);
   ka.norm_threads = rms_norm_threads(a.k);
   ka.early = true;
-  ka.norm_regs = g_norm_regs.on() && a.k <= int64_t(kNormJ) * ka.norm_threads;
-  if (ka.norm_regs) note_norm_regs_launch();
+  ka.norm_regs = g_row_regs.on() && a.k <= int64_t(kNormJ) * ka.norm_threads;
+  if (ka.norm_regs) note_row_regs_launch();
   launch<true>(a, ka, size_t(a.m + 1) * size_t(a.k) * 4, stream);
 }
 

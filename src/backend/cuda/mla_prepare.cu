@@ -80,7 +80,7 @@ constexpr int kPairRegs = 8;
 // Threads of mla_prepare_regs_kernel at most (its registers: 256 threads is V2's R = 512).
 constexpr int kPrepareRegsThreads = 256;
 
-// mla_prepare_kernel with every load of a token issued at once (DEEPSERVE_NORM_REGS=1; the
+// mla_prepare_kernel with every load of a token issued at once (DEEPSERVE_ROW_REGS=1; the
 // launcher checks R <= kRowRegs * norm_threads, half <= blockDim.x <= kPrepareRegsThreads): the
 // latent's elements in the registers of its norm's threads, which also normalize them (the other
 // threads add 0 to block_sum, as there), the key's rope pair, and q's rope pairs a round at a time.
@@ -229,9 +229,9 @@ void launch_mla_prepare(const MlaPrepareArgs& a, cudaStream_t stream) {
   const Rows kr{kva.data, kva.stride[0], 0};
   const Rows qr{q.data, q.stride[0], q.stride[1]};
   const int64_t capacity = int64_t(kv.num_blocks) * kv.block_size;
-  const bool regs = g_norm_regs.on() && R <= kRowRegs * norm_threads && half <= threads &&
+  const bool regs = g_row_regs.on() && R <= kRowRegs * norm_threads && half <= threads &&
                     threads <= kPrepareRegsThreads;
-  if (regs) note_norm_regs_launch();
+  if (regs) note_row_regs_launch();
   dispatch_float(kv.dtype, "mla_prepare cache", [&](auto tag) {
     using T = decltype(tag);
     pdl::launch(regs ? mla_prepare_regs_kernel<T> : mla_prepare_kernel<T>, blocks, threads,

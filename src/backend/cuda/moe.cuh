@@ -329,6 +329,9 @@ struct DecodeFfnArgs : FfnProblem {
   float* part = nullptr;
   bool prefetch_down = false;
   int stages = kMoeAllStages;  // moe_ffn's stages
+  // Activation rows staged a batch of loads at a time (stage_rows' batched; launch_decode_ffn
+  // sets it from DEEPSERVE_ROW_REGS).
+  bool stage_regs = false;
 };
 constexpr int64_t kWarpListMax = 32;
 

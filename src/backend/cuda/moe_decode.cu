@@ -64,7 +64,8 @@ __device__ __forceinline__ void gate_up_rows(const DecodeFfnArgs& a, int e, cons
   for (int t0 = 0; t0 < count; t0 += TC) {
     const int nt = min(TC, count - t0);
     if (t0 > 0) __syncthreads();  // the previous pass is done reading xs
-    stage_rows<V, kThreads, L2>(xs, a.x, a.x_stride, tok, tok_base + t0, nt, a.hidden);
+    stage_rows<V, kThreads, L2>(xs, a.x, a.x_stride, tok, tok_base + t0, nt, a.hidden,
+                                a.stage_regs);
     __syncthreads();
     for (int u = warp; u < units_per_cta; u += kWarps) {
       const int f0 = f_tile + 2 * u;
@@ -239,7 +240,7 @@ __device__ __forceinline__ void down_rows(const DecodeFfnArgs& a, const ActiveEx
   if constexpr (kFirst) {
     if (count > 0) {
       const int nt = min(TC, count);
-      stage_rows<V>(xs, a.h, F, nullptr, begin, nt, F);
+      stage_rows<V>(xs, a.h, F, nullptr, begin, nt, F, a.stage_regs);
       __syncthreads();
       int u = warp;
       if (u < units_per_cta && r_tile + kRows * u < H) {
@@ -256,7 +257,7 @@ __device__ __forceinline__ void down_rows(const DecodeFfnArgs& a, const ActiveEx
   for (int t0 = t_start; t0 < count; t0 += TC) {
     const int nt = min(TC, count - t0);
     if (t0 > 0) __syncthreads();
-    stage_rows<V>(xs, a.h, F, nullptr, begin + t0, nt, F);
+    stage_rows<V>(xs, a.h, F, nullptr, begin + t0, nt, F, a.stage_regs);
     __syncthreads();
     for (int u = warp; u < units_per_cta; u += kWarps) {
       const int r0 = r_tile + kRows * u;
@@ -482,7 +483,10 @@ void prepare_decode_kernels() {
   prepare_kind<WeightKind::F32>();
 }
 
-bool launch_decode_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
+bool launch_decode_ffn(const DecodeFfnArgs& args, cudaStream_t stream) {
+  DecodeFfnArgs a = args;
+  a.stage_regs = g_row_regs.on();
+  if (a.stage_regs) note_row_regs_launch();
   const int V = 16 / wstream::elem_bytes(a.kind);
   if (a.hidden % V != 0 || a.inter % V != 0)
     throw UnsupportedError("cuda moe_ffn: hidden and F must be multiples of " + std::to_string(V));

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kSplitThreads, TC <= 2 ? 3 : 2)
   for (int t0 = 0; t0 < count; t0 += TC) {
     const int nt = min(TC, count - t0);
     if (t0 > 0) __syncthreads();  // the previous pass is done reading xs and hs
-    stage_rows<V, kSplitThreads>(xs, a.x, a.x_stride, tok, tok_base + t0, nt, H);
+    stage_rows<V, kSplitThreads>(xs, a.x, a.x_stride, tok, tok_base + t0, nt, H, a.stage_regs);
     __syncthreads();
     for (int u = warp; 2 * u < nf; u += kSplitWarps) {
       const uint8_t* rows[kRows];
@@ -239,7 +239,9 @@ void prepare_split_kernels() {
   }
 }
 
-void launch_split_ffn(const DecodeFfnArgs& a, cudaStream_t stream) {
+void launch_split_ffn(const DecodeFfnArgs& args, cudaStream_t stream) {
+  DecodeFfnArgs a = args;
+  a.stage_regs = g_row_regs.on();  // stage_rows' batched loads
   if (a.kind == WeightKind::F32)
     throw UnsupportedError("cuda moe_ffn: the split path takes BF16 or F16 experts");
   if (a.hidden % 8 != 0 || a.inter % 8 != 0)

@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <atomic>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/norm.cuh"
@@ -38,7 +37,7 @@ __global__ void rms_norm_kernel(const void* x, RowIndex xr, const void* y, RowIn
 }
 
 // The same norm with each thread's elements of the row (i = tid + j * blockDim.x, j < kRowRegs)
-// in registers (launch_rms_norm: DEEPSERVE_NORM_REGS=1, n <= kRowRegs * threads). In
+// in registers (launch_rms_norm: DEEPSERVE_ROW_REGS=1, n <= kRowRegs * threads). In
 // rms_norm_kernel every element is a round trip of its own: the loads of element i + blockDim.x
 // cannot pass the store of element i, which may alias them, so a row of 4 elements a thread
 // waits on memory 8 times in a row (PTX: ld, ld, st, ld, ld, st ...). Here a thread's loads
@@ -88,17 +87,7 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-std::atomic<int64_t> g_regs_launches{0};
-
 }  // namespace
-
-int64_t norm_regs_launches() {
-  return g_regs_launches.load(std::memory_order_relaxed);
-}
-
-void note_norm_regs_launch() {
-  g_regs_launches.fetch_add(1, std::memory_order_relaxed);
-}
 
 void launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
   const bool add = a.residual.data != nullptr;
@@ -119,8 +108,8 @@ void launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream) {
   // About 4 elements per thread, whole warps, at most 1024 threads.
   const int threads = rms_norm_threads(n);
   const unsigned blocks = unsigned(std::min<int64_t>(rows, int64_t(1) << 30));
-  const bool regs = g_norm_regs.on() && n <= int64_t(kRowRegs) * threads;
-  if (regs) note_norm_regs_launch();
+  const bool regs = g_row_regs.on() && n <= int64_t(kRowRegs) * threads;
+  if (regs) note_row_regs_launch();
   if (add) {
     const TensorView& xo = a.x_out.data != nullptr ? a.x_out : a.x;
     DS_CHECK(xo.rows() == rows && xo.cols() == n && xo.dtype == DType::F32,

@@ -23,14 +23,10 @@ struct RmsNormArgs {
 // out = x / sqrt(mean(x^2) + eps) * w per row, the sum of squares in F32.
 void launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream);
 
-// Elements of a row a thread of the register-row norm kernels holds (DEEPSERVE_NORM_REGS=1):
+// Elements of a row a thread of the register-row norm kernels holds (DEEPSERVE_ROW_REGS=1):
 // rows of up to kRowRegs * 1,024 take them (rms_norm's threads give ~4 a thread, 5 at V2.5's
 // hidden 5,120); longer ones keep the loop.
 constexpr int kRowRegs = 8;
-// Launches of the register-row kernels so far (rms_norm's and mla_prepare's; tests check that the
-// switch reached them), and the count one more.
-int64_t norm_regs_launches();
-void note_norm_regs_launch();
 
 // Threads per row launch_rms_norm uses for n columns (about 4 elements each); a fused kernel
 // that sums a row's squares over this many threads and block_sum gets rms_norm's bits.

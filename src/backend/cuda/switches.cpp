@@ -130,11 +130,23 @@ EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
 // memory, no merge launch), where every cluster fits at once. Not yet measured on the H200, so
 // off. The same bits either way (attention_mla_decode_tiles.cuh).
 EnvSwitch g_mla_cluster{"DEEPSERVE_MLA_CLUSTER", "1", false};
-// DEEPSERVE_NORM_REGS=1: the one-CTA-per-row norm kernels (rms_norm, add_rms_norm, mla_prepare)
-// hold each thread's elements of a row in registers, so its loads issue at once instead of one
-// round trip per element, and read their weights (and mla_prepare its rotation angles and cache
-// slot, the step's metadata) before the dependent-launch wait. Not yet measured on the H200, so
-// off. The same bits either way (norm.cu, mla_prepare.cu).
-EnvSwitch g_norm_regs{"DEEPSERVE_NORM_REGS", "1", false};
+// DEEPSERVE_ROW_REGS=1: kernels that walk a row a few elements a thread hold a thread's elements
+// in registers, so the row's loads issue at once instead of a round trip per element (or per 1,
+// 2, 4 of them): the one-CTA-per-row norms (rms_norm, add_rms_norm, mla_prepare), which also
+// read their weights (and mla_prepare its rotation angles and cache slot, the step's metadata)
+// before the dependent-launch wait, the norm inside the skinny GEMM (DEEPSERVE_NORM_FUSE=1), and
+// the decode MoE's staging of x and h into shared memory. Not yet measured on the H200, so off.
+// The same bits either way (norm.cu, mla_prepare.cu, gemm_skinny.cu, moe_decode.cuh).
+EnvSwitch g_row_regs{"DEEPSERVE_ROW_REGS", "1", false};
+
+namespace {
+std::atomic<int64_t> g_row_regs_launches{0};
+}  // namespace
+int64_t row_regs_launches() {
+  return g_row_regs_launches.load(std::memory_order_relaxed);
+}
+void note_row_regs_launch() {
+  g_row_regs_launches.fetch_add(1, std::memory_order_relaxed);
+}
 
 }  // namespace ds::cuda

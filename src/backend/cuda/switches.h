@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <mutex>
 
 namespace ds::cuda {
@@ -73,6 +74,10 @@ extern EnvSwitch g_moe_down_early;      // off; DEEPSERVE_MOE_DOWN_EARLY=1 turns
 extern EnvSwitch g_moe_shared_early;    // off; DEEPSERVE_MOE_SHARED_EARLY=1 turns it on
 extern EnvCount g_mla_max_splits;       // DEEPSERVE_MLA_SPLITS (attention_mla_decode.cu)
 extern EnvSwitch g_mla_cluster;         // off; DEEPSERVE_MLA_CLUSTER=1 turns it on
-extern EnvSwitch g_norm_regs;           // off; DEEPSERVE_NORM_REGS=1 turns it on
+extern EnvSwitch g_row_regs;            // off; DEEPSERVE_ROW_REGS=1 turns it on
+// Launches DEEPSERVE_ROW_REGS has reached so far (the register-row norm kernels, the skinny
+// GEMM's norm, the decode MoE's staging; tests check that the switch took effect), and one more.
+int64_t row_regs_launches();
+void note_row_regs_launch();
 
 }  // namespace ds::cuda
