@@ -98,22 +98,36 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   if (p.early_cache) pdl::enter();
 
   // Q fragments of this warp's dim group (rows g / g + 8 = heads h0 + g (+ 8); zeros past the
-  // heads), as hi (and lo) BF16 pairs; every load is issued before the first conversion.
+  // heads), as hi (and lo) BF16 pairs; every load is issued before the first conversion. Element
+  // d = step * 16 + 8 * (e >> 1) + c2 of a row is latent (q) for step < kR / 16, else rope (q2):
+  // each row's two bases are found once, each step picks one, the rest is an immediate offset
+  // (per element, the choice took ~37 instructions of 64-bit arithmetic and a branch).
   const int g = lane >> 2, c2 = 2 * (lane & 3);
   const int grp = warp >> 1, half = warp & 1;
+  const uint8_t* q_lat[2];
+  const uint8_t* q_rope[2];
+  bool q_ok[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int head = h0 + g + 8 * hh;
+    q_ok[hh] = head < p.heads;
+    q_lat[hh] = p.q + token * p.q_ts + head * p.q_hs + c2 * 4;
+    q_rope[hh] = p.q2 + token * p.q2_ts + head * p.q2_hs + c2 * 4;
+  }
   float qv[kGroupSteps][4][2];
 #pragma unroll
-  for (int s = 0; s < kGroupSteps; ++s)
+  for (int s = 0; s < kGroupSteps; ++s) {
+    const int step = grp * kGroupSteps + s;
+    const bool lat = step < kR / 16;
+    const int64_t off = int64_t(lat ? step : step - kR / 16) * 64;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int head = h0 + g + 8 * (e & 1);
-      const int d = (grp * kGroupSteps + s) * 16 + 8 * (e >> 1) + c2;
-      const uint8_t* src = d < kR ? p.q + token * p.q_ts + head * p.q_hs + d * 4
-                                  : p.q2 + token * p.q2_ts + head * p.q2_hs + (d - kR) * 4;
-      const bool ok = head < p.heads;
-      qv[s][e][0] = ok ? reinterpret_cast<const float*>(src)[0] : 0.0f;
-      qv[s][e][1] = ok ? reinterpret_cast<const float*>(src)[1] : 0.0f;
+      const float* src = reinterpret_cast<const float*>((lat ? q_lat[e & 1] : q_rope[e & 1]) + off +
+                                                        32 * (e >> 1));
+      qv[s][e][0] = q_ok[e & 1] ? src[0] : 0.0f;
+      qv[s][e][1] = q_ok[e & 1] ? src[1] : 0.0f;
     }
+  }
   uint32_t qh[kGroupSteps][4], ql[kGroupSteps][4];
 #pragma unroll
   for (int s = 0; s < kGroupSteps; ++s)
