@@ -16,6 +16,27 @@ struct Rows {
   int64_t stride_t, stride_h;  // bytes
 };
 
+// The key's rope pair (a, b) = (x0, x1) rotated by (c, s), written to its row k and, with dst, to
+// the cache row (whose rope part starts at R).
+template <typename T>
+__device__ __forceinline__ void put_key_pair(float* k, T* dst, int R, int a, int b, float x0,
+                                             float x1, float c, float s) {
+  rope_rotate(x0, x1, c, s);
+  k[a] = x0;
+  k[b] = x1;
+  if (dst) {
+    dst[R + a] = from_f32<T>(x0);
+    dst[R + b] = from_f32<T>(x1);
+  }
+}
+// The key's rope dims from `from` (past rotary_dim) to the cache row unrotated.
+template <typename T>
+__device__ __forceinline__ void put_key_tail(const float* k, T* dst, int R, int from, int P,
+                                             int tid, int nt) {
+  if (dst)
+    for (int i = from + tid; i < P; i += nt) dst[R + i] = from_f32<T>(k[i]);
+}
+
 // One block per token (looping when tokens exceed the grid). The latent's sum of squares runs
 // over the first norm_threads threads exactly as rms_norm_kernel's block of that size (the
 // other warps add 0 in block_sum), and the shared helpers fix every rounding, so each value
@@ -57,17 +78,9 @@ __global__ void mla_prepare_kernel(Rows kva, const float* __restrict__ norm, flo
     float* k = x + R;
     for (int i = tid; i < half; i += nt) {
       const int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + half;
-      float x0 = k[a], x1 = k[b];
-      rope_rotate(x0, x1, cs_sn[i], cs_sn[half + i]);
-      k[a] = x0;
-      k[b] = x1;
-      if (dst) {
-        dst[R + a] = from_f32<T>(x0);
-        dst[R + b] = from_f32<T>(x1);
-      }
+      put_key_pair(k, dst, R, a, b, k[a], k[b], cs_sn[i], cs_sn[half + i]);
     }
-    if (dst)  // rope key dims past rotary_dim are stored unrotated
-      for (int i = 2 * half + tid; i < P; i += nt) dst[R + i] = from_f32<T>(k[i]);
+    put_key_tail(k, dst, R, 2 * half, P, tid, nt);
 
     rope_heads(static_cast<char*>(q.data) + t * q.stride_t, q.stride_h, heads, half, adjacent,
                cs_sn, tid, nt);
@@ -163,17 +176,8 @@ __global__ void __launch_bounds__(kPrepareRegsThreads)
       x[i] = y;
       if (dst) dst[i] = from_f32<T>(y);
     }
-    if (tid < half) {
-      rope_rotate(k0, k1, cs_sn[tid], cs_sn[half + tid]);
-      k[ka] = k0;
-      k[kb] = k1;
-      if (dst) {
-        dst[R + ka] = from_f32<T>(k0);
-        dst[R + kb] = from_f32<T>(k1);
-      }
-    }
-    if (dst)  // rope key dims past rotary_dim are stored unrotated
-      for (int i = 2 * half + tid; i < P; i += nt) dst[R + i] = from_f32<T>(k[i]);
+    if (tid < half) put_key_pair(k, dst, R, ka, kb, k0, k1, cs_sn[tid], cs_sn[half + tid]);
+    put_key_tail(k, dst, R, 2 * half, P, tid, nt);
     for (int base = 0; base < pairs; base += kPairRegs * nt) {
       if (base > 0) load_round(base);
 #pragma unroll
