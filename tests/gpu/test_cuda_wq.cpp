@@ -610,7 +610,8 @@ TEST(CudaWq, EarlyWeightsChangeNothing) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
   const test::Forced kernels_only(cuda::g_wq_dequant, 0);
-  auto run_modes = [&](auto&& run, const std::string& what) {
+  // gathers: the call runs the gather launch (W4A16's MoE; FP8W's without F32 x staging).
+  auto run_modes = [&](auto&& run, const std::string& what, bool gathers = false) {
     std::vector<float> base;
     {
       const test::Forced early(cuda::g_wq_early, 0);
@@ -620,6 +621,13 @@ TEST(CudaWq, EarlyWeightsChangeNothing) {
     const auto got = run();
     ASSERT_EQ(got.size(), base.size());
     EXPECT_EQ(0, std::memcmp(got.data(), base.data(), got.size() * 4)) << what;
+    // And the gather a batch of loads at a time (DEEPSERVE_ROW_REGS): the same bits.
+    const test::Forced row_regs(cuda::g_row_regs, 1);
+    const int64_t before = cuda::row_regs_launches();
+    const auto regs = run();
+    EXPECT_EQ(cuda::row_regs_launches() > before, gathers) << what;
+    ASSERT_EQ(regs.size(), base.size());
+    EXPECT_EQ(0, std::memcmp(regs.data(), base.data(), regs.size() * 4)) << what << ", row regs";
   };
   struct Dense {
     DType t;
@@ -667,7 +675,8 @@ TEST(CudaWq, EarlyWeightsChangeNothing) {
         const auto xm = test::random_floats(size_t(T * H), uint32_t(95 + T));
         run_modes([&] { return moe_test::run_moe_ffn(be, xm, ids, wts, qe.dev, shared, T, H, k); },
                   std::string("MoE ") + fmt_name(t) + " T " + std::to_string(T) + " F32 x " +
-                      std::to_string(xf32));
+                      std::to_string(xf32),
+                  t == DType::W4A16 || xf32 == 0);
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -28,16 +29,40 @@ constexpr int kThreads = 256;
 // act[p, :] = x[sorted_token[p], :] as the kernels of format F stage it (wq_kernel.cuh's
 // staged_col and act_bits: BF16, W4A16's chunk order, FP8W's FP16); one block per sorted
 // position below *assigned (sorted_token null: row p of x; assigned null: every block).
+// batched (DEEPSERVE_ROW_REGS=1): the count and the row's token load together (sorted_token has a
+// slot for every block), then a thread's elements kGatherBatch at a time; the loop form is a
+// chain of round trips (the count, the token, then 1 and 4 elements at a time in SASS).
+constexpr int kGatherBatch = 8;
 template <WqFormat F>
 __global__ void gather_act_kernel(const float* __restrict__ x, int64_t x_stride,
                                   const int* __restrict__ sorted_token,
                                   const int* __restrict__ assigned, int hidden,
-                                  uint16_t* __restrict__ act) {
+                                  uint16_t* __restrict__ act, bool batched) {
   pdl::enter();
   const int64_t p = blockIdx.x;
+  uint16_t* dst = act + p * hidden;
+  if (batched) {
+    const int count = assigned ? *assigned : INT_MAX;
+    const int64_t tok = sorted_token ? int64_t(sorted_token[p]) : p;
+    if (p >= count) return;
+    const float* src = x + tok * x_stride;
+    for (int k0 = int(threadIdx.x); k0 < hidden; k0 += kGatherBatch * kThreads) {
+      float v[kGatherBatch];
+#pragma unroll
+      for (int b = 0; b < kGatherBatch; ++b) {
+        const int k = k0 + b * kThreads;
+        v[b] = k < hidden ? src[k] : 0.0f;
+      }
+#pragma unroll
+      for (int b = 0; b < kGatherBatch; ++b) {
+        const int k = k0 + b * kThreads;
+        if (k < hidden) dst[wqk::staged_col<F>(k)] = wqk::act_bits<F>(v[b]);
+      }
+    }
+    return;
+  }
   if (assigned && p >= *assigned) return;
   const float* src = x + (sorted_token ? int64_t(sorted_token[p]) : p) * x_stride;
-  uint16_t* dst = act + p * hidden;
   for (int k = threadIdx.x; k < hidden; k += kThreads)
     dst[wqk::staged_col<F>(k)] = wqk::act_bits<F>(src[k]);
 }
@@ -79,8 +104,10 @@ void launch_gather_act(const float* x, int64_t x_stride, const int* sorted_token
   const auto kernel = as == WqFormat::W4A16  ? gather_act_kernel<WqFormat::W4A16>
                       : as == WqFormat::FP8W ? gather_act_kernel<WqFormat::FP8W>
                                              : gather_act_kernel<WqFormat::BF16>;
+  const bool batched = g_row_regs.on();
+  if (batched) note_row_regs_launch();
   pdl::launch(kernel, unsigned(n), kThreads, 0, stream, x, x_stride, sorted_token, assigned, hidden,
-              dst);
+              dst, batched);
   check(cudaGetLastError(), "gather");
 }
 

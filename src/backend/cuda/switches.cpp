@@ -135,8 +135,9 @@ EnvSwitch g_mla_cluster{"DEEPSERVE_MLA_CLUSTER", "1", false};
 // 2, 4 of them): the one-CTA-per-row norms (rms_norm, add_rms_norm, mla_prepare), which also
 // read their weights (and mla_prepare its rotation angles and cache slot, the step's metadata)
 // before the dependent-launch wait, the norm inside the skinny GEMM (DEEPSERVE_NORM_FUSE=1), and
-// the decode MoE's staging of x and h into shared memory. Not yet measured on the H200, so off.
-// The same bits either way (norm.cu, mla_prepare.cu, gemm_skinny.cu, moe_decode.cuh).
+// the decode MoE's staging of x and h into shared memory, and the quantized MoE's gather of token
+// rows. Not yet measured on the H200, so off. The same bits either way (norm.cu, mla_prepare.cu,
+// gemm_skinny.cu, moe_decode.cuh, moe_prefill.cu).
 EnvSwitch g_row_regs{"DEEPSERVE_ROW_REGS", "1", false};
 
 namespace {
