@@ -492,7 +492,7 @@ if has_stage trace; then
     cupti_lib=$(find /usr/local/cuda* /usr/local/lib /usr/lib -name 'libcupti.so*' 2>/dev/null |
       head -1)
   fi
-  log "CUPTI: ${cupti_lib:-the loader's}"
+  log "CUPTI: ${cupti_lib:-from the loader}"
   for w in ${TRACE_WORKLOADS:-w3 w1f w5}; do
     log "kernel trace of $w"
     env ${cupti_lib:+DEEPSERVE_CUPTI_LIB=$cupti_lib} DEEPSERVE_KERNEL_TRACE="/tmp/trace-$w.tsv" \
