@@ -113,32 +113,36 @@ EnvSwitch g_moe_split{"DEEPSERVE_MOE_SPLIT", "1", false};
 // DEEPSERVE_MOE_SPLIT_PREFETCH=1: each Split CTA asks L2 for its strip of down before it streams
 // its gate and up rows (off: it reads the strip when it gets there). The same bits either way.
 EnvSwitch g_moe_split_prefetch{"DEEPSERVE_MOE_SPLIT_PREFETCH", "1", false};
-// DEEPSERVE_MOE_DOWN_EARLY=1: the decode MoE's down CTAs find their expert (from the route
-// kernel's ids or the token-list kernel's lists, two launches back) and load the first step of
-// their weight rows before the dependent-launch wait, during the gate/up kernel's tail. Not yet
-// measured on the H200, so off. The same bits either way (moe_decode.cu).
-EnvSwitch g_moe_down_early{"DEEPSERVE_MOE_DOWN_EARLY", "1", false};
-// DEEPSERVE_MOE_SHARED_EARLY=1: in one-token decode MoE steps (W3) the gate/up kernel computes the
-// shared experts' rows before the dependent-launch wait (their token and weights are known
-// before the route kernel ends; x was written three launches back), so they overlap the route
-// kernel; routed experts follow the wait. Not yet measured on the H200, so off. The same bits.
-EnvSwitch g_moe_shared_early{"DEEPSERVE_MOE_SHARED_EARLY", "1", false};
+// The decode MoE's down CTAs find their expert (from the route kernel's ids or the token-list
+// kernel's lists, two launches back) and load the first step of their weight rows before the
+// dependent-launch wait, during the gate/up kernel's tail (DEEPSERVE_MOE_DOWN_EARLY=0: after it).
+// On since the H200 A/B of 2026-12-05 (W3 -2.5% alone; docs/PERFORMANCE.md). The same bits
+// either way (moe_decode.cu).
+EnvSwitch g_moe_down_early{"DEEPSERVE_MOE_DOWN_EARLY", "0", true};
+// In one-token decode MoE steps (W3) the gate/up kernel computes the shared experts' rows before
+// the dependent-launch wait (their token and weights are known before the route kernel ends; x
+// was written three launches back), so they overlap the route kernel; routed experts follow the
+// wait (DEEPSERVE_MOE_SHARED_EARLY=0: all after it). On since the H200 A/B of 2026-12-05 (W3
+// -1.1% alone). The same bits.
+EnvSwitch g_moe_shared_early{"DEEPSERVE_MOE_SHARED_EARLY", "0", true};
 // The most splits the MLA decode kernels cut a short context into (long ones: up to 128).
 EnvCount g_mla_max_splits{"DEEPSERVE_MLA_SPLITS", 16};
-// DEEPSERVE_MLA_CLUSTER=1: the register-Q MLA decode kernel's splits of a sequence are one
-// thread-block cluster that merges them through distributed shared memory (no partials in global
-// memory, no merge launch), where every cluster fits at once. Not yet measured on the H200, so
-// off. The same bits either way (attention_mla_decode_tiles.cuh).
-EnvSwitch g_mla_cluster{"DEEPSERVE_MLA_CLUSTER", "1", false};
-// DEEPSERVE_ROW_REGS=1: kernels that walk a row a few elements a thread hold a thread's elements
+// The register-Q MLA decode kernel's splits of a sequence are one thread-block cluster that
+// merges them through distributed shared memory (no partials in global memory, no merge
+// launch), where every cluster fits at once (DEEPSERVE_MLA_CLUSTER=0: partials and the merge
+// kernel). On since the H200 A/B of 2026-12-05 (W3 -0.6% alone). The same bits either way
+// (attention_mla_decode_tiles.cuh).
+EnvSwitch g_mla_cluster{"DEEPSERVE_MLA_CLUSTER", "0", true};
+// Kernels that walk a row a few elements a thread hold a thread's elements
 // in registers, so the row's loads issue at once instead of a round trip per element (or per 1,
 // 2, 4 of them): the one-CTA-per-row norms (rms_norm, add_rms_norm, mla_prepare), which also
 // read their weights (and mla_prepare its rotation angles and cache slot, the step's metadata)
 // before the dependent-launch wait, the norm inside the skinny GEMM (DEEPSERVE_NORM_FUSE=1), and
 // the decode MoE's staging of x and h into shared memory, and the quantized MoE's gather of token
-// rows. Not yet measured on the H200, so off. The same bits either way (norm.cu, mla_prepare.cu,
-// gemm_skinny.cu, moe_decode.cuh, moe_prefill.cu).
-EnvSwitch g_row_regs{"DEEPSERVE_ROW_REGS", "1", false};
+// rows (DEEPSERVE_ROW_REGS=0: the loops). On since the H200 A/B of 2026-12-05 (W3 -3.4% alone,
+// -9.5% with the three above; W1 +2.2% with them). The same bits either way (norm.cu,
+// mla_prepare.cu, gemm_skinny.cu, moe_decode.cuh, moe_prefill.cu).
+EnvSwitch g_row_regs{"DEEPSERVE_ROW_REGS", "0", true};
 
 namespace {
 std::atomic<int64_t> g_row_regs_launches{0};

@@ -70,10 +70,10 @@ extern EnvSwitch g_moe_fused_combine;   // on; DEEPSERVE_MOE_FUSED_COMBINE=0 tur
 extern EnvSwitch g_moe_warp_lists;      // on; DEEPSERVE_MOE_WARP_LISTS=0 turns it off
 extern EnvSwitch g_moe_split;           // off; DEEPSERVE_MOE_SPLIT=1 turns it on
 extern EnvSwitch g_moe_split_prefetch;  // off; DEEPSERVE_MOE_SPLIT_PREFETCH=1 turns it on
-extern EnvSwitch g_moe_down_early;      // off; DEEPSERVE_MOE_DOWN_EARLY=1 turns it on
-extern EnvSwitch g_moe_shared_early;    // off; DEEPSERVE_MOE_SHARED_EARLY=1 turns it on
+extern EnvSwitch g_moe_down_early;      // on; DEEPSERVE_MOE_DOWN_EARLY=0 turns it off
+extern EnvSwitch g_moe_shared_early;    // on; DEEPSERVE_MOE_SHARED_EARLY=0 turns it off
 extern EnvCount g_mla_max_splits;       // DEEPSERVE_MLA_SPLITS (attention_mla_decode.cu)
-extern EnvSwitch g_mla_cluster;         // off; DEEPSERVE_MLA_CLUSTER=1 turns it on
+extern EnvSwitch g_mla_cluster;         // on; DEEPSERVE_MLA_CLUSTER=0 turns it off
 extern EnvSwitch g_row_regs;            // off; DEEPSERVE_ROW_REGS=1 turns it on
 // Launches DEEPSERVE_ROW_REGS has reached so far (the register-row norm kernels, the skinny
 // GEMM's norm, the decode MoE's staging; tests check that the switch took effect), and one more.
