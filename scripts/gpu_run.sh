@@ -3,7 +3,7 @@
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded, ncu,
 # bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
-# multigpu, w1kv8, abenv, abtree, abarg, ncu, ncustep, trace, mutate.
+# multigpu, w1kv8, abenv, abtree, abarg, ncu, ncustep, trace, phases, mutate.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -60,6 +60,9 @@
 #           (tools/kernel_trace_table.py; needs lite). TRACE_TIMELINE=A:B, TRACE_KEEP_ROWS. Carry
 #           .carry/cupti (scripts/fetch_gpu_deps.sh) in the calls that build and trace, in case
 #           the machine lacks CUPTI's headers or library
+#   phases  the register-Q MLA decode's CTAs phase by phase inside the replayed graphs of
+#           PHASES_WORKLOADS (default w3) under the defaults and each PHASES_ENVS item
+#           (DEEPSERVE_MLA_PHASES; tools/mla_phase_table.py; needs lite)
 #   ncustep Nsight Compute times every kernel of a stretch of a workload's decode steps, each
 #           alone (NCUSTEP_WORKLOAD, default w3; NCUSTEP_SKIP launches past warm-up and prefill,
 #           default 70000, right for w3; NCUSTEP_COUNT, default 1100): ncu-step-<w>.csv and the
@@ -465,6 +468,33 @@ if has_stage ncu; then
     grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slot|No Eligible|Waves Per SM|issue_stalled" \
       "$OUT/ncu.txt" | head -${NCU_LINES:-120}
   fi
+fi
+
+if has_stage phases; then
+  # Where the register-Q MLA decode's CTAs spend their time inside the replayed graphs
+  # (DEEPSERVE_MLA_PHASES; tools/mla_phase_table.py): PHASES_WORKLOADS (default w3), each under
+  # the defaults and each item of PHASES_ENVS (as AB_ENVS). The log keeps PHASES_MAX CTAs
+  # (default 100,000) after skipping the warm-up's: W3's two warm-up requests log ~110,000 CTAs,
+  # W5's batch-1 warm-up some millions (PHASES_SKIP_<W> overrides).
+  for w in ${PHASES_WORKLOADS:-w3}; do
+    case $w in
+      w3) skip=${PHASES_SKIP_W3:-120000} ;;
+      w5) skip=${PHASES_SKIP_W5:-5000000} ;;
+      *) skip=${PHASES_SKIP:-0} ;;
+    esac
+    for kv in default ${PHASES_ENVS:-}; do
+      if [ "$kv" = default ]; then tag=default; args=""; else tag=$(env_tag "$kv"); args=$(env_args "$kv"); fi
+      log "phases $w ($kv)"
+      env $args DEEPSERVE_MLA_PHASES=/tmp/phases-$tag-$w.tsv DEEPSERVE_MLA_PHASES_SKIP=$skip \
+        DEEPSERVE_MLA_PHASES_MAX=${PHASES_MAX:-100000} DEEPSERVE_V2_LITE="$LITE_DIR" \
+        "$BUILD/deepserve" bench --config "bench/$w.yaml" --output "$OUT/bench-phases-$tag-$w.json" \
+        >"$OUT/bench-phases-$tag-$w.log" 2>&1
+      log "phases $w ($kv) rc=$?: $(grep -m1 'TPOT' "$OUT/bench-phases-$tag-$w.log")"
+      python3 tools/mla_phase_table.py /tmp/phases-$tag-$w.tsv --skip-launches 10 \
+        >"$OUT/phases-$tag-$w.txt" 2>&1
+      cat "$OUT/phases-$tag-$w.txt"
+    done
+  done
 fi
 
 if has_stage ncustep; then

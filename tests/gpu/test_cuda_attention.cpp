@@ -45,6 +45,7 @@ struct Case {
   DType dtype = DType::BF16;
   bool causal = true;
   bool strided = false;  // q inside a wider qkv buffer, out rows padded
+  bool settled = false;  // MLA: MlaAttentionParams::cache_settled (early cache reads)
   AttentionPath path = AttentionPath::Auto;
 };
 
@@ -158,6 +159,7 @@ MlaAttentionParams mla_params(const Case& c, const Inputs& in) {
   p.kv_lora_rank = c.hd;
   p.scale = in.scale;
   p.causal = c.causal;
+  p.cache_settled = c.settled;
   return p;
 }
 
@@ -473,6 +475,50 @@ TEST(CudaAttention, MlaDecodeClusterMergeChangesNothing) {
       }
       ++seed;
     }
+}
+
+// The register-Q kernel's reads before the dependent-launch wait (cache_settled: the slots and
+// tile 0; with DEEPSERVE_MLA_EARLY_TILES=1 tile 1 too, in its own copy group) give the bits of
+// the kernel that reads everything after it: W3's shape (splits of two tiles past 1,024 keys),
+// W1's and W5's batches, contexts around the tiles (splits of one tile, none, many) and a long
+// one, with Q and P split hi + lo or rounded once, and with the splits merged in clusters or by
+// the merge kernel. Outputs are poisoned with NaN before each launch.
+TEST(CudaAttention, MlaDecodeEarlyTilesChangeNothing) {
+  DS_REQUIRE_GPU();
+  const std::vector<test::StepSeq> edges = {{1, 1},   {1, 63},  {1, 64},  {1, 65},
+                                            {1, 128}, {1, 129}, {1, 777}, {1, 2049}};
+  struct Shape {
+    int heads;
+    std::vector<test::StepSeq> seqs;
+  };
+  const Shape shapes[] = {{16, {{1, 1088}}},          {16, {{1, 1025}}}, {16, decodes(8, 1400, 8)},
+                          {128, decodes(8, 1300, 5)}, {16, edges},       {16, {{1, 20000}}}};
+  uint32_t seed = 3300;
+  for (int cluster : {0, 1})
+    for (AttentionPath path : {AttentionPath::MlaDecode, AttentionPath::MlaDecodeBf16})
+      for (const Shape& sh : shapes) {
+        const test::Forced merge(cuda::g_mla_cluster, cluster);
+        Case c;
+        c.seqs = sh.seqs;
+        c.heads = sh.heads, c.hd = 512, c.rope = 64, c.path = path;
+        SCOPED_TRACE(describe(c) + (cluster ? ", cluster merge" : ", merge kernel"));
+        std::vector<float> late, early, early2;
+        for (int mode = 0; mode < 3; ++mode) {
+          const test::Forced tiles(cuda::g_mla_early_tiles, mode == 2);
+          c.settled = mode > 0;
+          const Inputs in = make_inputs(c, seed);  // the same inputs, outputs NaN again
+          launch(c, in);
+          (mode == 0 ? late : mode == 1 ? early : early2) = read_out(c, in);
+        }
+        EXPECT_TRUE(test::bits_equal(early, late));
+        EXPECT_TRUE(test::bits_equal(early2, late));
+        if (path == AttentionPath::MlaDecode) {
+          const Inputs in = make_inputs(c, seed);
+          EXPECT_TRUE(test::all_close(early2, reference(c, in), test::attention_tolerance(),
+                                      "vs float64", {in.h.num_tokens, c.heads, c.hd}));
+        }
+        ++seed;
+      }
 }
 
 // The MLA decode kernel's split count (host code; no GPU needed): with fewer CTAs than SMs the

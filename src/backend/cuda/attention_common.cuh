@@ -63,6 +63,14 @@ struct AttnParams {
   // MlaAttentionParams::cache_settled: the cache rows and the step's metadata are no output of
   // the kernel just ahead, so a kernel may read them before its dependent-launch wait.
   int early_cache = 0;
+  // With early_cache, the register-Q MLA decode issues its first two tiles' copies before the wait
+  // (DEEPSERVE_MLA_EARLY_TILES=1), not one.
+  int early_tiles = 0;
+  // DEEPSERVE_MLA_PHASES (attention_mla_decode.cuh): the register-Q MLA decode's per-CTA phase
+  // log (word 0 counts records; kMlaPhaseWords words a record from word kMlaPhaseWords), or null.
+  unsigned long long* phase_log = nullptr;
+  int phase_cap = 0;         // records the log holds
+  long long phase_skip = 0;  // CTAs not logged first (warm-up)
 };
 
 // The CTA's share of the work, the same in every thread.

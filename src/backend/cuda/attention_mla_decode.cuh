@@ -29,4 +29,14 @@ bool launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16
 // cluster of the grid resident at once.
 bool mla_decode_merges_in_cluster(const kern::AttnParams& a);
 
+// DEEPSERVE_MLA_PHASES=path: every CTA of the register-Q kernel logs when it reached each of its
+// phases (attention_mla_decode_tiles.cuh, PhaseLog; up to DEEPSERVE_MLA_PHASES_MAX records,
+// default 400,000, after the first DEEPSERVE_MLA_PHASES_SKIP CTAs, on the device that started
+// the log), and the log is written to path as a
+// table (tools/mla_phase_table.py summarizes it). start: a CUDA backend's constructor, on its
+// device, before the pool takes the free memory; write: its destructor (the whole log each time).
+// No-ops without the variable.
+void mla_phase_log_start();
+void mla_phase_log_write();
+
 }  // namespace ds::cuda

@@ -9,9 +9,15 @@
 // warps. P . V is the first kernel's (each warp 64 value dims). Three barriers per tile.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <string>
+#include <vector>
 
 #include "backend/cuda/attention_mla_decode_tiles.cuh"
 #include "backend/cuda/mma_ptx.cuh"
@@ -40,6 +46,8 @@ static_assert(kGroups * 2 == kWarps && kRows == 2 * kWarps, "warp roles");
 // are one cluster and merge there (merge_in_cluster), writing the output; no partials.
 template <bool kLo, bool kCl>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern::AttnParams p) {
+  PhaseLog plog;
+  plog.open(p);
   if (!p.early_cache) pdl::enter();
   using namespace regq;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -64,6 +72,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
       }
       merge_in_cluster(p, sk.token, h0, reinterpret_cast<const float*>(stage0), row_m, row_l);
     }
+    plog.close(seq, split, 0);
     return;
   }
   const int token = sk.token, key_begin = sk.key_begin, key_end = sk.key_end;
@@ -93,9 +102,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   };
   if (tid < 2 * kKeys && tid / kKeys < n_tiles) slots[tid] = slot_at(tid / kKeys, tid % kKeys);
   __syncthreads();  // tiles 0 and 1's slots visible
+  plog.mark(1);
   load_tile(0, 0);
   ptx::cp_async_commit();
+  // p.early_tiles: tile 1's copies go out with tile 0's (its own group), so a split of two tiles
+  // has all of its rows in flight before the wait; the loop then skips its copy of tile 1.
+  const bool two_early = p.early_tiles && n_tiles > 1;
+  if (two_early) {
+    load_tile(1, 1);
+    ptx::cp_async_commit();
+  }
+  plog.mark(2);
   if (p.early_cache) pdl::enter();
+  plog.mark(3);
 
   // Q fragments of this warp's dim group (rows g / g + 8 = heads h0 + g (+ 8); zeros past the
   // heads), as hi (and lo) BF16 pairs; every load is issued before the first conversion. Element
@@ -141,6 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
       qh[s][e] = *reinterpret_cast<const uint32_t*>(&h2);
       ql[s][e] = *reinterpret_cast<const uint32_t*>(&l2);
     }
+  plog.mark(4);
 
   // Softmax row of this lane (its warp's rows 2w, 2w + 1) and its 4 keys.
   const int ro = 2 * warp + (lane >> 4), kq = (lane & 15) * 4;
@@ -150,11 +170,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
 
   for (int t = 0; t < n_tiles; ++t) {
     const int k0 = key_begin + t * kKeys;
-    ptx::cp_async_wait<0>();
+    // Tile 1 issued early: tile 0 is the older of the two groups outstanding.
+    if (two_early && t == 0)
+      ptx::cp_async_wait<1>();
+    else
+      ptx::cp_async_wait<0>();
     // Tile t visible to every warp; every warp is past tile t - 1, so the other stage, the
     // partial scores and P are free.
     __syncthreads();
-    if (t + 1 < n_tiles) load_tile((t + 1) & 1, t + 1);
+    if (t == 0) plog.mark(5);
+    if (t + 1 < n_tiles && !(two_early && t == 0)) load_tile((t + 1) & 1, t + 1);
     ptx::cp_async_commit();
     // Tile t + 2's slots: looked up now, stored into table t & 1 after P . V (no copy reads it
     // any more), read after the next barrier.
@@ -292,6 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
       }
     }
     if (tid < kKeys && t + 2 < n_tiles) slots[(t & 1) * kKeys + tid] = next_slot;
+    if (t == 0) plog.mark(6);
   }
   ptx::cp_async_wait<0>();
   if ((lane & 15) == 0) {
@@ -299,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     row_l[ro] = l_run;
   }
   __syncthreads();  // every row's max and sum visible
+  plog.mark(7);
 
   if constexpr (kCl) {
     // The barrier above: every warp is past its last tile, so the stages are free for part.
@@ -309,6 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     const float m_rows[2] = {row_m[g], row_m[g + 8]}, l_rows[2] = {row_l[g], row_l[g + 8]};
     store_rows(p, sk, split, h0, warp, lane, o, m_rows, l_rows);
   }
+  plog.close(seq, split, n_tiles);
 }
 
 // The kernel's shared-memory limit (allow_smem: per device, as every launch did before the
@@ -341,6 +369,13 @@ int max_active_clusters(int size) {
   return n;
 }
 
+// The phase log's buffer (mla_phase_log_start), its capacity and device.
+std::atomic<unsigned long long*> g_phase_buf{nullptr};
+std::atomic<int> g_phase_cap{0}, g_phase_device{-1};
+std::atomic<long long> g_phase_skip{0};
+std::mutex g_phase_mu;
+std::string g_phase_path;
+
 }  // namespace
 
 bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, bool& merged) {
@@ -352,6 +387,16 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
                   unsigned((a.heads + kRows - 1) / kRows));
   kern::AttnParams k = a;
   k.early_cache = a.early_cache && g_mla_early.on() ? 1 : 0;
+  k.early_tiles = k.early_cache && g_mla_early_tiles.on() ? 1 : 0;
+  if (unsigned long long* log = g_phase_buf.load(std::memory_order_acquire)) {
+    int dev = -1;
+    check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+    if (dev == g_phase_device.load()) {
+      k.phase_log = log;
+      k.phase_cap = g_phase_cap.load();
+      k.phase_skip = g_phase_skip.load();
+    }
+  }
   merged = mla_decode_merges_in_cluster(a);
   auto go = [&]<bool kLo, bool kCl>() {
     prepare_regq<kLo, kCl>();
@@ -374,6 +419,65 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
 }  // namespace ds::cuda::mla_decode
 
 namespace ds::cuda {
+
+void mla_phase_log_start() {
+  using namespace mla_decode;
+  const char* path = std::getenv("DEEPSERVE_MLA_PHASES");
+  if (path == nullptr || *path == '\0') return;
+  std::lock_guard<std::mutex> lock(g_phase_mu);
+  if (g_phase_buf.load() != nullptr) return;
+  const char* max = std::getenv("DEEPSERVE_MLA_PHASES_MAX");
+  const char* skip = std::getenv("DEEPSERVE_MLA_PHASES_SKIP");
+  const long long cap = max ? std::atoll(max) : 400000;
+  DS_CHECK(cap > 0 && cap < (1ll << 31), "DEEPSERVE_MLA_PHASES_MAX must be a positive count");
+  g_phase_skip.store(skip ? std::max(0ll, std::atoll(skip)) : 0);
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  unsigned long long* buf = nullptr;
+  const size_t bytes = size_t(cap + 1) * kMlaPhaseWords * sizeof(unsigned long long);
+  check_cuda(cudaMalloc(&buf, bytes), "cudaMalloc (MLA phase log)");
+  check_cuda(cudaMemset(buf, 0, bytes), "cudaMemset (MLA phase log)");
+  g_phase_path = path;
+  g_phase_cap.store(int(cap));
+  g_phase_device.store(dev);
+  g_phase_buf.store(buf, std::memory_order_release);
+}
+
+void mla_phase_log_write() {
+  using namespace mla_decode;
+  std::lock_guard<std::mutex> lock(g_phase_mu);
+  unsigned long long* buf = g_phase_buf.load();
+  if (buf == nullptr) return;
+  int prev = 0;
+  check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
+  check_cuda(cudaSetDevice(g_phase_device.load()), "cudaSetDevice");
+  check_cuda(cudaDeviceSynchronize(), "MLA phase log");
+  unsigned long long count = 0;
+  check_cuda(cudaMemcpy(&count, buf, sizeof(count), cudaMemcpyDeviceToHost), "MLA phase log");
+  const unsigned long long skip = static_cast<unsigned long long>(g_phase_skip.load());
+  const size_t n =
+      size_t(std::min<unsigned long long>(count > skip ? count - skip : 0, g_phase_cap.load()));
+  std::vector<unsigned long long> rec(n * kMlaPhaseWords);
+  if (n > 0)
+    check_cuda(cudaMemcpy(rec.data(), buf + kMlaPhaseWords, rec.size() * sizeof(rec[0]),
+                          cudaMemcpyDeviceToHost),
+               "MLA phase log");
+  check_cuda(cudaSetDevice(prev), "cudaSetDevice");
+  std::ofstream f(g_phase_path);
+  DS_CHECK(f.good(), "DEEPSERVE_MLA_PHASES: cannot write " + g_phase_path);
+  f << "seq\tsplit\ttiles\tsm\tchunk\tstart_ns\tend_ns";
+  for (int i = 0; i < kMlaPhases; ++i) f << "\tc" << i;
+  f << "\n";
+  for (size_t r = 0; r < n; ++r) {
+    const unsigned long long* w = rec.data() + r * kMlaPhaseWords;
+    if (w[3] == 0) continue;  // a CTA still running when the copy was taken (none, after a sync)
+    f << (w[0] & 0xffffff) << '\t' << ((w[0] >> 24) & 0xffff) << '\t' << (w[0] >> 40) << '\t'
+      << (w[1] & 0xffff) << '\t' << (w[1] >> 16) << '\t' << w[2] << '\t' << w[3];
+    for (int i = 0; i < kMlaPhases; ++i) f << '\t' << w[4 + i];
+    f << '\n';
+  }
+  DS_CHECK(f.good(), "DEEPSERVE_MLA_PHASES: cannot write " + g_phase_path);
+}
 
 // Asked for (DEEPSERVE_MLA_CLUSTER=1), sm_90+, 2..16 splits, 16-byte aligned output rows, and
 // every cluster of the grid resident at once (each waits at a cluster barrier for all of its CTAs).

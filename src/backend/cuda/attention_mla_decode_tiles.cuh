@@ -28,6 +28,47 @@ constexpr int kPBytes = kRows * kKeys * 2;
 constexpr int kSlotBytes = kKeys * 8;  // cache slot of each key of a tile (-1: none)
 static_assert(kR == kWarps * 64, "each warp owns 64 value dims");
 
+// DEEPSERVE_MLA_PHASES (attention_mla_decode.cuh): thread 0 of every CTA of the register-Q
+// kernel stamps its SM's clock at the kernel's phases (kMlaPhases: entry, slots, tile 0 issued,
+// after the dependent-launch wait, Q in registers, tile 0 visible, tile 0 done, loop done,
+// end) and the global timer at entry and end, into one record of the log: where a CTA's time
+// goes inside a replayed graph, which neither Nsight Compute (a kernel alone) nor the kernel
+// trace (a kernel's span) shows. Record words: 0 seq | split << 24 | tiles << 40, 1 SM |
+// head chunk << 16, 2 / 3 global timer at entry / end (ns), 4 + i clock at phase i.
+constexpr int kMlaPhases = 9;
+constexpr int kMlaPhaseWords = 16;
+struct PhaseLog {
+  unsigned long long* rec = nullptr;  // this CTA's record (thread 0 of a logged CTA), else null
+
+  __device__ __forceinline__ void open(const kern::AttnParams& p) {
+    if (p.phase_log == nullptr || threadIdx.x != 0) return;
+    const unsigned long long n = atomicAdd(p.phase_log, 1ull);
+    const unsigned long long skip = static_cast<unsigned long long>(p.phase_skip);
+    if (n < skip || n - skip >= static_cast<unsigned long long>(p.phase_cap)) return;
+    rec = p.phase_log + (n - skip + 1) * kMlaPhaseWords;
+    rec[2] = globaltimer();
+    rec[4] = clock64();
+  }
+  __device__ __forceinline__ void mark(int phase) {
+    if (rec) rec[4 + phase] = clock64();
+  }
+  __device__ __forceinline__ void close(int seq, int split, int tiles) {
+    if (!rec) return;
+    rec[4 + kMlaPhases - 1] = clock64();
+    rec[3] = globaltimer();
+    unsigned smid = 0;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    rec[0] = static_cast<unsigned long long>(seq) | static_cast<unsigned long long>(split) << 24 |
+             static_cast<unsigned long long>(tiles) << 40;
+    rec[1] = smid | static_cast<unsigned long long>(blockIdx.z) << 16;
+  }
+  static __device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  }
+};
+
 // Byte offset of 16-byte chunk c of a staged row r (rows of `row_bytes`): chunks swizzled
 // within groups of 8 by the row, so ldmatrix's 8 rows of a phase hit 8 different bank groups.
 __device__ __forceinline__ uint32_t swz(int r, int c, int row_bytes) {

@@ -14,6 +14,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/argmax.cuh"
 #include "backend/cuda/attention.cuh"
+#include "backend/cuda/attention_mla_decode.cuh"
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/context.cuh"
 #include "backend/cuda/cuda_backend.h"
@@ -88,6 +89,7 @@ class CudaBackend final : public Backend {
              "--gpu-memory-utilization must be in (0, 1]");
     cuda::kernel_trace_start();  // DEEPSERVE_KERNEL_TRACE: before the first CUDA call
     check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    cuda::mla_phase_log_start();  // DEEPSERVE_MLA_PHASES: before the pool takes the memory
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     cudaDeviceProp prop{};
     check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
@@ -122,7 +124,8 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
     try {
-      cuda::kernel_trace_write();  // DEEPSERVE_KERNEL_TRACE: every kernel so far
+      cuda::kernel_trace_write();   // DEEPSERVE_KERNEL_TRACE: every kernel so far
+      cuda::mla_phase_log_write();  // DEEPSERVE_MLA_PHASES: every logged CTA so far
     } catch (const std::exception& e) {
       log_error(e.what());
     }
