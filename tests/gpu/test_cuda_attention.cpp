@@ -478,11 +478,13 @@ TEST(CudaAttention, MlaDecodeClusterMergeChangesNothing) {
 }
 
 // The register-Q kernel's reads before the dependent-launch wait (cache_settled: the slots and
-// tile 0; with DEEPSERVE_MLA_EARLY_TILES=1 tile 1 too, in its own copy group) give the bits of
-// the kernel that reads everything after it: W3's shape (splits of two tiles past 1,024 keys),
-// W1's and W5's batches, contexts around the tiles (splits of one tile, none, many) and a long
-// one, with Q and P split hi + lo or rounded once, and with the splits merged in clusters or by
-// the merge kernel. Outputs are poisoned with NaN before each launch.
+// tile 0; with DEEPSERVE_MLA_EARLY_TILES=1 tile 1 too, in its own copy group) and its two forms
+// of the tile copies (DEEPSERVE_MLA_COPY_ROWS: a row's addresses formed once, the third chunk a
+// predicated copy) give the bits of the kernel that reads everything after the wait with the
+// per-chunk copies: W3's shape (splits of two tiles past 1,024 keys), W1's and W5's batches,
+// contexts around the tiles (splits of one tile, none, many) and a long one, with Q and P split
+// hi + lo or rounded once, and the splits merged in clusters or by the merge kernel. Outputs are
+// poisoned with NaN before each launch.
 TEST(CudaAttention, MlaDecodeEarlyTilesChangeNothing) {
   DS_REQUIRE_GPU();
   const std::vector<test::StepSeq> edges = {{1, 1},   {1, 63},  {1, 64},  {1, 65},
@@ -493,6 +495,8 @@ TEST(CudaAttention, MlaDecodeEarlyTilesChangeNothing) {
   };
   const Shape shapes[] = {{16, {{1, 1088}}},          {16, {{1, 1025}}}, {16, decodes(8, 1400, 8)},
                           {128, decodes(8, 1300, 5)}, {16, edges},       {16, {{1, 20000}}}};
+  // (settled, early tiles, row copies); the first is the reference.
+  const int modes[][3] = {{0, 0, 0}, {1, 0, 0}, {1, 1, 0}, {0, 0, 1}, {1, 0, 1}, {1, 1, 1}};
   uint32_t seed = 3300;
   for (int cluster : {0, 1})
     for (AttentionPath path : {AttentionPath::MlaDecode, AttentionPath::MlaDecodeBf16})
@@ -501,21 +505,25 @@ TEST(CudaAttention, MlaDecodeEarlyTilesChangeNothing) {
         Case c;
         c.seqs = sh.seqs;
         c.heads = sh.heads, c.hd = 512, c.rope = 64, c.path = path;
-        SCOPED_TRACE(describe(c) + (cluster ? ", cluster merge" : ", merge kernel"));
-        std::vector<float> late, early, early2;
-        for (int mode = 0; mode < 3; ++mode) {
-          const test::Forced tiles(cuda::g_mla_early_tiles, mode == 2);
-          c.settled = mode > 0;
+        std::vector<float> ref;
+        for (const auto& m : modes) {
+          SCOPED_TRACE(describe(c) + (cluster ? ", cluster merge" : ", merge kernel") +
+                       ", settled " + std::to_string(m[0]) + ", early tiles " +
+                       std::to_string(m[1]) + ", row copies " + std::to_string(m[2]));
+          const test::Forced tiles(cuda::g_mla_early_tiles, m[1]);
+          const test::Forced rows(cuda::g_mla_copy_rows, m[2]);
+          c.settled = m[0] != 0;
           const Inputs in = make_inputs(c, seed);  // the same inputs, outputs NaN again
           launch(c, in);
-          (mode == 0 ? late : mode == 1 ? early : early2) = read_out(c, in);
-        }
-        EXPECT_TRUE(test::bits_equal(early, late));
-        EXPECT_TRUE(test::bits_equal(early2, late));
-        if (path == AttentionPath::MlaDecode) {
-          const Inputs in = make_inputs(c, seed);
-          EXPECT_TRUE(test::all_close(early2, reference(c, in), test::attention_tolerance(),
-                                      "vs float64", {in.h.num_tokens, c.heads, c.hd}));
+          const std::vector<float> out = read_out(c, in);
+          if (ref.empty()) {
+            ref = out;
+            if (path == AttentionPath::MlaDecode)
+              EXPECT_TRUE(test::all_close(out, reference(c, in), test::attention_tolerance(),
+                                          "vs float64", {in.h.num_tokens, c.heads, c.hd}));
+          } else {
+            EXPECT_TRUE(test::bits_equal(out, ref));
+          }
         }
         ++seed;
       }

@@ -66,6 +66,8 @@ struct AttnParams {
   // With early_cache, the register-Q MLA decode issues its first two tiles' copies before the wait
   // (DEEPSERVE_MLA_EARLY_TILES=1), not one.
   int early_tiles = 0;
+  // The register-Q MLA decode forms each cache row's copy addresses once (DEEPSERVE_MLA_COPY_ROWS).
+  int copy_rows = 0;
   // DEEPSERVE_MLA_PHASES (attention_mla_decode.cuh): the register-Q MLA decode's per-CTA phase
   // log (word 0 counts records; kMlaPhaseWords words a record from word kMlaPhaseWords), or null.
   unsigned long long* phase_log = nullptr;

@@ -323,7 +323,7 @@ bool mla_decode_fits(const kern::AttnParams& a) {
   const int align = fp8 ? 8 : 16;
   return cache_ok && a.dv == kR && P >= 0 && P <= kMlaDecodeMaxRope && P % 16 == 0 &&
          a.num_tokens == a.num_seqs && a.kv_heads == 1 && a.slot_bytes % align == 0 &&
-         reinterpret_cast<uintptr_t>(a.k) % align == 0;
+         a.slot_bytes <= INT32_MAX && reinterpret_cast<uintptr_t>(a.k) % align == 0;
 }
 
 int mla_decode_splits(const kern::AttnParams& a, int sm_count) {

@@ -84,9 +84,32 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   };
   // Warp w copies key rows w * 8 .. + 8 of a tile; lane l chunks l, l + 32 (and l + 64 < 72).
   constexpr int kChunks = kDim / 8;
+  static_assert(kChunks > 64 && kChunks <= 96, "three chunks a lane, the third for some lanes");
+  const uint8_t* row0 = p.k + lane * 16;  // this lane's first chunk of cache row (slot) 0
+  const uint32_t slot_bytes = uint32_t(p.slot_bytes);
   auto load_tile = [&](int stage, int t) {
     const uint32_t base = smem_u32(stage0 + stage * kTileBytes);
     const int64_t* ts = slots + (t & 1) * kKeys;
+    if (p.copy_rows) {
+      // The same copies with a row's address formed once: row r = warp * 8 + i has (r & 7) = i,
+      // so chunk c = lane + 32 m lands at swz(r, lane) + 512 m, and a key past the split reads
+      // (nothing from) row 0. The third chunk is a predicated copy, not a branch. (The loop
+      // below took ~50 instructions a row: each chunk redid the row's 64-bit product and the
+      // select, and the third was a divergent branch.)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = warp * 8 + i;
+        const int64_t slot = ts[r];
+        const bool ok = slot >= 0;
+        // Slots and row sizes fit 32 bits (kern::slot_of's block * block_size + offset is
+        // formed from int32 block ids; mla_decode_fits bounds slot_bytes): one wide product.
+        const uint8_t* src = row0 + uint64_t(ok ? uint32_t(slot) : 0u) * slot_bytes;
+        const uint32_t dst =
+            base + uint32_t(r * kRowBytes) + uint32_t(((lane & ~7) | ((lane ^ i) & 7)) << 4);
+        ptx::cp_async16_x3<512>(dst, src, !ok, lane + 64 < kChunks);
+      }
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int r = warp * 8 + i;
@@ -388,6 +411,7 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
   kern::AttnParams k = a;
   k.early_cache = a.early_cache && g_mla_early.on() ? 1 : 0;
   k.early_tiles = k.early_cache && g_mla_early_tiles.on() ? 1 : 0;
+  k.copy_rows = g_mla_copy_rows.on() ? 1 : 0;
   if (unsigned long long* log = g_phase_buf.load(std::memory_order_acquire)) {
     int dev = -1;
     check_cuda(cudaGetDevice(&dev), "cudaGetDevice");

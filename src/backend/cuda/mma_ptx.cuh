@@ -16,6 +16,20 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
 }
+// Three 16-byte copies kStride bytes apart (src, src + kStride, src + 2 kStride to the same
+// offsets from dst), the third only where `third` holds (a predicated instruction, not a
+// branch); 16 zero bytes each where `zero` holds (cp.async's ignore-src predicate). The
+// offsets are immediates of one address pair, so the copies cost no address arithmetic.
+template <int kStride>
+__device__ __forceinline__ void cp_async16_x3(uint32_t dst, const void* src, bool zero,
+                                              bool third) {
+  asm volatile(
+      "{\n .reg .pred z, t;\n setp.ne.b32 z, %2, 0;\n setp.ne.b32 t, %3, 0;\n"
+      " cp.async.cg.shared.global [%0], [%1], 16, z;\n"
+      " cp.async.cg.shared.global [%0+%4], [%1+%4], 16, z;\n"
+      " @t cp.async.cg.shared.global [%0+%5], [%1+%5], 16, z;\n}\n" ::"r"(dst),
+      "l"(src), "r"(int(zero)), "r"(int(third)), "n"(kStride), "n"(2 * kStride));
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::);
 }
