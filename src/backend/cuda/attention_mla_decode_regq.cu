@@ -157,18 +157,34 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     q_rope[hh] = p.q2 + token * p.q2_ts + head * p.q2_hs + c2 * 4;
   }
   float qv[kGroupSteps][4][2];
-#pragma unroll
-  for (int s = 0; s < kGroupSteps; ++s) {
+  // Each element pair (c2, c2 + 1) in one 8-byte load where every Q row is 8-byte aligned
+  // (p.q_pairs), else two.
+  auto q_src = [&](int s, int e) {
     const int step = grp * kGroupSteps + s;
     const bool lat = step < kR / 16;
     const int64_t off = int64_t(lat ? step : step - kR / 16) * 64;
+    return reinterpret_cast<const float*>((lat ? q_lat[e & 1] : q_rope[e & 1]) + off +
+                                          32 * (e >> 1));
+  };
+  if (p.q_pairs) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float* src = reinterpret_cast<const float*>((lat ? q_lat[e & 1] : q_rope[e & 1]) + off +
-                                                        32 * (e >> 1));
-      qv[s][e][0] = q_ok[e & 1] ? src[0] : 0.0f;
-      qv[s][e][1] = q_ok[e & 1] ? src[1] : 0.0f;
-    }
+    for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 v =
+            q_ok[e & 1] ? *reinterpret_cast<const float2*>(q_src(s, e)) : make_float2(0.0f, 0.0f);
+        qv[s][e][0] = v.x;
+        qv[s][e][1] = v.y;
+      }
+  } else {
+#pragma unroll
+    for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float* src = q_src(s, e);
+        qv[s][e][0] = q_ok[e & 1] ? src[0] : 0.0f;
+        qv[s][e][1] = q_ok[e & 1] ? src[1] : 0.0f;
+      }
   }
   uint32_t qh[kGroupSteps][4], ql[kGroupSteps][4];
 #pragma unroll
@@ -412,6 +428,9 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
   k.early_cache = a.early_cache && g_mla_early.on() ? 1 : 0;
   k.early_tiles = k.early_cache && g_mla_early_tiles.on() ? 1 : 0;
   k.copy_rows = g_mla_copy_rows.on() ? 1 : 0;
+  const uint64_t q_bits = reinterpret_cast<uintptr_t>(a.q) | reinterpret_cast<uintptr_t>(a.q2) |
+                          uint64_t(a.q_ts | a.q_hs | a.q2_ts | a.q2_hs);
+  k.q_pairs = g_mla_q_pairs.on() && q_bits % 8 == 0 ? 1 : 0;
   if (unsigned long long* log = g_phase_buf.load(std::memory_order_acquire)) {
     int dev = -1;
     check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
