@@ -66,11 +66,12 @@ struct AttnParams {
   // With early_cache, the register-Q MLA decode issues its first two tiles' copies before the wait
   // (DEEPSERVE_MLA_EARLY_TILES=1), not one.
   int early_tiles = 0;
-  // The register-Q MLA decode forms each cache row's copy addresses once (DEEPSERVE_MLA_COPY_ROWS).
-  int copy_rows = 0;
   // Q rows 8-byte aligned: the register-Q MLA decode loads element pairs at once
   // (DEEPSERVE_MLA_Q_PAIRS).
   int q_pairs = 0;
+  // The register-Q MLA decode's in-cluster merge gathers the splits' weights first
+  // (DEEPSERVE_MLA_MERGE_GATHER; attention_mla_decode_tiles.cuh, merge_gathered).
+  int merge_gather = 0;
   // DEEPSERVE_MLA_PHASES (attention_mla_decode.cuh): the register-Q MLA decode's per-CTA phase
   // log (word 0 counts records; kMlaPhaseWords words a record from word kMlaPhaseWords), or null.
   unsigned long long* phase_log = nullptr;

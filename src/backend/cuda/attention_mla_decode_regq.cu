@@ -37,6 +37,9 @@ constexpr int kRedBytes = kGroups * kRows * kSStride * 4;
 constexpr int kSmemBytes =
     2 * kTileBytes + kRedBytes + 2 * kPBytes + 3 * kRows * 4 + 2 * kSlotBytes;
 static_assert(kDim == kMaxDim && kDim % (16 * kGroups) == 0, "dim groups of whole k-steps");
+// The in-cluster merge's part ([kRows][kR] F32) and scratch (merge_gathered) in the stages.
+static_assert((kRows * kR + (3 * kMaxClusterSize + 1) * kRows) * 4 <= 2 * kTileBytes,
+              "the merge's shared memory fits the stages");
 static_assert(kGroups * 2 == kWarps && kRows == 2 * kWarps, "warp roles");
 }  // namespace regq
 
@@ -63,20 +66,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
   SplitKeys sk;
-  if (!split_keys(p, seq, split, h0, tid, sk, !kCl)) {
-    if constexpr (kCl) {  // no keys: the cluster still counts this CTA, as an empty split
-      if (p.early_cache) pdl::enter();  // the merge writes the output
-      if (tid < kRows) {
-        row_m[tid] = -INFINITY;
-        row_l[tid] = 0.0f;
-      }
-      merge_in_cluster(p, sk.token, h0, reinterpret_cast<const float*>(stage0), row_m, row_l);
-    }
+  const bool has_keys = split_keys(p, seq, split, h0, tid, sk, !kCl);
+  if (!kCl && !has_keys) {
     plog.close(seq, split, 0);
     return;
   }
+  // kCl: a split without keys still takes part in its cluster's merge, as an empty split: no
+  // tiles, so its rows keep max -inf and sum 0 (one merge in the code, not two).
   const int token = sk.token, key_begin = sk.key_begin, key_end = sk.key_end;
-  const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
+  const int n_tiles = has_keys ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
   // Cache slot of key k of tile t (-1 past the split).
   auto slot_at = [&](int t, int k) -> int64_t {
     const int j = key_begin + t * kKeys + k;
@@ -90,43 +88,29 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   auto load_tile = [&](int stage, int t) {
     const uint32_t base = smem_u32(stage0 + stage * kTileBytes);
     const int64_t* ts = slots + (t & 1) * kKeys;
-    if (p.copy_rows) {
-      // The same copies with a row's address formed once: row r = warp * 8 + i has (r & 7) = i,
-      // so chunk c = lane + 32 m lands at swz(r, lane) + 512 m, and a key past the split reads
-      // (nothing from) row 0. The third chunk is a predicated copy, not a branch. (The loop
-      // below took ~50 instructions a row: each chunk redid the row's 64-bit product and the
-      // select, and the third was a divergent branch.)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int r = warp * 8 + i;
-        const int64_t slot = ts[r];
-        const bool ok = slot >= 0;
-        // Slots and row sizes fit 32 bits (kern::slot_of's block * block_size + offset is
-        // formed from int32 block ids; mla_decode_fits bounds slot_bytes): one wide product.
-        const uint8_t* src = row0 + uint64_t(ok ? uint32_t(slot) : 0u) * slot_bytes;
-        const uint32_t dst =
-            base + uint32_t(r * kRowBytes) + uint32_t(((lane & ~7) | ((lane ^ i) & 7)) << 4);
-        ptx::cp_async16_x3<512>(dst, src, !ok, lane + 64 < kChunks);
-      }
-      return;
-    }
+    // A row's addresses are formed once: row r = warp * 8 + i has (r & 7) = i, so chunk
+    // c = lane + 32 m lands at swz(r, lane) + 512 m, and a key past the split reads (nothing
+    // from) row 0; the third chunk is a predicated copy, not a branch. (Per chunk, with the
+    // row's 64-bit product and the select redone each time and the third chunk a divergent
+    // branch, a tile's copies took ~50 instructions a row, ~400 of the ~1,000 a tile took; on
+    // the H200 this form with Q pairs took W3 2.79 -> 2.73 ms, docs/PERFORMANCE.md.)
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int r = warp * 8 + i;
       const int64_t slot = ts[r];
-      const uint8_t* row = p.k + slot * p.slot_bytes;
-#pragma unroll
-      for (int m = 0; m < 3; ++m) {
-        const int c = lane + 32 * m;
-        if (c < kChunks)
-          ptx::cp_async16(base + swz(r, c, kRowBytes), slot >= 0 ? row + c * 16 : p.k, slot >= 0);
-      }
+      const bool ok = slot >= 0;
+      // Slots and row sizes fit 32 bits (kern::slot_of's block * block_size + offset is formed
+      // from int32 block ids; mla_decode_fits bounds slot_bytes): one wide product.
+      const uint8_t* src = row0 + uint64_t(ok ? uint32_t(slot) : 0u) * slot_bytes;
+      const uint32_t dst =
+          base + uint32_t(r * kRowBytes) + uint32_t(((lane & ~7) | ((lane ^ i) & 7)) << 4);
+      ptx::cp_async16_x3<512>(dst, src, !ok, lane + 64 < kChunks);
     }
   };
   if (tid < 2 * kKeys && tid / kKeys < n_tiles) slots[tid] = slot_at(tid / kKeys, tid % kKeys);
   __syncthreads();  // tiles 0 and 1's slots visible
   plog.mark(1);
-  load_tile(0, 0);
+  if (n_tiles > 0) load_tile(0, 0);
   ptx::cp_async_commit();
   // p.early_tiles: tile 1's copies go out with tile 0's (its own group), so a split of two tiles
   // has all of its rows in flight before the wait; the loop then skips its copy of tile 1.
@@ -370,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     // The barrier above: every warp is past its last tile, so the stages are free for part.
     float* part = reinterpret_cast<float*>(stage0);
     stash_rows(part, warp, lane, o);
-    merge_in_cluster(p, token, h0, part, row_m, row_l);
+    merge_in_cluster(p, token, h0, part, row_m, row_l, part + kRows * kR);
   } else {
     const float m_rows[2] = {row_m[g], row_m[g + 8]}, l_rows[2] = {row_l[g], row_l[g + 8]};
     store_rows(p, sk, split, h0, warp, lane, o, m_rows, l_rows);
@@ -427,7 +411,7 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
   kern::AttnParams k = a;
   k.early_cache = a.early_cache && g_mla_early.on() ? 1 : 0;
   k.early_tiles = k.early_cache && g_mla_early_tiles.on() ? 1 : 0;
-  k.copy_rows = g_mla_copy_rows.on() ? 1 : 0;
+  k.merge_gather = g_mla_merge_gather.on() ? 1 : 0;
   const uint64_t q_bits = reinterpret_cast<uintptr_t>(a.q) | reinterpret_cast<uintptr_t>(a.q2) |
                           uint64_t(a.q_ts | a.q_hs | a.q2_ts | a.q2_hs);
   k.q_pairs = g_mla_q_pairs.on() && q_bits % 8 == 0 ? 1 : 0;

@@ -153,30 +153,112 @@ __device__ __forceinline__ void stash_rows(float* part, int warp, int lane,
           make_float2(o[n][2 * h], o[n][2 * h + 1]);
 }
 
+// p.merge_gather (DEEPSERVE_MLA_MERGE_GATHER): the weights first, then every split's values at
+// once. Each (split, row)'s max and sum come over in one round of remote reads (a thread each)
+// into `scratch` (this CTA's own shared memory, 3 kRows x kMaxClusterSize + kRows floats, apart
+// from part, row_m and row_l, which the other CTAs read); one thread per row then forms the
+// merge kernel's scale (merge_scale: the largest max, the sum over splits ascending, skipping
+// empty ones) and each split's factor 2^(m_s - mx); a thread's item then loads its 4 dims from
+// every split with keys before it sums them, ascending, as merge_dims does: the same bits in three
+// rounds of remote reads, where the shared merge takes about eight (max, then max and sum, then
+// max and values, in chunks of 8 splits, each load waiting on the one before).
+__device__ __forceinline__ void merge_gathered(const kern::AttnParams& p, int token, int h0,
+                                               const float* part, const float* row_m,
+                                               const float* row_l, float* scratch) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int S = int(cluster.num_blocks()), z = int(cluster.block_rank());
+  const int tid = int(threadIdx.x);
+  float* sm_m = scratch;                         // [split][row]
+  float* sm_l = sm_m + kMaxClusterSize * kRows;  // [split][row]
+  float* fac = sm_l + kMaxClusterSize * kRows;   // [split][row]: 2^(m - mx), or -inf: empty
+  float* inv = fac + kMaxClusterSize * kRows;    // [row]
+  static_assert(kMaxClusterSize * kRows <= kThreads, "one thread per (split, row)");
+  if (tid < S * kRows) {
+    const int s = tid / kRows, row = tid % kRows;
+    sm_m[tid] = *cluster.map_shared_rank(row_m + row, s);
+    sm_l[tid] = *cluster.map_shared_rank(row_l + row, s);
+  }
+  __syncthreads();
+  if (tid < kRows && h0 + tid < p.heads) {
+    const int row = tid;
+    float mx = -INFINITY;
+    for (int s = 0; s < S; ++s) mx = fmaxf(mx, sm_m[s * kRows + row]);
+    float sum = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float ms = sm_m[s * kRows + row];
+      float f = -INFINITY;
+      if (ms != -INFINITY) {
+        f = kern::exp2_approx(ms - mx);
+        sum += sm_l[s * kRows + row] * kern::exp2_approx(ms - mx);
+      }
+      fac[s * kRows + row] = f;
+    }
+    inv[row] = 1.0f / sum;
+  }
+  __syncthreads();
+  constexpr int kPerRow = kR / 4, kItems = kRows * kPerRow;
+  const int per = (kItems + S - 1) / S, end = min((z + 1) * per, kItems);
+  for (int i = z * per + tid; i < end; i += kThreads) {
+    const int row = i / kPerRow, d = (i - row * kPerRow) * 4;
+    if (h0 + row >= p.heads) continue;
+    float4 o[kMaxClusterSize];
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSize; ++s)
+      if (s < S && fac[s * kRows + row] != -INFINITY)
+        o[s] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part + row * kR + d, s));
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSize; ++s) {
+      if (s >= S) break;
+      const float f = fac[s * kRows + row];
+      if (f == -INFINITY) continue;
+      acc[0] += o[s].x * f;
+      acc[1] += o[s].y * f;
+      acc[2] += o[s].z * f;
+      acc[3] += o[s].w * f;
+    }
+    const float r = inv[row];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] *= r;
+    kern::store_f4(reinterpret_cast<float*>(p.out + token * p.out_ts + (h0 + row) * p.out_hs) + d,
+                   acc);
+  }
+#else
+  (void)p, (void)token, (void)h0, (void)part, (void)row_m, (void)row_l, (void)scratch;
+#endif
+}
+
+// scratch: merge_gathered's (with p.merge_gather).
 __device__ __forceinline__ void merge_in_cluster(const kern::AttnParams& p, int token, int h0,
                                                  const float* part, const float* row_m,
-                                                 const float* row_l) {
+                                                 const float* row_l, float* scratch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();  // every CTA's part, row_m and row_l visible to the cluster
-  kern::merge_cluster_items(
-      int(cluster.num_blocks()), int(cluster.block_rank()), int(threadIdx.x), kThreads, kRows, kR,
-      [&](int row) { return h0 + row < p.heads; },
-      [&](int s, int row) { return *cluster.map_shared_rank(row_m + row, s); },
-      [&](int s, int row) { return *cluster.map_shared_rank(row_l + row, s); },
-      [&](int s, int row, int d, float(&o)[4]) {
-        const float4 q =
-            *reinterpret_cast<const float4*>(cluster.map_shared_rank(part + row * kR + d, s));
-        o[0] = q.x, o[1] = q.y, o[2] = q.z, o[3] = q.w;
-      },
-      [&](int row, int d, const float(&acc)[4]) {
-        kern::store_f4(
-            reinterpret_cast<float*>(p.out + token * p.out_ts + (h0 + row) * p.out_hs) + d, acc);
-      });
+  if (p.merge_gather) {
+    merge_gathered(p, token, h0, part, row_m, row_l, scratch);
+  } else {
+    kern::merge_cluster_items(
+        int(cluster.num_blocks()), int(cluster.block_rank()), int(threadIdx.x), kThreads, kRows, kR,
+        [&](int row) { return h0 + row < p.heads; },
+        [&](int s, int row) { return *cluster.map_shared_rank(row_m + row, s); },
+        [&](int s, int row) { return *cluster.map_shared_rank(row_l + row, s); },
+        [&](int s, int row, int d, float(&o)[4]) {
+          const float4 q =
+              *reinterpret_cast<const float4*>(cluster.map_shared_rank(part + row * kR + d, s));
+          o[0] = q.x, o[1] = q.y, o[2] = q.z, o[3] = q.w;
+        },
+        [&](int row, int d, const float(&acc)[4]) {
+          kern::store_f4(
+              reinterpret_cast<float*>(p.out + token * p.out_ts + (h0 + row) * p.out_hs) + d, acc);
+        });
+  }
   cluster.sync();  // the other CTAs are done reading this one's shared memory
 #else
-  (void)p, (void)token, (void)h0, (void)part, (void)row_m, (void)row_l;
+  (void)p, (void)token, (void)h0, (void)part, (void)row_m, (void)row_l, (void)scratch;
   __trap();  // launched on sm_90+ only (launch_regq)
 #endif
 }

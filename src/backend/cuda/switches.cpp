@@ -147,14 +147,15 @@ EnvSwitch g_row_regs{"DEEPSERVE_ROW_REGS", "0", true};
 // (with DEEPSERVE_MLA_EARLY), not only the first: a split of two tiles (W3 past 1,024 keys, W1)
 // has every row in flight before Q arrives. The same bits.
 EnvSwitch g_mla_early_tiles{"DEEPSERVE_MLA_EARLY_TILES", "1", false};
-// The register-Q MLA decode's tile copies: each cache row's source and destination formed once
-// and the third chunk a predicated copy (DEEPSERVE_MLA_COPY_ROWS=0: the loop that redid both
-// for each chunk, ~50 instructions a row, 400 of the ~1,000 a tile took). The same copies.
-EnvSwitch g_mla_copy_rows{"DEEPSERVE_MLA_COPY_ROWS", "0", true};
 // The register-Q MLA decode reads Q's element pairs in one 8-byte load each where the rows allow
 // (36 loads a thread after the dependent-launch wait, not 72; DEEPSERVE_MLA_Q_PAIRS=0: two).
 // The same values.
 EnvSwitch g_mla_q_pairs{"DEEPSERVE_MLA_Q_PAIRS", "0", true};
+// The register-Q MLA decode's in-cluster merge reads every split's max and sum in one round, then
+// every split's values at once (DEEPSERVE_MLA_MERGE_GATHER=0: the shared merge's chunked reads,
+// ~8 rounds of remote reads; DEEPSERVE_MLA_PHASES measured its merge at 7.2 of W3's 15.4 us).
+// The same bits.
+EnvSwitch g_mla_merge_gather{"DEEPSERVE_MLA_MERGE_GATHER", "0", true};
 // Every kernel launched through pdl::launch asks for this shared-memory carveout (percent of
 // the SM's unified L1 / shared memory; 100: the most shared memory). Unset: no preference, the
 // driver's choice per kernel, which differs between kernels of one step (pdl.h).
