@@ -137,8 +137,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   for (int hh = 0; hh < 2; ++hh) {
     const int head = h0 + g + 8 * hh;
     q_ok[hh] = head < p.heads;
-    q_lat[hh] = p.q + token * p.q_ts + head * p.q_hs + c2 * 4;
-    q_rope[hh] = p.q2 + token * p.q2_ts + head * p.q2_hs + c2 * 4;
+    // A padding row (past the heads) reads the chunk's first head and keeps zeros: every load
+    // is unconditional (a load under a branch took a branch region each).
+    const int hc = q_ok[hh] ? head : h0;
+    q_lat[hh] = p.q + token * p.q_ts + hc * p.q_hs + c2 * 4;
+    q_rope[hh] = p.q2 + token * p.q2_ts + hc * p.q2_hs + c2 * 4;
   }
   float qv[kGroupSteps][4][2];
   // Each element pair (c2, c2 + 1) in one 8-byte load where every Q row is 8-byte aligned
@@ -155,8 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     for (int s = 0; s < kGroupSteps; ++s)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float2 v =
-            q_ok[e & 1] ? *reinterpret_cast<const float2*>(q_src(s, e)) : make_float2(0.0f, 0.0f);
+        const float2 v = *reinterpret_cast<const float2*>(q_src(s, e));
         qv[s][e][0] = v.x;
         qv[s][e][1] = v.y;
       }
@@ -166,8 +168,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float* src = q_src(s, e);
-        qv[s][e][0] = q_ok[e & 1] ? src[0] : 0.0f;
-        qv[s][e][1] = q_ok[e & 1] ? src[1] : 0.0f;
+        qv[s][e][0] = src[0];
+        qv[s][e][1] = src[1];
       }
   }
   uint32_t qh[kGroupSteps][4], ql[kGroupSteps][4];
@@ -175,13 +177,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   for (int s = 0; s < kGroupSteps; ++s)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      __nv_bfloat16 hi[2], lo[2];
-      split_bf16(qv[s][e][0], hi[0], lo[0]);
-      split_bf16(qv[s][e][1], hi[1], lo[1]);
-      const __nv_bfloat162 h2 = __halves2bfloat162(hi[0], hi[1]);
-      const __nv_bfloat162 l2 = __halves2bfloat162(lo[0], lo[1]);
-      qh[s][e] = *reinterpret_cast<const uint32_t*>(&h2);
-      ql[s][e] = *reinterpret_cast<const uint32_t*>(&l2);
+      const bool ok = q_ok[e & 1];
+      split_bf16x2(ok ? qv[s][e][0] : 0.0f, ok ? qv[s][e][1] : 0.0f, qh[s][e], ql[s][e]);
     }
   plog.mark(4);
 

@@ -81,6 +81,16 @@ __device__ __forceinline__ void split_bf16(float v, __nv_bfloat16& hi, __nv_bflo
   lo = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
+// split_bf16 of a and b, packed as BF16x2 (a low): hi in one rounding of both (the same
+// round-to-nearest per value), the remainders from hi's exact F32 values.
+__device__ __forceinline__ void split_bf16x2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  const float ra = a - __uint_as_float(hi << 16), rb = b - __uint_as_float(hi & 0xffff0000u);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(ra, rb);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
 // The keys of split `split` of sequence `seq`: whole 64-key tiles, as few splits as the context
 // needs. Returns false (in every thread) for a split with no keys, after telling the merge to
 // skip it (report_empty: through part_ml; the in-cluster merge is told through shared memory).
