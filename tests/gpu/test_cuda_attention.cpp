@@ -9,6 +9,7 @@
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <limits>
 #include <map>
@@ -531,6 +532,54 @@ TEST(CudaAttention, MlaDecodeEarlyTilesChangeNothing) {
         }
         ++seed;
       }
+}
+
+// DEEPSERVE_MLA_CLUSTER_FIT=1 (run_mla_decode): where the splits' clusters do not all fit at once
+// it takes the largest count down to half whose clusters do. W1's batch (8 clusters of 16 on the
+// H200), W3's (one cluster: nothing changes), 12 sequences and a 128-head batch, against float64
+// (the split boundaries move, so the bits may); the launch must merge in clusters (no merge
+// kernel) wherever some count in range fits, which the cluster query answers.
+TEST(CudaAttention, MlaDecodeClusterFitMatchesReference) {
+  DS_REQUIRE_GPU();
+  const test::Forced fit(cuda::g_mla_cluster_fit, 1);
+  struct Shape {
+    int heads;
+    std::vector<test::StepSeq> seqs;
+  };
+  const Shape shapes[] = {{16, decodes(8, 1400, 8)},
+                          {16, {{1, 1088}}},
+                          {16, decodes(12, 900, 12)},
+                          {128, decodes(4, 700, 4)}};
+  const int sms = launch_context().get().sm_count;
+  uint32_t seed = 3500;
+  for (const Shape& sh : shapes) {
+    Case c;
+    c.seqs = sh.seqs;
+    c.heads = sh.heads, c.hd = 512, c.rope = 64, c.path = AttentionPath::MlaDecode;
+    SCOPED_TRACE(describe(c));
+    const Inputs in = make_inputs(c, seed++);
+    cuda::kern::AttnParams a = cuda::mla_params(mla_params(c, in), in.step.meta);
+    a.splits = cuda::mla_decode_splits(a, sms);
+    bool some_fit = false;
+    int chosen = a.splits;
+    const int lowest = a.splits > 2 ? std::max(2, a.splits / 2) : a.splits;
+    for (int s = a.splits; s >= lowest && s >= 2; --s) {
+      cuda::kern::AttnParams b = a;
+      b.splits = s;
+      if (cuda::mla_decode_merges_in_cluster(b)) {
+        some_fit = true;
+        chosen = s;
+        break;
+      }
+    }
+    std::printf("[ fit      ] %s: %d splits -> %d%s\n", describe(c).c_str(), a.splits, chosen,
+                some_fit ? ", merged in clusters" : ", merge kernel");
+    const int64_t merges = cuda::mla_merge_launches();
+    launch(c, in);
+    EXPECT_EQ(cuda::mla_merge_launches() - merges, some_fit || a.splits == 1 ? 0 : 1);
+    EXPECT_TRUE(test::all_close(read_out(c, in), reference(c, in), test::attention_tolerance(),
+                                "vs float64", {in.h.num_tokens, c.heads, c.hd}));
+  }
 }
 
 // The MLA decode kernel's split count (host code; no GPU needed): with fewer CTAs than SMs the

@@ -1,6 +1,7 @@
 // Paged attention launchers: the kernel choice and the launches. Parameter building and the
 // work plan are in attention_setup.h (shared with the host simulator); kernel bodies in
 // attention_simt.cuh (F32, any shape) and attention_mma.cuh (tensor cores).
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <string>
@@ -16,6 +17,8 @@
 
 namespace ds::cuda {
 namespace {
+
+std::atomic<int64_t> g_mla_merge_launches{0};
 
 template <int kNI>
 __global__ void __launch_bounds__(kern::kSimtThreads) simt_kernel(const kern::AttnParams p) {
@@ -107,6 +110,20 @@ void run(const Context& ctx, int scratch_slot, kern::AttnParams a, bool tensor_c
 // The MLA decode kernel, then the shared split merge unless the kernel merged in clusters.
 void run_mla_decode(const Context& ctx, kern::AttnParams a, bool bf16_qp) {
   a.splits = mla_decode_splits(a, sm_count_of(ctx));
+  // DEEPSERVE_MLA_CLUSTER_FIT=1: where the splits' clusters would not all be resident at once
+  // (W1's 8 clusters of 16 on the H200), the largest count down to half of it whose clusters
+  // are, so the splits merge in the kernel rather than in a merge launch (a split may take one
+  // tile more).
+  if (a.splits > 2 && g_mla_cluster_fit.on() && !mla_decode_merges_in_cluster(a)) {
+    kern::AttnParams b = a;
+    for (int s = a.splits - 1; s >= std::max(2, a.splits / 2); --s) {
+      b.splits = s;
+      if (mla_decode_merges_in_cluster(b)) {
+        a.splits = s;
+        break;
+      }
+    }
+  }
   if (a.splits > 1) {
     void* scratch = ctx.scratch(kScratchMla, split_scratch_bytes(a));
     DS_CHECK(scratch != nullptr, "cuda mla_attention: no scratch memory for the split partials");
@@ -114,6 +131,7 @@ void run_mla_decode(const Context& ctx, kern::AttnParams a, bool bf16_qp) {
   }
   const bool merged = launch_mla_decode(a, ctx.stream, bf16_qp);
   if (a.splits > 1 && !merged) {
+    g_mla_merge_launches.fetch_add(1, std::memory_order_relaxed);
     pdl::launch(merge_kernel, unsigned(a.num_tokens) * unsigned(a.heads), 128, 0, ctx.stream,
                 merge_params(a));
     check_cuda(cudaGetLastError(), "attention merge kernel");
@@ -133,6 +151,10 @@ bool use_tensor_cores(const Context& ctx, const kern::AttnParams& a, AttentionPa
 }
 
 }  // namespace
+
+int64_t mla_merge_launches() {
+  return g_mla_merge_launches.load(std::memory_order_relaxed);
+}
 
 void paged_attention(const Context& ctx, const AttentionParams& p, const AttentionMeta& meta) {
   paged_attention_on(ctx, p, meta, AttentionPath::Auto);

@@ -27,5 +27,8 @@ void paged_attention_on(const Context& ctx, const AttentionParams& p, const Atte
                         AttentionPath path);
 void mla_attention_on(const Context& ctx, const MlaAttentionParams& p, const AttentionMeta& meta,
                       AttentionPath path);
+// Merge-kernel launches after the MLA decode kernel so far (tests: whether the splits merged in
+// clusters instead).
+int64_t mla_merge_launches();
 
 }  // namespace ds::cuda

@@ -156,6 +156,9 @@ EnvSwitch g_mla_q_pairs{"DEEPSERVE_MLA_Q_PAIRS", "0", true};
 // ~8 rounds of remote reads; DEEPSERVE_MLA_PHASES measured its merge at 7.2 of W3's 15.4 us).
 // The same bits.
 EnvSwitch g_mla_merge_gather{"DEEPSERVE_MLA_MERGE_GATHER", "0", true};
+// Fewer MLA decode splits where that lets their clusters all be resident, so they merge in the
+// kernel (attention.cu, run_mla_decode); off until measured.
+EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};
 // Every kernel launched through pdl::launch asks for this shared-memory carveout (percent of
 // the SM's unified L1 / shared memory; 100: the most shared memory). Unset: no preference, the
 // driver's choice per kernel, which differs between kernels of one step (pdl.h).
