@@ -72,6 +72,9 @@ struct AttnParams {
   // The register-Q MLA decode's in-cluster merge gathers the splits' weights first
   // (DEEPSERVE_MLA_MERGE_GATHER; attention_mla_decode_tiles.cuh, merge_gathered).
   int merge_gather = 0;
+  // The register-Q MLA decode's Q loads unconditional and split a pair at a time
+  // (DEEPSERVE_MLA_Q_SPLIT2).
+  int q_split2 = 0;
   // DEEPSERVE_MLA_PHASES (attention_mla_decode.cuh): the register-Q MLA decode's per-CTA phase
   // log (word 0 counts records; kMlaPhaseWords words a record from word kMlaPhaseWords), or null.
   unsigned long long* phase_log = nullptr;

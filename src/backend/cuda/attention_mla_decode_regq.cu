@@ -66,15 +66,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
   SplitKeys sk;
-  const bool has_keys = split_keys(p, seq, split, h0, tid, sk, !kCl);
-  if (!kCl && !has_keys) {
+  if (!split_keys(p, seq, split, h0, tid, sk, !kCl)) {
+    if constexpr (kCl) {  // no keys: the cluster still counts this CTA, as an empty split
+      if (p.early_cache) pdl::enter();  // the merge writes the output
+      if (tid < kRows) {
+        row_m[tid] = -INFINITY;
+        row_l[tid] = 0.0f;
+      }
+      merge_in_cluster(p, sk.token, h0, reinterpret_cast<const float*>(stage0), row_m, row_l,
+                       reinterpret_cast<float*>(stage0) + kRows * kR);
+    }
     plog.close(seq, split, 0);
     return;
   }
-  // kCl: a split without keys still takes part in its cluster's merge, as an empty split: no
-  // tiles, so its rows keep max -inf and sum 0 (one merge in the code, not two).
   const int token = sk.token, key_begin = sk.key_begin, key_end = sk.key_end;
-  const int n_tiles = has_keys ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
+  const int n_tiles = (key_end - key_begin + kKeys - 1) / kKeys;
   // Cache slot of key k of tile t (-1 past the split).
   auto slot_at = [&](int t, int k) -> int64_t {
     const int j = key_begin + t * kKeys + k;
@@ -110,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   if (tid < 2 * kKeys && tid / kKeys < n_tiles) slots[tid] = slot_at(tid / kKeys, tid % kKeys);
   __syncthreads();  // tiles 0 and 1's slots visible
   plog.mark(1);
-  if (n_tiles > 0) load_tile(0, 0);
+  load_tile(0, 0);
   ptx::cp_async_commit();
   // p.early_tiles: tile 1's copies go out with tile 0's (its own group), so a split of two tiles
   // has all of its rows in flight before the wait; the loop then skips its copy of tile 1.
@@ -137,9 +143,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   for (int hh = 0; hh < 2; ++hh) {
     const int head = h0 + g + 8 * hh;
     q_ok[hh] = head < p.heads;
-    // A padding row (past the heads) reads the chunk's first head and keeps zeros: every load
-    // is unconditional (a load under a branch took a branch region each).
-    const int hc = q_ok[hh] ? head : h0;
+    // p.q_split2: a padding row (past the heads) reads the chunk's first head and is zeroed
+    // after: every load unconditional (each load under a branch took its own branch region).
+    const int hc = p.q_split2 && !q_ok[hh] ? h0 : head;
     q_lat[hh] = p.q + token * p.q_ts + hc * p.q_hs + c2 * 4;
     q_rope[hh] = p.q2 + token * p.q2_ts + hc * p.q2_hs + c2 * 4;
   }
@@ -153,33 +159,65 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     return reinterpret_cast<const float*>((lat ? q_lat[e & 1] : q_rope[e & 1]) + off +
                                           32 * (e >> 1));
   };
-  if (p.q_pairs) {
-#pragma unroll
-    for (int s = 0; s < kGroupSteps; ++s)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 v = *reinterpret_cast<const float2*>(q_src(s, e));
-        qv[s][e][0] = v.x;
-        qv[s][e][1] = v.y;
-      }
-  } else {
+  uint32_t qh[kGroupSteps][4], ql[kGroupSteps][4];
+  if (p.q_split2) {
+    // DEEPSERVE_MLA_Q_SPLIT2: unconditional loads, then each pair split into hi + lo at once
+    // (split_bf16x2: the same roundings).
 #pragma unroll
     for (int s = 0; s < kGroupSteps; ++s)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float* src = q_src(s, e);
-        qv[s][e][0] = src[0];
-        qv[s][e][1] = src[1];
+        if (p.q_pairs) {
+          const float2 v = *reinterpret_cast<const float2*>(src);
+          qv[s][e][0] = v.x;
+          qv[s][e][1] = v.y;
+        } else {
+          qv[s][e][0] = src[0];
+          qv[s][e][1] = src[1];
+        }
+      }
+#pragma unroll
+    for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool ok = q_ok[e & 1];
+        split_bf16x2(ok ? qv[s][e][0] : 0.0f, ok ? qv[s][e][1] : 0.0f, qh[s][e], ql[s][e]);
+      }
+  } else {
+    if (p.q_pairs) {
+#pragma unroll
+      for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 v =
+              q_ok[e & 1] ? *reinterpret_cast<const float2*>(q_src(s, e)) : make_float2(0.0f, 0.0f);
+          qv[s][e][0] = v.x;
+          qv[s][e][1] = v.y;
+        }
+    } else {
+#pragma unroll
+      for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float* src = q_src(s, e);
+          qv[s][e][0] = q_ok[e & 1] ? src[0] : 0.0f;
+          qv[s][e][1] = q_ok[e & 1] ? src[1] : 0.0f;
+        }
+    }
+#pragma unroll
+    for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        __nv_bfloat16 hi[2], lo[2];
+        split_bf16(qv[s][e][0], hi[0], lo[0]);
+        split_bf16(qv[s][e][1], hi[1], lo[1]);
+        const __nv_bfloat162 h2 = __halves2bfloat162(hi[0], hi[1]);
+        const __nv_bfloat162 l2 = __halves2bfloat162(lo[0], lo[1]);
+        qh[s][e] = *reinterpret_cast<const uint32_t*>(&h2);
+        ql[s][e] = *reinterpret_cast<const uint32_t*>(&l2);
       }
   }
-  uint32_t qh[kGroupSteps][4], ql[kGroupSteps][4];
-#pragma unroll
-  for (int s = 0; s < kGroupSteps; ++s)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool ok = q_ok[e & 1];
-      split_bf16x2(ok ? qv[s][e][0] : 0.0f, ok ? qv[s][e][1] : 0.0f, qh[s][e], ql[s][e]);
-    }
   plog.mark(4);
 
   // Softmax row of this lane (its warp's rows 2w, 2w + 1) and its 4 keys.
@@ -409,6 +447,7 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
   k.early_cache = a.early_cache && g_mla_early.on() ? 1 : 0;
   k.early_tiles = k.early_cache && g_mla_early_tiles.on() ? 1 : 0;
   k.merge_gather = g_mla_merge_gather.on() ? 1 : 0;
+  k.q_split2 = g_mla_q_split2.on() ? 1 : 0;
   const uint64_t q_bits = reinterpret_cast<uintptr_t>(a.q) | reinterpret_cast<uintptr_t>(a.q2) |
                           uint64_t(a.q_ts | a.q_hs | a.q2_ts | a.q2_hs);
   k.q_pairs = g_mla_q_pairs.on() && q_bits % 8 == 0 ? 1 : 0;

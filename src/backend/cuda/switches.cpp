@@ -152,10 +152,14 @@ EnvSwitch g_mla_early_tiles{"DEEPSERVE_MLA_EARLY_TILES", "1", false};
 // The same values.
 EnvSwitch g_mla_q_pairs{"DEEPSERVE_MLA_Q_PAIRS", "0", true};
 // The register-Q MLA decode's in-cluster merge reads every split's max and sum in one round, then
-// every split's values at once (DEEPSERVE_MLA_MERGE_GATHER=0: the shared merge's chunked reads,
-// ~8 rounds of remote reads; DEEPSERVE_MLA_PHASES measured its merge at 7.2 of W3's 15.4 us).
-// The same bits.
-EnvSwitch g_mla_merge_gather{"DEEPSERVE_MLA_MERGE_GATHER", "0", true};
+// every split's values at once (DEEPSERVE_MLA_MERGE_GATHER=1; off: the shared merge's chunked
+// reads, ~8 rounds of remote reads, which DEEPSERVE_MLA_PHASES measured at 7.2 of W3's 15.4 us).
+// The same bits. Off until it has run on a GPU (built while the device was withheld).
+EnvSwitch g_mla_merge_gather{"DEEPSERVE_MLA_MERGE_GATHER", "1", false};
+// The register-Q MLA decode's Q loads unconditional (a padding row reads the chunk's first head,
+// zeroed after) and each element pair split into BF16 hi + lo at once (DEEPSERVE_MLA_Q_SPLIT2=1;
+// SASS: 895 -> 657 instructions after the wait). The same values. Off until it has run on a GPU.
+EnvSwitch g_mla_q_split2{"DEEPSERVE_MLA_Q_SPLIT2", "1", false};
 // Fewer MLA decode splits where that lets their clusters all be resident, so they merge in the
 // kernel (attention.cu, run_mla_decode); off until measured.
 EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};

@@ -77,7 +77,8 @@ extern EnvSwitch g_mla_cluster;         // on; DEEPSERVE_MLA_CLUSTER=0 turns it 
 extern EnvSwitch g_row_regs;            // on; DEEPSERVE_ROW_REGS=0 turns it off
 extern EnvSwitch g_mla_early_tiles;     // off; DEEPSERVE_MLA_EARLY_TILES=1 turns it on
 extern EnvSwitch g_mla_q_pairs;         // on; DEEPSERVE_MLA_Q_PAIRS=0 turns it off
-extern EnvSwitch g_mla_merge_gather;    // on; DEEPSERVE_MLA_MERGE_GATHER=0 turns it off
+extern EnvSwitch g_mla_merge_gather;    // off; DEEPSERVE_MLA_MERGE_GATHER=1 turns it on
+extern EnvSwitch g_mla_q_split2;        // off; DEEPSERVE_MLA_Q_SPLIT2=1 turns it on
 extern EnvSwitch g_mla_cluster_fit;     // off; DEEPSERVE_MLA_CLUSTER_FIT=1 turns it on
 extern EnvCount g_smem_carveout;        // DEEPSERVE_SMEM_CARVEOUT (pdl.h)
 // Launches DEEPSERVE_ROW_REGS has reached so far (the register-row norm kernels, the skinny
