@@ -666,5 +666,64 @@ TEST(CudaAttentionSim, ClusterMergeMatchesTheMergeKernel) {
   }
 }
 
+// The MLA decode's gathered in-cluster merge (merge_gathered, DEEPSERVE_MLA_MERGE_GATHER=1): each
+// row's factors and 1 / sum from every split's max and sum (merge_row_factors), then each 4-dim
+// item summed from the splits' values (merge_sum_factors) give the merge kernel's bits, with
+// splits that saw no key (max -inf) among them and values of empty splits left as NaN (never
+// read).
+TEST(CudaAttentionSim, GatheredClusterMergeMatchesTheMergeKernel) {
+  constexpr int kDv = 512, kMaxS = 16;
+  std::mt19937 rng(43);
+  std::uniform_real_distribution<float> val(-3.0f, 3.0f), mx(-6.0f, 6.0f), sum(0.5f, 40.0f);
+  for (int S : {2, 3, 7, 9, 16}) {
+    const int heads = 13;
+    SCOPED_TRACE("splits " + std::to_string(S));
+    std::vector<float> part_o(size_t(S) * heads * kDv), part_ml(size_t(S) * heads * 2);
+    for (float& v : part_o) v = val(rng);
+    for (int s = 0; s < S; ++s)
+      for (int h = 0; h < heads; ++h) {
+        const bool empty = s % 4 == 3 || (h == 5 && s > 0);  // split 0 always has keys
+        part_ml[(size_t(s) * heads + h) * 2] = empty ? -INFINITY : mx(rng);
+        part_ml[(size_t(s) * heads + h) * 2 + 1] = empty ? 0.0f : sum(rng);
+      }
+    std::vector<float> ref(size_t(heads) * kDv, std::numeric_limits<float>::quiet_NaN());
+    kern::MergeParams m;
+    m.part_o = part_o.data();
+    m.part_ml = part_ml.data();
+    m.out = reinterpret_cast<uint8_t*>(ref.data());
+    m.out_ts = int64_t(heads) * kDv * 4;
+    m.out_hs = kDv * 4;
+    m.num_tokens = 1;
+    m.heads = heads;
+    m.dv = kDv;
+    m.splits = S;
+    sim_grid(unsigned(heads), 1, 1, 128, 0,
+             [&](const kern::Thread& th, uint8_t*) { kern::merge_splits(m, th); });
+    for (int row = 0; row < heads; ++row) {
+      const auto at = [&](int s) { return (size_t(s) * heads + size_t(row)) * 2; };
+      float fac[kMaxS];
+      const float inv = kern::merge_row_factors(
+          S, [&](int s) { return part_ml[at(s)]; }, [&](int s) { return part_ml[at(s) + 1]; },
+          [&](int s, float f) { fac[s] = f; });
+      for (int d = 0; d < kDv; d += 4) {
+        float o[kMaxS][4];
+        for (int s = 0; s < kMaxS; ++s)
+          for (int e = 0; e < 4; ++e)
+            o[s][e] = s < S && fac[s] != -INFINITY
+                          ? part_o[(size_t(s) * heads + size_t(row)) * kDv + size_t(d + e)]
+                          : std::numeric_limits<float>::quiet_NaN();
+        float acc[4];
+        kern::merge_sum_factors<4, kMaxS>(
+            S, [&](int s) { return fac[s]; }, o, inv, acc);
+        for (int e = 0; e < 4; ++e) {
+          const size_t i = size_t(row) * kDv + size_t(d + e);
+          ASSERT_EQ(std::memcmp(&acc[e], &ref[i], 4), 0)
+              << "row " << row << " dim " << d + e << ": " << acc[e] << " vs " << ref[i];
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ds

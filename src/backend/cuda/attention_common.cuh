@@ -443,6 +443,47 @@ DS_KDEV void merge_dims(int splits, const MaxOf& m_of, const LoadO& load_o, floa
   for (int e = 0; e < V; ++e) acc[e] *= inv;
 }
 
+// The in-cluster merge that gathers the weights first (the MLA decode's merge_gathered): for one
+// row, from every split's max m_of(s) and sum l_of(s), each split's factor 2^(m_s - mx) through
+// set_fac(s, f) (-inf for an empty split) and the returned 1 / sum, with merge_scale's
+// operations in its order; then merge_sum_factors sums V values of each split with keys,
+// ascending, and scales them as merge_dims does: the merge kernel's bits.
+template <typename MaxOf, typename SumOf, typename SetFac>
+DS_KDEV float merge_row_factors(int splits, const MaxOf& m_of, const SumOf& l_of,
+                                const SetFac& set_fac) {
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, m_of(s));
+  float sum = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = m_of(s);
+    float f = -INFINITY;
+    if (ms != -INFINITY) {
+      f = exp2_approx(ms - mx);
+      sum += l_of(s) * f;
+    }
+    set_fac(s, f);
+  }
+  return 1.0f / sum;
+}
+
+// o[s]: split s's V values (read only where fac_of(s) is not -inf).
+template <int V, int kMaxSplits, typename FacOf>
+DS_KDEV void merge_sum_factors(int splits, const FacOf& fac_of, const float (&o)[kMaxSplits][V],
+                               float inv, float (&acc)[V]) {
+  DS_UNROLL
+  for (int e = 0; e < V; ++e) acc[e] = 0.0f;
+  DS_UNROLL
+  for (int s = 0; s < kMaxSplits; ++s) {
+    if (s >= splits) break;
+    const float f = fac_of(s);
+    if (f == -INFINITY) continue;
+    DS_UNROLL
+    for (int e = 0; e < V; ++e) acc[e] += o[s][e] * f;
+  }
+  DS_UNROLL
+  for (int e = 0; e < V; ++e) acc[e] *= inv;
+}
+
 // out row = sum over splits s (ascending, skipping empty ones) of part_o[s] * 2^(m_s - max),
 // divided by the same weighted sum of the l_s. One CTA per (token, head) row; with V = 4 a
 // thread owns 4 consecutive dims (16-byte loads), else one.

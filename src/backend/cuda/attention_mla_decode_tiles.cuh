@@ -193,19 +193,10 @@ __device__ __forceinline__ void merge_gathered(const kern::AttnParams& p, int to
   __syncthreads();
   if (tid < kRows && h0 + tid < p.heads) {
     const int row = tid;
-    float mx = -INFINITY;
-    for (int s = 0; s < S; ++s) mx = fmaxf(mx, sm_m[s * kRows + row]);
-    float sum = 0.0f;
-    for (int s = 0; s < S; ++s) {
-      const float ms = sm_m[s * kRows + row];
-      float f = -INFINITY;
-      if (ms != -INFINITY) {
-        f = kern::exp2_approx(ms - mx);
-        sum += sm_l[s * kRows + row] * kern::exp2_approx(ms - mx);
-      }
-      fac[s * kRows + row] = f;
-    }
-    inv[row] = 1.0f / sum;
+    inv[row] = kern::merge_row_factors(
+        S, [&](int s) { return sm_m[s * kRows + row]; },
+        [&](int s) { return sm_l[s * kRows + row]; },
+        [&](int s, float f) { fac[s * kRows + row] = f; });
   }
   __syncthreads();
   constexpr int kPerRow = kR / 4, kItems = kRows * kPerRow;
@@ -213,25 +204,17 @@ __device__ __forceinline__ void merge_gathered(const kern::AttnParams& p, int to
   for (int i = z * per + tid; i < end; i += kThreads) {
     const int row = i / kPerRow, d = (i - row * kPerRow) * 4;
     if (h0 + row >= p.heads) continue;
-    float4 o[kMaxClusterSize];
+    auto fac_of = [&](int s) { return fac[s * kRows + row]; };
+    float o[kMaxClusterSize][4];
 #pragma unroll
     for (int s = 0; s < kMaxClusterSize; ++s)
-      if (s < S && fac[s * kRows + row] != -INFINITY)
-        o[s] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(part + row * kR + d, s));
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSize; ++s) {
-      if (s >= S) break;
-      const float f = fac[s * kRows + row];
-      if (f == -INFINITY) continue;
-      acc[0] += o[s].x * f;
-      acc[1] += o[s].y * f;
-      acc[2] += o[s].z * f;
-      acc[3] += o[s].w * f;
-    }
-    const float r = inv[row];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[e] *= r;
+      if (s < S && fac_of(s) != -INFINITY) {
+        const float4 q =
+            *reinterpret_cast<const float4*>(cluster.map_shared_rank(part + row * kR + d, s));
+        o[s][0] = q.x, o[s][1] = q.y, o[s][2] = q.z, o[s][3] = q.w;
+      }
+    float acc[4];
+    kern::merge_sum_factors<4, kMaxClusterSize>(S, fac_of, o, inv[row], acc);
     kern::store_f4(reinterpret_cast<float*>(p.out + token * p.out_ts + (h0 + row) * p.out_hs) + d,
                    acc);
   }
