@@ -602,6 +602,40 @@ TEST(CudaAttentionSim, RealShapes) {
   }
 }
 
+// Random split partials of one token's rows (split 0 always has keys; empty(s, h): split s saw
+// no key of head h) and the merge kernel's output from them.
+struct MergeCase {
+  std::vector<float> part_o, part_ml, ref;
+};
+template <typename Empty>
+MergeCase merge_case(int S, int heads, int dv, std::mt19937& rng, const Empty& empty) {
+  std::uniform_real_distribution<float> val(-3.0f, 3.0f), mx(-6.0f, 6.0f), sum(0.5f, 40.0f);
+  MergeCase c;
+  c.part_o.resize(size_t(S) * heads * dv);
+  c.part_ml.resize(size_t(S) * heads * 2);
+  for (float& v : c.part_o) v = val(rng);
+  for (int s = 0; s < S; ++s)
+    for (int h = 0; h < heads; ++h) {
+      const bool e = s > 0 && empty(s, h);
+      c.part_ml[(size_t(s) * heads + h) * 2] = e ? -INFINITY : mx(rng);
+      c.part_ml[(size_t(s) * heads + h) * 2 + 1] = e ? 0.0f : sum(rng);
+    }
+  c.ref.assign(size_t(heads) * dv, std::numeric_limits<float>::quiet_NaN());
+  kern::MergeParams m;
+  m.part_o = c.part_o.data();
+  m.part_ml = c.part_ml.data();
+  m.out = reinterpret_cast<uint8_t*>(c.ref.data());
+  m.out_ts = int64_t(heads) * dv * 4;
+  m.out_hs = dv * 4;
+  m.num_tokens = 1;
+  m.heads = heads;
+  m.dv = dv;
+  m.splits = S;
+  sim_grid(unsigned(heads), 1, 1, 128, 0,
+           [&](const kern::Thread& th, uint8_t*) { kern::merge_splits(m, th); });
+  return c;
+}
+
 // The MLA decode kernel's in-cluster merge (merge_cluster_items, DEEPSERVE_MLA_CLUSTER=1) shares
 // a head chunk's rows x dims out among the cluster's CTAs: every item of an existing row merged
 // exactly once, rows past the heads left alone, and each value the merge kernel's bits, with
@@ -609,31 +643,11 @@ TEST(CudaAttentionSim, RealShapes) {
 TEST(CudaAttentionSim, ClusterMergeMatchesTheMergeKernel) {
   constexpr int kRows = 16, kDv = 512, kThreads = 256;
   std::mt19937 rng(41);
-  std::uniform_real_distribution<float> val(-3.0f, 3.0f), mx(-6.0f, 6.0f), sum(0.5f, 40.0f);
   for (int S : {2, 3, 7, 9, 16}) {
     for (int heads : {16, 13}) {
       SCOPED_TRACE("splits " + std::to_string(S) + " heads " + std::to_string(heads));
-      std::vector<float> part_o(size_t(S) * heads * kDv), part_ml(size_t(S) * heads * 2);
-      for (float& v : part_o) v = val(rng);
-      for (int s = 0; s < S; ++s)
-        for (int h = 0; h < heads; ++h) {
-          const bool empty = s % 4 == 3;  // split 0 always has keys
-          part_ml[(size_t(s) * heads + h) * 2] = empty ? -INFINITY : mx(rng);
-          part_ml[(size_t(s) * heads + h) * 2 + 1] = empty ? 0.0f : sum(rng);
-        }
-      std::vector<float> ref(size_t(heads) * kDv, std::numeric_limits<float>::quiet_NaN());
-      kern::MergeParams m;
-      m.part_o = part_o.data();
-      m.part_ml = part_ml.data();
-      m.out = reinterpret_cast<uint8_t*>(ref.data());
-      m.out_ts = int64_t(heads) * kDv * 4;
-      m.out_hs = kDv * 4;
-      m.num_tokens = 1;
-      m.heads = heads;
-      m.dv = kDv;
-      m.splits = S;
-      sim_grid(unsigned(heads), 1, 1, 128, 0,
-               [&](const kern::Thread& th, uint8_t*) { kern::merge_splits(m, th); });
+      const MergeCase mc = merge_case(S, heads, kDv, rng, [](int s, int) { return s % 4 == 3; });
+      const std::vector<float>&part_o = mc.part_o, &part_ml = mc.part_ml, &ref = mc.ref;
 
       std::vector<float> got(size_t(kRows) * kDv, std::numeric_limits<float>::quiet_NaN());
       std::vector<int> stores(size_t(kRows) * kDv, 0);
@@ -674,31 +688,12 @@ TEST(CudaAttentionSim, ClusterMergeMatchesTheMergeKernel) {
 TEST(CudaAttentionSim, GatheredClusterMergeMatchesTheMergeKernel) {
   constexpr int kDv = 512, kMaxS = 16;
   std::mt19937 rng(43);
-  std::uniform_real_distribution<float> val(-3.0f, 3.0f), mx(-6.0f, 6.0f), sum(0.5f, 40.0f);
   for (int S : {2, 3, 7, 9, 16}) {
     const int heads = 13;
     SCOPED_TRACE("splits " + std::to_string(S));
-    std::vector<float> part_o(size_t(S) * heads * kDv), part_ml(size_t(S) * heads * 2);
-    for (float& v : part_o) v = val(rng);
-    for (int s = 0; s < S; ++s)
-      for (int h = 0; h < heads; ++h) {
-        const bool empty = s % 4 == 3 || (h == 5 && s > 0);  // split 0 always has keys
-        part_ml[(size_t(s) * heads + h) * 2] = empty ? -INFINITY : mx(rng);
-        part_ml[(size_t(s) * heads + h) * 2 + 1] = empty ? 0.0f : sum(rng);
-      }
-    std::vector<float> ref(size_t(heads) * kDv, std::numeric_limits<float>::quiet_NaN());
-    kern::MergeParams m;
-    m.part_o = part_o.data();
-    m.part_ml = part_ml.data();
-    m.out = reinterpret_cast<uint8_t*>(ref.data());
-    m.out_ts = int64_t(heads) * kDv * 4;
-    m.out_hs = kDv * 4;
-    m.num_tokens = 1;
-    m.heads = heads;
-    m.dv = kDv;
-    m.splits = S;
-    sim_grid(unsigned(heads), 1, 1, 128, 0,
-             [&](const kern::Thread& th, uint8_t*) { kern::merge_splits(m, th); });
+    const MergeCase mc =
+        merge_case(S, heads, kDv, rng, [](int s, int h) { return s % 4 == 3 || h == 5; });
+    const std::vector<float>&part_o = mc.part_o, &part_ml = mc.part_ml, &ref = mc.ref;
     for (int row = 0; row < heads; ++row) {
       const auto at = [&](int s) { return (size_t(s) * heads + size_t(row)) * 2; };
       float fac[kMaxS];

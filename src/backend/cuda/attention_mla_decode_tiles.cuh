@@ -172,12 +172,13 @@ __device__ __forceinline__ void stash_rows(float* part, int warp, int lane,
 // every split with keys before it sums them, ascending, as merge_dims does: the same bits in three
 // rounds of remote reads, where the shared merge takes about eight (max, then max and sum, then
 // max and values, in chunks of 8 splits, each load waiting on the one before).
-__device__ __forceinline__ void merge_gathered(const kern::AttnParams& p, int token, int h0,
-                                               const float* part, const float* row_m,
-                                               const float* row_l, float* scratch) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
+// Called by merge_in_cluster (sm_90+) with its cluster, after the barrier that makes every CTA's
+// part, row_m and row_l visible.
+template <typename Cluster>
+__device__ __forceinline__ void merge_gathered(const Cluster& cluster, const kern::AttnParams& p,
+                                               int token, int h0, const float* part,
+                                               const float* row_m, const float* row_l,
+                                               float* scratch) {
   const int S = int(cluster.num_blocks()), z = int(cluster.block_rank());
   const int tid = int(threadIdx.x);
   float* sm_m = scratch;                         // [split][row]
@@ -218,9 +219,6 @@ __device__ __forceinline__ void merge_gathered(const kern::AttnParams& p, int to
     kern::store_f4(reinterpret_cast<float*>(p.out + token * p.out_ts + (h0 + row) * p.out_hs) + d,
                    acc);
   }
-#else
-  (void)p, (void)token, (void)h0, (void)part, (void)row_m, (void)row_l, (void)scratch;
-#endif
 }
 
 // scratch: merge_gathered's (with p.merge_gather).
@@ -232,7 +230,7 @@ __device__ __forceinline__ void merge_in_cluster(const kern::AttnParams& p, int 
   const cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();  // every CTA's part, row_m and row_l visible to the cluster
   if (p.merge_gather) {
-    merge_gathered(p, token, h0, part, row_m, row_l, scratch);
+    merge_gathered(cluster, p, token, h0, part, row_m, row_l, scratch);
   } else {
     kern::merge_cluster_items(
         int(cluster.num_blocks()), int(cluster.block_rank()), int(threadIdx.x), kThreads, kRows, kR,
