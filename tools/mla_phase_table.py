@@ -16,7 +16,7 @@ import sys
 
 PHASES = [
     ("slots", "block-table lookups, barrier"),
-    ("issue0", "tile 0's copies issued (tile 1's too with DEEPSERVE_MLA_EARLY_TILES)"),
+    ("issue0", "tile 0's copies issued"),
     ("wait", "the dependent-launch wait"),
     ("q", "Q loaded and split into registers"),
     ("tile0", "until tile 0's rows are in shared memory"),

@@ -480,14 +480,14 @@ TEST(CudaAttention, MlaDecodeClusterMergeChangesNothing) {
 
 // The register-Q kernel's optional forms give the bits of its plainest one (every read after the
 // dependent-launch wait, one Q element a load, the shared merge): reads before the wait
-// (cache_settled: the slots and tile 0; DEEPSERVE_MLA_EARLY_TILES=1: tile 1 too, in its own copy
-// group), Q element pairs in one load (DEEPSERVE_MLA_Q_PAIRS), unconditional Q loads split a pair
-// at a time (DEEPSERVE_MLA_Q_SPLIT2) and the in-cluster merge that gathers the weights first
-// (DEEPSERVE_MLA_MERGE_GATHER). W3's shape (splits of two tiles past 1,024 keys), W1's and W5's
-// batches, contexts around the tiles (splits of one tile, none, many) and a long one, with Q and
-// P split hi + lo or rounded once, the splits merged in clusters or by the merge kernel; float64
-// checks the plainest. Outputs are poisoned with NaN before each launch.
-TEST(CudaAttention, MlaDecodeEarlyTilesChangeNothing) {
+// (cache_settled: the slots and tile 0's copies), Q element pairs in one load
+// (DEEPSERVE_MLA_Q_PAIRS), unconditional Q loads split a pair at a time (DEEPSERVE_MLA_Q_SPLIT2)
+// and the in-cluster merge that gathers the weights first (DEEPSERVE_MLA_MERGE_GATHER). W3's
+// shape (splits of two tiles past 1,024 keys), W1's and W5's batches, contexts around the tiles
+// (splits of one tile, none, many) and a long one, with Q and P split hi + lo or rounded once,
+// the splits merged in clusters or by the merge kernel; float64 checks the plainest. Outputs are
+// poisoned with NaN before each launch.
+TEST(CudaAttention, MlaDecodeFormsChangeNothing) {
   DS_REQUIRE_GPU();
   const std::vector<test::StepSeq> edges = {{1, 1},   {1, 63},  {1, 64},  {1, 65},
                                             {1, 128}, {1, 129}, {1, 777}, {1, 2049}};
@@ -497,9 +497,9 @@ TEST(CudaAttention, MlaDecodeEarlyTilesChangeNothing) {
   };
   const Shape shapes[] = {{16, {{1, 1088}}},          {16, {{1, 1025}}}, {16, decodes(8, 1400, 8)},
                           {128, decodes(8, 1300, 5)}, {16, edges},       {16, {{1, 20000}}}};
-  // (settled, early tiles, Q pairs, merge gather, Q split2); the first is the reference.
-  const int modes[][5] = {{0, 0, 0, 0, 0}, {1, 0, 0, 0, 0}, {1, 1, 0, 0, 0}, {0, 0, 1, 0, 0},
-                          {0, 0, 0, 1, 0}, {0, 0, 0, 0, 1}, {0, 0, 1, 0, 1}, {1, 1, 1, 1, 1}};
+  // (settled, Q pairs, merge gather, Q split2); the first is the reference.
+  const int modes[][4] = {{0, 0, 0, 0}, {1, 0, 0, 0}, {0, 1, 0, 0}, {0, 0, 1, 0},
+                          {0, 0, 0, 1}, {0, 1, 0, 1}, {1, 1, 1, 1}};
   uint32_t seed = 3300;
   for (int cluster : {0, 1})
     for (AttentionPath path : {AttentionPath::MlaDecode, AttentionPath::MlaDecodeBf16})
@@ -511,14 +511,12 @@ TEST(CudaAttention, MlaDecodeEarlyTilesChangeNothing) {
         std::vector<float> ref;
         for (const auto& m : modes) {
           SCOPED_TRACE(describe(c) + (cluster ? ", cluster merge" : ", merge kernel") +
-                       ", settled " + std::to_string(m[0]) + ", early tiles " +
-                       std::to_string(m[1]) + ", Q pairs " + std::to_string(m[2]) +
-                       ", merge gather " + std::to_string(m[3]) + ", Q split2 " +
-                       std::to_string(m[4]));
-          const test::Forced tiles(cuda::g_mla_early_tiles, m[1]);
-          const test::Forced pairs(cuda::g_mla_q_pairs, m[2]);
-          const test::Forced gather(cuda::g_mla_merge_gather, m[3]);
-          const test::Forced split2(cuda::g_mla_q_split2, m[4]);
+                       ", settled " + std::to_string(m[0]) + ", Q pairs " + std::to_string(m[1]) +
+                       ", merge gather " + std::to_string(m[2]) + ", Q split2 " +
+                       std::to_string(m[3]));
+          const test::Forced pairs(cuda::g_mla_q_pairs, m[1]);
+          const test::Forced gather(cuda::g_mla_merge_gather, m[2]);
+          const test::Forced split2(cuda::g_mla_q_split2, m[3]);
           c.settled = m[0] != 0;
           const Inputs in = make_inputs(c, seed);  // the same inputs, outputs NaN again
           launch(c, in);

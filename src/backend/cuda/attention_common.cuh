@@ -63,9 +63,6 @@ struct AttnParams {
   // MlaAttentionParams::cache_settled: the cache rows and the step's metadata are no output of
   // the kernel just ahead, so a kernel may read them before its dependent-launch wait.
   int early_cache = 0;
-  // With early_cache, the register-Q MLA decode issues its first two tiles' copies before the wait
-  // (DEEPSERVE_MLA_EARLY_TILES=1), not one.
-  int early_tiles = 0;
   // Q rows 8-byte aligned: the register-Q MLA decode loads element pairs at once
   // (DEEPSERVE_MLA_Q_PAIRS).
   int q_pairs = 0;

@@ -118,13 +118,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   plog.mark(1);
   load_tile(0, 0);
   ptx::cp_async_commit();
-  // p.early_tiles: tile 1's copies go out with tile 0's (its own group), so a split of two tiles
-  // has all of its rows in flight before the wait; the loop then skips its copy of tile 1.
-  const bool two_early = p.early_tiles && n_tiles > 1;
-  if (two_early) {
-    load_tile(1, 1);
-    ptx::cp_async_commit();
-  }
   plog.mark(2);
   if (p.early_cache) pdl::enter();
   plog.mark(3);
@@ -228,16 +221,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
 
   for (int t = 0; t < n_tiles; ++t) {
     const int k0 = key_begin + t * kKeys;
-    // Tile 1 issued early: tile 0 is the older of the two groups outstanding.
-    if (two_early && t == 0)
-      ptx::cp_async_wait<1>();
-    else
-      ptx::cp_async_wait<0>();
+    ptx::cp_async_wait<0>();
     // Tile t visible to every warp; every warp is past tile t - 1, so the other stage, the
     // partial scores and P are free.
     __syncthreads();
     if (t == 0) plog.mark(5);
-    if (t + 1 < n_tiles && !(two_early && t == 0)) load_tile((t + 1) & 1, t + 1);
+    if (t + 1 < n_tiles) load_tile((t + 1) & 1, t + 1);
     ptx::cp_async_commit();
     // Tile t + 2's slots: looked up now, stored into table t & 1 after P . V (no copy reads it
     // any more), read after the next barrier.
@@ -445,7 +434,6 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
                   unsigned((a.heads + kRows - 1) / kRows));
   kern::AttnParams k = a;
   k.early_cache = a.early_cache && g_mla_early.on() ? 1 : 0;
-  k.early_tiles = k.early_cache && g_mla_early_tiles.on() ? 1 : 0;
   k.merge_gather = g_mla_merge_gather.on() ? 1 : 0;
   k.q_split2 = g_mla_q_split2.on() ? 1 : 0;
   const uint64_t q_bits = reinterpret_cast<uintptr_t>(a.q) | reinterpret_cast<uintptr_t>(a.q2) |

@@ -2,9 +2,6 @@
 
 #include <array>
 #include <atomic>
-#include <mutex>
-#include <set>
-#include <utility>
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/pdl.h"
@@ -19,20 +16,6 @@ bool enabled() {
 long long prefetch_bytes(PrefetchKind kind) {
   if (!g_prefetch.on() || (g_prefetch_kinds.get() & int(kind)) == 0 || !hopper()) return 0;
   return g_prefetch_cap.get();
-}
-
-void prefer_carveout(const void* kernel) {
-  const long long pct = g_smem_carveout.get();
-  if (pct <= 0) return;
-  static std::mutex mu;
-  static std::set<std::pair<int, const void*>> done;
-  int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  std::lock_guard<std::mutex> lock(mu);
-  if (!done.insert({dev, kernel}).second) return;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                  int(pct < 100 ? pct : 100)),
-             "cudaFuncSetAttribute(carveout)");
 }
 
 bool hopper() {

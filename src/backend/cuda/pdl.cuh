@@ -77,7 +77,6 @@ void launch_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t sm
     attr[n].val.clusterDim.y = cluster.y;
     attr[n++].val.clusterDim.z = cluster.z;
   }
-  prefer_carveout(reinterpret_cast<const void*>(kernel));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

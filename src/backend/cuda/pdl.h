@@ -11,12 +11,6 @@ enum class PrefetchKind : int { Skinny = 1, DenseWq = 2, MoeDown = 4 };
 // unless DEEPSERVE_PREFETCH=1), the kind among DEEPSERVE_PREFETCH_KINDS (bits, default all),
 // capped at DEEPSERVE_PREFETCH_CAP bytes (default: none).
 long long prefetch_bytes(PrefetchKind kind);
-// DEEPSERVE_SMEM_CARVEOUT=N (1..100): asks the current device once for N percent of the unified
-// L1 / shared memory as shared memory whenever `kernel` runs (cudaFuncAttributePreferred-
-// SharedMemoryCarveout). Without it the driver picks each kernel's split, and two kernels of a
-// step with different splits cannot share an SM: the SM drains before the next one's CTAs fit,
-// which may cost dependent launch its overlap. A no-op when unset. Called by pdl::launch.
-void prefer_carveout(const void* kernel);
 // Whether the current device is sm_90 or newer (thread-block clusters, dependent launch).
 bool hopper();
 

@@ -143,10 +143,6 @@ EnvSwitch g_mla_cluster{"DEEPSERVE_MLA_CLUSTER", "0", true};
 // -9.5% with the three above; W1 +2.2% with them). The same bits either way (norm.cu,
 // mla_prepare.cu, gemm_skinny.cu, moe_decode.cuh, moe_prefill.cu).
 EnvSwitch g_row_regs{"DEEPSERVE_ROW_REGS", "0", true};
-// The register-Q MLA decode issues its first two tiles' copies before the dependent-launch wait
-// (with DEEPSERVE_MLA_EARLY), not only the first: a split of two tiles (W3 past 1,024 keys, W1)
-// has every row in flight before Q arrives. The same bits.
-EnvSwitch g_mla_early_tiles{"DEEPSERVE_MLA_EARLY_TILES", "1", false};
 // The register-Q MLA decode reads Q's element pairs in one 8-byte load each where the rows allow
 // (36 loads a thread after the dependent-launch wait, not 72; DEEPSERVE_MLA_Q_PAIRS=0: two).
 // The same values.
@@ -163,10 +159,6 @@ EnvSwitch g_mla_q_split2{"DEEPSERVE_MLA_Q_SPLIT2", "1", false};
 // Fewer MLA decode splits where that lets their clusters all be resident, so they merge in the
 // kernel (attention.cu, run_mla_decode); off until measured.
 EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};
-// Every kernel launched through pdl::launch asks for this shared-memory carveout (percent of
-// the SM's unified L1 / shared memory; 100: the most shared memory). Unset: no preference, the
-// driver's choice per kernel, which differs between kernels of one step (pdl.h).
-EnvCount g_smem_carveout{"DEEPSERVE_SMEM_CARVEOUT", 0};
 
 namespace {
 std::atomic<int64_t> g_row_regs_launches{0};

@@ -75,12 +75,10 @@ extern EnvSwitch g_moe_shared_early;    // on; DEEPSERVE_MOE_SHARED_EARLY=0 turn
 extern EnvCount g_mla_max_splits;       // DEEPSERVE_MLA_SPLITS (attention_mla_decode.cu)
 extern EnvSwitch g_mla_cluster;         // on; DEEPSERVE_MLA_CLUSTER=0 turns it off
 extern EnvSwitch g_row_regs;            // on; DEEPSERVE_ROW_REGS=0 turns it off
-extern EnvSwitch g_mla_early_tiles;     // off; DEEPSERVE_MLA_EARLY_TILES=1 turns it on
 extern EnvSwitch g_mla_q_pairs;         // on; DEEPSERVE_MLA_Q_PAIRS=0 turns it off
 extern EnvSwitch g_mla_merge_gather;    // off; DEEPSERVE_MLA_MERGE_GATHER=1 turns it on
 extern EnvSwitch g_mla_q_split2;        // off; DEEPSERVE_MLA_Q_SPLIT2=1 turns it on
 extern EnvSwitch g_mla_cluster_fit;     // off; DEEPSERVE_MLA_CLUSTER_FIT=1 turns it on
-extern EnvCount g_smem_carveout;        // DEEPSERVE_SMEM_CARVEOUT (pdl.h)
 // Launches DEEPSERVE_ROW_REGS has reached so far (the register-row norm kernels, the skinny
 // GEMM's norm, the decode MoE's staging; tests check that the switch took effect), and one more.
 int64_t row_regs_launches();
