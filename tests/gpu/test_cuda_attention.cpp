@@ -9,7 +9,6 @@
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <limits>
 #include <map>
@@ -560,18 +559,10 @@ TEST(CudaAttention, MlaDecodeClusterFitMatchesReference) {
     const Inputs in = make_inputs(c, seed++);
     cuda::kern::AttnParams a = cuda::mla_params(mla_params(c, in), in.step.meta);
     a.splits = cuda::mla_decode_splits(a, sms);
-    bool some_fit = false;
-    int chosen = a.splits;
-    const int lowest = a.splits > 2 ? std::max(2, a.splits / 2) : a.splits;
-    for (int s = a.splits; s >= lowest && s >= 2; --s) {
-      cuda::kern::AttnParams b = a;
-      b.splits = s;
-      if (cuda::mla_decode_merges_in_cluster(b)) {
-        some_fit = true;
-        chosen = s;
-        break;
-      }
-    }
+    cuda::kern::AttnParams b = a;
+    b.splits = cuda::mla_decode_cluster_fit(a);
+    const int chosen = b.splits;
+    const bool some_fit = cuda::mla_decode_merges_in_cluster(b);
     std::printf("[ fit      ] %s: %d splits -> %d%s\n", describe(c).c_str(), a.splits, chosen,
                 some_fit ? ", merged in clusters" : ", merge kernel");
     const int64_t merges = cuda::mla_merge_launches();

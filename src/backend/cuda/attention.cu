@@ -1,7 +1,6 @@
 // Paged attention launchers: the kernel choice and the launches. Parameter building and the
 // work plan are in attention_setup.h (shared with the host simulator); kernel bodies in
 // attention_simt.cuh (F32, any shape) and attention_mma.cuh (tensor cores).
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <string>
@@ -110,20 +109,8 @@ void run(const Context& ctx, int scratch_slot, kern::AttnParams a, bool tensor_c
 // The MLA decode kernel, then the shared split merge unless the kernel merged in clusters.
 void run_mla_decode(const Context& ctx, kern::AttnParams a, bool bf16_qp) {
   a.splits = mla_decode_splits(a, sm_count_of(ctx));
-  // DEEPSERVE_MLA_CLUSTER_FIT=1: where the splits' clusters would not all be resident at once
-  // (W1's 8 clusters of 16 on the H200), the largest count down to half of it whose clusters
-  // are, so the splits merge in the kernel rather than in a merge launch (a split may take one
-  // tile more).
-  if (a.splits > 2 && g_mla_cluster_fit.on() && !mla_decode_merges_in_cluster(a)) {
-    kern::AttnParams b = a;
-    for (int s = a.splits - 1; s >= std::max(2, a.splits / 2); --s) {
-      b.splits = s;
-      if (mla_decode_merges_in_cluster(b)) {
-        a.splits = s;
-        break;
-      }
-    }
-  }
+  // DEEPSERVE_MLA_CLUSTER_FIT=1: W1's 8 clusters of 16 do not all fit the H200 at once.
+  if (g_mla_cluster_fit.on()) a.splits = mla_decode_cluster_fit(a);
   if (a.splits > 1) {
     void* scratch = ctx.scratch(kScratchMla, split_scratch_bytes(a));
     DS_CHECK(scratch != nullptr, "cuda mla_attention: no scratch memory for the split partials");

@@ -28,6 +28,10 @@ bool launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16
 // (DEEPSERVE_MLA_CLUSTER=1), sm_90+, 2 to 16 splits, 16-byte aligned output rows, and every
 // cluster of the grid resident at once.
 bool mla_decode_merges_in_cluster(const kern::AttnParams& a);
+// The split count DEEPSERVE_MLA_CLUSTER_FIT=1 launches with: a.splits where its clusters merge in
+// the kernel (or it is 2 or fewer), else the largest count down to half of it whose clusters all
+// fit at once (so they merge in the kernel, a split perhaps taking one tile more), else a.splits.
+int mla_decode_cluster_fit(const kern::AttnParams& a);
 
 // DEEPSERVE_MLA_PHASES=path: every CTA of the register-Q kernel logs when it reached each of its
 // phases (attention_mla_decode_tiles.cuh, PhaseLog; up to DEEPSERVE_MLA_PHASES_MAX records,

@@ -542,4 +542,14 @@ bool mla_decode_merges_in_cluster(const kern::AttnParams& a) {
   return clusters <= max_active_clusters(a.splits);
 }
 
+int mla_decode_cluster_fit(const kern::AttnParams& a) {
+  if (a.splits <= 2 || mla_decode_merges_in_cluster(a)) return a.splits;
+  kern::AttnParams b = a;
+  for (int s = a.splits - 1; s >= std::max(2, a.splits / 2); --s) {
+    b.splits = s;
+    if (mla_decode_merges_in_cluster(b)) return s;
+  }
+  return a.splits;
+}
+
 }  // namespace ds::cuda
