@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/gemm_wq.cuh"
@@ -30,7 +31,19 @@ namespace {
 using test::cuda_backend;
 
 const char* fmt_name(DType t) {
-  return t == DType::W4A16 ? "W4A16" : "FP8W";
+  if (t == DType::W4A16) return cuda::g_wq_w4_f16.on() ? "W4A16 (FP16 activations)" : "W4A16";
+  return "FP8W";
+}
+
+// The in-register kernels' forms of the quantized formats: W4A16 with BF16 activations and with
+// FP16 ones (DEEPSERVE_W4_F16, gemm_wq.cuh's W4A16H), FP8W. for_formats(f) runs f(t) under each.
+template <typename Fn>
+void for_formats(Fn&& f) {
+  for (const auto& [t, f16] :
+       {std::pair{DType::W4A16, 0}, std::pair{DType::W4A16, 1}, std::pair{DType::FP8W, 0}}) {
+    const test::Forced w4f16(cuda::g_wq_w4_f16, f16);
+    f(t);
+  }
 }
 
 // out [M, N] (row stride ldo floats) of x [M, K] (row stride ldx) times w on the GPU.
@@ -73,7 +86,7 @@ std::vector<float> wq_direct(const TensorView& x, const TensorView& w, const Ten
 TEST(CudaWq, MatmulMatchesTheDequantizedProduct) {
   DS_REQUIRE_GPU();
   const test::Forced kernels_only(cuda::g_wq_dequant, 0);
-  for (DType t : {DType::W4A16, DType::FP8W}) {
+  for_formats([&](DType t) {
     std::vector<int64_t> ks = {128, 384, 5120};
     if (t == DType::FP8W) ks = {100, 384, 1408, 5120};
     for (int64_t K : ks) {
@@ -111,7 +124,7 @@ TEST(CudaWq, MatmulMatchesTheDequantizedProduct) {
         }
       }
     }
-  }
+  });
 }
 
 // The BF16 expansion (wq_dequant.cuh) is each element rounded to nearest even, bit for bit, in
@@ -335,12 +348,15 @@ TEST(CudaWq, OneLaunchDecodeMatchesTheStagedPath) {
   struct Case {
     DType t;
     int64_t n, k;
+    int f16 = 0;  // W4A16 with FP16 activations (DEEPSERVE_W4_F16)
   };
-  const Case cases[] = {{DType::W4A16, 200, 384},   {DType::W4A16, 1000, 5120},
-                        {DType::W4A16, 3072, 2048}, {DType::FP8W, 200, 100},
-                        {DType::FP8W, 576, 2048},   {DType::FP8W, 1000, 1408},
-                        {DType::BF16, 130, 1000},   {DType::BF16, 2048, 2048}};
+  const Case cases[] = {{DType::W4A16, 200, 384},      {DType::W4A16, 1000, 5120},
+                        {DType::W4A16, 3072, 2048},    {DType::W4A16, 200, 384, 1},
+                        {DType::W4A16, 1000, 5120, 1}, {DType::FP8W, 200, 100},
+                        {DType::FP8W, 576, 2048},      {DType::FP8W, 1000, 1408},
+                        {DType::BF16, 130, 1000},      {DType::BF16, 2048, 2048}};
   for (const Case& c : cases) {
+    const test::Forced w4f16(cuda::g_wq_w4_f16, c.f16);
     const int64_t N = c.n, K = c.k;
     std::unique_ptr<Buffer> wbuf;
     TensorView w;
@@ -376,8 +392,8 @@ TEST(CudaWq, OneLaunchDecodeMatchesTheStagedPath) {
         for (const auto& md : modes) {
           const auto one = run(md[0], md[1]);
           EXPECT_EQ(0, std::memcmp(one.data(), staged.data(), one.size() * 4))
-              << dtype_name(c.t) << " N " << N << " K " << K << " M " << M << " ld " << ldx
-              << " (F32 x " << md[0] << ", clusters " << md[1] << ")";
+              << dtype_name(c.t) << (c.f16 ? " FP16 x" : "") << " N " << N << " K " << K << " M "
+              << M << " ld " << ldx << " (F32 x " << md[0] << ", clusters " << md[1] << ")";
         }
       }
     }
@@ -477,7 +493,8 @@ TEST(CudaWq, MoeFfnMatchesTheDequantizedExperts) {
 void check_moe_against_reference(bool expand) {
   Backend& be = cuda_backend();
   const int E = 12, k = 6;
-  for (DType t : {DType::W4A16, DType::FP8W}) {
+  for_formats([&](DType t) {
+    if (expand && cuda::g_wq_w4_f16.on()) return;  // the expansions take BF16 activations
     // W4A16: 9 and 5 groups; FP8W: DeepSeek-V2-Lite's F = 1408 (11 groups) and H = 1288 (10
     // whole groups and 8 columns).
     const int64_t H = t == DType::W4A16 ? 1152 : 1288, F = t == DType::W4A16 ? 640 : 1408;
@@ -520,7 +537,7 @@ void check_moe_against_reference(bool expand) {
         }
       }
     }
-  }
+  });
 }
 
 // A token's output does not depend on its batch: alone and among 12 (the 8- and 16-token
@@ -532,7 +549,7 @@ TEST(CudaWq, MoeFfnIsBatchInvariant) {
   const int E = 12, k = 6, shared = 2;
   const int64_t H = 1024, F = 768, T = 150;
   const test::Forced kernels_only(cuda::g_wq_dequant, 0);  // 150 tokens would take it when forced
-  for (DType t : {DType::W4A16, DType::FP8W}) {
+  for_formats([&](DType t) {
     SCOPED_TRACE(fmt_name(t));
     const QExperts q = make_experts(t, E, H, F);
     std::vector<int32_t> ids;
@@ -556,7 +573,7 @@ TEST(CudaWq, MoeFfnIsBatchInvariant) {
         ++mismatched;
       }
     }
-  }
+  });
 }
 
 // Weight prefetch (pdl.cuh): the dense kernel asks L2 for its rows before the wait, the MoE

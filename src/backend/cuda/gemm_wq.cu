@@ -391,7 +391,9 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   a.k = K;
   a.m = M;
   const int64_t ldx = M > 1 ? x.row_stride() / 4 : K, ldo = M > 1 ? out.row_stride() / 4 : N;
-  if (w4)
+  if (w4 && g_wq_w4_f16.on())
+    run_dense<WqFormat::W4A16H>(ctx, x.ptr<float>(), ldx, out.ptr<float>(), ldo, a);
+  else if (w4)
     run_dense<WqFormat::W4A16>(ctx, x.ptr<float>(), ldx, out.ptr<float>(), ldo, a);
   else if (bf16)
     run_dense<WqFormat::BF16>(ctx, x.ptr<float>(), ldx, out.ptr<float>(), ldo, a);
@@ -497,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     jb.xrow = a.lists.sorted_token + tl.begin;
   }
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, XI, XI, E>(jb, smem, acc);
+  run_cta<F, BT, XI, XI, E, true>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   auto* h = static_cast<uint16_t*>(a.h);
 #pragma unroll
@@ -607,7 +609,9 @@ void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
   if (a.hidden % 8 != 0 || a.inter % 8 != 0)
     throw UnsupportedError("cuda moe_ffn: quantized experts need hidden and F multiples of 8");
   if (n == 0) return;
-  if (dtype == DType::W4A16)
+  if (dtype == DType::W4A16 && g_wq_w4_f16.on())
+    launch_ffn<WqFormat::W4A16H>(a, stream);
+  else if (dtype == DType::W4A16)
     launch_ffn<WqFormat::W4A16>(a, stream);
   else if (dtype == DType::FP8W)
     launch_ffn<WqFormat::FP8W>(a, stream);

@@ -30,6 +30,22 @@ __device__ __forceinline__ void cp_async16_x3(uint32_t dst, const void* src, boo
       " @t cp.async.cg.shared.global [%0+%5], [%1+%5], 16, z;\n}\n" ::"r"(dst),
       "l"(src), "r"(int(zero)), "r"(int(third)), "n"(kStride), "n"(2 * kStride));
 }
+// 16 bytes global -> shared at immediate offsets from both addresses (kDst bytes past dst,
+// kSrc past src); src_bytes 16 copies them, 0 writes 16 zero bytes and reads nothing.
+template <int kDst, int kSrc>
+__device__ __forceinline__ void cp_async16_at(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0+%3], [%1+%4], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "n"(kDst), "n"(kSrc));
+}
+// cp_async16_at where `on` holds; nothing at all (no copy, no zeros) where it does not.
+template <int kDst, int kSrc>
+__device__ __forceinline__ void cp_async16_at_if(uint32_t dst, const void* src, uint32_t src_bytes,
+                                                 bool on) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+      " @p cp.async.cg.shared.global [%0+%3], [%1+%4], 16, %2;\n}\n" ::"r"(dst),
+      "l"(src), "r"(src_bytes), "n"(kDst), "n"(kSrc), "r"(int(on)));
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::);
 }

@@ -78,6 +78,8 @@ extern EnvSwitch g_row_regs;            // on; DEEPSERVE_ROW_REGS=0 turns it off
 extern EnvSwitch g_mla_q_pairs;         // on; DEEPSERVE_MLA_Q_PAIRS=0 turns it off
 extern EnvSwitch g_mla_merge_gather;    // off; DEEPSERVE_MLA_MERGE_GATHER=1 turns it on
 extern EnvSwitch g_mla_q_split2;        // off; DEEPSERVE_MLA_Q_SPLIT2=1 turns it on
+extern EnvSwitch g_wq_w4_f16;           // off; DEEPSERVE_W4_F16=1 turns it on
+extern EnvSwitch g_route_redux;         // off; DEEPSERVE_ROUTE_REDUX=1 turns it on
 extern EnvSwitch g_mla_cluster_fit;     // off; DEEPSERVE_MLA_CLUSTER_FIT=1 turns it on
 // Launches DEEPSERVE_ROW_REGS has reached so far (the register-row norm kernels, the skinny
 // GEMM's norm, the decode MoE's staging; tests check that the switch took effect), and one more.

@@ -8,8 +8,8 @@
 // real k 32t + 8p .. + 7 into two mmas. The token side uses the same permutation of k, so the
 // products are the true ones. W4A16 also pairs the codes of each 8-k chunk as (k, k + 4)
 // (two per 32-bit lop3, see dequant8_w4): its activations are staged in that order
-// (w4_stage_pos), by the producers of the BF16 rows. FP8W's products take FP16 activations
-// (kF16Act): its staged rows hold FP16 bits, and its fragments go to FP16 mmas.
+// (w4_stage_pos), by the producers of the BF16 rows. FP8W's and W4A16H's products take FP16
+// activations (kF16Act): their staged rows hold FP16 bits, and their fragments go to FP16 mmas.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,20 +17,21 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/mma_ptx.cuh"
 #include "backend/cuda/pdl.cuh"
+#include "backend/cuda/wq_copy_plan.h"
 #include "backend/fp8w.h"
 #include "backend/w4a16.h"
 
 namespace ds::cuda::wqk {
 
-constexpr int kThreads = 128;
-constexpr int kWarps = 4;
-constexpr int kBN = 128;  // weight rows per CTA
-constexpr int kRM = 2;    // 16-row blocks per warp
-constexpr int kBT = 64;   // tokens per CTA (prefill); decode variants take 8 or 16
+constexpr int kWarps = 4;  // kThreads / 32; kThreads, kBN: wq_copy_plan.h
+constexpr int kRM = 2;     // 16-row blocks per warp
+constexpr int kBT = 64;    // tokens per CTA (prefill); decode variants take 8 or 16
 // 128-k groups per pipeline stage. The decode variants' loop costs about the same per stage
 // (wait, barrier, a chain of mmas per group) whatever the stage's bytes: on the H200 (a64764e)
 // a dense W4A16 GEMM at M = 8 took about as long as the FP8W one with twice its bytes (V2.5
@@ -41,8 +42,7 @@ constexpr int kBT = 64;   // tokens per CTA (prefill); decode variants take 8 or
 // stage (group after group into acc), so the bits do not change. A stage starts at a group
 // that is a multiple of the count.
 template <WqFormat F, int BT>
-constexpr int kGpsOf = (F == WqFormat::W4A16 && BT <= 16) || (F == WqFormat::FP8W && BT <= 8) ? 2
-                                                                                              : 1;
+constexpr int kGpsOf = (wq_w4(F) && BT <= 16) || (F == WqFormat::FP8W && BT <= 8) ? 2 : 1;
 // Pipeline depth, so that 2-3 CTAs fit an SM: 3 stages of BF16 (32 KB of weights) or two-group
 // W4A16 (16 KB), 2 of two-group FP8W (32 KB), else 4. (Four-group W4A16 stages, 32 KB in 2
 // stages, were slower: its MoE at T = 8 182 -> 196 us, W5 326 -> 306 tok/s; H200, 2f260e3.)
@@ -56,9 +56,9 @@ template <WqFormat F>
 constexpr int kSplitUnitOf = kGpsOf<F, 8> > kGpsOf<F, 16> ? kGpsOf<F, 8> : kGpsOf<F, 16>;
 // Scale words per row and stage (W4A16 packs two groups' scales in a word).
 template <WqFormat F, int BT>
-constexpr int kSwOf = F == WqFormat::BF16    ? 0
-                      : F == WqFormat::W4A16 ? (kGpsOf<F, BT> + 1) / 2
-                                             : kGpsOf<F, BT>;
+constexpr int kSwOf = F == WqFormat::BF16 ? 0
+                      : wq_w4(F)          ? (kGpsOf<F, BT> + 1) / 2
+                                          : kGpsOf<F, BT>;
 constexpr int kGroup = 128;
 constexpr int kTokRow = kGroup * 2;  // staged bytes per token row (BF16)
 
@@ -77,6 +77,8 @@ struct Fmt<WqFormat::W4A16> {
     return __uint_as_float(((g & 1) ? (word >> 16) : (word & 0xffffu)) << 16);
   }
 };
+template <>
+struct Fmt<WqFormat::W4A16H> : Fmt<WqFormat::W4A16> {};
 template <>
 struct Fmt<WqFormat::FP8W> {
   static constexpr int kRowBytes = 128;
@@ -132,23 +134,10 @@ __host__ __device__ __forceinline__ int w4_stage_pos(int e) {
 // Column of element k of a K-wide activation row as staged for format F.
 template <WqFormat F>
 __host__ __device__ __forceinline__ int64_t staged_col(int64_t k) {
-  return F == WqFormat::W4A16 ? (k & ~int64_t(7)) + w4_stage_pos(int(k & 7)) : k;
+  return wq_w4(F) ? (k & ~int64_t(7)) + w4_stage_pos(int(k & 7)) : k;
 }
 
-// Token rows are 16 chunks; lanes (g, t) of step p read chunk 4t + p of row g: the eight
-// lanes of a phase (rows 2i, 2i + 1; t = 0..3) land in eight different 16-byte bank groups.
-__device__ __forceinline__ int b_chunk(int r, int c) {
-  return c ^ (((c >> 3) & 1) << 1) ^ (r & 1);
-}
-// Physical 16-byte chunk of weight-row chunk c of a stage of G groups (FP8W rows, 8 chunks a
-// group: flip by row parity so the two rows one phase reads sit in different banks; two-group
-// W4A16 rows too, whose phases read chunks 4u .. 4u + 3 of two rows; BF16 rows are read like
-// token rows).
-template <WqFormat F, int G = 1>
-__device__ __forceinline__ int a_chunk(int r, int c) {
-  if constexpr (F == WqFormat::W4A16) return G == 2 ? c ^ ((r & 1) << 2) : c;
-  return F == WqFormat::FP8W ? (c ^ (r & 1)) : b_chunk(r, c);
-}
+// b_chunk, a_chunk (the weight and token rows' chunk swizzles): wq_copy_plan.h.
 
 // Physical 16-byte unit of unit u (4 floats) of F32 token row r: lanes (g, t) of step p read
 // units 8t + 2p + h of rows 2i, 2i + 1 in one phase, so t and the row's parity pick eight
@@ -165,17 +154,20 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 // FP8W's activations are FP16, not BF16: an e4m3 pair becomes an FP16 pair in one cvt (exact;
 // e4m3 fits FP16), where a BF16 pair took four instructions through F32 (W1f +1.5% on the H200,
 // c910aba against cef1370: the FP8W MoE is not bound by its issued instructions). FP16 keeps 11
-// significant bits to BF16's 8; its range ends at 65504, so values are clamped there first
-// (finite, never inf).
+// significant bits to BF16's 8; its range ends at 65504, so finite values past it become
+// +-65504 (cvt's .satfinite: the same bits as clamping first, in the one instruction, where
+// the clamps took 4 of FP8W's ~700 a stage; a NaN stays NaN).
 template <WqFormat F>
-constexpr bool kF16Act = F == WqFormat::FP8W;
-constexpr float kF16Max = 65504.0f;
-__device__ __forceinline__ float f16_clamp(float v) {
-  return fminf(fmaxf(v, -kF16Max), kF16Max);  // NaN comes out as a bound: never in practice
-}
+constexpr bool kF16Act = F == WqFormat::FP8W || F == WqFormat::W4A16H;
 __device__ __forceinline__ uint32_t f16x2_bits(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(f16_clamp(lo), f16_clamp(hi));  // lo in the low half
-  return *reinterpret_cast<const uint32_t*>(&h);
+  uint32_t r;  // lo in the low half
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ uint16_t f16_bits(float v) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.f16.f32 %0, %1;\n" : "=h"(r) : "f"(v));
+  return r;
 }
 // Two activations as the mma operand of format F (low half first).
 template <WqFormat F>
@@ -189,7 +181,7 @@ __device__ __forceinline__ uint32_t act2_bits(float lo, float hi) {
 template <WqFormat F>
 __device__ __forceinline__ uint16_t act_bits(float v) {
   if constexpr (kF16Act<F>)
-    return __half_as_ushort(__float2half_rn(f16_clamp(v)));
+    return f16_bits(v);
   else
     return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
@@ -219,6 +211,26 @@ __device__ __forceinline__ void dequant8_w4(uint32_t w, uint32_t (&o)[4]) {
     o[q] = *reinterpret_cast<const uint32_t*>(&h);
   }
 }
+// The same eight codes as FP16x2 of (code - 8), exact, in 9 instructions where dequant8_w4 takes
+// 11-12 (no BF16 form can: its 7-bit mantissa holds one nibble of a 16-bit half, FP16's 10 hold
+// two): nibbles q, q + 4 (q = 0, 2) sit at bits 0-3 of each half and become 1024 + code in
+// FP16 1024's mantissa (minus 1032: code - 8); nibbles q + 1, q + 5 sit at bits 4-7 and become
+// 1024 + 16 code (times 1/16, minus 72). One shift by 8 serves q = 2, 3.
+__device__ __forceinline__ void dequant8_w4_f16(uint32_t w, uint32_t (&o)[4]) {
+  const __half2 bias_lo = __floats2half2_rn(1032.0f, 1032.0f);
+  const __half2 scale_hi = __floats2half2_rn(0.0625f, 0.0625f);
+  const __half2 bias_hi = __floats2half2_rn(-72.0f, -72.0f);
+#pragma unroll
+  for (int q = 0; q < 4; q += 2) {
+    const uint32_t v = q == 0 ? w : w >> 8;
+    const uint32_t lo = lop3_and_or(v, 0x000f000fu, 0x64006400u);
+    const uint32_t hi = lop3_and_or(v, 0x00f000f0u, 0x64006400u);
+    const __half2 a = __hsub2(*reinterpret_cast<const __half2*>(&lo), bias_lo);
+    const __half2 b = __hfma2(*reinterpret_cast<const __half2*>(&hi), scale_hi, bias_hi);
+    o[q] = *reinterpret_cast<const uint32_t*>(&a);
+    o[q + 1] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+}
 // The e4m3 codes in the low 16 bits of w (low byte first) as two floats, exactly (e4m3 fits
 // f16; the BF16 expansion, wq_dequant.cu).
 __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t w) {
@@ -238,6 +250,16 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t w) {
 __device__ __forceinline__ void dequant8_f8(uint32_t lo, uint32_t hi, uint32_t (&o)[4]) {
 #pragma unroll
   for (int q = 0; q < 4; ++q) o[q] = e4m3x2_to_f16x2((q < 2 ? lo : hi) >> (16 * (q & 1)));
+}
+
+// f(std::integral_constant<int, I>{}) for I = 0 .. N - 1: compile-time indices, so copies can
+// take their offsets as immediates.
+template <int N, typename Fn>
+__device__ __forceinline__ void each_index(Fn&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+  }
+  (std::make_integer_sequence<int, N>{});
 }
 
 // What a CTA works on: weight rows (A) and token rows (B, BF16, ld elements, k >= kp zero).
@@ -294,7 +316,10 @@ __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
 // kEarly: the weights (codes and scales) of the first kStages - 1 stages are asked for before
 // pdl::enter(), which run_cta calls, and the token rows after it: the caller's job must not
 // depend on what the kernel ahead writes (pdl.cuh), and the caller must not call enter() itself.
-template <WqFormat F, int BT, bool XF = false, bool XI = false, bool kEarly = false>
+// GU: the job is gate/up's (jb.w1 set), known where the kernel is written, so a fragment's rows
+// are compile-time offsets from the thread's first.
+template <WqFormat F, int BT, bool XF = false, bool XI = false, bool kEarly = false,
+          bool GU = false>
 __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
   static_assert(XF || !XI, "indexed token rows are F32");
   static_assert(!(kEarly && XI), "the token indices come from the lists, after the wait");
@@ -312,108 +337,105 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   constexpr int kRowB = Fm::kRowBytes * kGps;               // weight bytes per row and stage
   constexpr int kCa = kRowB / 16;                           // weight chunks per row and stage
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const bool gate_up = jb.w1 != nullptr;
+  constexpr bool gate_up = GU;
   const uint32_t s0 = ptx::smem_u32(smem);
   const int64_t climit = Fm::code_limit(jb.K);
-  // Each thread's share of a stage, fixed over the groups (so a group's copies are an offset
-  // add each): weight chunk c_a of rows r0 + m * kRowStep (m < kCa; gate/up: the first half
-  // from w0, the second from w1), the scale word of row tid, and token chunks of rows
-  // tr0 + m * kTokStep. The steps are even, so each row keeps r0's chunk swizzle.
-  constexpr int kRowStep = kThreads / kCa;
+  // Each thread's share of a stage, fixed over the stages, so a stage's copies cost an add a
+  // row: weight chunks w_copy_chunk(tid, j) of rows w_copy_row(tid, p) (wq_copy_plan.h;
+  // gate/up: rows kBN / 2 .. from w1), the scale words of row tid, and token chunk tc of rows
+  // tr0 + m * kTokStep. Rows past the matrix copy its last instead (what they add to is never
+  // stored); token rows past the tile's tokens are not copied, as before.
+  static_assert(kCa % kWThreadsPerRow == 0, "whole chunks a thread");
+  constexpr int kWj = kCa / kWThreadsPerRow;  // chunks a thread copies of each of its rows
   constexpr int kTokChunks = kTokBytes / 16;  // 16-byte units per row
   constexpr int kTokStep = kThreads / kTokChunks;
-  const int c_a = tid % kCa, r0 = tid / kCa;
-  const int64_t w_step = int64_t(kRowStep) * jb.w_stride;
-  const uint8_t* wa0 = jb.w0 + int64_t(r0) * jb.w_stride + 16 * c_a;
-  const uint8_t* wa1 = gate_up ? jb.w1 + int64_t(r0) * jb.w_stride + 16 * c_a : wa0;
-  uint32_t rows_ok = 0;  // bit m: row r0 + m * kRowStep (of its matrix) exists
+  constexpr int kTokRows = BT / kTokStep;  // token rows a thread copies
+  const int64_t g_code0 = Fm::code_off(jb.g_begin);
+  const int last_row = max(jb.rows - 1, 0);
+  const uint8_t* w_src[kWPasses];  // chunk w_copy_chunk(tid, 0) of each row, group g_begin's
 #pragma unroll
-  for (int m = 0; m < kCa; ++m) {
-    const int rr = r0 + (gate_up ? m % (kCa / 2) : m) * kRowStep;
-    rows_ok |= uint32_t(rr < jb.rows) << m;
+  for (int p = 0; p < kWPasses; ++p) {
+    const int r = w_copy_row(tid, p);
+    const bool up = gate_up && r >= kBN / 2;
+    const int rr = min(up ? r - kBN / 2 : r, last_row);
+    w_src[p] = (up ? jb.w1 : jb.w0) + int64_t(rr) * jb.w_stride + g_code0 + 16 * (tid & 3);
   }
-  const uint32_t a_dst = uint32_t(r0 * kRowB + a_chunk<F, kGps>(r0, c_a) * 16);
-  const uint8_t* s_src = nullptr;  // row tid's scale words (group 0's)
-  bool s_ok = false;
+  uint32_t w_dst[kWj];
+#pragma unroll
+  for (int j = 0; j < kWj; ++j) w_dst[j] = w_copy_dst<F, kGps>(tid, j, kRowB);
+  // Copy j of stage kt (bytes kt * kRowB + 64 j past w_src) holds codes while below this.
+  const int w_end = int(climit - g_code0) - 16 * (tid & 3);
+  const uint8_t* s_src = nullptr;  // row tid's scale words, group g_begin's
   if constexpr (!kBf16) {
-    const int rr = gate_up ? tid % (kBN / 2) : tid;
+    const int rr = min(gate_up ? tid % (kBN / 2) : tid, last_row);
     const uint8_t* base = gate_up && tid >= kBN / 2 ? jb.w1 : jb.w0;
-    s_ok = rr < jb.rows;
-    s_src = s_ok ? base + int64_t(rr) * jb.w_stride + Fm::scale_off(jb.K, 0) : base;
+    s_src = base + int64_t(rr) * jb.w_stride + Fm::scale_off(jb.K, jb.g_begin);
   }
   const int tc = tid % kTokChunks, tr0 = tid / kTokChunks;
-  const int64_t x_k0 = int64_t(16 / kXBytes) * tc;  // the chunk's first k in a group
-  constexpr int kTokRows = BT / kTokStep;           // token rows a thread copies
-  uint32_t b_dst;
-  const uint8_t* x_src;
-  const uint8_t* x_row[XI ? kTokRows : 1];  // XI: each of them through jb.xrow
-  if constexpr (XF) {
-    b_dst = uint32_t(tr0 * kTokBytes + f32_unit(tr0, tc) * 16);
-    x_src = reinterpret_cast<const uint8_t*>(jb.xf + tr0 * jb.ldx + x_k0);
-    if constexpr (XI) {
+  const int x_k0 = (16 / kXBytes) * tc;  // the chunk's first k in a group
+  const uint32_t b_dst =
+      uint32_t(tr0 * kTokBytes + (XF ? f32_unit(tr0, tc) : b_chunk(tr0, tc)) * 16);
+  const uint8_t* x_src[kTokRows];  // token row m's chunk tc, group g_begin's
+  bool x_on[kTokRows];             // row m is one of the tile's tokens (else no copy)
 #pragma unroll
-      for (int m = 0; m < kTokRows; ++m) {
-        const int r = tr0 + m * kTokStep;
-        x_row[m] =
-            r < jb.tokens
-                ? reinterpret_cast<const uint8_t*>(jb.xf + int64_t(jb.xrow[r]) * jb.ldx + x_k0)
-                : x_src;
-      }
-    }
-  } else {
-    b_dst = uint32_t(tr0 * kTokBytes + b_chunk(tr0, tc) * 16);
-    x_src = reinterpret_cast<const uint8_t*>(jb.x + tr0 * jb.ldx + x_k0);
-  }
-  const int64_t x_step = int64_t(kTokStep) * jb.ldx * kXBytes;  // bytes between its rows
-  // Where the thread's token row m starts (XI: the pointer looked up above).
-  auto x_row_src = [&](int m) {
+  for (int m = 0; m < kTokRows; ++m) {
+    const int r = tr0 + m * kTokStep, rv = r < jb.tokens ? r : 0;
+    x_on[m] = r < jb.tokens;
+    const int64_t at = int64_t(jb.g_begin) * kGroup + x_k0;
     if constexpr (XI)
-      return x_row[m];
+      x_src[m] = reinterpret_cast<const uint8_t*>(jb.xf + int64_t(jb.xrow[rv]) * jb.ldx + at);
+    else if constexpr (XF)
+      x_src[m] = reinterpret_cast<const uint8_t*>(jb.xf + rv * jb.ldx + at);
     else
-      return x_src + m * x_step;
-  };
-  const int64_t x_limit = XF ? jb.K : jb.kp;  // zeros from here (K for F32 rows, kp staged)
+      x_src[m] = reinterpret_cast<const uint8_t*>(jb.x + rv * jb.ldx + at);
+  }
+  // Group u of stage kt (k from (kGps kt + u) kGroup past x_src) holds values while below this;
+  // zeros from there (x_limit: K for F32 rows, kp staged).
+  const int x_end = int((XF ? jb.K : jb.kp) - int64_t(jb.g_begin) * kGroup) - x_k0;
   // Stage kt holds groups g_begin + kGps * kt, + 1 ...: codes of every group (kGps * 128 k of
   // each row, in one span), one scale word per row (W4A16's holds the group pair's scales),
   // and the token rows of each group in turn. load_w copies a stage's weights (codes and scale
   // words) into buffer `stage`, load_x its token rows.
   auto load_w = [&](int stage, int kt) {
-    const int64_t gi = jb.g_begin + int64_t(kGps) * kt;
     const uint32_t sa = s0 + stage * kStage, ss = sa + kSA;
-    const int64_t goff = Fm::code_off(gi);
-    const bool g_ok = goff + 16 * c_a < climit;
+    const int off = kt * kRowB;
+    uint32_t bytes[kWj];  // 16, or 0 (zeros) for chunks past the codes
 #pragma unroll
-    for (int m = 0; m < kCa; ++m) {
-      const bool ok = g_ok && (rows_ok >> m & 1u);
-      const uint8_t* row =
-          gate_up && m >= kCa / 2 ? wa1 + (m - kCa / 2) * w_step : wa0 + m * w_step;
-      ptx::cp_async16(sa + a_dst + uint32_t(m * kRowStep * kRowB), ok ? row + goff : jb.w0, ok);
-    }
+    for (int j = 0; j < kWj; ++j) bytes[j] = off + 64 * j < w_end ? 16u : 0u;
+    each_index<kWPasses>([&](auto pc) {
+      constexpr int p = decltype(pc)::value;
+      const uint8_t* src = w_src[p] + off;
+      each_index<kWj>([&](auto jc) {
+        constexpr int j = decltype(jc)::value;
+        ptx::cp_async16_at<p * kWRowsPerPass * kRowB, 64 * j>(sa + w_dst[j], src, bytes[j]);
+      });
+    });
     if constexpr (!kBf16) {
       // Word w of the stage's scales (rows [w][tid]); one past the last group is zero-filled.
-      const uint8_t* src = s_src + (Fm::scale_off(jb.K, gi) - Fm::scale_off(jb.K, 0));
+      const int64_t gi = jb.g_begin + int64_t(kGps) * kt;
+      const uint8_t* src = s_src + (Fm::scale_off(jb.K, gi) - Fm::scale_off(jb.K, jb.g_begin));
 #pragma unroll
       for (int w = 0; w < kSw; ++w) {
-        const bool ok = s_ok && gi + (F == WqFormat::W4A16 ? 2 * w : w) < jb.g_end;
-        cp_async4(ss + (w * kBN + tid) * 4, ok ? src + 4 * w : s_src, ok);
+        const bool ok = gi + (wq_w4(F) ? 2 * w : w) < jb.g_end;
+        cp_async4(ss + (w * kBN + tid) * 4, src + 4 * w, ok);
       }
     }
   };
   auto load_x = [&](int stage, int kt) {
-    const int64_t gi = jb.g_begin + int64_t(kGps) * kt;
-    const uint32_t sb = s0 + stage * kStage + kSA + kStageS<F, BT>;
+    const uint32_t sb = s0 + stage * kStage + kSA + kStageS<F, BT> + b_dst;
+    const int k = kt * kGps * kGroup;
+    uint32_t bytes[kGps];
 #pragma unroll
-    for (int u = 0; u < kGps; ++u) {
-      const int64_t k = (gi + u) * kGroup + x_k0;
-      const bool k_ok = k < x_limit;
-      const int64_t x_off = (gi + u) * kGroup * kXBytes;
-#pragma unroll
-      for (int m = 0; m < kTokRows; ++m) {
-        if (tr0 + m * kTokStep >= jb.tokens) break;
-        ptx::cp_async16(sb + u * kTokGroup + b_dst + uint32_t(m * kTokStep * kTokBytes),
-                        k_ok ? x_row_src(m) + x_off : x_src, k_ok);
-      }
-    }
+    for (int u = 0; u < kGps; ++u) bytes[u] = k + u * kGroup < x_end ? 16u : 0u;
+    each_index<kTokRows>([&](auto mc) {
+      constexpr int m = decltype(mc)::value;
+      const uint8_t* src = x_src[m] + int64_t(k) * kXBytes;
+      each_index<kGps>([&](auto uc) {
+        constexpr int u = decltype(uc)::value;
+        ptx::cp_async16_at_if<int(u * kTokGroup) + m * kTokStep * kTokBytes, u * kGroup * kXBytes>(
+            sb, src, bytes[u], x_on[m]);
+      });
+    });
   };
 #pragma unroll
   for (int i = 0; i < kRM; ++i)
@@ -439,16 +461,17 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     }
     ptx::cp_async_commit();
   }
+  int stage = 0, next = kStages - 1;  // the buffers of stages kt and kt + kStages - 1
 #pragma unroll 1
-  for (int kt = 0; kt < KT; ++kt) {
+  for (int kt = 0; kt < KT; ++kt, stage = stage + 1 == kStages ? 0 : stage + 1,
+           next = next + 1 == kStages ? 0 : next + 1) {
     ptx::cp_async_wait<kStages - 2>();
     __syncthreads();
     if (kt + kStages - 1 < KT) {
-      load_w((kt + kStages - 1) % kStages, kt + kStages - 1);
-      load_x((kt + kStages - 1) % kStages, kt + kStages - 1);
+      load_w(next, kt + kStages - 1);
+      load_x(next, kt + kStages - 1);
     }
     ptx::cp_async_commit();
-    const int stage = kt % kStages;
     const uint8_t* sa = smem + stage * kStage;
     const auto* ss = reinterpret_cast<const uint32_t*>(sa + kSA);
     const uint8_t* sb0 = sa + kSA + kStageS<F, BT>;
@@ -477,14 +500,21 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
               raw[u][i][h][0] =
                   *reinterpret_cast<const uint4*>(row + a_chunk<F, kGps>(r, kGc * u + t) * 16);
             }
-            sc[u][i][h] = Fm::scale(ss[(F == WqFormat::W4A16 ? u / 2 : u) * kBN + r], g0 + u);
+            sc[u][i][h] = Fm::scale(ss[(wq_w4(F) ? u / 2 : u) * kBN + r], g0 + u);
           }
     }
-    float part[kGps][kRM][kTN][4];  // each group's sums; token blocks >= tn stay untouched
+    // Each group's sums (token blocks >= tn are zeroed too, in a few wide moves rather than a
+    // select each, and never read).
+    float part[kGps][kRM][kTN][4];
     if constexpr (!kBf16)
 #pragma unroll
       for (int u = 0; u < kGps; ++u)
-        for_live_frags<kTN>(tn, [&](int i, int j, int q) { part[u][i][j][q] = 0.0f; });
+#pragma unroll
+        for (int i = 0; i < kRM; ++i)
+#pragma unroll
+          for (int j = 0; j < kTN; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) part[u][i][j][q] = 0.0f;
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
 #pragma unroll
@@ -507,7 +537,11 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
               dequant8_f8((p & 1) ? v.z : v.x, (p & 1) ? v.w : v.y, d[h]);
             } else {
               const uint4 v = raw[u][i][h][0];
-              dequant8_w4(p == 0 ? v.x : p == 1 ? v.y : p == 2 ? v.z : v.w, d[h]);
+              const uint32_t word = p == 0 ? v.x : p == 1 ? v.y : p == 2 ? v.z : v.w;
+              if constexpr (kF16Act<F>)
+                dequant8_w4_f16(word, d[h]);
+              else
+                dequant8_w4(word, d[h]);
             }
           }
 #pragma unroll
@@ -529,9 +563,9 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
                 *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p) * 16);
             const float4 hi =
                 *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p + 1) * 16);
-            if constexpr (F == WqFormat::W4A16) {  // x0 x4 x1 x5 x2 x6 x3 x7 (w4_stage_pos)
-              b = make_uint4(bf16x2_bits(lo.x, hi.x), bf16x2_bits(lo.y, hi.y),
-                             bf16x2_bits(lo.z, hi.z), bf16x2_bits(lo.w, hi.w));
+            if constexpr (wq_w4(F)) {  // x0 x4 x1 x5 x2 x6 x3 x7 (w4_stage_pos)
+              b = make_uint4(act2_bits<F>(lo.x, hi.x), act2_bits<F>(lo.y, hi.y),
+                             act2_bits<F>(lo.z, hi.z), act2_bits<F>(lo.w, hi.w));
             } else {
               b = make_uint4(act2_bits<F>(lo.x, lo.y), act2_bits<F>(lo.z, lo.w),
                              act2_bits<F>(hi.x, hi.y), act2_bits<F>(hi.z, hi.w));
