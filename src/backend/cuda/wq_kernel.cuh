@@ -252,6 +252,12 @@ __device__ __forceinline__ void dequant8_f8(uint32_t lo, uint32_t hi, uint32_t (
   for (int q = 0; q < 4; ++q) o[q] = e4m3x2_to_f16x2((q < 2 ? lo : hi) >> (16 * (q & 1)));
 }
 
+// Keeps v in a register as an opaque value: the compiler can neither fold it nor re-derive it
+// from what it was computed of (no instruction is emitted).
+__device__ __forceinline__ void pin_reg(uint32_t& v) {
+  asm volatile("" : "+r"(v));
+}
+
 // f(std::integral_constant<int, I>{}) for I = 0 .. N - 1: compile-time indices, so copies can
 // take their offsets as immediates.
 template <int N, typename Fn>
@@ -461,6 +467,30 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     }
     ptx::cp_async_commit();
   }
+  // The fragment loads' offsets in a stage's buffers, formed once and pinned in registers
+  // (left to itself the compiler re-derived the swizzles every stage, ~80 instructions of ~530):
+  // the thread's first fragment row r_f; the others (block i, half h; token block j) are a
+  // compile-time, even number of rows past it, so they keep its swizzle.
+  constexpr int kGc = Fm::kRowBytes / 16;           // a group's chunks of a weight row
+  constexpr int kAc = F == WqFormat::FP8W ? 2 : 1;  // chunks a group's fragment row reads
+  constexpr int kAo = kBf16 ? 4 : kGps * kAc;       // BF16: one a k32 step p
+  const int r_f = warp_row<F>(gate_up, warp, 0) + g;
+  uint32_t a_off[kAo];  // of row r_f: [p] (BF16) or [u * kAc + c]
+#pragma unroll
+  for (int o = 0; o < kAo; ++o) {
+    const int c = kBf16 ? 4 * t + o : kGc * (o / kAc) + (kAc == 2 ? 2 * t + o % kAc : t);
+    a_off[o] = uint32_t(r_f * kRowB + a_chunk<F, kGps>(r_f, c) * 16);
+    pin_reg(a_off[o]);
+  }
+  uint32_t b_off[4][XF ? 2 : 1];  // of token row g: step p's chunk (XF: its two F32 units)
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int c = 0; c < (XF ? 2 : 1); ++c) {
+      b_off[q][c] = uint32_t(g * kTokBytes +
+                             (XF ? f32_unit(g, 8 * t + 2 * q + c) : b_chunk(g, 4 * t + q)) * 16);
+      pin_reg(b_off[q][c]);
+    }
   int stage = 0, next = kStages - 1;  // the buffers of stages kt and kt + kStages - 1
 #pragma unroll 1
   for (int kt = 0; kt < KT; ++kt, stage = stage + 1 == kStages ? 0 : stage + 1,
@@ -477,7 +507,6 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     const uint8_t* sb0 = sa + kSA + kStageS<F, BT>;
     const int64_t g0 = jb.g_begin + int64_t(kGps) * kt;
     const int groups = min(kGps, jb.g_end - int(g0));  // of this stage (a missing one reads zeros)
-    constexpr int kGc = Fm::kRowBytes / 16;            // a group's chunks of a weight row
     // Raw codes of rows (block i, half h: row g + 8h) for group u: W4 one chunk, FP8 two (BF16
     // reads its chunk of each step in the step).
     uint4 raw[kGps][kRM][2][F == WqFormat::FP8W ? 2 : 1];
@@ -489,18 +518,12 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
         for (int i = 0; i < kRM; ++i)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int r = warp_row<F>(gate_up, warp, i) + g + 8 * h;
-            const uint8_t* row = sa + r * kRowB;
-            if constexpr (F == WqFormat::FP8W) {
+            const int dr = warp_row<F>(gate_up, 0, i) + 8 * h;  // rows past r_f
 #pragma unroll
-              for (int c = 0; c < 2; ++c)
-                raw[u][i][h][c] = *reinterpret_cast<const uint4*>(
-                    row + a_chunk<F, kGps>(r, kGc * u + 2 * t + c) * 16);
-            } else {
-              raw[u][i][h][0] =
-                  *reinterpret_cast<const uint4*>(row + a_chunk<F, kGps>(r, kGc * u + t) * 16);
-            }
-            sc[u][i][h] = Fm::scale(ss[(wq_w4(F) ? u / 2 : u) * kBN + r], g0 + u);
+            for (int c = 0; c < kAc; ++c)
+              raw[u][i][h][c] =
+                  *reinterpret_cast<const uint4*>(sa + a_off[u * kAc + c] + dr * kRowB);
+            sc[u][i][h] = Fm::scale(ss[(wq_w4(F) ? u / 2 : u) * kBN + r_f + dr], g0 + u);
           }
     }
     // Each group's sums (token blocks >= tn are zeroed too, in a few wide moves rather than a
@@ -528,9 +551,8 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             if constexpr (kBf16) {
-              const int r = warp_row<F>(gate_up, warp, i) + g + 8 * h;
-              const uint4 v =
-                  *reinterpret_cast<const uint4*>(sa + r * kRowB + a_chunk<F>(r, 4 * t + p) * 16);
+              const int dr = warp_row<F>(gate_up, 0, i) + 8 * h;
+              const uint4 v = *reinterpret_cast<const uint4*>(sa + a_off[p] + dr * kRowB);
               d[h][0] = v.x, d[h][1] = v.y, d[h][2] = v.z, d[h][3] = v.w;
             } else if constexpr (F == WqFormat::FP8W) {
               const uint4 v = raw[u][i][h][p / 2];
@@ -555,14 +577,11 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
 #pragma unroll
         for (int j = 0; j < kTN; ++j) {
           if (j >= tn) break;
-          const int r = j * 8 + g;
+          const uint8_t* row = sb + j * 8 * kTokBytes;  // token row j * 8 + g's, at b_off
           uint4 b;
           if constexpr (XF) {  // chunk 4t + p is units 8t + 2p, + 1; rounded as to_bf16 would
-            const uint8_t* row = sb + r * kTokBytes;
-            const float4 lo =
-                *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p) * 16);
-            const float4 hi =
-                *reinterpret_cast<const float4*>(row + f32_unit(r, 8 * t + 2 * p + 1) * 16);
+            const float4 lo = *reinterpret_cast<const float4*>(row + b_off[p][0]);
+            const float4 hi = *reinterpret_cast<const float4*>(row + b_off[p][XF ? 1 : 0]);
             if constexpr (wq_w4(F)) {  // x0 x4 x1 x5 x2 x6 x3 x7 (w4_stage_pos)
               b = make_uint4(act2_bits<F>(lo.x, hi.x), act2_bits<F>(lo.y, hi.y),
                              act2_bits<F>(lo.z, hi.z), act2_bits<F>(lo.w, hi.w));
@@ -571,7 +590,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
                              act2_bits<F>(hi.x, hi.y), act2_bits<F>(hi.z, hi.w));
             }
           } else {
-            b = *reinterpret_cast<const uint4*>(sb + r * kTokBytes + b_chunk(r, 4 * t + p) * 16);
+            b = *reinterpret_cast<const uint4*>(row + b_off[p][0]);
           }
 #pragma unroll
           for (int i = 0; i < kRM; ++i) {
