@@ -39,6 +39,27 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
+// The softmax of a warp's logits s (lane l holds experts l, l + 32, ...; m their maximum) in
+// double, rounded to F32 as the CPU reference does, so both pick the same experts even when
+// two scores are close; -inf past E.
+template <int PL>
+__device__ __forceinline__ void softmax_scores(float (&s)[PL], float m, int E, int lane) {
+  double ex[PL];
+  double sum = 0.0;
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int idx = lane + 32 * i;
+    ex[i] = idx < E ? exp(double(s[i]) - double(m)) : 0.0;
+    sum += ex[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < PL; ++i) {
+    const int idx = lane + 32 * i;
+    s[i] = idx < E ? float(ex[i] / sum) : -INFINITY;
+  }
+}
+
 // A float's bits as an unsigned that orders as the float does (NaN aside), and back: so a
 // warp's max is one redux.sync instead of five rounds of shuffles.
 __device__ __forceinline__ unsigned ordered_bits(float v) {
@@ -65,8 +86,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(RouteArgs a) {
   const int E = a.num_experts;
   const float* row = a.logits + t * a.logit_stride;
 
-  // The softmax runs in double and is rounded to F32 scores, as the CPU reference does, so
-  // both pick the same experts even when two scores are close.
   float s[PL];
   unsigned mk = 0;  // below every float's key
 #pragma unroll
@@ -75,22 +94,10 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(RouteArgs a) {
     s[i] = idx < E ? row[idx] : -INFINITY;
     if (idx < E) mk = max(mk, ordered_bits(s[i]));
   }
-  const float m = from_ordered_bits(__reduce_max_sync(kFull, mk));
-  double ex[PL];
-  double sum = 0.0;
-#pragma unroll
-  for (int i = 0; i < PL; ++i) {
-    const int idx = lane + 32 * i;
-    ex[i] = idx < E ? exp(double(s[i]) - double(m)) : 0.0;
-    sum += ex[i];
-  }
-  sum = warp_sum(sum);
+  softmax_scores(s, from_ordered_bits(__reduce_max_sync(kFull, mk)), E, lane);
   unsigned key[PL];
 #pragma unroll
-  for (int i = 0; i < PL; ++i) {
-    const int idx = lane + 32 * i;
-    key[i] = idx < E ? __float_as_uint(float(ex[i] / sum)) + 1u : 0u;
-  }
+  for (int i = 0; i < PL; ++i) key[i] = lane + 32 * i < E ? __float_as_uint(s[i]) + 1u : 0u;
 
   if (a.group_limited) {
     // Lane g keeps the max key of group g; then the topk_group best groups survive (equal maxima
@@ -177,8 +184,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel_shuffles(RouteA
   const float* row = a.logits + t * a.logit_stride;
 
   // Lane l holds experts l, l + 32, ...; absent experts score -inf so they are never chosen.
-  // The softmax runs in double and is rounded to F32 scores, as the CPU reference does, so
-  // both pick the same experts even when two scores are close.
   float s[kPerLane];
   float m = -INFINITY;
 #pragma unroll
@@ -187,21 +192,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel_shuffles(RouteA
     s[i] = idx < E ? row[idx] : -INFINITY;
     m = fmaxf(m, s[i]);
   }
-  m = warp_max(m);
-  double ex[kPerLane];
-  double sum = 0.0;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int idx = lane + 32 * i;
-    ex[i] = idx < E ? exp(double(s[i]) - double(m)) : 0.0;
-    sum += ex[i];
-  }
-  sum = warp_sum(sum);
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int idx = lane + 32 * i;
-    s[i] = idx < E ? float(ex[i] / sum) : -INFINITY;
-  }
+  softmax_scores(s, warp_max(m), E, lane);
 
   if (a.group_limited) {
     // Lane g keeps the max score of group g; then the topk_group best groups survive. As in
