@@ -554,8 +554,8 @@ fi
 if has_stage mutate; then
   # Shows new GPU tests failing: applies MUTATE_SED to MUTATE_FILE, rebuilds the GPU tests, runs
   # MUTATE_TESTS (expected to FAIL), then restores the file (and rebuilds nothing: run it last).
-  # MUTATE2_* to MUTATE6_* (FILE, SED, TESTS): more independent mutations, one at a time.
-  for m in "" 2 3 4 5 6; do
+  # MUTATE2_* to MUTATE9_* (FILE, SED, TESTS): more independent mutations, one at a time.
+  for m in "" 2 3 4 5 6 7 8 9; do
     f=MUTATE${m}_FILE e=MUTATE${m}_SED t=MUTATE${m}_TESTS
     if [ -z "${!f:-}" ] || [ -z "${!e:-}" ] || [ -z "${!t:-}" ]; then
       [ -z "$m" ] && log "mutate: set MUTATE_FILE, MUTATE_SED and MUTATE_TESTS"
