@@ -4,12 +4,14 @@
 Reads the JSON that `deepserve bench --output` wrote, groups the files by setting (the file
 name without its `-r<k>` round suffix) and prints, per setting and scenario, the median and
 range over rounds of TPOT p50 and output tok/s, and the change of the medians against the
-`default` setting of the same workload. Medians of interleaved rounds, not one pair of runs,
-decide a default: one pair can differ by as much as the change being measured.
+`default` setting of the same workload (--baseline names another: `base` for gpu_run.sh abtree's
+bench-{this,base}-<w>-r<k>.json). Medians of interleaved rounds, not one pair of runs, decide a
+default: one pair can differ by as much as the change being measured.
 
   python3 tools/ab_table.py OUT_DIR            # every bench-*.json in it
   python3 tools/ab_table.py a.json b.json ...  # or the files named
   --json                                       # the table as JSON
+  --baseline base                              # changes against setting `base` (abtree)
 """
 import argparse
 import json
@@ -50,7 +52,7 @@ def load(paths):
     return runs
 
 
-def summarise(runs):
+def summarise(runs, baseline="default"):
     rows = []
     for (setting, workload, scenario), vals in sorted(runs.items()):
         vals.sort()
@@ -62,7 +64,7 @@ def summarise(runs):
             "tpot_median": statistics.median(tpots) if tpots else None,
             "tok_s_median": statistics.median(toks) if toks else None,
         })
-    base = {(r["workload"], r["scenario"]): r for r in rows if r["setting"] == "default"}
+    base = {(r["workload"], r["scenario"]): r for r in rows if r["setting"] == baseline}
     for r in rows:
         b = base.get((r["workload"], r["scenario"]))
         r["tpot_vs_default"] = (r["tpot_median"] / b["tpot_median"] - 1
@@ -87,19 +89,22 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="+", type=pathlib.Path)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--baseline", default="default",
+                    help="the setting the changes are against (default: default)")
     a = ap.parse_args(argv)
     files = []
     for p in a.paths:
         files += sorted(p.glob("bench-*.json")) if p.is_dir() else [p]
     if not files:
         ap.error("no bench JSON files")
-    rows = summarise(load(files))
+    rows = summarise(load(files), a.baseline)
     if a.json:
         json.dump(rows, sys.stdout, indent=1)
         print()
         return 0
-    print("| setting | workload | scenario | rounds | TPOT p50 ms, median (range) | vs default "
-          "| output tok/s, median (range) | vs default |")
+    vs = f"vs {a.baseline}"
+    print(f"| setting | workload | scenario | rounds | TPOT p50 ms, median (range) | {vs} "
+          f"| output tok/s, median (range) | {vs} |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['setting']} | {r['workload']} | {r['scenario']} | {r['rounds']} "

@@ -54,6 +54,26 @@ def test_markdown_table_and_unrounded_names(rounds, capsys):
     assert len(w1) == 1 and w1[0].startswith("| default | w1 | c8_in1024_out512 | 1 | 6.36 ")
 
 
+def test_baseline_names_the_setting_to_compare_against(tmp_path, capsys):
+    # gpu_run.sh abtree writes bench-{this,base}-<w>-r<k>.json: no `default` setting there.
+    for k, (off, on) in enumerate(zip(OFF, ON), start=1):
+        shutil.copy(RESULTS / f"2026-12-04-h200-27cd7ba-{off}.json", tmp_path / f"bench-base-w3-r{k}.json")
+        shutil.copy(RESULTS / f"2026-12-04-h200-27cd7ba-{on}.json", tmp_path / f"bench-this-w3-r{k}.json")
+    assert ab_table.main([str(tmp_path), "--json", "--baseline", "base"]) == 0
+    rows = {r["setting"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {"base", "this"}
+    assert rows["base"]["tpot_vs_default"] == 0
+    assert rows["this"]["tpot_vs_default"] == pytest.approx(
+        rows["this"]["tpot_median"] / rows["base"]["tpot_median"] - 1)
+    assert ab_table.main([str(tmp_path)]) == 0  # against `default`, which is absent: no change
+    lines = capsys.readouterr().out.splitlines()
+    assert all(l.split("|")[6].strip() == "" for l in lines[2:])
+    assert ab_table.main([str(tmp_path), "--baseline", "base"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "vs base" in lines[0]
+    assert [l.split("|")[6].strip() for l in lines[2:]] == ["+0.0%", "+1.2%"]
+
+
 def test_rejects_files_that_are_not_bench_results(tmp_path):
     bad = tmp_path / "bench-x-w3.json"
     bad.write_text('{"gpu": "NVIDIA H200"}')
