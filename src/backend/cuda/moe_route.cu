@@ -60,6 +60,22 @@ __device__ __forceinline__ void softmax_scores(float (&s)[PL], float m, int E, i
   }
 }
 
+// The token warp threadIdx.x / 32 of this CTA routes (the kernels' grid: kRouteWarps a CTA).
+__device__ __forceinline__ int64_t route_token() {
+  return int64_t(blockIdx.x) * kRouteWarps + (threadIdx.x >> 5);
+}
+
+// Lane j < top_k stores token t's j-th pick: its expert and weight (normalized by `total`, the
+// picks' scores summed in pick order, or scaled, as MoEGate), and counts the expert.
+__device__ __forceinline__ void store_pick(const RouteArgs& a, int64_t t, int lane, int id,
+                                           float score, double total) {
+  if (lane >= a.top_k) return;
+  const float w = a.norm && a.top_k > 1 ? float(double(score) / (total + 1e-20)) : score * a.scale;
+  a.ids[t * a.ids_stride + lane] = id;
+  a.weights[t * a.weights_stride + lane] = w;
+  if (a.counts) atomicAdd(a.counts + id, 1ULL);
+}
+
 // A float's bits as an unsigned that orders as the float does (NaN aside), and back: so a
 // warp's max is one redux.sync instead of five rounds of shuffles.
 __device__ __forceinline__ unsigned ordered_bits(float v) {
@@ -81,7 +97,7 @@ template <int PL>
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(RouteArgs a) {
   pdl::enter();
   const int lane = threadIdx.x & 31;
-  const int64_t t = int64_t(blockIdx.x) * kRouteWarps + (threadIdx.x >> 5);
+  const int64_t t = route_token();
   if (t >= a.num_tokens) return;  // the whole warp leaves together
   const int E = a.num_experts;
   const float* row = a.logits + t * a.logit_stride;
@@ -159,13 +175,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(RouteArgs a) {
     for (int i = 0; i < PL; ++i) key[i] = mine && i == (bi >> 5) ? 0u : key[i];
   }
 
-  if (lane < a.top_k) {
-    const float w =
-        a.norm && a.top_k > 1 ? float(double(my_score) / (total + 1e-20)) : my_score * a.scale;
-    a.ids[t * a.ids_stride + lane] = my_id;
-    a.weights[t * a.weights_stride + lane] = w;
-    if (a.counts) atomicAdd(a.counts + my_id, 1ULL);
-  }
+  store_pick(a, t, lane, my_id, my_score, total);
 }
 
 // The form before route_kernel (DEEPSERVE_ROUTE_REDUX=0, the default until measured): every
@@ -178,7 +188,7 @@ __device__ __forceinline__ float warp_max(float v) {
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel_shuffles(RouteArgs a) {
   pdl::enter();
   const int lane = threadIdx.x & 31;
-  const int64_t t = int64_t(blockIdx.x) * kRouteWarps + (threadIdx.x >> 5);
+  const int64_t t = route_token();
   if (t >= a.num_tokens) return;  // the whole warp leaves together
   const int E = a.num_experts;
   const float* row = a.logits + t * a.logit_stride;
@@ -255,13 +265,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel_shuffles(RouteA
     for (int i = 0; i < kPerLane; ++i) s[i] = mine && i == (bi >> 5) ? -INFINITY : s[i];
   }
 
-  if (lane < a.top_k) {
-    const float w =
-        a.norm && a.top_k > 1 ? float(double(my_score) / (total + 1e-20)) : my_score * a.scale;
-    a.ids[t * a.ids_stride + lane] = my_id;
-    a.weights[t * a.weights_stride + lane] = w;
-    if (a.counts) atomicAdd(a.counts + my_id, 1ULL);
-  }
+  store_pick(a, t, lane, my_id, my_score, total);
 }
 
 // route_kernel for E experts: the fewest scores a lane that hold them.

@@ -581,7 +581,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
           uint4 b;
           if constexpr (XF) {  // chunk 4t + p is units 8t + 2p, + 1; rounded as to_bf16 would
             const float4 lo = *reinterpret_cast<const float4*>(row + b_off[p][0]);
-            const float4 hi = *reinterpret_cast<const float4*>(row + b_off[p][XF ? 1 : 0]);
+            const float4 hi = *reinterpret_cast<const float4*>(row + b_off[p][1]);
             if constexpr (wq_w4(F)) {  // x0 x4 x1 x5 x2 x6 x3 x7 (w4_stage_pos)
               b = make_uint4(act2_bits<F>(lo.x, hi.x), act2_bits<F>(lo.y, hi.y),
                              act2_bits<F>(lo.z, hi.z), act2_bits<F>(lo.w, hi.w));
