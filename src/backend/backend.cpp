@@ -56,6 +56,12 @@ void Backend::norm_matmul(const NormMatmulParams& p) {
   matmul(p.xn, p.w, p.out);
 }
 
+void Backend::matmul_add_norm(const MatmulNormParams& p) {
+  matmul(p.x, p.w, p.out);
+  copy(p.r, p.r_out);
+  add_rms_norm(p.r_out, p.out, p.norm, p.eps, p.rn);
+}
+
 void Backend::mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) {
   const TensorView& kva = p.kva;
   const int64_t R = p.kv_lora_rank, P = kva.cols() - R;

@@ -209,6 +209,21 @@ struct NormMatmulParams {
   TensorView out;    // [T, N] F32
 };
 
+// A product and the residual add and norm after it (Backend::matmul_add_norm): out = x . w (as
+// matmul), then r_out = r + out and rn = rms_norm(r_out) * norm. A device may add and normalize
+// in the product's own launch (its last CTA to finish), so r_out and rn must not overlap r, out,
+// x or each other. Same bits as matmul, then norm_matmul's add and norm.
+struct MatmulNormParams {
+  TensorView x;     // [T, k] F32
+  TensorView w;     // [n, k] weights, as matmul's
+  TensorView out;   // [T, n] F32: the product
+  TensorView r;     // [T, n] F32: the residual stream
+  TensorView norm;  // [n] F32
+  float eps = 1e-6f;
+  TensorView r_out;  // [T, n] F32: r + out
+  TensorView rn;     // [T, n] F32: the normed rows
+};
+
 // DeepSeek-V2 MoE routing (MoEGate): scores = softmax(logits) over experts, then top_k.
 // GroupLimitedGreedy first keeps the topk_group groups (experts split into n_group equal
 // consecutive groups) with the highest max score and takes top_k among their experts.
@@ -347,6 +362,9 @@ class Backend {
   // See NormMatmulParams. The base version copies x to x_out, runs add_rms_norm there (or
   // rms_norm without y), then matmul.
   virtual void norm_matmul(const NormMatmulParams& p);
+  // See MatmulNormParams. The base version runs matmul, copies r to r_out, then add_rms_norm
+  // there.
+  virtual void matmul_add_norm(const MatmulNormParams& p);
   // out[b, m, n] = sum_k x[b, m, k] * w[b, n, k] for every b. 3-D views with byte strides
   // (x, out F32; w F32, F16 or BF16), so heads of a [T, H, d] buffer are batches of a
   // [H, T, d] view. Each (b, m) result depends on that row alone.

@@ -189,6 +189,11 @@ void ProfilingBackend::norm_matmul(const NormMatmulParams& p) {
         [&] { inner_.norm_matmul(p); });
 }
 
+void ProfilingBackend::matmul_add_norm(const MatmulNormParams& p) {
+  timed("matmul_add_norm", "matmul_add_norm " + dims(p.x) + "x" + dims(p.w) + " " + dt(p.w.dtype),
+        [&] { inner_.matmul_add_norm(p); });
+}
+
 void ProfilingBackend::matmul(const TensorView& x, const TensorView& w, TensorView out) {
   timed("matmul", "matmul " + dims(x) + "x" + dims(w) + " " + dt(w.dtype),
         [&] { inner_.matmul(x, w, out); });

@@ -85,6 +85,7 @@ class ProfilingBackend final : public Backend {
   void add_rms_norm(TensorView x, const TensorView& y, const TensorView& w, float eps,
                     TensorView out) override;
   void norm_matmul(const NormMatmulParams& p) override;
+  void matmul_add_norm(const MatmulNormParams& p) override;
   void batched_matmul(const TensorView& x, const TensorView& w, TensorView out) override;
   void mla_attention(const MlaAttentionParams& p, const AttentionMeta& meta) override;
   bool mla_prefill(const MlaPrefillParams& p, const AttentionMeta& meta) override;

@@ -208,8 +208,12 @@ class DeepseekV2 final : public Model {
       be_.norm_matmul(np);
       if (add) std::swap(x, x2);
     };
+    // o_proj and the FFN norm's residual add and norm after it: one call (matmul_add_norm: a
+    // device may add and normalize in the product's launch) where no rank sums y in between.
+    const bool add_norm_after_o = comm_ == nullptr;
     for (int l = 0; l < cfg_.layers; ++l) {
       const DsLayer& W = layers_[size_t(l)];
+      bool ffn_normed = false;
       // Layer 0's input norm has no residual add before it; the others add the last FFN's y.
       attention(
           l, W, in, cache,
@@ -218,10 +222,28 @@ class DeepseekV2 final : public Model {
             if (l > 0) dump(l - 1, "out", x);
             dump(l, "attn_norm", xn);
           },
+          [&](const TensorView& o, const TensorView& wo, TensorView out) {
+            if (!add_norm_after_o) return be_.matmul(o, wo, out);
+            MatmulNormParams mp;
+            mp.x = o;
+            mp.w = wo;
+            mp.out = out;
+            mp.r = x;
+            mp.norm = W.ffn_norm;
+            mp.eps = cfg_.rms_eps;
+            mp.r_out = x2;
+            mp.rn = xn;
+            be_.matmul_add_norm(mp);
+            std::swap(x, x2);
+            ffn_normed = true;
+          },
           y);         // y <- attention output
       all_reduce(y);  // tensor parallel: o_proj is row-split
       auto ffn_in = [&](const TensorView& w, TensorView out) {
-        norm_into(true, W.ffn_norm, w, out);
+        if (ffn_normed)
+          be_.matmul(xn, w, out);
+        else
+          norm_into(true, W.ffn_norm, w, out);
         dump(l, "ffn_norm", xn);
       };
       if (W.moe) {
@@ -315,9 +337,10 @@ class DeepseekV2 final : public Model {
   // Multi-head latent attention of layer l into out [T, hidden]. project(w, out): the layer's
   // input norm and the first product that reads it (out = xn . w, xn written too); the other
   // projections of the normed rows read xn.
-  template <typename Project>
+  // o_proj(o, wo, out): the output projection (with what follows it, in forward).
+  template <typename Project, typename OutProject>
   void attention(int l, const DsLayer& W, const ForwardInput& in, KvCache& cache, Project&& project,
-                 TensorView out) {
+                 OutProject&& o_proj, TensorView out) {
     const int64_t T = out.shape[0], H = cfg_.heads, R = cfg_.kv_lora_rank, P = cfg_.qk_rope_dim;
     const int64_t nope = cfg_.qk_nope_dim, v = cfg_.v_head_dim, qk = nope + P;
     const int64_t qlr = cfg_.q_lora_rank;
@@ -380,7 +403,7 @@ class DeepseekV2 final : public Model {
       absorbed_attention(l, W, cache, q_nope, q_pe, oh, in.meta);
     }
     dump(l, "attn_out", o);
-    be_.matmul(o, W.wo, out);
+    o_proj(o, W.wo, out);
   }
 
   // The absorbed form over [T, H, *] views: q_latent = q_nope . W_uk, attention over the latent

@@ -457,6 +457,87 @@ TEST(CudaOps, NormMatmulFusedMatchesNormThenMatmul) {
   }
 }
 
+// matmul_add_norm: the add and norm in the skinny GEMM's last CTA (DEEPSERVE_ADD_NORM_LAST=1)
+// against the GEMM, then the norm kernel (off), bit for bit in out, r_out and rn, with x and r
+// left as they were; and against the CPU. Each fused call runs twice: the second finds the
+// arrival counter put back (else its rows are never normalized). The shapes cover rms_norm's
+// thread counts for a row of n (32 to 1,024), 1-8 rows, padded rows, every skinny weight
+// dtype, rows past 48 KB of shared memory (8 x 3,000) and a one-CTA grid.
+TEST(CudaOps, MatmulAddNormLastCtaMatchesMatmulThenNorm) {
+  DS_REQUIRE_GPU();
+  Backend &g = test::cuda_backend(), &c = test::cpu_backend();
+  struct Case {
+    int rows, k, n;
+    DType wt;
+  };
+  const Case cases[] = {{1, 2048, 2048, DType::BF16}, {8, 2048, 2048, DType::BF16},
+                        {3, 576, 1000, DType::F16},   {2, 1536, 5120, DType::BF16},
+                        {5, 512, 64, DType::F32},     {1, 128, 7168, DType::BF16},
+                        {8, 256, 3000, DType::F32},   {1, 64, 8, DType::F32}};
+  struct Restore {
+    ~Restore() { cuda::g_add_norm_last.force(-1); }
+  } restore;
+  uint32_t seed = 930;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(std::to_string(k.rows) + " x " + std::to_string(k.k) + " -> " +
+                 std::to_string(k.n) + " " + std::string(dtype_name(k.wt)));
+    const int64_t ldx = k.k + 4, ldr = k.n + 8, ldn = k.n + 12, ldo = k.n + 3;
+    const Twin x = twin_floats(DType::F32, {k.rows, ldx},
+                               test::random_floats(size_t(k.rows * ldx), ++seed, -2, 2));
+    const Twin r = twin_floats(DType::F32, {k.rows, ldr},
+                               test::random_floats(size_t(k.rows * ldr), ++seed, -2, 2));
+    const Twin nw =
+        twin_floats(DType::F32, {k.n}, test::random_floats(size_t(k.n), ++seed, 0.9f, 1.1f));
+    const float ws = 0.6f / std::sqrt(float(k.k));
+    const Twin w =
+        twin_floats(k.wt, {k.n, k.k}, test::random_floats(size_t(k.n * k.k), ++seed, -ws, ws));
+    struct Outs {
+      std::vector<float> out, r_out, rn, x, r;
+    };
+    auto run = [&](Backend& b, bool gpu, int last) {
+      cuda::g_add_norm_last.force(last);
+      const auto pick = [&](const Twin& t) -> const test::BackendTensor& {
+        return gpu ? t.gpu : t.cpu;
+      };
+      const Twin ro = twin_floats(DType::F32, {k.rows, ldn}, sentinel(k.rows * ldn));
+      const Twin rn = twin_floats(DType::F32, {k.rows, ldn}, sentinel(k.rows * ldn));
+      const Twin out = twin_floats(DType::F32, {k.rows, ldo}, sentinel(k.rows * ldo));
+      MatmulNormParams p;
+      p.x = view_of(pick(x), {k.rows, k.k}, {ldx, 1});
+      p.w = pick(w).view;
+      p.out = view_of(pick(out), {k.rows, k.n}, {ldo, 1});
+      p.r = view_of(pick(r), {k.rows, k.n}, {ldr, 1});
+      p.norm = pick(nw).view;
+      p.eps = 1e-6f;
+      p.r_out = view_of(pick(ro), {k.rows, k.n}, {ldn, 1});
+      p.rn = view_of(pick(rn), {k.rows, k.n}, {ldn, 1});
+      if (gpu && last == 1) {
+        // The case takes the fused launch (else this test would compare the fallback to itself).
+        const cuda::SkinnyGemmArgs sk = cuda::skinny_matmul_args(p.x, p.w, p.out);
+        EXPECT_TRUE(cuda::use_skinny_gemm(sk) && cuda::skinny_add_norm_fits(sk));
+      }
+      b.matmul_add_norm(p);
+      b.synchronize();
+      return Outs{test::download_floats(b, pick(out)), test::download_floats(b, pick(ro)),
+                  test::download_floats(b, pick(rn)), test::download_floats(b, pick(x)),
+                  test::download_floats(b, pick(r))};
+    };
+    const Outs fused = run(g, true, 1), again = run(g, true, 1), plain = run(g, true, 0);
+    const Outs cpu = run(c, false, -1);
+    for (const Outs* o : {&fused, &again}) {
+      EXPECT_TRUE(test::all_equal(o->out, plain.out, "out", {k.rows, ldo}));
+      EXPECT_TRUE(test::all_equal(o->r_out, plain.r_out, "r_out", {k.rows, ldn}));
+      EXPECT_TRUE(test::all_equal(o->rn, plain.rn, "rn", {k.rows, ldn}));
+      EXPECT_TRUE(test::all_equal(o->x, cpu.x, "x untouched", {k.rows, ldx}));
+      EXPECT_TRUE(test::all_equal(o->r, cpu.r, "r untouched", {k.rows, ldr}));
+    }
+    EXPECT_TRUE(test::all_close(fused.out, cpu.out, {2e-4, 2e-4}, "out vs cpu", {k.rows, ldo}));
+    EXPECT_TRUE(
+        test::all_close(fused.r_out, cpu.r_out, {2e-4, 2e-4}, "r + out vs cpu", {k.rows, ldn}));
+    EXPECT_TRUE(test::all_close(fused.rn, cpu.rn, {1e-3, 1e-3}, "rn vs cpu", {k.rows, ldn}));
+  }
+}
+
 // ---- rope --------------------------------------------------------------------------------
 
 TEST(CudaOps, RopeMatchesCpu) {

@@ -115,6 +115,11 @@ class CudaBackend final : public Backend {
     check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&errors_dev_), errors_host_, 0),
                "cudaHostGetDevicePointer");
     workspace_ = alloc(kCublasWorkspaceBytes);
+    // matmul_add_norm's arrival counter: zero between launches (the last CTA puts it back).
+    add_norm_counter_ = alloc(sizeof(int));
+    check_cuda(cudaMemsetAsync(add_norm_counter_->data(), 0, sizeof(int), stream_),
+               "counter reset");
+    check_cuda(cudaStreamSynchronize(stream_), "counter reset");
     gemm_ = std::make_unique<cuda::CublasGemm>(stream_, workspace_->data(), kCublasWorkspaceBytes);
     ctx_.stream = stream_;
     ctx_.sm_count = prop.multiProcessorCount;
@@ -135,6 +140,7 @@ class CudaBackend final : public Backend {
     scratch_.clear();
     rope_tables_.clear();
     workspace_.reset();
+    add_norm_counter_.reset();
     cudaStreamDestroy(stream_);
     cudaFreeHost(errors_host_);
   }
@@ -323,6 +329,48 @@ class CudaBackend final : public Backend {
       nrm.x_out_row = p.x_out.row_stride();
     }
     cuda::launch_skinny_norm_gemm(sk, nrm, ctx_.sm_count, stream_);
+    return true;
+  }
+
+  // Skinny-sized products with DEEPSERVE_ADD_NORM_LAST=1 add and normalize in the GEMM's last
+  // CTA (launch_skinny_gemm_add_norm); the rest run the GEMM, then the norm kernel.
+  void matmul_add_norm(const MatmulNormParams& p) override {
+    if (cuda::g_add_norm_last.on() && fused_matmul_add_norm(p)) return;
+    matmul(p.x, p.w, p.out);
+    cuda::RmsNormArgs a{p.r, p.norm, p.eps, p.rn};
+    a.residual = p.out;
+    a.x_out = p.r_out;
+    cuda::launch_rms_norm(a, stream_);
+  }
+
+  // matmul_add_norm in one launch where the skinny kernel takes the product; false: nothing ran.
+  bool fused_matmul_add_norm(const MatmulNormParams& p) {
+    const auto same = [&](const TensorView& v) {
+      return v.dtype == DType::F32 && v.rows() == p.out.rows() && v.cols() == p.out.cols() &&
+             cuda::rows_uniform(v);
+    };
+    if (cuda::wq_dtype(p.w.dtype) || cuda::is_gguf_block_type(p.w.dtype) ||
+        p.x.dtype != DType::F32 || !cuda::rows_uniform(p.x) || p.x.rows() != p.out.rows() ||
+        p.w.cols() != p.x.cols() || p.out.cols() != p.w.rows() || !same(p.out) || !same(p.r) ||
+        !same(p.r_out) || !same(p.rn) || p.norm.dtype != DType::F32 || !p.norm.is_contiguous() ||
+        p.norm.numel() != p.out.cols() || !cuda::rows_uniform(p.w))
+      return false;
+    for (const TensorView* v : {&p.x, &p.w, &p.out, &p.r, &p.r_out, &p.rn})
+      cuda::check_inner_dense(*v, "matmul_add_norm");
+    require(Op::MatMul, p.w.dtype);
+    const cuda::SkinnyGemmArgs sk = cuda::skinny_matmul_args(p.x, p.w, p.out);
+    if (!cuda::use_skinny_gemm(sk) || !cuda::skinny_add_norm_fits(sk)) return false;
+    cuda::SkinnyAddNormArgs post;
+    post.r = p.r.ptr<float>();
+    post.r_row = p.r.row_stride();
+    post.g = p.norm.ptr<float>();
+    post.eps = p.eps;
+    post.r_out = p.r_out.ptr<float>();
+    post.r_out_row = p.r_out.row_stride();
+    post.rn = p.rn.ptr<float>();
+    post.rn_row = p.rn.row_stride();
+    post.counter = static_cast<int*>(add_norm_counter_->data());
+    cuda::launch_skinny_gemm_add_norm(sk, post, ctx_.sm_count, stream_);
     return true;
   }
 
@@ -581,7 +629,8 @@ class CudaBackend final : public Backend {
   std::shared_ptr<cuda::DevicePool> pool_;
   cuda::DeviceErrors* errors_host_ = nullptr;  // mapped; errors_dev_ is its device address
   cuda::DeviceErrors* errors_dev_ = nullptr;
-  std::unique_ptr<Buffer> workspace_;  // cuBLAS's
+  std::unique_ptr<Buffer> workspace_;         // cuBLAS's
+  std::unique_ptr<Buffer> add_norm_counter_;  // one int (cuda::SkinnyAddNormArgs::counter)
   std::unique_ptr<cuda::CublasGemm> gemm_;
   bool logged_mla_prefill_ = false;
   std::vector<std::unique_ptr<Buffer>> scratch_;  // by ScratchSlot

@@ -63,6 +63,27 @@ struct KernelArgs {
   // DEEPSERVE_ROW_REGS=1 and K <= kNormJ * norm_threads: norm_rows loads a row's elements into
   // registers first (norm_row_regs).
   bool norm_regs = false;
+  // The add and norm after the product (launch_skinny_gemm_add_norm): post.counter non-null;
+  // rows of n elements, post_threads of rms_norm's threads each.
+  SkinnyAddNormArgs post;
+  int post_threads = 0;
+};
+
+// The rows norm_rows normalizes: m rows of K, x's (+ y's: the residual add, written to x_out)
+// into xn; V of rms_norm's threads a row; stores by the CTAs in turn (parts of them, this one
+// `part`), or all by one (parts 1).
+struct NormRowsArgs {
+  const uint8_t* x = nullptr;
+  int64_t x_row = 0;
+  const float* y = nullptr;
+  int64_t y_row = 0;
+  float* x_out = nullptr;
+  int64_t x_out_row = 0;
+  float* xn = nullptr;
+  int64_t xn_row = 0;
+  float eps = 0.0f;
+  int m = 0, K = 0, V = 0, parts = 1, part = 0;
+  bool regs = false;
 };
 
 // rms_norm's threads per row are at most 1024: each thread here plays up to 4 of them.
@@ -87,7 +108,7 @@ __device__ __forceinline__ void norm_row_regs(const float* xr, const float* yr, 
       const int v = t + q * kThreads, i = v + j * V;
       const bool in = v < V && i < K;
       e[q][j] = in ? xr[i] : 0.0f;
-      yv[q][j] = in && yr ? yr[i] : 0.0f;
+      yv[q][j] = in && yr ? __ldcg(yr + i) : 0.0f;
     }
 #pragma unroll
   for (int q = 0; q < kNormPer; ++q) {
@@ -111,25 +132,24 @@ __device__ __forceinline__ void norm_row_regs(const float* xr, const float* yr, 
 
 // xs[m][:] = rms_norm's xn of x's row m (of x + y with a residual), in launch_rms_norm's order:
 // virtual thread v (this thread's t + q * kThreads) sums elements v, v + V, ..., then block_sum's
-// two butterflies (virtual warp v / 32 lies in lane t % 32 of this warp). gs: the norm weight,
-// staged in shared memory. CTA c stores x_out and xn for the 256-element blocks b with
-// b % gridDim.x == c.
-__device__ void norm_rows(const KernelArgs& a, float* xs, const float* gs, float* red, float* inv) {
-  const int K = a.k, V = a.norm_threads, t = int(threadIdx.x), warp = t >> 5, lane = t & 31;
-  const int ctas = int(gridDim.x), cta = int(blockIdx.x);
-  auto mine = [&](int i) { return (i / kThreads) % ctas == cta; };
-  const SkinnyNormArgs& n = a.nrm;
-  for (int m = 0; m < int(a.m); ++m) {
+// two butterflies (virtual warp v / 32 lies in lane t % 32 of this warp). gs: the norm weight.
+// This CTA stores x_out and xn for the 256-element blocks b with b % a.parts == a.part. y is read
+// through L2 (the add after the product reads other CTAs' stores).
+__device__ void norm_rows(const NormRowsArgs& a, float* xs, const float* gs, float* red,
+                          float* inv) {
+  const int K = a.K, V = a.V, t = int(threadIdx.x), warp = t >> 5, lane = t & 31;
+  auto mine = [&](int i) { return (i / kThreads) % a.parts == a.part; };
+  for (int m = 0; m < a.m; ++m) {
     const float* xr = reinterpret_cast<const float*>(a.x + m * a.x_row);
     const float* yr =
-        n.y ? reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(n.y) + m * n.y_row)
+        a.y ? reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(a.y) + m * a.y_row)
             : nullptr;
     float* xo =
-        n.y ? reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(n.x_out) + m * n.x_out_row)
+        a.y ? reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(a.x_out) + m * a.x_out_row)
             : nullptr;
     float* row = xs + int64_t(m) * K;
     float ss[kNormPer];
-    if (a.norm_regs) {
+    if (a.regs) {
       norm_row_regs(xr, yr, xo, row, K, V, ss, t, mine);
     } else {
 #pragma unroll
@@ -140,7 +160,7 @@ __device__ void norm_rows(const KernelArgs& a, float* xs, const float* gs, float
         for (int i = v; i < K; i += V) {
           float e = xr[i];
           if (yr) {
-            e = rms_residual_add(e, yr[i]);
+            e = rms_residual_add(e, __ldcg(yr + i));
             if (mine(i)) xo[i] = e;
           }
           row[i] = e;
@@ -161,19 +181,48 @@ __device__ void norm_rows(const KernelArgs& a, float* xs, const float* gs, float
     if (warp == 0) {
       float v = lane < V / 32 ? red[lane] : 0.0f;
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) inv[m] = rms_inv(v, K, n.eps);
+      if (lane == 0) inv[m] = rms_inv(v, K, a.eps);
     }
   }
   __syncthreads();  // every row's sums in xs and its inverse rms visible
-  for (int m = 0; m < int(a.m); ++m) {
+  for (int m = 0; m < a.m; ++m) {
     float* row = xs + int64_t(m) * K;
-    float* xn = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(n.xn) + m * n.xn_row);
+    float* xn = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(a.xn) + m * a.xn_row);
     for (int i = t; i < K; i += kThreads) {
       row[i] = rms_apply(row[i], inv[m], gs[i]);
       if (mine(i)) xn[i] = row[i];
     }
   }
   __syncthreads();
+}
+
+// The add and norm after the product: every CTA's stores of out are made visible, then it
+// arrives on the counter; the last to arrive adds the rows of out into r (r_out) and normalizes
+// them (rn), all of each row, and puts the counter back to 0. xs: [m][n] floats of shared memory.
+__device__ void add_norm_last(const KernelArgs& a, float* xs, float* red, float* inv) {
+  __shared__ bool last;
+  __threadfence();  // this thread's stores of out, before the arrival below
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(a.post.counter, 1) == int(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other CTAs' stores, which their arrivals came after
+  const SkinnyAddNormArgs& p = a.post;
+  NormRowsArgs nr;
+  nr.x = reinterpret_cast<const uint8_t*>(p.r);
+  nr.x_row = p.r_row;
+  nr.y = reinterpret_cast<const float*>(a.out);
+  nr.y_row = a.out_row;
+  nr.x_out = p.r_out;
+  nr.x_out_row = p.r_out_row;
+  nr.xn = p.rn;
+  nr.xn_row = p.rn_row;
+  nr.eps = p.eps;
+  nr.m = int(a.m);
+  nr.K = int(a.n);
+  nr.V = a.post_threads;
+  norm_rows(nr, xs, p.g, red, inv);
+  if (threadIdx.x == 0) *p.counter = 0;
 }
 
 // Grid (plan.ctas, batch). Every warp runs the same rounds and passes, so all reach each
@@ -213,9 +262,25 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
   __shared__ float part[kWarps * kVals];  // [warp][row * TM + token] warp sums
   const uint8_t* x = a.x + b * a.x_batch;
   int64_t x_row = a.x_row;
+  __shared__ float red[32], inv[skinny::kMaxTm];
   if constexpr (NORM) {
-    __shared__ float red[32], inv[skinny::kMaxTm];
-    norm_rows(a, xs, xs + a.m * a.k, red, inv);
+    NormRowsArgs nr;
+    nr.x = a.x;
+    nr.x_row = a.x_row;
+    nr.y = a.nrm.y;
+    nr.y_row = a.nrm.y_row;
+    nr.x_out = a.nrm.x_out;
+    nr.x_out_row = a.nrm.x_out_row;
+    nr.xn = a.nrm.xn;
+    nr.xn_row = a.nrm.xn_row;
+    nr.eps = a.nrm.eps;
+    nr.m = int(a.m);
+    nr.K = a.k;
+    nr.V = a.norm_threads;
+    nr.parts = int(gridDim.x);
+    nr.part = int(blockIdx.x);
+    nr.regs = a.norm_regs;
+    norm_rows(nr, xs, xs + a.m * a.k, red, inv);
     x = reinterpret_cast<const uint8_t*>(xs);
     x_row = int64_t(a.k) * 4;
   }
@@ -244,11 +309,12 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
       __syncthreads();  // part is rewritten by the next pass
     }
   }
+  if (a.post.counter != nullptr) add_norm_last(a, xs, red, inv);
 }
 
 template <wstream::Elem E, int TM, bool NORM>
 void launch_tm(const KernelArgs& ka, dim3 grid, size_t smem, cudaStream_t stream) {
-  if constexpr (NORM) {
+  if (smem > (size_t(48) << 10)) {
     static const bool ready = [] {  // once per kernel: the normed rows may pass 48 KB
       check_cuda(
           cudaFuncSetAttribute(skinny_gemm_kernel<E, TM, NORM>,
@@ -406,6 +472,25 @@ void launch_skinny_norm_gemm(const SkinnyGemmArgs& a, const SkinnyNormArgs& nrm,
   ka.norm_regs = g_row_regs.on() && a.k <= int64_t(kNormJ) * ka.norm_threads;
   if (ka.norm_regs) note_row_regs_launch();
   launch<true>(a, ka, size_t(a.m + 1) * size_t(a.k) * 4, stream);
+}
+
+bool skinny_add_norm_fits(const SkinnyGemmArgs& a) {
+  return skinny_gemm_fits(a) && a.batch == 1 && a.m <= skinny::kMaxTm &&
+         size_t(a.m) * size_t(a.n) * 4 <= kMaxNormSmem && a.n <= INT_MAX / 2 &&
+         rms_norm_threads(a.n) <= kNormPer * kThreads;
+}
+
+void launch_skinny_gemm_add_norm(const SkinnyGemmArgs& a, const SkinnyAddNormArgs& post,
+                                 int sm_count, cudaStream_t stream) {
+  DS_CHECK(skinny_add_norm_fits(a), "skinny GEMM with add and norm: shape not supported");
+  DS_CHECK(post.r != nullptr && post.g != nullptr && post.r_out != nullptr && post.rn != nullptr &&
+               post.counter != nullptr,
+           "skinny GEMM with add and norm: r, the norm weight, r_out, rn and a counter needed");
+  KernelArgs ka = kernel_args(a, sm_count);
+  ka.out_row = a.out_row;  // the last CTA steps through out's rows itself
+  ka.post = post;
+  ka.post_threads = rms_norm_threads(a.n);
+  launch<false>(a, ka, size_t(a.m) * size_t(a.n) * 4, stream);
 }
 
 }  // namespace ds::cuda

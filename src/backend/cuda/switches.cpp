@@ -68,6 +68,10 @@ EnvSwitch g_wq_batched{"DEEPSERVE_WQ_BATCHED", "0", true};
 // by default: slower on the H200 (W3 TPOT 3.27 against 3.14 ms, W1 1,092 against 1,199 tok/s;
 // docs/PERFORMANCE.md, twentieth session).
 EnvSwitch g_norm_fuse{"DEEPSERVE_NORM_FUSE", "1", false};
+// DEEPSERVE_ADD_NORM_LAST=1: matmul_add_norm on skinny-sized products (o_proj at decode) adds
+// and normalizes in the GEMM's last CTA to finish (off: the norm kernel after the GEMM), a
+// launch and its wait fewer a layer. The same bits either way. Off until measured.
+EnvSwitch g_add_norm_last{"DEEPSERVE_ADD_NORM_LAST", "1", false};
 // Every skinny GEMM loads its first step of weight chunks into registers before the
 // dependent-launch wait (DEEPSERVE_SKINNY_EARLY=0: after it; the fused norm GEMM always does).
 // The same bits either way.

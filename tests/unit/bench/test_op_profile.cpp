@@ -109,9 +109,11 @@ TEST(OpProfile, DeepseekDecodeStepHasMlaAndMoe) {
   const auto calls = kind_calls(*prof.profile->step);
   const double L = prof.config.layers;
   EXPECT_EQ(calls.at("mla_attention"), L);
-  // Each layer's two norms run with the product that reads them (norm_matmul: the q / kv_a
-  // projection, the router or the dense FFN's gate/up); the last residual add stays alone.
-  EXPECT_EQ(calls.at("norm_matmul"), 2 * L);
+  // Each layer's input norm runs with the product that reads it (norm_matmul: the q / kv_a
+  // projection), its FFN norm with the product before it (matmul_add_norm: o_proj); the last
+  // residual add stays alone.
+  EXPECT_EQ(calls.at("norm_matmul"), L);
+  EXPECT_EQ(calls.at("matmul_add_norm"), L);
   EXPECT_EQ(calls.count("add_rms_norm"), 0u);
   EXPECT_EQ(calls.at("add"), 1);
   EXPECT_EQ(calls.at("batched_matmul"), 2 * L);
