@@ -462,7 +462,7 @@ TEST(CudaOps, NormMatmulFusedMatchesNormThenMatmul) {
 // left as they were; and against the CPU. Each fused call runs twice: the second finds the
 // arrival counter put back (else its rows are never normalized). The shapes cover rms_norm's
 // thread counts for a row of n (32 to 1,024), 1-8 rows, padded rows, every skinny weight
-// dtype, rows past 48 KB of shared memory (8 x 3,000) and a one-CTA grid.
+// dtype, 8 rows of 3,000 and a one-CTA grid.
 TEST(CudaOps, MatmulAddNormLastCtaMatchesMatmulThenNorm) {
   DS_REQUIRE_GPU();
   Backend &g = test::cuda_backend(), &c = test::cpu_backend();

@@ -7,6 +7,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/gemm_skinny.cuh"
 #include "backend/cuda/norm.cuh"
+#include "backend/cuda/norm_rows.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/switches.h"
 #include "core/error.h"
@@ -61,7 +62,7 @@ struct KernelArgs {
   int k = 0, norm_threads = 0;
   bool early = false;  // the first weight step loaded before the wait (always with the norm)
   // DEEPSERVE_ROW_REGS=1 and K <= kNormJ * norm_threads: norm_rows loads a row's elements into
-  // registers first (norm_row_regs).
+  // registers first (NormRowsArgs::regs).
   bool norm_regs = false;
   // The add and norm after the product (launch_skinny_gemm_add_norm): post.counter non-null;
   // rows of n elements, post_threads of rms_norm's threads each.
@@ -69,137 +70,15 @@ struct KernelArgs {
   int post_threads = 0;
 };
 
-// The rows norm_rows normalizes: m rows of K, x's (+ y's: the residual add, written to x_out)
-// into xn; V of rms_norm's threads a row; stores by the CTAs in turn (parts of them, this one
-// `part`), or all by one (parts 1).
-struct NormRowsArgs {
-  const uint8_t* x = nullptr;
-  int64_t x_row = 0;
-  const float* y = nullptr;
-  int64_t y_row = 0;
-  float* x_out = nullptr;
-  int64_t x_out_row = 0;
-  float* xn = nullptr;
-  int64_t xn_row = 0;
-  float eps = 0.0f;
-  int m = 0, K = 0, V = 0, parts = 1, part = 0;
-  bool regs = false;
-};
-
 // rms_norm's threads per row are at most 1024: each thread here plays up to 4 of them.
 constexpr int kNormPer = 1024 / kThreads;
 constexpr size_t kMaxNormSmem = size_t(96) << 10;
 
-// Elements of a row each virtual thread of norm_rows holds in registers with norm_regs: rms_norm's
-// threads give a row of up to 4,096 at most 4 each.
-constexpr int kNormJ = 4;
-
-// One row's x (+ y) as norm_rows' first loop sees it, in registers: every load of the thread
-// issues at once (in the loop, a load cannot pass the store to x_out before it, which may alias
-// it), then the same additions, stores and sums in the same order.
-__device__ __forceinline__ void norm_row_regs(const float* xr, const float* yr, float* xo,
-                                              float* row, int K, int V, float (&ss)[kNormPer],
-                                              const int t, auto&& mine) {
-  float e[kNormPer][kNormJ], yv[kNormPer][kNormJ];
-#pragma unroll
-  for (int q = 0; q < kNormPer; ++q)
-#pragma unroll
-    for (int j = 0; j < kNormJ; ++j) {
-      const int v = t + q * kThreads, i = v + j * V;
-      const bool in = v < V && i < K;
-      e[q][j] = in ? xr[i] : 0.0f;
-      yv[q][j] = in && yr ? __ldcg(yr + i) : 0.0f;
-    }
-#pragma unroll
-  for (int q = 0; q < kNormPer; ++q) {
-    ss[q] = 0.0f;
-    const int v = t + q * kThreads;
-    if (v >= V) continue;
-#pragma unroll
-    for (int j = 0; j < kNormJ; ++j) {
-      const int i = v + j * V;
-      if (i >= K) break;
-      float x = e[q][j];
-      if (yr) {
-        x = rms_residual_add(x, yv[q][j]);
-        if (mine(i)) xo[i] = x;
-      }
-      row[i] = x;
-      ss[q] = rms_add_square(ss[q], x);
-    }
-  }
-}
-
-// xs[m][:] = rms_norm's xn of x's row m (of x + y with a residual), in launch_rms_norm's order:
-// virtual thread v (this thread's t + q * kThreads) sums elements v, v + V, ..., then block_sum's
-// two butterflies (virtual warp v / 32 lies in lane t % 32 of this warp). gs: the norm weight.
-// This CTA stores x_out and xn for the 256-element blocks b with b % a.parts == a.part. y is read
-// through L2 (the add after the product reads other CTAs' stores).
-__device__ void norm_rows(const NormRowsArgs& a, float* xs, const float* gs, float* red,
-                          float* inv) {
-  const int K = a.K, V = a.V, t = int(threadIdx.x), warp = t >> 5, lane = t & 31;
-  auto mine = [&](int i) { return (i / kThreads) % a.parts == a.part; };
-  for (int m = 0; m < a.m; ++m) {
-    const float* xr = reinterpret_cast<const float*>(a.x + m * a.x_row);
-    const float* yr =
-        a.y ? reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(a.y) + m * a.y_row)
-            : nullptr;
-    float* xo =
-        a.y ? reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(a.x_out) + m * a.x_out_row)
-            : nullptr;
-    float* row = xs + int64_t(m) * K;
-    float ss[kNormPer];
-    if (a.regs) {
-      norm_row_regs(xr, yr, xo, row, K, V, ss, t, mine);
-    } else {
-#pragma unroll
-      for (int q = 0; q < kNormPer; ++q) {
-        ss[q] = 0.0f;
-        const int v = t + q * kThreads;
-        if (v >= V) continue;
-        for (int i = v; i < K; i += V) {
-          float e = xr[i];
-          if (yr) {
-            e = rms_residual_add(e, __ldcg(yr + i));
-            if (mine(i)) xo[i] = e;
-          }
-          row[i] = e;
-          ss[q] = rms_add_square(ss[q], e);
-        }
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < kNormPer; ++q)
-      for (int o = 16; o > 0; o >>= 1) ss[q] += __shfl_xor_sync(0xffffffffu, ss[q], o);
-    __syncthreads();  // red is free (the last row's final sum has read it)
-    if (lane == 0) {
-#pragma unroll
-      for (int q = 0; q < kNormPer; ++q)
-        if (warp + q * kWarps < V / 32) red[warp + q * kWarps] = ss[q];
-    }
-    __syncthreads();
-    if (warp == 0) {
-      float v = lane < V / 32 ? red[lane] : 0.0f;
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) inv[m] = rms_inv(v, K, a.eps);
-    }
-  }
-  __syncthreads();  // every row's sums in xs and its inverse rms visible
-  for (int m = 0; m < a.m; ++m) {
-    float* row = xs + int64_t(m) * K;
-    float* xn = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(a.xn) + m * a.xn_row);
-    for (int i = t; i < K; i += kThreads) {
-      row[i] = rms_apply(row[i], inv[m], gs[i]);
-      if (mine(i)) xn[i] = row[i];
-    }
-  }
-  __syncthreads();
-}
-
 // The add and norm after the product: every CTA's stores of out are made visible, then it
 // arrives on the counter; the last to arrive adds the rows of out into r (r_out) and normalizes
-// them (rn), all of each row, and puts the counter back to 0. xs: [m][n] floats of shared memory.
-__device__ void add_norm_last(const KernelArgs& a, float* xs, float* red, float* inv) {
+// them (rn), all of each row (kept in r_out between the sum and the scaling), and puts the
+// counter back to 0.
+__device__ void add_norm_last(const KernelArgs& a, float* red, float* inv) {
   __shared__ bool last;
   __threadfence();  // this thread's stores of out, before the arrival below
   __syncthreads();
@@ -221,7 +100,7 @@ __device__ void add_norm_last(const KernelArgs& a, float* xs, float* red, float*
   nr.m = int(a.m);
   nr.K = int(a.n);
   nr.V = a.post_threads;
-  norm_rows(nr, xs, p.g, red, inv);
+  norm_rows<kThreads, false>(nr, p.g, red, inv);
   if (threadIdx.x == 0) *p.counter = 0;
 }
 
@@ -280,7 +159,8 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
     nr.parts = int(gridDim.x);
     nr.part = int(blockIdx.x);
     nr.regs = a.norm_regs;
-    norm_rows(nr, xs, xs + a.m * a.k, red, inv);
+    nr.xs = xs;
+    norm_rows<kThreads, true>(nr, xs + a.m * a.k, red, inv);
     x = reinterpret_cast<const uint8_t*>(xs);
     x_row = int64_t(a.k) * 4;
   }
@@ -309,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
       __syncthreads();  // part is rewritten by the next pass
     }
   }
-  if (a.post.counter != nullptr) add_norm_last(a, xs, red, inv);
+  if (a.post.counter != nullptr) add_norm_last(a, red, inv);
 }
 
 template <wstream::Elem E, int TM, bool NORM>
@@ -475,8 +355,7 @@ void launch_skinny_norm_gemm(const SkinnyGemmArgs& a, const SkinnyNormArgs& nrm,
 }
 
 bool skinny_add_norm_fits(const SkinnyGemmArgs& a) {
-  return skinny_gemm_fits(a) && a.batch == 1 && a.m <= skinny::kMaxTm &&
-         size_t(a.m) * size_t(a.n) * 4 <= kMaxNormSmem && a.n <= INT_MAX / 2 &&
+  return skinny_gemm_fits(a) && a.batch == 1 && a.m <= skinny::kMaxTm && a.n <= INT_MAX / 2 &&
          rms_norm_threads(a.n) <= kNormPer * kThreads;
 }
 
@@ -490,7 +369,7 @@ void launch_skinny_gemm_add_norm(const SkinnyGemmArgs& a, const SkinnyAddNormArg
   ka.out_row = a.out_row;  // the last CTA steps through out's rows itself
   ka.post = post;
   ka.post_threads = rms_norm_threads(a.n);
-  launch<false>(a, ka, size_t(a.m) * size_t(a.n) * 4, stream);
+  launch<false>(a, ka, 0, stream);
 }
 
 }  // namespace ds::cuda

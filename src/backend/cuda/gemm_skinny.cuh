@@ -101,7 +101,7 @@ struct SkinnyAddNormArgs {
 };
 
 // Whether the launch with the add and norm takes a: skinny_gemm_fits, one batch entry, at most
-// kMaxTm rows of out whose copies fit shared memory, rms_norm's threads for a row of n.
+// kMaxTm rows of out, rms_norm's threads for a row of n.
 bool skinny_add_norm_fits(const SkinnyGemmArgs& a);
 
 // Enqueues the GEMM with the add and norm after it (throws when !skinny_add_norm_fits(a)).

@@ -1,0 +1,158 @@
+// rms_norm's rows inside another kernel: one CTA of kThreads threads computes a few rows of
+// x (+ y, the residual add) normalized with launch_rms_norm's operations in its order, so a
+// fused kernel (the skinny GEMM's norm before or after its product, the MoE down kernel's add
+// and norm after its combine) gives the norm kernel's bits.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/norm.cuh"
+
+namespace ds::cuda {
+
+// m rows of K elements: x's (+ y's, written to x_out) into xn, V of rms_norm's threads a row
+// (rms_norm_threads(K)). The summed rows are kept in xs ([m][K] floats of shared memory), or,
+// with xs null (and y), in x_out. Stores of x_out and xn by the CTAs in turn: this one stores
+// the kThreads-element blocks b with b % parts == part (parts 1: all).
+struct NormRowsArgs {
+  const uint8_t* x = nullptr;
+  int64_t x_row = 0;
+  const float* y = nullptr;
+  int64_t y_row = 0;
+  float* x_out = nullptr;
+  int64_t x_out_row = 0;
+  float* xn = nullptr;
+  int64_t xn_row = 0;
+  float* xs = nullptr;
+  float eps = 0.0f;
+  int m = 0, K = 0, V = 0, parts = 1, part = 0;
+  // Rows loaded into registers first (norm_row_regs; DEEPSERVE_ROW_REGS=1), where K <= kNormJ * V
+  // and the kernel instantiates it (norm_rows' kMayRegs).
+  bool regs = false;
+};
+
+// Elements of a row each virtual thread holds in registers with NormRowsArgs::regs: rms_norm's
+// threads give a row of up to 4,096 at most 4 each.
+constexpr int kNormJ = 4;
+
+#ifdef __CUDACC__
+namespace norm_rows_detail {
+
+// One row's x (+ y) as norm_rows' first loop sees it, in registers: every load of the thread
+// issues at once (in the loop, a load cannot pass the store to x_out before it, which may alias
+// it), then the same additions, stores and sums in the same order.
+template <int kThreads, int kPer>
+__device__ __forceinline__ void row_regs(const float* xr, const float* yr, float* xo, float* row,
+                                         int K, int V, float (&ss)[kPer], const int t,
+                                         auto&& mine) {
+  float e[kPer][kNormJ], yv[kPer][kNormJ];
+#pragma unroll
+  for (int q = 0; q < kPer; ++q)
+#pragma unroll
+    for (int j = 0; j < kNormJ; ++j) {
+      const int v = t + q * kThreads, i = v + j * V;
+      const bool in = v < V && i < K;
+      e[q][j] = in ? xr[i] : 0.0f;
+      yv[q][j] = in && yr ? __ldcg(yr + i) : 0.0f;
+    }
+#pragma unroll
+  for (int q = 0; q < kPer; ++q) {
+    ss[q] = 0.0f;
+    const int v = t + q * kThreads;
+    if (v >= V) continue;
+#pragma unroll
+    for (int j = 0; j < kNormJ; ++j) {
+      const int i = v + j * V;
+      if (i >= K) break;
+      float x = e[q][j];
+      if (yr) {
+        x = rms_residual_add(x, yv[q][j]);
+        if (mine(i)) xo[i] = x;
+      }
+      if (row != xo) row[i] = x;
+      ss[q] = rms_add_square(ss[q], x);
+    }
+  }
+}
+
+}  // namespace norm_rows_detail
+
+// The rows of a (see NormRowsArgs), in launch_rms_norm's order: virtual thread v (this thread's
+// t + q * kThreads) sums elements v, v + V, ..., then block_sum's two butterflies (virtual warp
+// v / 32 lies in lane t % 32 of this warp). gs: the norm weight (shared or global memory); red:
+// 32 floats and inv: m floats of shared memory. Every thread of the CTA calls it (it has
+// __syncthreads). y is read through L2: a kernel may add other CTAs' stores.
+template <int kThreads, bool kMayRegs>
+__device__ void norm_rows(const NormRowsArgs& a, const float* gs, float* red, float* inv) {
+  constexpr int kPer = 1024 / kThreads, kWarps = kThreads / 32;  // virtual threads a thread
+  const int K = a.K, V = a.V, t = int(threadIdx.x), warp = t >> 5, lane = t & 31;
+  auto mine = [&](int i) { return (i / kThreads) % a.parts == a.part; };
+  auto row_of = [&](int m) {
+    return a.xs ? a.xs + int64_t(m) * K
+                : reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(a.x_out) + m * a.x_out_row);
+  };
+  for (int m = 0; m < a.m; ++m) {
+    const float* xr = reinterpret_cast<const float*>(a.x + m * a.x_row);
+    const float* yr =
+        a.y ? reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(a.y) + m * a.y_row)
+            : nullptr;
+    float* xo =
+        a.y ? reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(a.x_out) + m * a.x_out_row)
+            : nullptr;
+    float* row = row_of(m);
+    float ss[kPer];
+    bool regs = false;
+    if constexpr (kMayRegs) regs = a.regs;
+    if (regs) {
+      if constexpr (kMayRegs)
+        norm_rows_detail::row_regs<kThreads>(xr, yr, xo, row, K, V, ss, t, mine);
+    } else {
+#pragma unroll
+      for (int q = 0; q < kPer; ++q) {
+        ss[q] = 0.0f;
+        const int v = t + q * kThreads;
+        if (v >= V) continue;
+        for (int i = v; i < K; i += V) {
+          float e = xr[i];
+          if (yr) {
+            e = rms_residual_add(e, __ldcg(yr + i));
+            if (mine(i)) xo[i] = e;
+          }
+          if (row != xo) row[i] = e;
+          ss[q] = rms_add_square(ss[q], e);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kPer; ++q)
+      for (int o = 16; o > 0; o >>= 1) ss[q] += __shfl_xor_sync(0xffffffffu, ss[q], o);
+    __syncthreads();  // red is free (the last row's final sum has read it)
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < kPer; ++q)
+        if (warp + q * kWarps < V / 32) red[warp + q * kWarps] = ss[q];
+    }
+    __syncthreads();
+    if (warp == 0) {
+      float v = lane < V / 32 ? red[lane] : 0.0f;
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) inv[m] = rms_inv(v, K, a.eps);
+    }
+  }
+  __syncthreads();  // every row's sums and its inverse rms visible
+  for (int m = 0; m < a.m; ++m) {
+    float* row = row_of(m);
+    float* xn = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(a.xn) + m * a.xn_row);
+    for (int i = t; i < K; i += kThreads) {
+      const float v = rms_apply(row[i], inv[m], gs[i]);
+      if (a.xs) row[i] = v;
+      if (mine(i)) xn[i] = v;
+    }
+  }
+  __syncthreads();
+}
+#endif
+
+}  // namespace ds::cuda
