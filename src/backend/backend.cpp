@@ -58,8 +58,12 @@ void Backend::norm_matmul(const NormMatmulParams& p) {
 
 void Backend::matmul_add_norm(const MatmulNormParams& p) {
   matmul(p.x, p.w, p.out);
+  add_norm_after(p.out, p.add_norm);
+}
+
+void Backend::add_norm_after(const TensorView& y, const AddNormParams& p) {
   copy(p.r, p.r_out);
-  add_rms_norm(p.r_out, p.out, p.norm, p.eps, p.rn);
+  add_rms_norm(p.r_out, y, p.norm, p.eps, p.rn);
 }
 
 void Backend::mla_prepare(const MlaPrepareParams& p, const AttentionMeta& meta) {

@@ -209,19 +209,25 @@ struct NormMatmulParams {
   TensorView out;    // [T, N] F32
 };
 
-// A product and the residual add and norm after it (Backend::matmul_add_norm): out = x . w (as
-// matmul), then r_out = r + out and rn = rms_norm(r_out) * norm. A device may add and normalize
-// in the product's own launch (its last CTA to finish), so r_out and rn must not overlap r, out,
-// x or each other. Same bits as matmul, then norm_matmul's add and norm.
-struct MatmulNormParams {
-  TensorView x;     // [T, k] F32
-  TensorView w;     // [n, k] weights, as matmul's
-  TensorView out;   // [T, n] F32: the product
+// The residual add and norm after an op's output y (the next sublayer's input norm): r_out =
+// r + y and rn = rms_norm(r_out) * norm, as norm_matmul's (add_rms_norm's bits). A device may do
+// them in the op's own launch (its last CTA to finish), so r_out and rn must not overlap r, y,
+// the op's inputs or each other.
+struct AddNormParams {
   TensorView r;     // [T, n] F32: the residual stream
   TensorView norm;  // [n] F32
   float eps = 1e-6f;
-  TensorView r_out;  // [T, n] F32: r + out
+  TensorView r_out;  // [T, n] F32: r + y
   TensorView rn;     // [T, n] F32: the normed rows
+};
+
+// A product and the add and norm after it (Backend::matmul_add_norm): out = x . w (as matmul),
+// then add_norm with y = out.
+struct MatmulNormParams {
+  TensorView x;    // [T, k] F32
+  TensorView w;    // [n, k] weights, as matmul's
+  TensorView out;  // [T, n] F32: the product
+  AddNormParams add_norm;
 };
 
 // DeepSeek-V2 MoE routing (MoEGate): scores = softmax(logits) over experts, then top_k.
@@ -362,9 +368,10 @@ class Backend {
   // See NormMatmulParams. The base version copies x to x_out, runs add_rms_norm there (or
   // rms_norm without y), then matmul.
   virtual void norm_matmul(const NormMatmulParams& p);
-  // See MatmulNormParams. The base version runs matmul, copies r to r_out, then add_rms_norm
-  // there.
+  // See MatmulNormParams. The base version runs matmul, then add_norm_after.
   virtual void matmul_add_norm(const MatmulNormParams& p);
+  // The add and norm of y alone (AddNormParams): r copied to r_out, add_rms_norm there.
+  void add_norm_after(const TensorView& y, const AddNormParams& p);
   // out[b, m, n] = sum_k x[b, m, k] * w[b, n, k] for every b. 3-D views with byte strides
   // (x, out F32; w F32, F16 or BF16), so heads of a [T, H, d] buffer are batches of a
   // [H, T, d] view. Each (b, m) result depends on that row alone.
@@ -392,6 +399,13 @@ class Backend {
                               const MoeFfnParams& ffn) {
     moe_route(logits, route, ffn.ids, ffn.weights);
     moe_ffn(ffn);
+  }
+  // moe_routed_ffn, then the add and norm of ffn.out (the next layer's input norm): a device may
+  // do them in the MoE's last launch. The base version runs moe_routed_ffn, then add_norm_after.
+  virtual void moe_routed_ffn_add_norm(const TensorView& logits, const MoeRouteParams& route,
+                                       const MoeFfnParams& ffn, const AddNormParams& add_norm) {
+    moe_routed_ffn(logits, route, ffn);
+    add_norm_after(ffn.out, add_norm);
   }
   // ids[r] = index of the largest logits[r, :] (the lowest index among equal maxima).
   // logits: [R, V] F32 (contiguous); ids: [R] I32. Greedy sampling without moving the logits

@@ -288,6 +288,13 @@ void ProfilingBackend::moe_routed_ffn(const TensorView& logits, const MoeRoutePa
         [&] { inner_.moe_routed_ffn(logits, route, ffn); });
 }
 
+void ProfilingBackend::moe_routed_ffn_add_norm(const TensorView& logits,
+                                               const MoeRouteParams& route, const MoeFfnParams& ffn,
+                                               const AddNormParams& add_norm) {
+  timed("moe_ffn", moe_ffn_label(ffn) + " +route +add_norm",
+        [&] { inner_.moe_routed_ffn_add_norm(logits, route, ffn, add_norm); });
+}
+
 void ProfilingBackend::argmax(const TensorView& logits, TensorView ids) {
   timed("argmax", "argmax " + dims(logits), [&] { inner_.argmax(logits, ids); });
 }

@@ -95,6 +95,8 @@ class ProfilingBackend final : public Backend {
   void moe_ffn(const MoeFfnParams& p) override;
   void moe_routed_ffn(const TensorView& logits, const MoeRouteParams& route,
                       const MoeFfnParams& ffn) override;
+  void moe_routed_ffn_add_norm(const TensorView& logits, const MoeRouteParams& route,
+                               const MoeFfnParams& ffn, const AddNormParams& add_norm) override;
   void argmax(const TensorView& logits, TensorView ids) override;
   void sample(const TensorView& logits, const SampleRow* rows, TensorView ids) override;
   void copy(const TensorView& src, TensorView dst) override;

@@ -208,9 +208,21 @@ class DeepseekV2 final : public Model {
       be_.norm_matmul(np);
       if (add) std::swap(x, x2);
     };
-    // o_proj and the FFN norm's residual add and norm after it: one call (matmul_add_norm: a
-    // device may add and normalize in the product's launch) where no rank sums y in between.
-    const bool add_norm_after_o = comm_ == nullptr;
+    // The add and norm after a sublayer's output y (written to x2 and xn; then x and x2 swap) go
+    // with the op that writes y (matmul_add_norm, moe_routed_ffn_add_norm: a device may do them
+    // in its last launch) where no rank sums y in between: after o_proj (the FFN norm) and after
+    // the FFN (the next layer's input norm).
+    const bool add_norm_after = comm_ == nullptr;
+    auto add_norm_of = [&](const TensorView& norm) {
+      AddNormParams p;
+      p.r = x;
+      p.norm = norm;
+      p.eps = cfg_.rms_eps;
+      p.r_out = x2;
+      p.rn = xn;
+      return p;
+    };
+    bool attn_normed = false;  // the last FFN's op did this layer's input norm
     for (int l = 0; l < cfg_.layers; ++l) {
       const DsLayer& W = layers_[size_t(l)];
       bool ffn_normed = false;
@@ -218,21 +230,20 @@ class DeepseekV2 final : public Model {
       attention(
           l, W, in, cache,
           [&](const TensorView& w, TensorView out) {
-            norm_into(l > 0, W.attn_norm, w, out);
+            if (attn_normed)
+              be_.matmul(xn, w, out);
+            else
+              norm_into(l > 0, W.attn_norm, w, out);
             if (l > 0) dump(l - 1, "out", x);
             dump(l, "attn_norm", xn);
           },
           [&](const TensorView& o, const TensorView& wo, TensorView out) {
-            if (!add_norm_after_o) return be_.matmul(o, wo, out);
+            if (!add_norm_after) return be_.matmul(o, wo, out);
             MatmulNormParams mp;
             mp.x = o;
             mp.w = wo;
             mp.out = out;
-            mp.r = x;
-            mp.norm = W.ffn_norm;
-            mp.eps = cfg_.rms_eps;
-            mp.r_out = x2;
-            mp.rn = xn;
+            mp.add_norm = add_norm_of(W.ffn_norm);
             be_.matmul_add_norm(mp);
             std::swap(x, x2);
             ffn_normed = true;
@@ -246,11 +257,14 @@ class DeepseekV2 final : public Model {
           norm_into(true, W.ffn_norm, w, out);
         dump(l, "ffn_norm", xn);
       };
-      if (W.moe) {
-        moe(W, ffn_in, xn, y);
-      } else {
-        mlp(W.mlp, xn, y, ffn_in);
-      }
+      // The next layer's input norm with the FFN's last op (none after the last layer).
+      const bool next_norm = add_norm_after && l + 1 < cfg_.layers;
+      auto after = [&]() -> std::optional<AddNormParams> {
+        if (!next_norm) return std::nullopt;
+        return add_norm_of(layers_[size_t(l) + 1].attn_norm);
+      };
+      attn_normed = W.moe ? moe(W, ffn_in, xn, y, after) : mlp(W.mlp, xn, y, ffn_in, after);
+      if (attn_normed) std::swap(x, x2);
       all_reduce(y);  // tensor parallel: down_proj row-split; expert parallel: experts by rank
     }
     be_.add(x, y);  // the last residual add; the others went with the next layer's input norm
@@ -554,8 +568,11 @@ class DeepseekV2 final : public Model {
 
   // project(w, out): out = xn . w, with the norm that writes xn in front where the caller has
   // one (the dense layers' FFN norm).
-  template <typename Project>
-  void mlp(const DsMlp& m, const TensorView& xn, TensorView out, Project&& project) {
+  // after(): the add and norm to run with the down product (matmul_add_norm), or none; returns
+  // whether it ran.
+  template <typename Project, typename After = std::nullopt_t (*)()>
+  bool mlp(const DsMlp& m, const TensorView& xn, TensorView out, Project&& project,
+           After&& after = no_add_norm) {
     const int64_t T = xn.shape[0], F = m.ffn;
     TensorView gu = gate_up_->view(DType::F32, {T, 2 * F});
     TensorView act = act_->view(DType::F32, {T, F});
@@ -566,13 +583,29 @@ class DeepseekV2 final : public Model {
       be_.matmul(xn, m.up, cols(gu, F, F));
     }
     be_.silu_mul(gu, act);
-    be_.matmul(act, m.down, out);
+    const std::optional<AddNormParams> an = after();
+    if (!an) {
+      be_.matmul(act, m.down, out);
+      return false;
+    }
+    MatmulNormParams mp;
+    mp.x = act;
+    mp.w = m.down;
+    mp.out = out;
+    mp.add_norm = *an;
+    be_.matmul_add_norm(mp);
+    return true;
   }
 
+  static std::nullopt_t no_add_norm() { return std::nullopt; }
+
   // Routed experts plus shared experts, into out [T, hidden]. route_in(w, logits): the FFN norm
-  // (writing xn) and the router product.
-  template <typename Project>
-  void moe(const DsLayer& W, Project&& route_in, const TensorView& xn, TensorView out) {
+  // (writing xn) and the router product. after(): the add and norm to run with the experts
+  // (moe_routed_ffn_add_norm), or none; returns whether it ran (not where the shared experts
+  // are a separate MLP).
+  template <typename Project, typename After>
+  bool moe(const DsLayer& W, Project&& route_in, const TensorView& xn, TensorView out,
+           After&& after) {
     const int64_t T = xn.shape[0], E = cfg_.moe_experts, K = cfg_.moe_top_k;
     TensorView logits = router_->view(DType::F32, {T, E});
     route_in(W.router, logits);
@@ -595,12 +628,20 @@ class DeepseekV2 final : public Model {
     fp.expert_base = cfg_.moe_expert_begin;
     fp.skip_foreign = cfg_.local_experts() != cfg_.moe_experts;
     fp.out = out;
-    be_.moe_routed_ffn(logits, rp, fp);
     if (cfg_.moe_shared_experts > 0 && W.num_shared == 0) {
+      be_.moe_routed_ffn(logits, rp, fp);
       TensorView shared = shared_->view(DType::F32, {T, cfg_.hidden});
       mlp(W.mlp, xn, shared, [&](const TensorView& w, TensorView o) { be_.matmul(xn, w, o); });
       be_.add(out, shared);
+      return false;
     }
+    const std::optional<AddNormParams> an = after();
+    if (!an) {
+      be_.moe_routed_ffn(logits, rp, fp);
+      return false;
+    }
+    be_.moe_routed_ffn_add_norm(logits, rp, fp, *an);
+    return true;
   }
 
   void reserve(int64_t T, int64_t NL) {

@@ -506,11 +506,11 @@ TEST(CudaOps, MatmulAddNormLastCtaMatchesMatmulThenNorm) {
       p.x = view_of(pick(x), {k.rows, k.k}, {ldx, 1});
       p.w = pick(w).view;
       p.out = view_of(pick(out), {k.rows, k.n}, {ldo, 1});
-      p.r = view_of(pick(r), {k.rows, k.n}, {ldr, 1});
-      p.norm = pick(nw).view;
-      p.eps = 1e-6f;
-      p.r_out = view_of(pick(ro), {k.rows, k.n}, {ldn, 1});
-      p.rn = view_of(pick(rn), {k.rows, k.n}, {ldn, 1});
+      p.add_norm.r = view_of(pick(r), {k.rows, k.n}, {ldr, 1});
+      p.add_norm.norm = pick(nw).view;
+      p.add_norm.eps = 1e-6f;
+      p.add_norm.r_out = view_of(pick(ro), {k.rows, k.n}, {ldn, 1});
+      p.add_norm.rn = view_of(pick(rn), {k.rows, k.n}, {ldn, 1});
       if (gpu && last == 1) {
         // The case takes the fused launch (else this test would compare the fallback to itself).
         const cuda::SkinnyGemmArgs sk = cuda::skinny_matmul_args(p.x, p.w, p.out);

@@ -64,45 +64,13 @@ struct KernelArgs {
   // DEEPSERVE_ROW_REGS=1 and K <= kNormJ * norm_threads: norm_rows loads a row's elements into
   // registers first (NormRowsArgs::regs).
   bool norm_regs = false;
-  // The add and norm after the product (launch_skinny_gemm_add_norm): post.counter non-null;
-  // rows of n elements, post_threads of rms_norm's threads each.
-  SkinnyAddNormArgs post;
-  int post_threads = 0;
+  // The add and norm after the product (launch_skinny_gemm_add_norm): post.counter non-null.
+  AddNormArgs post;
 };
 
 // rms_norm's threads per row are at most 1024: each thread here plays up to 4 of them.
 constexpr int kNormPer = 1024 / kThreads;
 constexpr size_t kMaxNormSmem = size_t(96) << 10;
-
-// The add and norm after the product: every CTA's stores of out are made visible, then it
-// arrives on the counter; the last to arrive adds the rows of out into r (r_out) and normalizes
-// them (rn), all of each row (kept in r_out between the sum and the scaling), and puts the
-// counter back to 0.
-__device__ void add_norm_last(const KernelArgs& a, float* red, float* inv) {
-  __shared__ bool last;
-  __threadfence();  // this thread's stores of out, before the arrival below
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(a.post.counter, 1) == int(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other CTAs' stores, which their arrivals came after
-  const SkinnyAddNormArgs& p = a.post;
-  NormRowsArgs nr;
-  nr.x = reinterpret_cast<const uint8_t*>(p.r);
-  nr.x_row = p.r_row;
-  nr.y = reinterpret_cast<const float*>(a.out);
-  nr.y_row = a.out_row;
-  nr.x_out = p.r_out;
-  nr.x_out_row = p.r_out_row;
-  nr.xn = p.rn;
-  nr.xn_row = p.rn_row;
-  nr.eps = p.eps;
-  nr.m = int(a.m);
-  nr.K = int(a.n);
-  nr.V = a.post_threads;
-  norm_rows<kThreads, false>(nr, p.g, red, inv);
-  if (threadIdx.x == 0) *p.counter = 0;
-}
 
 // Grid (plan.ctas, batch). Every warp runs the same rounds and passes, so all reach each
 // __syncthreads; warps without a unit in a round only skip the arithmetic.
@@ -141,8 +109,8 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
   __shared__ float part[kWarps * kVals];  // [warp][row * TM + token] warp sums
   const uint8_t* x = a.x + b * a.x_batch;
   int64_t x_row = a.x_row;
-  __shared__ float red[32], inv[skinny::kMaxTm];
   if constexpr (NORM) {
+    __shared__ float red[32], inv[skinny::kMaxTm];
     NormRowsArgs nr;
     nr.x = a.x;
     nr.x_row = a.x_row;
@@ -189,7 +157,10 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
       __syncthreads();  // part is rewritten by the next pass
     }
   }
-  if (a.post.counter != nullptr) add_norm_last(a, red, inv);
+  // The add and norm after the product, by the last CTA to store its share of out.
+  if (a.post.counter != nullptr && arrive_last(a.post.counter, int(gridDim.x)))
+    add_norm_rows<kThreads>(a.post, reinterpret_cast<const float*>(a.out), a.out_row, int(a.m),
+                            int(a.n));
 }
 
 template <wstream::Elem E, int TM, bool NORM>
@@ -355,12 +326,12 @@ void launch_skinny_norm_gemm(const SkinnyGemmArgs& a, const SkinnyNormArgs& nrm,
 }
 
 bool skinny_add_norm_fits(const SkinnyGemmArgs& a) {
-  return skinny_gemm_fits(a) && a.batch == 1 && a.m <= skinny::kMaxTm && a.n <= INT_MAX / 2 &&
+  return skinny_gemm_fits(a) && a.batch == 1 && a.m <= kAddNormMaxRows && a.n <= INT_MAX / 2 &&
          rms_norm_threads(a.n) <= kNormPer * kThreads;
 }
 
-void launch_skinny_gemm_add_norm(const SkinnyGemmArgs& a, const SkinnyAddNormArgs& post,
-                                 int sm_count, cudaStream_t stream) {
+void launch_skinny_gemm_add_norm(const SkinnyGemmArgs& a, const AddNormArgs& post, int sm_count,
+                                 cudaStream_t stream) {
   DS_CHECK(skinny_add_norm_fits(a), "skinny GEMM with add and norm: shape not supported");
   DS_CHECK(post.r != nullptr && post.g != nullptr && post.r_out != nullptr && post.rn != nullptr &&
                post.counter != nullptr,
@@ -368,7 +339,7 @@ void launch_skinny_gemm_add_norm(const SkinnyGemmArgs& a, const SkinnyAddNormArg
   KernelArgs ka = kernel_args(a, sm_count);
   ka.out_row = a.out_row;  // the last CTA steps through out's rows itself
   ka.post = post;
-  ka.post_threads = rms_norm_threads(a.n);
+  ka.post.threads = rms_norm_threads(a.n);
   launch<false>(a, ka, 0, stream);
 }
 

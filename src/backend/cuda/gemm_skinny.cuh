@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "backend/cuda/norm_rows.cuh"
 #include "backend/cuda/weight_stream.cuh"
 #include "core/dtype.h"
 #include "core/tensor.h"
@@ -82,31 +83,16 @@ void launch_skinny_norm_gemm(const SkinnyGemmArgs& a, const SkinnyNormArgs& nrm,
                              cudaStream_t stream);
 
 // The residual add and norm after the product (Backend::matmul_add_norm): out = x . w as
-// launch_skinny_gemm's, then the last CTA to finish (an arrival counter) computes r_out = r + out
-// and rn = rms_norm(r_out) * g over whole rows, with launch_rms_norm's operations in its order,
-// so the bits are those of the product, then the norm kernel. r, r_out and rn are [m, n].
-struct SkinnyAddNormArgs {
-  const float* r = nullptr;  // [m, n] F32, the residual stream
-  int64_t r_row = 0;
-  const float* g = nullptr;  // [n] F32 norm weight
-  float eps = 1e-6f;
-  float* r_out = nullptr;  // [m, n] F32: r + out
-  int64_t r_out_row = 0;
-  float* rn = nullptr;  // [m, n] F32
-  int64_t rn_row = 0;
-  // A device int, 0 between launches (the last CTA puts it back): the CTAs that have stored
-  // their share of out. Launches using one counter must be stream-ordered (pdl.cuh: a kernel
-  // reaches its wait only after the one ahead of it has finished).
-  int* counter = nullptr;
-};
-
+// launch_skinny_gemm's, then the last CTA to finish (post.counter) computes r_out = r + out and
+// rn = rms_norm(r_out) * g over whole rows, with launch_rms_norm's operations in its order, so
+// the bits are those of the product, then the norm kernel (norm_rows.cuh).
 // Whether the launch with the add and norm takes a: skinny_gemm_fits, one batch entry, at most
 // kMaxTm rows of out, rms_norm's threads for a row of n.
 bool skinny_add_norm_fits(const SkinnyGemmArgs& a);
 
 // Enqueues the GEMM with the add and norm after it (throws when !skinny_add_norm_fits(a)).
-void launch_skinny_gemm_add_norm(const SkinnyGemmArgs& a, const SkinnyAddNormArgs& post,
-                                 int sm_count, cudaStream_t stream);
+void launch_skinny_gemm_add_norm(const SkinnyGemmArgs& a, const AddNormArgs& post, int sm_count,
+                                 cudaStream_t stream);
 
 // ---- internals, shared with the host simulation test ----------------------------------------
 namespace skinny {

@@ -257,11 +257,12 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, in
 
 }  // namespace
 
-void moe_ffn(const Context& ctx, const MoeFfnParams& p) {
-  moe_ffn(ctx, p, MoeFfnPath::Auto);
+bool moe_ffn(const Context& ctx, const MoeFfnParams& p, const AddNormArgs* post) {
+  return moe_ffn(ctx, p, MoeFfnPath::Auto, kMoeAllStages, post);
 }
 
-void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int stages) {
+bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int stages,
+             const AddNormArgs* post) {
   const int64_t T = p.x.rows();
   const int64_t E = int64_t(p.experts.size());
   const int k = int(p.ids.cols());
@@ -280,7 +281,8 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
     throw UnsupportedError("cuda moe_ffn: at most " + std::to_string(moe::kMaxExperts) +
                            " experts");
   DS_CHECK(ctx.scratch != nullptr, "moe_ffn: context without scratch");
-  if (T == 0) return;
+  DS_CHECK(post == nullptr || T <= kAddNormMaxRows, "moe_ffn: too many rows to add and norm");
+  if (T == 0) return false;
 
   int device = 0;
   moe::check(cudaGetDevice(&device), "get device");
@@ -441,18 +443,21 @@ void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
       a.part = s.part;
       a.prefetch_down = g_moe_split_prefetch.on();
       moe::launch_split_ffn(a, ctx.stream);
-      return;
+      return false;
     }
     if (gguf) {
       moe::launch_gguf_ffn(a, table.dtype, ctx.stream);
     } else {
       if (a.out != nullptr) a.tile_done = tile_counters(dev, ctx.stream);
-      if (moe::launch_decode_ffn(a, ctx.stream)) return;
+      if (a.tile_done != nullptr && post != nullptr && stages == kMoeAllStages) a.post = *post;
+      // The combine in the down kernel, and the add and norm with it where asked.
+      if (moe::launch_decode_ffn(a, ctx.stream)) return a.post.counter != nullptr;
     }
     y = s.y;
   }
   moe::launch_combine(y, s.lists.pos, p.weights.ptr<float>(), T, k, S, H, p.out.ptr<float>(),
                       p.out.row_stride() / 4, ctx.stream, y_stride);
+  return false;
 }
 
 }  // namespace ds::cuda

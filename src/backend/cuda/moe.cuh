@@ -24,6 +24,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/context.cuh"
 #include "backend/cuda/gemm_wq.cuh"
+#include "backend/cuda/norm_rows.cuh"
 #include "backend/cuda/weight_stream.cuh"
 #include "core/error.h"
 #if defined(__CUDACC__)
@@ -39,8 +40,10 @@ void moe_route(const Context& ctx, const TensorView& logits, const MoeRouteParam
 
 // Semantics of Backend::moe_ffn (backend.h). Keeps per-expert pointer tables on the device,
 // keyed by p.experts.data(); the first call for a table (and for a device) must happen
-// outside graph capture.
-void moe_ffn(const Context& ctx, const MoeFfnParams& p);
+// outside graph capture. With post (AddNormParams of p.out, at most kAddNormMaxRows tokens),
+// the Decode path's down kernel also adds and normalizes where it does the combine: returns
+// whether it did (false: the caller runs the norm).
+bool moe_ffn(const Context& ctx, const MoeFfnParams& p, const AddNormArgs* post = nullptr);
 
 // Which moe_ffn implementation runs (W4A16 / FP8W experts: always their own tensor-core
 // kernels, gemm_wq.cu, on the Grouped path's scratch, whatever the path asked). Auto, for BF16
@@ -104,8 +107,8 @@ inline MoeFfnPath moe_auto_path(bool bf16, int64_t T, int top_k, int shared, boo
 // strip kernel; bit 1: down, or the reduce). For timing each alone (MoeBench): anything but
 // kMoeAllStages leaves out wrong. Other paths ignore it.
 constexpr int kMoeAllStages = 3;
-void moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path,
-             int stages = kMoeAllStages);
+bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int stages = kMoeAllStages,
+             const AddNormArgs* post = nullptr);
 
 // ---- internals shared by moe*.cu --------------------------------------------------------
 namespace moe {
@@ -318,6 +321,9 @@ struct DecodeFfnArgs : FfnProblem {
   const float* weights = nullptr;
   int routed = 0;            // routed slots per token (top_k - shared)
   int* tile_done = nullptr;  // [kTileCounters] arrival counters, all zero between launches
+  // The add and norm after the combine (post.counter non-null; moe_ffn's post): the last row
+  // tile's last CTA to finish its combine does it.
+  AddNormArgs post;
   // Steps of at most kWarpListMax assignments: with ids [T, routed] the gate/up kernel builds
   // the token lists itself (one warp per CTA; CTA (0, 0) also stores the lists the down kernel
   // and the combine read), in place of the token-list kernel. prefetch must be 0 then: the

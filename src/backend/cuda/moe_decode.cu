@@ -160,17 +160,10 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(DecodeFfnArgs a, int 
 // expert or not): the last CTA of row tile blockIdx.x to arrive (one counter per tile, reset by
 // that CTA for the next launch) writes out[t, r_tile .. + rows) for every token through
 // combine_cols, as the combine kernel does (moe_lists.cu), so the bits are the same.
+// With a.post, the last of those CTAs to finish its tile's combine then adds out's rows into the
+// residual stream and normalizes them (add_norm_rows: the norm kernel's bits).
 __device__ __forceinline__ void combine_row_tile(const DecodeFfnArgs& a, int r_tile, int rows) {
-  __shared__ int last;
-  __threadfence();  // this thread's y stores are visible before the CTA is counted
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(a.tile_done + blockIdx.x, 1) == int(gridDim.y) - 1;
-    if (last) a.tile_done[blockIdx.x] = 0;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!arrive_last(a.tile_done + blockIdx.x, int(gridDim.y))) return;
   const int slots = a.top_k;
   const int64_t n = a.num_tokens * rows;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
@@ -181,6 +174,8 @@ __device__ __forceinline__ void combine_row_tile(const DecodeFfnArgs& a, int r_t
                           a.routed, slots, r, acc);
     a.out[t * a.out_stride + r] = acc[0];
   }
+  if (a.post.counter != nullptr && arrive_last(a.post.counter, int(gridDim.x)))
+    add_norm_rows<kThreads>(a.post, a.out, a.out_stride * 4, int(a.num_tokens), a.hidden);
 }
 
 // A down CTA's rows [r_tile, r_tile + units_per_cta * kRows) of expert act.e for its tokens.
@@ -383,6 +378,7 @@ bool launch_down_as(const DecodeFfnArgs& a, unsigned slots, cudaStream_t stream)
   const dim3 grid(unsigned((a.hidden + rows - 1) / rows), slots);
   DecodeFfnArgs d = a;
   if (a.tile_done == nullptr || grid.x > unsigned(kTileCounters)) d.out = nullptr;
+  if (d.out == nullptr) d.post.counter = nullptr;  // the add and norm go with the combine
   pdl::launch(down_kernel<K, TC, U, kEarly>, grid, kThreads, smem, stream, d, units);
   if (kEarly) ++early_launch_counts().down_early;
   return d.out != nullptr;

@@ -33,6 +33,27 @@ struct NormRowsArgs {
   bool regs = false;
 };
 
+// The residual add and norm after a kernel's output y (Backend's AddNormParams, raw): r_out =
+// r + y, rn = rms_norm(r_out) * g, done by the kernel's last CTA to arrive on counter.
+struct AddNormArgs {
+  const float* r = nullptr;  // [m, n] F32, the residual stream
+  int64_t r_row = 0;         // bytes
+  const float* g = nullptr;  // [n] F32 norm weight
+  float eps = 1e-6f;
+  float* r_out = nullptr;  // [m, n] F32: r + y
+  int64_t r_out_row = 0;
+  float* rn = nullptr;  // [m, n] F32
+  int64_t rn_row = 0;
+  int threads = 0;  // rms_norm_threads(n)
+  // A device int, 0 between launches (the last CTA puts it back): the CTAs that have stored
+  // their share of y. Launches using one counter must be stream-ordered (pdl.cuh: a kernel
+  // reaches its wait only after the one ahead of it has finished).
+  int* counter = nullptr;
+};
+
+// Rows an add and norm after a kernel takes (the inverse rms of each in shared memory).
+constexpr int kAddNormMaxRows = 8;
+
 // Elements of a row each virtual thread holds in registers with NormRowsArgs::regs: rms_norm's
 // threads give a row of up to 4,096 at most 4 each.
 constexpr int kNormJ = 4;
@@ -152,6 +173,43 @@ __device__ void norm_rows(const NormRowsArgs& a, const float* gs, float* red, fl
     }
   }
   __syncthreads();
+}
+
+// Every thread of the CTA: makes its stores visible, then the CTA arrives on counter; true in
+// the CTA that arrives `expected`-th (last), which sees the others' stores and puts the counter
+// back to 0 for the next launch.
+__device__ __forceinline__ bool arrive_last(int* counter, int expected) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1) == expected - 1;
+    if (last) *counter = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+// The add and norm of p (m rows of K) after y, every row whole, by one CTA (the last to arrive):
+// the summed rows kept in r_out between the sum and the scaling.
+template <int kThreads>
+__device__ void add_norm_rows(const AddNormArgs& p, const float* y, int64_t y_row, int m, int K) {
+  __shared__ float red[32], inv[kAddNormMaxRows];
+  NormRowsArgs nr;
+  nr.x = reinterpret_cast<const uint8_t*>(p.r);
+  nr.x_row = p.r_row;
+  nr.y = y;
+  nr.y_row = y_row;
+  nr.x_out = p.r_out;
+  nr.x_out_row = p.r_out_row;
+  nr.xn = p.rn;
+  nr.xn_row = p.rn_row;
+  nr.eps = p.eps;
+  nr.m = m;
+  nr.K = K;
+  nr.V = p.threads;
+  norm_rows<kThreads, false>(nr, p.g, red, inv);
 }
 #endif
 

@@ -109,11 +109,12 @@ TEST(OpProfile, DeepseekDecodeStepHasMlaAndMoe) {
   const auto calls = kind_calls(*prof.profile->step);
   const double L = prof.config.layers;
   EXPECT_EQ(calls.at("mla_attention"), L);
-  // Each layer's input norm runs with the product that reads it (norm_matmul: the q / kv_a
-  // projection), its FFN norm with the product before it (matmul_add_norm: o_proj); the last
-  // residual add stays alone.
-  EXPECT_EQ(calls.at("norm_matmul"), L);
-  EXPECT_EQ(calls.at("matmul_add_norm"), L);
+  // Each norm runs with the op before it: the FFN norm with o_proj (matmul_add_norm), the next
+  // layer's input norm with the dense FFN's down product (matmul_add_norm) or the MoE (moe_ffn
+  // "+add_norm"); only the first layer's input norm goes with the product after it
+  // (norm_matmul), and the last residual add stays alone.
+  EXPECT_EQ(calls.at("norm_matmul"), 1);
+  EXPECT_EQ(calls.at("matmul_add_norm"), L + 1);  // the first layer is dense
   EXPECT_EQ(calls.count("add_rms_norm"), 0u);
   EXPECT_EQ(calls.at("add"), 1);
   EXPECT_EQ(calls.at("batched_matmul"), 2 * L);
@@ -122,11 +123,14 @@ TEST(OpProfile, DeepseekDecodeStepHasMlaAndMoe) {
   // fuse it; its rows say so in their label.
   EXPECT_EQ(calls.count("moe_route"), 0u);
   EXPECT_EQ(calls.count("attention"), 0u);
-  bool routed_label = false;
-  for (const auto& r : prof.profile->step->ops)
-    routed_label |=
+  int routed_label = 0, add_norm_label = 0;
+  for (const auto& r : prof.profile->step->ops) {
+    routed_label +=
         r.label.rfind("moe_ffn T=2 ", 0) == 0 && r.label.find(" +route") != std::string::npos;
-  EXPECT_TRUE(routed_label);
+    add_norm_label += r.label.find(" +add_norm") != std::string::npos;
+  }
+  EXPECT_EQ(routed_label, L - 1);
+  EXPECT_EQ(add_norm_label, L - 2);  // not after the last layer
 }
 
 // Hands out a fixed profile and counts the resets the runner asks for.
