@@ -740,6 +740,97 @@ TEST(CudaMoeFfn, FusedCombineAndWaveSizingChangeNothing) {
   }
 }
 
+// moe_ffn with an add and norm after it (post: the Decode path's down kernel adds out into the
+// residual and normalizes where it does the combine, DEEPSERVE_ADD_NORM_LAST) against moe_ffn,
+// then the norm kernel: the same bits in out, r_out and rn, with the down kernel's early start
+// and without, 1-8 tokens, shared experts or none, padded rows, two calls in a row (the second
+// finds the counters put back) and graph replays.
+TEST(CudaMoeFfn, AddNormAfterTheCombineMatchesTheNormKernel) {
+  DS_REQUIRE_GPU();
+  Backend& g = test::cuda_backend();
+  const auto ex = make_experts(18, 2048, 1408, DType::BF16, 29);
+  DirectCuda d;
+  int* counter = nullptr;
+  MOE_CUDA_OK(cudaMalloc(&counter, sizeof(int)));
+  MOE_CUDA_OK(cudaMemset(counter, 0, sizeof(int)));
+  const test::Forced fused(cuda::g_moe_fused_combine, 1);
+  for (int S : {0, 2}) {
+    for (int T : {1, 3, 8}) {
+      SCOPED_TRACE("shared " + std::to_string(S) + " T " + std::to_string(T));
+      auto pair = decode_pair(*ex, T, S, 800, 900);
+      auto& a = pair.first;
+      const int H = a->H;
+      const int64_t ld = H + 5;
+      const test::Twin r =
+          test::twin_floats(DType::F32, {T, ld},
+                            test::random_floats(size_t(T * ld), uint32_t(40 + T + 9 * S), -2, 2));
+      const test::Twin nw = test::twin_floats(
+          DType::F32, {H}, test::random_floats(size_t(H), uint32_t(60 + T), 0.9f, 1.1f));
+      const test::Twin r_out = test::twin_floats(DType::F32, {T, ld}, std::vector<float>(T * ld));
+      const test::Twin rn = test::twin_floats(DType::F32, {T, ld}, std::vector<float>(T * ld));
+      const auto rows = [&](const test::Twin& t) { return view_of(t.gpu, {T, H}, {ld, 1}); };
+      cuda::AddNormArgs post;
+      post.r = r.gpu.view.ptr<float>();
+      post.r_row = ld * 4;
+      post.g = nw.gpu.view.ptr<float>();
+      post.eps = 1e-6f;
+      post.r_out = r_out.gpu.view.ptr<float>();
+      post.r_out_row = ld * 4;
+      post.rn = rn.gpu.view.ptr<float>();
+      post.rn_row = ld * 4;
+      post.threads = cuda::rms_norm_threads(H);
+      post.counter = counter;
+      auto poison = [&] {
+        poison_out(d, *a);
+        for (const test::Twin* t : {&r_out, &rn})
+          MOE_CUDA_OK(cudaMemsetAsync(t->gpu.view.data, 0xff, t->gpu.view.nbytes(), d.stream()));
+      };
+      auto result = [&] {
+        d.sync();
+        return std::array<std::vector<float>, 3>{test::download_floats(g, a->out.gpu),
+                                                 test::download_floats(g, r_out.gpu),
+                                                 test::download_floats(g, rn.gpu)};
+      };
+      for (int early : {0, 1}) {
+        SCOPED_TRACE("early down " + std::to_string(early));
+        const test::Forced down_early(cuda::g_moe_down_early, early);
+        g.synchronize();
+        poison();
+        EXPECT_FALSE(cuda::moe_ffn(d.ctx(), a->gpu, cuda::MoeFfnPath::Decode));
+        cuda::RmsNormArgs na{rows(r), nw.gpu.view, 1e-6f, rows(rn)};
+        na.residual = a->gpu.out;
+        na.x_out = rows(r_out);
+        cuda::launch_rms_norm(na, d.stream());
+        const auto want = result();
+        for (int rep = 0; rep < 2; ++rep) {
+          poison();
+          EXPECT_TRUE(
+              cuda::moe_ffn(d.ctx(), a->gpu, cuda::MoeFfnPath::Decode, cuda::kMoeAllStages, &post));
+          const auto got = result();
+          EXPECT_TRUE(bits_equal(got[0], want[0])) << "out, call " << rep;
+          EXPECT_TRUE(bits_equal(got[1], want[1])) << "r_out, call " << rep;
+          EXPECT_TRUE(bits_equal(got[2], want[2])) << "rn, call " << rep;
+        }
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        MOE_CUDA_OK(cudaStreamBeginCapture(d.stream(), cudaStreamCaptureModeGlobal));
+        cuda::moe_ffn(d.ctx(), a->gpu, cuda::MoeFfnPath::Decode, cuda::kMoeAllStages, &post);
+        MOE_CUDA_OK(cudaStreamEndCapture(d.stream(), &graph));
+        MOE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int rep = 0; rep < 2; ++rep) {
+          poison();
+          MOE_CUDA_OK(cudaGraphLaunch(exec, d.stream()));
+          const auto got = result();
+          EXPECT_TRUE(bits_equal(got[2], want[2])) << "rn, replay " << rep;
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
+    }
+  }
+  cudaFree(counter);
+}
+
 // The split path (gate, up and a strip of down per CTA, then the strip reduce and combine):
 // against the CPU, the same bits with the token lists built in the kernel or by the token-list
 // kernel and with the strip of down prefetched or not, every output written (poisoned with
