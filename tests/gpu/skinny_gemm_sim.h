@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/cuda/gemm_skinny.cuh"
+#include "backend/cuda/switches.h"
 #include "core/dtype.h"
 
 namespace ds::skinny_sim {
@@ -93,7 +94,8 @@ void run_elem(const cuda::SkinnyGemmArgs& a, const sk::Plan& p) {
 inline void run(const cuda::SkinnyGemmArgs& a, int sm_count) {
   if (!cuda::skinny_gemm_fits(a)) throw std::invalid_argument("skinny_sim: arguments do not fit");
   const int es = int(dtype_info(a.wtype).type_size);
-  const sk::Plan p = sk::make_plan(a.batch, a.m, a.n, a.k, es, sm_count);
+  const sk::Plan p =
+      sk::make_plan(a.batch, a.m, a.n, a.k, es, sm_count, cuda::g_skinny_one_wave.on());
   switch (a.wtype) {
     case DType::BF16:
       return run_elem<ws::Elem::BF16>(a, p);

@@ -122,18 +122,25 @@ TEST(SkinnyGemm, KernelMatchesFloat64AndHostSim) {
   const int sm = device_sm_count();
   uint32_t seed = 100;
   struct Restore {
-    ~Restore() { cuda::g_skinny_early.force(-1); }
+    ~Restore() {
+      cuda::g_skinny_early.force(-1);
+      cuda::g_skinny_one_wave.force(-1);
+    }
   } restore;
   for (const Spec& s : kernel_specs()) {
     SCOPED_TRACE(spec_str(s));
     const Problem p = skinny_sim::make_problem(s, ++seed);
-    // With the first weight step loaded before the wait (the default) and after it.
-    for (int early : {1, 0}) {
+    // With the first weight step loaded before the wait (the default) and after it; with the
+    // default K split and the one-wave one (the simulation follows the switch).
+    for (int mode = 0; mode < 3; ++mode) {
+      const int early = mode != 1, one_wave = mode == 2;
       cuda::g_skinny_early.force(early);
+      cuda::g_skinny_one_wave.force(one_wave);
       const std::vector<float> got = run_kernel(p, sm);
-      EXPECT_TRUE(near_float64(p, got, "skinny GEMM vs float64")) << "early " << early;
+      EXPECT_TRUE(near_float64(p, got, "skinny GEMM vs float64"))
+          << "early " << early << ", one wave " << one_wave;
       EXPECT_TRUE(same_bits(got, skinny_sim::simulate(p, sm), "skinny GEMM vs host simulation"))
-          << "early " << early;
+          << "early " << early << ", one wave " << one_wave;
     }
   }
 }

@@ -26,50 +26,51 @@ std::string spec_str(const Spec& s, int sm) {
 // Every (unit, chunk) pair is owned by exactly one (CTA, round, warp); k groups depend on
 // N, K, batch and SMs only.
 TEST(SkinnyGemmPlan, CoversEveryRowAndChunkOnce) {
-  for (int sm : {1, 7, 132}) {
-    for (int64_t n : {1, 3, 4, 5, 64, 576, 3072, 102400}) {
-      for (int64_t k : {8, 120, 512, 2048, 10944}) {
-        for (int es : {2, 4}) {
-          for (int64_t batch : {1, 16}) {
-            if (k * es % 16 != 0) continue;
-            SCOPED_TRACE("sm " + std::to_string(sm) + " N " + std::to_string(n) + " K " +
-                         std::to_string(k) + " esize " + std::to_string(es) + " B " +
-                         std::to_string(batch));
-            const sk::Plan p1 = sk::make_plan(batch, 1, n, k, es, sm);
-            for (int64_t m : {1, 2, 3, 8, 16, 17, 64}) {
-              const sk::Plan p = sk::make_plan(batch, m, n, k, es, sm);
-              ASSERT_EQ(p.chunks, p1.chunks);
-              ASSERT_EQ(p.k_groups, p1.k_groups);
-              ASSERT_EQ(p.slice, p1.slice);
-              ASSERT_EQ(p.row_groups * p.k_groups, sk::kWarps);
-              ASSERT_TRUE(p.tm >= 1 && p.tm <= sk::kMaxTm && (p.tm >= m || p.tm == sk::kMaxTm));
-              ASSERT_EQ(p.chunks * 16, k * es);
-              std::vector<int> unit_seen(size_t(p.units), 0);
-              for (int64_t cta = 0; cta < p.ctas; ++cta) {
-                ASSERT_LT(sk::unit_of(p, cta, 0, 0), p.units) << "a CTA without work";
-                for (int round = 0; round < p.rounds; ++round) {
-                  for (int rg = 0; rg < p.row_groups; ++rg) {
-                    const int64_t u = sk::unit_of(p, cta, round, rg);
-                    if (u < p.units) ++unit_seen[size_t(u)];
+  for (bool one_wave : {false, true})
+    for (int sm : {1, 7, 132}) {
+      for (int64_t n : {1, 3, 4, 5, 64, 576, 3072, 102400}) {
+        for (int64_t k : {8, 120, 512, 2048, 10944}) {
+          for (int es : {2, 4}) {
+            for (int64_t batch : {1, 16}) {
+              if (k * es % 16 != 0) continue;
+              SCOPED_TRACE(std::string(one_wave ? "one wave, " : "") + "sm " + std::to_string(sm) +
+                           " N " + std::to_string(n) + " K " + std::to_string(k) + " esize " +
+                           std::to_string(es) + " B " + std::to_string(batch));
+              const sk::Plan p1 = sk::make_plan(batch, 1, n, k, es, sm, one_wave);
+              for (int64_t m : {1, 2, 3, 8, 16, 17, 64}) {
+                const sk::Plan p = sk::make_plan(batch, m, n, k, es, sm, one_wave);
+                ASSERT_EQ(p.chunks, p1.chunks);
+                ASSERT_EQ(p.k_groups, p1.k_groups);
+                ASSERT_EQ(p.slice, p1.slice);
+                ASSERT_EQ(p.row_groups * p.k_groups, sk::kWarps);
+                ASSERT_TRUE(p.tm >= 1 && p.tm <= sk::kMaxTm && (p.tm >= m || p.tm == sk::kMaxTm));
+                ASSERT_EQ(p.chunks * 16, k * es);
+                std::vector<int> unit_seen(size_t(p.units), 0);
+                for (int64_t cta = 0; cta < p.ctas; ++cta) {
+                  ASSERT_LT(sk::unit_of(p, cta, 0, 0), p.units) << "a CTA without work";
+                  for (int round = 0; round < p.rounds; ++round) {
+                    for (int rg = 0; rg < p.row_groups; ++rg) {
+                      const int64_t u = sk::unit_of(p, cta, round, rg);
+                      if (u < p.units) ++unit_seen[size_t(u)];
+                    }
                   }
                 }
+                for (int64_t u = 0; u < p.units; ++u) ASSERT_EQ(unit_seen[size_t(u)], 1) << u;
+                std::vector<int> chunk_seen(size_t(p.chunks), 0);
+                for (int warp = 0; warp < sk::kWarps; ++warp) {
+                  const sk::WarpJob j = sk::warp_job(p, warp);
+                  ASSERT_EQ(j.rg * p.k_groups + j.kg, warp);
+                  if (j.rg != 0) continue;
+                  ASSERT_LE(j.c_begin, j.c_end);
+                  for (int c = j.c_begin; c < j.c_end; ++c) ++chunk_seen[size_t(c)];
+                }
+                for (int c = 0; c < p.chunks; ++c) ASSERT_EQ(chunk_seen[size_t(c)], 1) << c;
               }
-              for (int64_t u = 0; u < p.units; ++u) ASSERT_EQ(unit_seen[size_t(u)], 1) << u;
-              std::vector<int> chunk_seen(size_t(p.chunks), 0);
-              for (int warp = 0; warp < sk::kWarps; ++warp) {
-                const sk::WarpJob j = sk::warp_job(p, warp);
-                ASSERT_EQ(j.rg * p.k_groups + j.kg, warp);
-                if (j.rg != 0) continue;
-                ASSERT_LE(j.c_begin, j.c_end);
-                for (int c = j.c_begin; c < j.c_end; ++c) ++chunk_seen[size_t(c)];
-              }
-              for (int c = 0; c < p.chunks; ++c) ASSERT_EQ(chunk_seen[size_t(c)], 1) << c;
             }
           }
         }
       }
     }
-  }
 }
 
 // DeepSeek-V2-Lite's short projections spread K over the warps of a CTA so the grid covers
@@ -83,6 +84,33 @@ TEST(SkinnyGemmPlan, ShortProjectionsSplitK) {
   const sk::Plan lm_head = sk::make_plan(1, 1, 102400, 2048, 2, 132);
   EXPECT_EQ(lm_head.k_groups, 1);
   EXPECT_GE(lm_head.ctas, 264);
+}
+
+// DEEPSERVE_SKINNY_ONE_WAVE: W3's decode products in one wave of CTAs on an H200's 132 SMs, K
+// split as far as that allows: o_proj (2048 x 2048) in 128 CTAs of two k groups (the default:
+// 512 CTAs of eight), q with kv_a (3648 x 2048) in 114 of one (the default: 456 of four), kv_a
+// alone in 72 of four; the router and lm_head as by default.
+TEST(SkinnyGemmPlan, OneWaveFitsTheGridToTheSms) {
+  const sk::Plan o = sk::make_plan(1, 1, 2048, 2048, 2, 132, true);
+  EXPECT_EQ(o.k_groups, 2);
+  EXPECT_EQ(o.ctas, 128);
+  EXPECT_EQ(sk::make_plan(1, 1, 2048, 2048, 2, 132).ctas, 512);
+  const sk::Plan q = sk::make_plan(1, 1, 3648, 2048, 2, 132, true);
+  EXPECT_EQ(q.k_groups, 1);
+  EXPECT_EQ(q.ctas, 114);
+  EXPECT_EQ(sk::make_plan(1, 1, 3648, 2048, 2, 132).ctas, 456);
+  const sk::Plan kv_a = sk::make_plan(1, 1, 576, 2048, 2, 132, true);
+  EXPECT_EQ(kv_a.k_groups, 4);
+  EXPECT_EQ(kv_a.ctas, 72);
+  EXPECT_EQ(sk::make_plan(1, 1, 64, 2048, 4, 132, true).k_groups, 8);
+  const sk::Plan lm_head = sk::make_plan(1, 1, 102400, 2048, 2, 132, true);
+  EXPECT_EQ(lm_head.k_groups, 1);
+  EXPECT_EQ(lm_head.ctas, sk::make_plan(1, 1, 102400, 2048, 2, 132).ctas);
+  // Eight tokens: the same K split (batch invariance), one unit a row group (no rounds merged
+  // past one wave).
+  const sk::Plan o8 = sk::make_plan(1, 8, 2048, 2048, 2, 132, true);
+  EXPECT_EQ(o8.k_groups, 2);
+  EXPECT_EQ(o8.ctas, 128);
 }
 
 TEST(SkinnyGemmFits, NeedsWholeChunksAndAlignedRows) {

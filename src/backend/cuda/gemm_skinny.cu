@@ -15,19 +15,26 @@
 namespace ds::cuda {
 namespace skinny {
 
-Plan make_plan(int64_t batch, int64_t m, int64_t n, int64_t k, int elem_bytes, int sm_count) {
+Plan make_plan(int64_t batch, int64_t m, int64_t n, int64_t k, int elem_bytes, int sm_count,
+               bool one_wave) {
   Plan p;
   p.chunks = int(k * elem_bytes / 16);
   p.units = (n + kRows - 1) / kRows;
-  // Enough CTAs to keep every SM streaming with a couple of CTAs resident.
-  const int64_t target = 2 * int64_t(std::max(sm_count, 1));
+  const int64_t sms = std::max(sm_count, 1);
+  // Enough CTAs to keep every SM streaming with a couple of CTAs resident (one_wave: one).
+  const int64_t target = (one_wave ? 1 : 2) * sms;
   auto ctas_for = [&](int row_groups, int rounds) {
     const int64_t per_cta = int64_t(row_groups) * rounds;
     return (p.units + per_cta - 1) / per_cta;
   };
-  while (p.k_groups < kWarps && 2 * p.k_groups * kMinSliceChunks <= p.chunks &&
-         batch * ctas_for(kWarps / p.k_groups, 1) < target)
-    p.k_groups *= 2;
+  auto may_split = [&] {
+    return p.k_groups < kWarps && 2 * p.k_groups * kMinSliceChunks <= p.chunks;
+  };
+  if (one_wave) {
+    while (may_split() && batch * ctas_for(kWarps / (2 * p.k_groups), 1) <= sms) p.k_groups *= 2;
+  } else {
+    while (may_split() && batch * ctas_for(kWarps / p.k_groups, 1) < target) p.k_groups *= 2;
+  }
   p.row_groups = kWarps / p.k_groups;
   p.slice = (p.chunks + p.k_groups - 1) / p.k_groups;
   while (p.tm < kMaxTm && p.tm < m) p.tm *= 2;
@@ -260,7 +267,7 @@ namespace {
 KernelArgs kernel_args(const SkinnyGemmArgs& a, int sm_count) {
   const int es = int(dtype_info(a.wtype).type_size);
   KernelArgs ka;
-  ka.plan = skinny::make_plan(a.batch, a.m, a.n, a.k, es, sm_count);
+  ka.plan = skinny::make_plan(a.batch, a.m, a.n, a.k, es, sm_count, g_skinny_one_wave.on());
   ka.m = a.m;
   ka.n = a.n;
   ka.x = static_cast<const uint8_t*>(a.x);

@@ -116,7 +116,13 @@ struct Plan {
   int64_t ctas = 0;    // CTAs per batch entry: ceil(units / (row_groups * rounds))
 };
 
-Plan make_plan(int64_t batch, int64_t m, int64_t n, int64_t k, int elem_bytes, int sm_count);
+// one_wave (DEEPSERVE_SKINNY_ONE_WAVE=1): K is split only while the grid still fits one CTA an
+// SM (the kernel's registers let one CTA of the one- and two-token variants reside on an SM), so
+// a decode-sized product streams its weights in one wave with every lane's loads of a step in
+// flight, where the default splits K until the grid holds two CTAs an SM (waves of one, each a
+// few chunks a lane). Another order of sums, the same for every M.
+Plan make_plan(int64_t batch, int64_t m, int64_t n, int64_t k, int elem_bytes, int sm_count,
+               bool one_wave = false);
 
 // A warp's part of the CTA: its row group and its K slice [c_begin, c_end) in chunks.
 struct WarpJob {

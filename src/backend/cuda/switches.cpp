@@ -72,6 +72,11 @@ EnvSwitch g_norm_fuse{"DEEPSERVE_NORM_FUSE", "1", false};
 // and normalizes in the GEMM's last CTA to finish (off: the norm kernel after the GEMM), a
 // launch and its wait fewer a layer. The same bits either way. Off until measured.
 EnvSwitch g_add_norm_last{"DEEPSERVE_ADD_NORM_LAST", "1", false};
+// DEEPSERVE_SKINNY_ONE_WAVE=1: the skinny GEMM splits K only while its grid fits one CTA an SM
+// (skinny::make_plan's one_wave): W3's q / kv_a and o_proj products ran in ~4 waves of one
+// CTA an SM at ~1-1.5 TB/s (the 255-register one-token kernel). Another order of sums. Off
+// until measured.
+EnvSwitch g_skinny_one_wave{"DEEPSERVE_SKINNY_ONE_WAVE", "1", false};
 // Every skinny GEMM loads its first step of weight chunks into registers before the
 // dependent-launch wait (DEEPSERVE_SKINNY_EARLY=0: after it; the fused norm GEMM always does).
 // The same bits either way.

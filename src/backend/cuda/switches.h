@@ -57,6 +57,7 @@ extern EnvSwitch g_wq_cluster;          // on; DEEPSERVE_WQ_CLUSTER=0 turns it o
 extern EnvSwitch g_wq_batched;          // on; DEEPSERVE_WQ_BATCHED=0 turns it off
 extern EnvSwitch g_norm_fuse;           // off; DEEPSERVE_NORM_FUSE=1 turns it on
 extern EnvSwitch g_add_norm_last;       // off; DEEPSERVE_ADD_NORM_LAST=1 turns it on
+extern EnvSwitch g_skinny_one_wave;     // off; DEEPSERVE_SKINNY_ONE_WAVE=1 turns it on
 extern EnvSwitch g_skinny_early;        // on; DEEPSERVE_SKINNY_EARLY=0 turns it off
 extern EnvSwitch g_mla_early;           // on; DEEPSERVE_MLA_EARLY=0 turns it off
 extern EnvSwitch g_wq_early;            // on; DEEPSERVE_WQ_EARLY=0 turns it off
