@@ -19,6 +19,7 @@
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gemm_skinny.cuh"
+#include "backend/cuda/switches.h"
 #include "gpu_test_util.h"
 
 #define BENCH_CUDA_OK(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr
@@ -160,7 +161,8 @@ TEST(GemmBench, DISABLED_DeepSeekV2LiteDecodeShapes) {
         cublas.run(gi);
       });
 
-      const cuda::skinny::Plan p = cuda::skinny::make_plan(sh.batch, m, sh.n, sh.k, int(es), sm);
+      const cuda::skinny::Plan p = cuda::skinny::make_plan(sh.batch, m, sh.n, sh.k, int(es), sm,
+                                                           cuda::g_skinny_one_wave.on());
       const double gb = double(w_bytes) / 1e3;  // GB/s = bytes / (us * 1e3)
       std::printf(
           "%-16s %4lld %10.2f %9.0f %10.2f %9.0f %7.2fx   k_groups %d, %lld CTAs x %lld, "

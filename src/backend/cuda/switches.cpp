@@ -68,15 +68,17 @@ EnvSwitch g_wq_batched{"DEEPSERVE_WQ_BATCHED", "0", true};
 // by default: slower on the H200 (W3 TPOT 3.27 against 3.14 ms, W1 1,092 against 1,199 tok/s;
 // docs/PERFORMANCE.md, twentieth session).
 EnvSwitch g_norm_fuse{"DEEPSERVE_NORM_FUSE", "1", false};
-// DEEPSERVE_ADD_NORM_LAST=1: matmul_add_norm on skinny-sized products (o_proj at decode) adds
-// and normalizes in the GEMM's last CTA to finish (off: the norm kernel after the GEMM), a
-// launch and its wait fewer a layer. The same bits either way. Off until measured.
-EnvSwitch g_add_norm_last{"DEEPSERVE_ADD_NORM_LAST", "1", false};
-// DEEPSERVE_SKINNY_ONE_WAVE=1: the skinny GEMM splits K only while its grid fits one CTA an SM
-// (skinny::make_plan's one_wave): W3's q / kv_a and o_proj products ran in ~4 waves of one
-// CTA an SM at ~1-1.5 TB/s (the 255-register one-token kernel). Another order of sums. Off
-// until measured.
-EnvSwitch g_skinny_one_wave{"DEEPSERVE_SKINNY_ONE_WAVE", "1", false};
+// matmul_add_norm on skinny-sized products (o_proj at decode) and the MoE's Decode path add and
+// normalize in the kernel's last CTA to finish (DEEPSERVE_ADD_NORM_LAST=0: the norm kernel after
+// it), a launch and its wait fewer a norm. The same bits either way. On as part of the W3 set
+// measured together (2.77 -> 2.48 ms, docs/PERFORMANCE.md, twenty-sixth session); alone it
+// measured no change (2.77 ms).
+EnvSwitch g_add_norm_last{"DEEPSERVE_ADD_NORM_LAST", "0", true};
+// The skinny GEMM splits K only while its grid fits one CTA an SM (skinny::make_plan's
+// one_wave; DEEPSERVE_SKINNY_ONE_WAVE=0: until it holds two CTAs an SM): W3's q / kv_a and o_proj
+// products ran in ~4 waves of one CTA an SM at ~1-1.5 TB/s (the 255-register one-token kernel).
+// Another order of sums. W3 TPOT 2.77 -> 2.52 ms alone (twenty-sixth session).
+EnvSwitch g_skinny_one_wave{"DEEPSERVE_SKINNY_ONE_WAVE", "0", true};
 // Every skinny GEMM loads its first step of weight chunks into registers before the
 // dependent-launch wait (DEEPSERVE_SKINNY_EARLY=0: after it; the fused norm GEMM always does).
 // The same bits either way.
@@ -159,21 +161,23 @@ EnvSwitch g_mla_q_pairs{"DEEPSERVE_MLA_Q_PAIRS", "0", true};
 // The register-Q MLA decode's in-cluster merge reads every split's max and sum in one round, then
 // every split's values at once (DEEPSERVE_MLA_MERGE_GATHER=1; off: the shared merge's chunked
 // reads, ~8 rounds of remote reads, which DEEPSERVE_MLA_PHASES measured at 7.2 of W3's 15.4 us).
-// The same bits. Off until it has run on a GPU (built while the device was withheld).
-EnvSwitch g_mla_merge_gather{"DEEPSERVE_MLA_MERGE_GATHER", "1", false};
+// The same bits (DEEPSERVE_MLA_MERGE_GATHER=0 turns it off). With DEEPSERVE_MLA_Q_SPLIT2, W3
+// 2.77 -> 2.75 ms (twenty-sixth session).
+EnvSwitch g_mla_merge_gather{"DEEPSERVE_MLA_MERGE_GATHER", "0", true};
 // The register-Q MLA decode's Q loads unconditional (a padding row reads the chunk's first head,
 // zeroed after) and each element pair split into BF16 hi + lo at once (DEEPSERVE_MLA_Q_SPLIT2=1;
-// SASS: 895 -> 657 instructions after the wait). The same values. Off until it has run on a GPU.
-EnvSwitch g_mla_q_split2{"DEEPSERVE_MLA_Q_SPLIT2", "1", false};
+// SASS: 895 -> 657 instructions after the wait). The same values (DEEPSERVE_MLA_Q_SPLIT2=0: off).
+EnvSwitch g_mla_q_split2{"DEEPSERVE_MLA_Q_SPLIT2", "0", true};
 // W4A16 weights with FP16 activations (gemm_wq.cuh's W4A16H: FP16 keeps 11 significant bits to
 // BF16's 8, the range ends at 65504), dequantized in 9 instructions a word of codes instead of
-// 11-12 (DEEPSERVE_W4_F16=1). Other roundings, not the same bits. Off until it has run on a GPU.
+// 11-12 (DEEPSERVE_W4_F16=1). Other roundings, not the same bits. Off: W5 measured 347.4
+// against 348.9 tok/s (twenty-sixth session).
 EnvSwitch g_wq_w4_f16{"DEEPSERVE_W4_F16", "1", false};
 // The MoE route kernel's maxima and picks as redux.sync warp reductions over order-preserving
 // keys, a lane holding only ceil(E / 32) scores (DEEPSERVE_ROUTE_REDUX=1; off: five rounds of
-// shuffles an argmax, 8 scores a lane). The same experts, order and weights. Off until it has
-// run on a GPU.
-EnvSwitch g_route_redux{"DEEPSERVE_ROUTE_REDUX", "1", false};
+// shuffles an argmax, 8 scores a lane; DEEPSERVE_ROUTE_REDUX=0). The same experts, order and
+// weights. On as part of the W3 set measured together; alone W3 measured no change.
+EnvSwitch g_route_redux{"DEEPSERVE_ROUTE_REDUX", "0", true};
 // Fewer MLA decode splits where that lets their clusters all be resident, so they merge in the
 // kernel (attention.cu, run_mla_decode); off until measured.
 EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};

@@ -56,8 +56,8 @@ extern EnvSwitch g_wq_stage_f32;        // on; DEEPSERVE_WQ_XF32=0 turns it off
 extern EnvSwitch g_wq_cluster;          // on; DEEPSERVE_WQ_CLUSTER=0 turns it off
 extern EnvSwitch g_wq_batched;          // on; DEEPSERVE_WQ_BATCHED=0 turns it off
 extern EnvSwitch g_norm_fuse;           // off; DEEPSERVE_NORM_FUSE=1 turns it on
-extern EnvSwitch g_add_norm_last;       // off; DEEPSERVE_ADD_NORM_LAST=1 turns it on
-extern EnvSwitch g_skinny_one_wave;     // off; DEEPSERVE_SKINNY_ONE_WAVE=1 turns it on
+extern EnvSwitch g_add_norm_last;       // on; DEEPSERVE_ADD_NORM_LAST=0 turns it off
+extern EnvSwitch g_skinny_one_wave;     // on; DEEPSERVE_SKINNY_ONE_WAVE=0 turns it off
 extern EnvSwitch g_skinny_early;        // on; DEEPSERVE_SKINNY_EARLY=0 turns it off
 extern EnvSwitch g_mla_early;           // on; DEEPSERVE_MLA_EARLY=0 turns it off
 extern EnvSwitch g_wq_early;            // on; DEEPSERVE_WQ_EARLY=0 turns it off
@@ -78,10 +78,10 @@ extern EnvCount g_mla_max_splits;       // DEEPSERVE_MLA_SPLITS (attention_mla_d
 extern EnvSwitch g_mla_cluster;         // on; DEEPSERVE_MLA_CLUSTER=0 turns it off
 extern EnvSwitch g_row_regs;            // on; DEEPSERVE_ROW_REGS=0 turns it off
 extern EnvSwitch g_mla_q_pairs;         // on; DEEPSERVE_MLA_Q_PAIRS=0 turns it off
-extern EnvSwitch g_mla_merge_gather;    // off; DEEPSERVE_MLA_MERGE_GATHER=1 turns it on
-extern EnvSwitch g_mla_q_split2;        // off; DEEPSERVE_MLA_Q_SPLIT2=1 turns it on
+extern EnvSwitch g_mla_merge_gather;    // on; DEEPSERVE_MLA_MERGE_GATHER=0 turns it off
+extern EnvSwitch g_mla_q_split2;        // on; DEEPSERVE_MLA_Q_SPLIT2=0 turns it off
 extern EnvSwitch g_wq_w4_f16;           // off; DEEPSERVE_W4_F16=1 turns it on
-extern EnvSwitch g_route_redux;         // off; DEEPSERVE_ROUTE_REDUX=1 turns it on
+extern EnvSwitch g_route_redux;         // on; DEEPSERVE_ROUTE_REDUX=0 turns it off
 extern EnvSwitch g_mla_cluster_fit;     // off; DEEPSERVE_MLA_CLUSTER_FIT=1 turns it on
 // Launches DEEPSERVE_ROW_REGS has reached so far (the register-row norm kernels, the skinny
 // GEMM's norm, the decode MoE's staging; tests check that the switch took effect), and one more.
