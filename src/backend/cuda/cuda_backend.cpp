@@ -346,9 +346,9 @@ class CudaBackend final : public Backend {
                                const MoeFfnParams& ffn, const AddNormParams& an) override {
     moe_route(logits, route, ffn.ids, ffn.weights);
     if (!ffn.experts.empty()) require(Op::MoeFfn, ffn.experts.front().gate.dtype);
-    if (cuda::g_add_norm_last.on() && add_norm_fits(ffn.out, an)) {
+    if (cuda::g_add_norm_last.on() && cuda::add_norm_fits(ffn.out, an)) {
       const cuda::AddNormArgs post =
-          add_norm_args(an, static_cast<int*>(add_norm_counter_->data()));
+          cuda::add_norm_args(an, static_cast<int*>(add_norm_counter_->data()));
       if (cuda::moe_ffn(ctx_, ffn, &post)) return;
     } else {
       cuda::moe_ffn(ctx_, ffn);
@@ -364,47 +364,20 @@ class CudaBackend final : public Backend {
     cuda::launch_rms_norm(a, stream_);
   }
 
-  // Whether an in-kernel add and norm takes y and an: F32 rows of y's shape with uniform
-  // strides, dense rows, a contiguous norm weight of a row's length.
-  static bool add_norm_fits(const TensorView& y, const AddNormParams& an) {
-    const auto same = [&](const TensorView& v) {
-      return v.dtype == DType::F32 && v.rows() == y.rows() && v.cols() == y.cols() &&
-             cuda::rows_uniform(v) && v.stride[v.ndim - 1] == 1;
-    };
-    return same(y) && same(an.r) && same(an.r_out) && same(an.rn) && an.norm.dtype == DType::F32 &&
-           an.norm.is_contiguous() && an.norm.numel() == y.cols() &&
-           y.rows() <= cuda::kAddNormMaxRows;
-  }
-
-  static cuda::AddNormArgs add_norm_args(const AddNormParams& an, int* counter) {
-    cuda::AddNormArgs post;
-    post.r = an.r.ptr<float>();
-    post.r_row = an.r.row_stride();
-    post.g = an.norm.ptr<float>();
-    post.eps = an.eps;
-    post.r_out = an.r_out.ptr<float>();
-    post.r_out_row = an.r_out.row_stride();
-    post.rn = an.rn.ptr<float>();
-    post.rn_row = an.rn.row_stride();
-    post.threads = cuda::rms_norm_threads(an.r.cols());
-    post.counter = counter;
-    return post;
-  }
-
   // matmul_add_norm in one launch where the skinny kernel takes the product; false: nothing ran.
   bool fused_matmul_add_norm(const MatmulNormParams& p) {
     if (cuda::wq_dtype(p.w.dtype) || cuda::is_gguf_block_type(p.w.dtype) ||
         p.x.dtype != DType::F32 || !cuda::rows_uniform(p.x) || p.x.rows() != p.out.rows() ||
         p.w.cols() != p.x.cols() || p.out.cols() != p.w.rows() || !cuda::rows_uniform(p.w) ||
-        !add_norm_fits(p.out, p.add_norm))
+        !cuda::add_norm_fits(p.out, p.add_norm))
       return false;
     for (const TensorView* v : {&p.x, &p.w}) cuda::check_inner_dense(*v, "matmul_add_norm");
     require(Op::MatMul, p.w.dtype);
     const cuda::SkinnyGemmArgs sk = cuda::skinny_matmul_args(p.x, p.w, p.out);
     if (!cuda::use_skinny_gemm(sk) || !cuda::skinny_add_norm_fits(sk)) return false;
     cuda::launch_skinny_gemm_add_norm(
-        sk, add_norm_args(p.add_norm, static_cast<int*>(add_norm_counter_->data())), ctx_.sm_count,
-        stream_);
+        sk, cuda::add_norm_args(p.add_norm, static_cast<int*>(add_norm_counter_->data())),
+        ctx_.sm_count, stream_);
     return true;
   }
 

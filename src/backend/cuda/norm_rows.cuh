@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "backend/backend.h"
+#include "backend/cuda/common.cuh"
 #include "backend/cuda/norm.cuh"
 
 namespace ds::cuda {
@@ -53,6 +55,33 @@ struct AddNormArgs {
 
 // Rows an add and norm after a kernel takes (the inverse rms of each in shared memory).
 constexpr int kAddNormMaxRows = 8;
+
+// Whether an in-kernel add and norm takes y and an: F32 rows of y's shape with uniform strides
+// and dense rows, a contiguous norm weight of a row's length, at most kAddNormMaxRows rows.
+inline bool add_norm_fits(const TensorView& y, const AddNormParams& an) {
+  const auto same = [&](const TensorView& v) {
+    return v.dtype == DType::F32 && v.rows() == y.rows() && v.cols() == y.cols() &&
+           rows_uniform(v) && v.stride[v.ndim - 1] == 1;
+  };
+  return same(y) && same(an.r) && same(an.r_out) && same(an.rn) && an.norm.dtype == DType::F32 &&
+         an.norm.is_contiguous() && an.norm.numel() == y.cols() && y.rows() <= kAddNormMaxRows;
+}
+
+// The raw arguments of an (add_norm_fits), arriving on counter.
+inline AddNormArgs add_norm_args(const AddNormParams& an, int* counter) {
+  AddNormArgs a;
+  a.r = an.r.ptr<float>();
+  a.r_row = an.r.row_stride();
+  a.g = an.norm.ptr<float>();
+  a.eps = an.eps;
+  a.r_out = an.r_out.ptr<float>();
+  a.r_out_row = an.r_out.row_stride();
+  a.rn = an.rn.ptr<float>();
+  a.rn_row = an.rn.row_stride();
+  a.threads = rms_norm_threads(an.r.cols());
+  a.counter = counter;
+  return a;
+}
 
 // Elements of a row each virtual thread holds in registers with NormRowsArgs::regs: rms_norm's
 // threads give a row of up to 4,096 at most 4 each.
