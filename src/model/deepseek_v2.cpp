@@ -570,9 +570,8 @@ class DeepseekV2 final : public Model {
   // one (the dense layers' FFN norm).
   // after(): the add and norm to run with the down product (matmul_add_norm), or none; returns
   // whether it ran.
-  template <typename Project, typename After = std::nullopt_t (*)()>
-  bool mlp(const DsMlp& m, const TensorView& xn, TensorView out, Project&& project,
-           After&& after = no_add_norm) {
+  template <typename Project, typename After>
+  bool mlp(const DsMlp& m, const TensorView& xn, TensorView out, Project&& project, After&& after) {
     const int64_t T = xn.shape[0], F = m.ffn;
     TensorView gu = gate_up_->view(DType::F32, {T, 2 * F});
     TensorView act = act_->view(DType::F32, {T, F});
@@ -596,8 +595,6 @@ class DeepseekV2 final : public Model {
     be_.matmul_add_norm(mp);
     return true;
   }
-
-  static std::nullopt_t no_add_norm() { return std::nullopt; }
 
   // Routed experts plus shared experts, into out [T, hidden]. route_in(w, logits): the FFN norm
   // (writing xn) and the router product. after(): the add and norm to run with the experts
@@ -631,7 +628,9 @@ class DeepseekV2 final : public Model {
     if (cfg_.moe_shared_experts > 0 && W.num_shared == 0) {
       be_.moe_routed_ffn(logits, rp, fp);
       TensorView shared = shared_->view(DType::F32, {T, cfg_.hidden});
-      mlp(W.mlp, xn, shared, [&](const TensorView& w, TensorView o) { be_.matmul(xn, w, o); });
+      mlp(
+          W.mlp, xn, shared, [&](const TensorView& w, TensorView o) { be_.matmul(xn, w, o); },
+          [] { return std::nullopt; });
       be_.add(out, shared);
       return false;
     }

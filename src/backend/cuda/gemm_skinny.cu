@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const KernelArgs 
 
 template <wstream::Elem E, int TM, bool NORM>
 void launch_tm(const KernelArgs& ka, dim3 grid, size_t smem, cudaStream_t stream) {
-  if (smem > (size_t(48) << 10)) {
+  if constexpr (NORM) {
     static const bool ready = [] {  // once per kernel: the normed rows may pass 48 KB
       check_cuda(
           cudaFuncSetAttribute(skinny_gemm_kernel<E, TM, NORM>,
@@ -341,12 +341,12 @@ void launch_skinny_gemm_add_norm(const SkinnyGemmArgs& a, const AddNormArgs& pos
                                  cudaStream_t stream) {
   DS_CHECK(skinny_add_norm_fits(a), "skinny GEMM with add and norm: shape not supported");
   DS_CHECK(post.r != nullptr && post.g != nullptr && post.r_out != nullptr && post.rn != nullptr &&
-               post.counter != nullptr,
-           "skinny GEMM with add and norm: r, the norm weight, r_out, rn and a counter needed");
+               post.counter != nullptr && post.threads == rms_norm_threads(a.n),
+           "skinny GEMM with add and norm: r, the norm weight, r_out, rn, a counter and "
+           "rms_norm's threads for a row needed (add_norm_args)");
   KernelArgs ka = kernel_args(a, sm_count);
   ka.out_row = a.out_row;  // the last CTA steps through out's rows itself
   ka.post = post;
-  ka.post.threads = rms_norm_threads(a.n);
   launch<false>(a, ka, 0, stream);
 }
 

@@ -30,8 +30,8 @@ struct NormRowsArgs {
   float* xs = nullptr;
   float eps = 0.0f;
   int m = 0, K = 0, V = 0, parts = 1, part = 0;
-  // Rows loaded into registers first (norm_row_regs; DEEPSERVE_ROW_REGS=1), where K <= kNormJ * V
-  // and the kernel instantiates it (norm_rows' kMayRegs).
+  // Rows loaded into registers first (norm_rows_detail::row_regs; DEEPSERVE_ROW_REGS=1), where K <=
+  // kNormJ * V and the kernel instantiates it (norm_rows' kMayRegs).
   bool regs = false;
 };
 
