@@ -621,8 +621,10 @@ TEST(CudaWq, WeightPrefetchChangesNothing) {
 
 // The decode variants' first weights asked for before the dependent-launch wait
 // (DEEPSERVE_WQ_EARLY) change no bit: dense products of every format (M = 1, 8, 16; one split
-// and several, N and K not whole tiles) and the MoE (T = 1, 8, 12; x's F32 rows read in the
-// kernel, and gathered first, where gate/up takes them early too), each against early off.
+// and several, N and K not whole tiles; M = 40, the prefill-sized tiles) and the MoE (T = 1, 8,
+// 12; x's F32 rows read in the kernel, and gathered first, where gate/up takes them early too),
+// each against early off. Nor does the pipeline's other order (DEEPSERVE_WQ_ISSUE_FIRST: a
+// stage's next copies before its wait), with early weights and without.
 TEST(CudaWq, EarlyWeightsChangeNothing) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
@@ -645,6 +647,14 @@ TEST(CudaWq, EarlyWeightsChangeNothing) {
     EXPECT_EQ(cuda::row_regs_launches() > before, gathers) << what;
     ASSERT_EQ(regs.size(), base.size());
     EXPECT_EQ(0, std::memcmp(regs.data(), base.data(), regs.size() * 4)) << what << ", row regs";
+    const test::Forced issue_first(cuda::g_wq_issue_first, 1);
+    for (int early : {1, 0}) {
+      const test::Forced e(cuda::g_wq_early, early);
+      const auto first = run();
+      ASSERT_EQ(first.size(), base.size());
+      EXPECT_EQ(0, std::memcmp(first.data(), base.data(), first.size() * 4))
+          << what << ", copies issued first, early " << early;
+    }
   };
   struct Dense {
     DType t;
@@ -666,12 +676,13 @@ TEST(CudaWq, EarlyWeightsChangeNothing) {
       q = test::make_qweight(be, c.t, c.n, c.k, uint32_t(c.n * 5 + c.k), false);
       w = q.dev;
     }
-    const auto x = test::random_floats(size_t(16 * c.k), uint32_t(c.k + 3));
-    auto xd = be.alloc(size_t(16 * c.k) * 4), od = be.alloc(size_t(16 * c.n) * 4);
-    be.upload(test::make_view(xd->data(), DType::F32, {16 * c.k}, be.device()), x.data(),
+    const auto x = test::random_floats(size_t(40 * c.k), uint32_t(c.k + 3));
+    auto xd = be.alloc(size_t(40 * c.k) * 4), od = be.alloc(size_t(40 * c.n) * 4);
+    be.upload(test::make_view(xd->data(), DType::F32, {40 * c.k}, be.device()), x.data(),
               x.size() * 4);
     be.synchronize();
-    for (const int64_t M : {1, 8, 16}) {
+    for (const int64_t M : {1, 8, 16, 40}) {
+      if (M > 16 && c.t == DType::BF16) continue;  // BF16 weights take at most 16 rows here
       const TensorView xv = test::make_view(xd->data(), DType::F32, {M, c.k}, be.device());
       const TensorView ov = test::make_view(od->data(), DType::F32, {M, c.n}, be.device());
       run_modes([&] { return wq_direct(xv, w, ov); },

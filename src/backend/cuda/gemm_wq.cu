@@ -41,7 +41,8 @@ struct DenseArgs {
   int64_t w_batch = 0, x_batch = 0, out_batch = 0;
   int groups_per_split = 0;
   int splits = 1;
-  int64_t prefetch = 0;  // bytes of the tile's rows a CTA asks L2 for before the wait (pdl.h)
+  int64_t prefetch = 0;      // bytes of the tile's rows a CTA asks L2 for before the wait (pdl.h)
+  bool issue_first = false;  // CtaJob::issue_first (DEEPSERVE_WQ_ISSUE_FIRST)
 };
 
 // Tokens per CTA for a step of m tokens (rows of x, or the most one expert can get): decode
@@ -144,6 +145,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) dense_kernel
   jb.K = a.k;
   jb.g_begin = int(blockIdx.z) * a.groups_per_split;
   jb.g_end = min(G, jb.g_begin + a.groups_per_split);
+  jb.issue_first = a.issue_first;
   float acc[kRM][BT / 8][4];
   run_cta<F, BT, XF, false, E>(jb, smem, acc);
   float* out_b = a.out + b * a.out_batch;
@@ -333,6 +335,7 @@ void run_dense(const Context& ctx, const float* x, int64_t ldx, float* out, int6
   }
   a.part = part_bytes > 0 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
   a.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::DenseWq);
+  a.issue_first = g_wq_issue_first.on();
   a.out = out;
   a.ldo = ldo;
   launch_dense<F>(a, cluster, ctx.stream);
@@ -447,7 +450,8 @@ namespace {
 // The CtaJob of a tile's tokens (rows of x, K wide) against `rows` weight rows at w0 (and w1,
 // gate/up), over all of K's groups.
 __device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, const uint8_t* w1,
-                                           int64_t w_stride, int rows, const void* x, int K) {
+                                           int64_t w_stride, int rows, const void* x, int K,
+                                           bool issue_first) {
   CtaJob jb;
   jb.w0 = w0;
   jb.w1 = w1;
@@ -460,6 +464,7 @@ __device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, co
   jb.K = K;
   jb.g_begin = 0;
   jb.g_end = (K + kGroup - 1) / kGroup;
+  jb.issue_first = issue_first;
   return jb;
 }
 
@@ -492,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
   // One row stride serves both matrices (the table's check: gate and up rows alike).
   CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * gate_ld,
                        static_cast<const uint8_t*>(ex.up) + int64_t(f0) * up_ld, gate_ld,
-                       min(kBN / 2, Fi - f0), a.xa, H);
+                       min(kBN / 2, Fi - f0), a.xa, H, a.wq_issue_first);
   if constexpr (XI) {
     jb.xf = a.x;
     jb.ldx = a.x_stride;
@@ -539,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(
   const ExpertPtrs ex = a.experts[tl.e];
   const int64_t down_ld = ld_bytes<F>(ex.down_ld);
   const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
-                             nullptr, down_ld, min(kBN, H - n0), a.h, Fi);
+                             nullptr, down_ld, min(kBN, H - n0), a.h, Fi, a.wq_issue_first);
   float acc[kRM][BT / 8][4];
   run_cta<F, BT, false, false, E>(jb, smem, acc);
   for_each_out<F>(acc, [&](int r, int tok, float v) {
@@ -609,14 +614,16 @@ void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
   if (a.hidden % 8 != 0 || a.inter % 8 != 0)
     throw UnsupportedError("cuda moe_ffn: quantized experts need hidden and F multiples of 8");
   if (n == 0) return;
+  GroupedFfnArgs b = a;
+  b.wq_issue_first = g_wq_issue_first.on();
   if (dtype == DType::W4A16 && g_wq_w4_f16.on())
-    launch_ffn<WqFormat::W4A16H>(a, stream);
+    launch_ffn<WqFormat::W4A16H>(b, stream);
   else if (dtype == DType::W4A16)
-    launch_ffn<WqFormat::W4A16>(a, stream);
+    launch_ffn<WqFormat::W4A16>(b, stream);
   else if (dtype == DType::FP8W)
-    launch_ffn<WqFormat::FP8W>(a, stream);
+    launch_ffn<WqFormat::FP8W>(b, stream);
   else if (dtype == DType::BF16)
-    launch_ffn<WqFormat::BF16>(a, stream);
+    launch_ffn<WqFormat::BF16>(b, stream);
   else
     throw UnsupportedError("cuda moe_ffn: the streamed expert kernels take W4A16, FP8W or BF16");
 }

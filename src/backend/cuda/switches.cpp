@@ -91,6 +91,10 @@ EnvSwitch g_mla_early{"DEEPSERVE_MLA_EARLY", "0", true};
 // for their first stages' weights before the dependent-launch wait (DEEPSERVE_WQ_EARLY=0: after
 // it). The same bits either way.
 EnvSwitch g_wq_early{"DEEPSERVE_WQ_EARLY", "0", true};
+// The wq kernels' pipeline issues a stage's next copies before waiting for the stage
+// (DEEPSERVE_WQ_ISSUE_FIRST=1; wq_kernel.cuh, run_cta): two barriers a stage instead of one,
+// and one more stage of weights in flight during the wait. The same bits. Off until measured.
+EnvSwitch g_wq_issue_first{"DEEPSERVE_WQ_ISSUE_FIRST", "1", false};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.

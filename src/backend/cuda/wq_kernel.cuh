@@ -282,6 +282,7 @@ struct CtaJob {
   int tokens;              // valid tokens (<= kBT)
   int64_t K;               // weight columns
   int g_begin, g_end;
+  bool issue_first = false;  // run_cta's order of a stage: the next stage's copies first
 };
 
 // Accumulates acc[i][j][*] (row block i of the warp, token block j) for one CtaJob. Rows of the
@@ -492,16 +493,27 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       pin_reg(b_off[q][c]);
     }
   int stage = 0, next = kStages - 1;  // the buffers of stages kt and kt + kStages - 1
+  // A stage: wait for its copies, then (once every warp is past the stage before, whose buffer
+  // is `next`) issue the copies of stage kt + kStages - 1. With jb.issue_first the copies go
+  // first: every warp past the stage before (a barrier), issue, then wait for stage kt with
+  // one more group in flight, and a second barrier. The wait no longer holds up the next
+  // copies: with two stages (FP8W's decode variants) the weights in flight during the wait go
+  // from one stage to two. The same copies into the same buffers, the same products.
+  const bool issue_first = jb.issue_first;
 #pragma unroll 1
   for (int kt = 0; kt < KT; ++kt, stage = stage + 1 == kStages ? 0 : stage + 1,
            next = next + 1 == kStages ? 0 : next + 1) {
-    ptx::cp_async_wait<kStages - 2>();
+    if (!issue_first) ptx::cp_async_wait<kStages - 2>();
     __syncthreads();
     if (kt + kStages - 1 < KT) {
       load_w(next, kt + kStages - 1);
       load_x(next, kt + kStages - 1);
     }
     ptx::cp_async_commit();
+    if (issue_first) {
+      ptx::cp_async_wait<kStages - 1>();
+      __syncthreads();
+    }
     const uint8_t* sa = smem + stage * kStage;
     const auto* ss = reinterpret_cast<const uint32_t*>(sa + kSA);
     const uint8_t* sb0 = sa + kSA + kStageS<F, BT>;
