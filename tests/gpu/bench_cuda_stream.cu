@@ -1,0 +1,207 @@
+// StreamBench.DISABLED_Patterns: what read bandwidth the H200 gives to the access patterns the
+// quantized decode kernels use (gemm_wq.cu's run_cta), against plain streams. No model code runs:
+// a probe kernel copies a CTA's bytes into shared memory through a cp.async pipeline and touches
+// each staged byte, so the only variables are the pattern, the pipeline depth, the CTAs an SM
+// and how many jobs a CTA streams one after another.
+//   rows x chunk: a stage takes `chunk` bytes of each of `rows` rows `row_bytes` apart (the wq
+//     tiles: 128 rows, 256 bytes of an FP8W row of K = 2048 a stage; 128 bytes of a W4A16 row of
+//     K = 5120); rows = 1 is one contiguous span a stage.
+//   jobs: a CTA streams `jobs` such blocks back to back with one pipeline (the next block's
+//     first stages in flight while the last ones are used), where the wq kernels start a new CTA
+//     (and a new pipeline) for every block.
+// Prints TB/s of bytes read (each case reads 512 MB or more, past the 60 MB L2, and alternates
+// between two buffers).
+//   deepserve_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='StreamBench.*'
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+
+#include "backend/cuda/mma_ptx.cuh"
+
+#define STREAM_CUDA_OK(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr
+
+namespace ds {
+namespace {
+
+namespace ptx = cuda::ptx;
+
+constexpr int kThreads = 128;
+
+struct Pattern {
+  int rows;           // rows a stage reads from
+  int64_t row_bytes;  // bytes between rows (and a block's columns)
+  int chunk;          // bytes of each row a stage reads (a multiple of 16)
+  int jobs;           // blocks a CTA streams with one pipeline
+};
+
+// CTA c streams blocks c * jobs .. c * jobs + jobs - 1 (rows * row_bytes bytes each, in order)
+// stage by stage, every stage's copies spread over the threads; each thread then folds the
+// 16-byte units it would read as a fragment into `acc` (written once, so nothing is dead).
+template <int kStages>
+__global__ void __launch_bounds__(kThreads) stream_kernel(const uint8_t* base, Pattern p,
+                                                          uint32_t* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t s0 = ptx::smem_u32(smem);
+  const int stage_bytes = p.rows * p.chunk, units = stage_bytes / 16, per_row = p.chunk / 16;
+  const int kt_block = int(p.row_bytes / p.chunk), KT = kt_block * p.jobs;
+  const int64_t block_bytes = int64_t(p.rows) * p.row_bytes;
+  const uint8_t* first = base + int64_t(blockIdx.x) * p.jobs * block_bytes;
+  auto load = [&](int buf, int kt) {
+    const uint8_t* blk = first + int64_t(kt / kt_block) * block_bytes + (kt % kt_block) * p.chunk;
+    for (int i = int(threadIdx.x); i < units; i += kThreads) {
+      const int r = i / per_row, c = i - r * per_row;
+      ptx::cp_async16(s0 + uint32_t(buf * stage_bytes + i * 16),
+                      blk + int64_t(r) * p.row_bytes + c * 16, true);
+    }
+  };
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) load(s, s);
+    ptx::cp_async_commit();
+  }
+  uint32_t acc = 0;
+  for (int kt = 0; kt < KT; ++kt) {
+    ptx::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    ptx::cp_async_commit();
+    const uint4* st = reinterpret_cast<const uint4*>(smem + (kt % kStages) * stage_bytes);
+    for (int i = int(threadIdx.x); i < units; i += kThreads) {
+      const uint4 v = st[i];
+      acc ^= v.x + v.y + v.z + v.w;
+    }
+  }
+  ptx::cp_async_wait<0>();
+  sink[blockIdx.x * kThreads + threadIdx.x] = acc;
+}
+
+// The ceiling: every thread reads 16-byte units with plain loads, kUnroll in flight, the grid
+// striding over the whole span.
+constexpr int kUnroll = 8;
+__global__ void __launch_bounds__(256) plain_kernel(const uint4* base, int64_t units,
+                                                    uint32_t* sink) {
+  uint32_t acc = 0;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + (kUnroll - 1) * stride < units; i += kUnroll * stride) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(base + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x + v[u].y + v[u].z + v[u].w;
+  }
+  for (; i < units; i += stride) acc ^= __ldcs(base + i).x;
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+
+struct Buffers {
+  uint8_t* buf[2] = {nullptr, nullptr};
+  uint32_t* sink = nullptr;
+  size_t bytes = 0;
+  ~Buffers() {
+    cudaFree(buf[0]);
+    cudaFree(buf[1]);
+    cudaFree(sink);
+  }
+};
+
+// Milliseconds per call of launch(buffer), alternating the two buffers, after two warm-ups.
+template <typename Fn>
+double time_ms(const Buffers& b, int calls, Fn&& launch) {
+  launch(b.buf[0]);
+  launch(b.buf[1]);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  cudaEventRecord(e0);
+  for (int i = 0; i < calls; ++i) launch(b.buf[i & 1]);
+  cudaEventRecord(e1);
+  cudaEventSynchronize(e1);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return ms / calls;
+}
+
+template <int kStages>
+void run_case(const Buffers& b, const char* name, Pattern p, int occ, int sms) {
+  const int stage_bytes = p.rows * p.chunk;
+  const int64_t block_bytes = int64_t(p.rows) * p.row_bytes;
+  // Shared memory sized so that at most `occ` CTAs fit an SM (228 KB an SM, 1 KB reserved a CTA).
+  const int need = kStages * stage_bytes;
+  const int budget = (228 << 10) / occ - (1 << 10);
+  if (need > budget || budget > (227 << 10)) {
+    std::printf("%-34s %6d %3d %4d   (does not fit)\n", name, kStages, occ, p.jobs);
+    return;
+  }
+  const int smem = std::max(need, occ == 1 ? budget : (228 << 10) / (occ + 1) + 1);
+  cudaFuncSetAttribute(stream_kernel<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  int resident = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, stream_kernel<kStages>, kThreads, smem);
+  const int64_t ctas = int64_t(b.bytes / 2) / (block_bytes * p.jobs);
+  const double ms = time_ms(b, 10, [&](const uint8_t* buf) {
+    stream_kernel<kStages><<<unsigned(ctas), kThreads, smem>>>(buf, p, b.sink);
+  });
+  const double bytes = double(ctas) * p.jobs * block_bytes;
+  std::printf("%-34s %6d %3d %4d %8lld %7.2f %9.1f %8.3f\n", name, kStages, resident, p.jobs,
+              static_cast<long long>(ctas), double(ctas) / (double(resident) * sms), ms * 1e3,
+              bytes / (ms * 1e-3) / 1e12);
+  ASSERT_EQ(cudaSuccess, cudaGetLastError()) << name;
+}
+
+TEST(StreamBench, DISABLED_Patterns) {
+  int dev = 0, sms = 0;
+  STREAM_CUDA_OK(cudaGetDevice(&dev));
+  STREAM_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  Buffers b;
+  b.bytes = size_t(1) << 30;  // two buffers of 512 MB
+  STREAM_CUDA_OK(cudaMalloc(&b.buf[0], b.bytes / 2));
+  STREAM_CUDA_OK(cudaMalloc(&b.buf[1], b.bytes / 2));
+  STREAM_CUDA_OK(cudaMalloc(&b.sink, size_t(1) << 24));
+  STREAM_CUDA_OK(cudaMemset(b.buf[0], 1, b.bytes / 2));
+  STREAM_CUDA_OK(cudaMemset(b.buf[1], 2, b.bytes / 2));
+  {
+    const int64_t units = int64_t(b.bytes / 2) / 16;
+    const double ms = time_ms(b, 10, [&](const uint8_t* buf) {
+      plain_kernel<<<unsigned(sms * 8), 256>>>(reinterpret_cast<const uint4*>(buf), units, b.sink);
+    });
+    std::printf("plain loads, %d in flight a thread: %.1f us, %.3f TB/s\n", kUnroll, ms * 1e3,
+                double(b.bytes / 2) / (ms * 1e-3) / 1e12);
+  }
+  std::printf("%-34s %6s %3s %4s %8s %7s %9s %8s\n", "pattern", "stages", "occ", "jobs", "ctas",
+              "waves", "us/call", "TB/s");
+  // A CTA's block is 256 KB in every pattern (a V2-Lite FP8W gate/up tile: 128 rows of 2 KB).
+  const Pattern contig{1, 256 << 10, 32 << 10, 1};
+  const Pattern fp8w{128, 2048, 256, 1};   // 32 KB stages
+  const Pattern w4{128, 2048, 128, 1};     // 16 KB stages
+  for (int occ : {1, 2, 3, 4}) {
+    run_case<2>(b, "contiguous 32 KB stages", contig, occ, sms);
+    run_case<3>(b, "contiguous 32 KB stages", contig, occ, sms);
+    run_case<4>(b, "contiguous 32 KB stages", contig, occ, sms);
+  }
+  for (int occ : {1, 2, 3}) {
+    run_case<2>(b, "128 rows x 256 B (FP8W)", fp8w, occ, sms);
+    run_case<3>(b, "128 rows x 256 B (FP8W)", fp8w, occ, sms);
+    run_case<4>(b, "128 rows x 256 B (FP8W)", fp8w, occ, sms);
+  }
+  for (int occ : {2, 3, 4}) {
+    run_case<3>(b, "128 rows x 128 B (W4A16)", w4, occ, sms);
+    run_case<4>(b, "128 rows x 128 B (W4A16)", w4, occ, sms);
+  }
+  // One wave of CTAs, each streaming several blocks with one pipeline.
+  for (int jobs : {2, 4, 8}) {
+    Pattern p = fp8w;
+    p.jobs = jobs;
+    run_case<2>(b, "128 rows x 256 B (FP8W), jobs", p, 2, sms);
+    run_case<3>(b, "128 rows x 256 B (FP8W), jobs", p, 2, sms);
+    Pattern q = w4;
+    q.jobs = jobs;
+    run_case<3>(b, "128 rows x 128 B (W4A16), jobs", q, 3, sms);
+  }
+}
+
+}  // namespace
+}  // namespace ds
