@@ -41,8 +41,8 @@ struct Pattern {
 // stage by stage, every stage's copies spread over the threads; each thread then folds the
 // 16-byte units it would read as a fragment into `acc` (written once, so nothing is dead).
 template <int kStages>
-__global__ void __launch_bounds__(kThreads) stream_kernel(const uint8_t* base, Pattern p,
-                                                          uint32_t* sink) {
+__global__ void __launch_bounds__(kThreads)
+    stream_kernel(const uint8_t* base, Pattern p, uint32_t* sink) {
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t s0 = ptx::smem_u32(smem);
   const int stage_bytes = p.rows * p.chunk, units = stage_bytes / 16, per_row = p.chunk / 16;
@@ -80,8 +80,8 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint8_t* base, P
 // The ceiling: every thread reads 16-byte units with plain loads, kUnroll in flight, the grid
 // striding over the whole span.
 constexpr int kUnroll = 8;
-__global__ void __launch_bounds__(256) plain_kernel(const uint4* base, int64_t units,
-                                                    uint32_t* sink) {
+__global__ void __launch_bounds__(256)
+    plain_kernel(const uint4* base, int64_t units, uint32_t* sink) {
   uint32_t acc = 0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -175,8 +175,8 @@ TEST(StreamBench, DISABLED_Patterns) {
               "waves", "us/call", "TB/s");
   // A CTA's block is 256 KB in every pattern (a V2-Lite FP8W gate/up tile: 128 rows of 2 KB).
   const Pattern contig{1, 256 << 10, 32 << 10, 1};
-  const Pattern fp8w{128, 2048, 256, 1};   // 32 KB stages
-  const Pattern w4{128, 2048, 128, 1};     // 16 KB stages
+  const Pattern fp8w{128, 2048, 256, 1};  // 32 KB stages
+  const Pattern w4{128, 2048, 128, 1};    // 16 KB stages
   for (int occ : {1, 2, 3, 4}) {
     run_case<2>(b, "contiguous 32 KB stages", contig, occ, sms);
     run_case<3>(b, "contiguous 32 KB stages", contig, occ, sms);
