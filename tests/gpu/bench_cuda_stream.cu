@@ -35,6 +35,7 @@ struct Pattern {
   int64_t row_bytes;  // bytes between rows (and a block's columns)
   int chunk;          // bytes of each row a stage reads (a multiple of 16)
   int jobs;           // blocks a CTA streams with one pipeline
+  int spin = 0;       // cycles a stage's consumer spends after its loads (the products' stand-in)
 };
 
 // CTA c streams blocks c * jobs .. c * jobs + jobs - 1 (rows * row_bytes bytes each, in order)
@@ -71,6 +72,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = int(threadIdx.x); i < units; i += kThreads) {
       const uint4 v = st[i];
       acc ^= v.x + v.y + v.z + v.w;
+    }
+    if (p.spin > 0) {
+      const long long t0 = clock64();
+      while (clock64() - t0 < p.spin) acc += 1;
     }
   }
   ptx::cp_async_wait<0>();
@@ -127,28 +132,28 @@ double time_ms(const Buffers& b, int calls, Fn&& launch) {
 }
 
 template <int kStages>
-void run_case(const Buffers& b, const char* name, Pattern p, int occ, int sms) {
+void run_case(const Buffers& b, const char* name, Pattern p, int occ, int sms, int64_t blocks = 0) {
   const int stage_bytes = p.rows * p.chunk;
   const int64_t block_bytes = int64_t(p.rows) * p.row_bytes;
   // Shared memory sized so that at most `occ` CTAs fit an SM (228 KB an SM, 1 KB reserved a CTA).
   const int need = kStages * stage_bytes;
   const int budget = (228 << 10) / occ - (1 << 10);
   if (need > budget || budget > (227 << 10)) {
-    std::printf("%-34s %6d %3d %4d   (does not fit)\n", name, kStages, occ, p.jobs);
+    std::printf("%-34s %6d %3d %4d %5d   (does not fit)\n", name, kStages, occ, p.jobs, p.spin);
     return;
   }
   const int smem = std::max(need, occ == 1 ? budget : (228 << 10) / (occ + 1) + 1);
   cudaFuncSetAttribute(stream_kernel<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   int resident = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, stream_kernel<kStages>, kThreads, smem);
-  const int64_t ctas = int64_t(b.bytes / 2) / (block_bytes * p.jobs);
+  const int64_t ctas = blocks > 0 ? blocks / p.jobs : int64_t(b.bytes / 2) / (block_bytes * p.jobs);
   const double ms = time_ms(b, 10, [&](const uint8_t* buf) {
     stream_kernel<kStages><<<unsigned(ctas), kThreads, smem>>>(buf, p, b.sink);
   });
   const double bytes = double(ctas) * p.jobs * block_bytes;
-  std::printf("%-34s %6d %3d %4d %8lld %7.2f %9.1f %8.3f\n", name, kStages, resident, p.jobs,
-              static_cast<long long>(ctas), double(ctas) / (double(resident) * sms), ms * 1e3,
-              bytes / (ms * 1e-3) / 1e12);
+  std::printf("%-34s %6d %3d %4d %5d %8lld %7.2f %9.1f %8.3f\n", name, kStages, resident, p.jobs,
+              p.spin, static_cast<long long>(ctas), double(ctas) / (double(resident) * sms),
+              ms * 1e3, bytes / (ms * 1e-3) / 1e12);
   ASSERT_EQ(cudaSuccess, cudaGetLastError()) << name;
 }
 
@@ -171,8 +176,8 @@ TEST(StreamBench, DISABLED_Patterns) {
     std::printf("plain loads, %d in flight a thread: %.1f us, %.3f TB/s\n", kUnroll, ms * 1e3,
                 double(b.bytes / 2) / (ms * 1e-3) / 1e12);
   }
-  std::printf("%-34s %6s %3s %4s %8s %7s %9s %8s\n", "pattern", "stages", "occ", "jobs", "ctas",
-              "waves", "us/call", "TB/s");
+  std::printf("%-34s %6s %3s %4s %5s %8s %7s %9s %8s\n", "pattern", "stages", "occ", "jobs", "spin",
+              "ctas", "waves", "us/call", "TB/s");
   // A CTA's block is 256 KB in every pattern (a V2-Lite FP8W gate/up tile: 128 rows of 2 KB).
   const Pattern contig{1, 256 << 10, 32 << 10, 1};
   const Pattern fp8w{128, 2048, 256, 1};  // 32 KB stages
@@ -191,6 +196,17 @@ TEST(StreamBench, DISABLED_Patterns) {
     run_case<3>(b, "128 rows x 128 B (W4A16)", w4, occ, sms);
     run_case<4>(b, "128 rows x 128 B (W4A16)", w4, occ, sms);
   }
+  // W1f's gate/up launch: ~37 experts x 22 blocks = 814 CTAs of 256 KB (3.08 waves at two an
+  // SM), against whole waves, with a stage's products stood in for by a spin of so many cycles.
+  for (int64_t blocks : {int64_t(814), int64_t(792), int64_t(2048)})
+    for (int spin : {0, 1000, 2000, 4000}) {
+      Pattern p = fp8w;
+      p.spin = spin;
+      char name[64];
+      std::snprintf(name, sizeof(name), "FP8W rows, %lld blocks", static_cast<long long>(blocks));
+      run_case<2>(b, name, p, 2, sms, blocks);
+      if (spin >= 2000) run_case<3>(b, name, p, 2, sms, blocks);
+    }
   // One wave of CTAs, each streaming several blocks with one pipeline.
   for (int jobs : {2, 4, 8}) {
     Pattern p = fp8w;
