@@ -710,53 +710,5 @@ TEST(CudaWq, EarlyWeightsChangeNothing) {
   }
 }
 
-// A CTA streaming several row blocks through one pipeline (DEEPSERVE_MOE_WQ_JOBS) changes no
-// bit of the MoE: each block's sums keep the order of a block alone. J = 2, 3, 5 and 64 over
-// gate/up's 12 blocks of 64 rows and down's 8 of 128 (a CTA's last run shorter where J does not
-// divide them; 64: one CTA a tile), both formats, T = 1, 8 and 12 (decode tiles) and 40 (the
-// prefill-sized tile), x's F32 rows read in the kernel and gathered, with the copies issued
-// first and early weights on and off. F = 720 (not whole 64-row blocks) keeps one block a CTA.
-TEST(CudaWq, MoeJobsChangeNothing) {
-  DS_REQUIRE_GPU();
-  Backend& be = cuda_backend();
-  const test::Forced kernels_only(cuda::g_wq_dequant, 0);
-  const int E = 12, k = 6, shared = 2;
-  const int64_t H = 1024;
-  for (DType t : {DType::W4A16, DType::FP8W}) {
-    for (const int64_t F : {int64_t(768), int64_t(720)}) {
-      if (F % 128 != 0 && t == DType::W4A16) continue;  // W4A16's down takes whole groups
-      const QExperts qe = make_experts(t, E, H, F);
-      for (int xf32 = 0; xf32 < 2; ++xf32) {
-        const test::Forced stage(cuda::g_moe_wq_stage_f32, xf32);
-        for (const int64_t T : {1, 8, 12, 40}) {
-          std::vector<int32_t> ids;
-          std::vector<float> wts;
-          spread_routing(T, k, E - shared, ids, wts);
-          const auto xm = test::random_floats(size_t(T * H), uint32_t(195 + T));
-          const auto run = [&] {
-            return moe_test::run_moe_ffn(be, xm, ids, wts, qe.dev, shared, T, H, k);
-          };
-          const auto base = run();
-          const std::string what = std::string("MoE ") + fmt_name(t) + " F " + std::to_string(F) +
-                                   " T " + std::to_string(T) + " F32 x " + std::to_string(xf32);
-          for (const long long J : {2LL, 3LL, 5LL, 64LL}) {
-            const test::Forced jobs(cuda::g_moe_wq_jobs, J);
-            for (int issue_first : {0, 1})
-              for (int early : {1, 0}) {
-                const test::Forced first(cuda::g_wq_issue_first, issue_first);
-                const test::Forced e(cuda::g_wq_early, early);
-                const auto got = run();
-                ASSERT_EQ(got.size(), base.size());
-                EXPECT_EQ(0, std::memcmp(got.data(), base.data(), got.size() * 4))
-                    << what << ", " << J << " jobs a CTA, issue first " << issue_first << ", early "
-                    << early;
-              }
-          }
-        }
-      }
-    }
-  }
-}
-
 }  // namespace
 }  // namespace ds

@@ -492,40 +492,31 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     return;
   }
   const ExpertPtrs ex = a.experts[tl.e];
-  // The CTA's jobs: 64-row blocks first .. first + jobs - 1 of gate and up (a.wq_jobs a CTA,
-  // whole blocks only; wq_jobs_fit).
-  const int H = a.hidden, Fi = a.inter, first = blockIdx.x * a.wq_jobs;
-  const int f0 = first * (kBN / 2), jobs = min(a.wq_jobs, (Fi + kBN / 2 - 1) / (kBN / 2) - first);
+  const int H = a.hidden, Fi = a.inter, f0 = blockIdx.x * (kBN / 2);
   const int64_t gate_ld = ld_bytes<F>(ex.gate_ld), up_ld = ld_bytes<F>(ex.up_ld);
   // One row stride serves both matrices (the table's check: gate and up rows alike).
   CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * gate_ld,
                        static_cast<const uint8_t*>(ex.up) + int64_t(f0) * up_ld, gate_ld,
                        min(kBN / 2, Fi - f0), a.xa, H, a.wq_issue_first);
-  jb.jobs = jobs;
-  jb.job_stride = int64_t(kBN / 2) * gate_ld;
   if constexpr (XI) {
     jb.xf = a.x;
     jb.ldx = a.x_stride;
     jb.xrow = a.lists.sorted_token + tl.begin;
   }
+  float acc[kRM][BT / 8][4];
+  run_cta<F, BT, XI, XI, E, true>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   auto* h = static_cast<uint16_t*>(a.h);
-  const auto store = [&](int job, const float(&acc)[kRM][BT / 8][4]) {
-    const int fj = f0 + job * (kBN / 2);
 #pragma unroll
-    for (int j = 0; j < BT / 8; ++j)
+  for (int j = 0; j < BT / 8; ++j)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int f = fj + warp * 16 + g + 8 * (q >> 1), tok = j * 8 + 2 * t + (q & 1);
-        if (f >= Fi || tok >= tl.rows) continue;
-        const float gv = acc[0][j][q], uv = acc[1][j][q];
-        h[int64_t(tl.begin + tok) * Fi + staged_col<F>(f)] =
-            act_bits<F>(gv / (1.0f + expf(-gv)) * uv);
-      }
-  };
-  float acc[kRM][BT / 8][4];
-  run_cta<F, BT, XI, XI, E, true>(jb, smem, acc, store);
-  store(jobs - 1, acc);
+    for (int q = 0; q < 4; ++q) {
+      const int f = f0 + warp * 16 + g + 8 * (q >> 1), tok = j * 8 + 2 * t + (q & 1);
+      if (f >= Fi || tok >= tl.rows) continue;
+      const float gv = acc[0][j][q], uv = acc[1][j][q];
+      h[int64_t(tl.begin + tok) * Fi + staged_col<F>(f)] =
+          act_bits<F>(gv / (1.0f + expf(-gv)) * uv);
+    }
 }
 
 // Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p. E: the tile is looked up through
@@ -533,8 +524,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
 // else a.prefetch may ask L2 for them (down_start).
 template <WqFormat F, int BT, bool E>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(GroupedFfnArgs a) {
-  // The CTA's jobs: 128-row blocks first .. first + jobs - 1 of down (as gate_up_kernel's).
-  const int H = a.hidden, Fi = a.inter, first = blockIdx.x * a.wq_jobs, n0 = first * kBN;
+  const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
   Tile tl;
   if constexpr (E) {
     tl = tile_of<kTileM, true>(a.lists, blockIdx.y);
@@ -553,20 +543,14 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(
   if (tl.e < 0) return;
   const ExpertPtrs ex = a.experts[tl.e];
   const int64_t down_ld = ld_bytes<F>(ex.down_ld);
-  CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld, nullptr,
-                       down_ld, min(kBN, H - n0), a.h, Fi, a.wq_issue_first);
-  jb.jobs = min(a.wq_jobs, (H + kBN - 1) / kBN - first);
-  jb.job_stride = int64_t(kBN) * down_ld;
-  const auto store = [&](int job, const float(&acc)[kRM][BT / 8][4]) {
-    const int nj = n0 + job * kBN;
-    for_each_out<F>(acc, [&](int r, int tok, float v) {
-      const int row = nj + r;
-      if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
-    });
-  };
+  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
+                             nullptr, down_ld, min(kBN, H - n0), a.h, Fi, a.wq_issue_first);
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, false, false, E>(jb, smem, acc, store);
-  store(jb.jobs - 1, acc);
+  run_cta<F, BT, false, false, E>(jb, smem, acc);
+  for_each_out<F>(acc, [&](int r, int tok, float v) {
+    const int row = n0 + r;
+    if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
+  });
 }
 
 // E: the kernels whose token rows are BF16 (gate/up unless XI, down) ask for their first
@@ -584,12 +568,11 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
     launch_gather_act(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts,
                       a.num_tokens * a.top_k, a.hidden, a.xa, stream, F);
   const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
-  const int J = a.wq_jobs;
-  pdl::launch(gate_up_kernel<F, BT, XI, kGuE>, dim3(ceil_div(ceil_div(a.inter, kBN / 2), J), tiles),
-              kThreads, kSmem<F, BT, XI>, stream, a);
+  pdl::launch(gate_up_kernel<F, BT, XI, kGuE>, dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads,
+              kSmem<F, BT, XI>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe gate/up");
-  pdl::launch(down_kernel<F, BT, E>, dim3(ceil_div(ceil_div(a.hidden, kBN), J), tiles), kThreads,
-              kSmem<F, BT>, stream, a);
+  pdl::launch(down_kernel<F, BT, E>, dim3(ceil_div(a.hidden, kBN), tiles), kThreads, kSmem<F, BT>,
+              stream, a);
   check_cuda(cudaGetLastError(), "wq moe down");
 }
 
@@ -609,12 +592,6 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
 bool experts_stage_f32(const GroupedFfnArgs& a) {
   return g_moe_wq_stage_f32.on() && a.hidden % 4 == 0 && a.x_stride % 4 == 0 &&
          reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
-}
-
-// Whether a CTA may stream several blocks of rows (DEEPSERVE_MOE_WQ_JOBS): only whole blocks
-// (run_cta's jobs share the first one's row count).
-bool wq_jobs_fit(const GroupedFfnArgs& a) {
-  return a.inter % (kBN / 2) == 0 && a.hidden % kBN == 0;
 }
 
 // An expert holds each token at most once, so a step of T tokens never puts more than
@@ -639,7 +616,6 @@ void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
   if (n == 0) return;
   GroupedFfnArgs b = a;
   b.wq_issue_first = g_wq_issue_first.on();
-  b.wq_jobs = wq_jobs_fit(a) ? int(std::clamp<long long>(g_moe_wq_jobs.get(), 1, 64)) : 1;
   if (dtype == DType::W4A16 && g_wq_w4_f16.on())
     launch_ffn<WqFormat::W4A16H>(b, stream);
   else if (dtype == DType::W4A16)

@@ -406,7 +406,6 @@ struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
   void* h = nullptr;   // [N, F] BF16: silu(gate x) * up x
   float* y = nullptr;  // [N, hidden] F32: down h
   bool wq_issue_first = false;  // launch_wq_ffn sets it (DEEPSERVE_WQ_ISSUE_FIRST)
-  int wq_jobs = 1;  // blocks of rows a wq CTA streams (launch_wq_ffn: DEEPSERVE_MOE_WQ_JOBS)
 };
 
 // x to BF16 [T, hidden], then the gate/up and down tensor-core kernels over the tile table

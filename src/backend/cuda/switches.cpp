@@ -97,12 +97,6 @@ EnvSwitch g_wq_early{"DEEPSERVE_WQ_EARLY", "0", true};
 // seventh session) W1f's TPOT -1.1%, W1's +0.5%: off until the H200 measures W1f, W5 and W1.
 EnvSwitch g_wq_issue_first{"DEEPSERVE_WQ_ISSUE_FIRST", "1", false};
 
-// Blocks of rows a quantized-MoE CTA streams one after another through one pipeline
-// (DEEPSERVE_MOE_WQ_JOBS=J; gemm_wq.cu, run_cta's jobs): the grid's x shrinks J-fold, and a
-// CTA's next block is in flight while it multiplies the last stages of the one before, where
-// every block otherwise starts a CTA and a pipeline. The same bits. 1 (off) until measured.
-EnvCount g_moe_wq_jobs{"DEEPSERVE_MOE_WQ_JOBS", 1};
-
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.
 EnvSwitch g_wq_dequant{"DEEPSERVE_WQ_DEQUANT", "0", true};

@@ -283,16 +283,6 @@ struct CtaJob {
   int64_t K;               // weight columns
   int g_begin, g_end;
   bool issue_first = false;  // run_cta's order of a stage: the next stage's copies first
-  // Jobs streamed back to back through one pipeline: job j's weight rows (w0 and w1 alike) are
-  // j * job_stride bytes past job 0's, every other field the same (run_cta's job_end).
-  int jobs = 1;
-  int64_t job_stride = 0;
-};
-
-// run_cta's default job_end: one job, nothing between jobs.
-struct NoJobEnd {
-  template <typename Acc>
-  __device__ void operator()(int, const Acc&) const {}
 };
 
 // Accumulates acc[i][j][*] (row block i of the warp, token block j) for one CtaJob. Rows of the
@@ -330,19 +320,14 @@ __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
       }
 }
 
-// jb.jobs > 1: the CTA streams its jobs one after another with one pipeline (the next job's first
-// stages are in flight while the last ones of a job are multiplied), each job's sums in the
-// order of a job alone; after every job but the last, job_end(job, acc) takes its sums and acc
-// starts again from zero; the last job's are left in acc, as with one job.
 // kEarly: the weights (codes and scales) of the first kStages - 1 stages are asked for before
 // pdl::enter(), which run_cta calls, and the token rows after it: the caller's job must not
 // depend on what the kernel ahead writes (pdl.cuh), and the caller must not call enter() itself.
 // GU: the job is gate/up's (jb.w1 set), known where the kernel is written, so a fragment's rows
 // are compile-time offsets from the thread's first.
 template <WqFormat F, int BT, bool XF = false, bool XI = false, bool kEarly = false,
-          bool GU = false, typename JobEnd = NoJobEnd>
-__device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4],
-                        JobEnd job_end = {}) {
+          bool GU = false>
+__device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
   static_assert(XF || !XI, "indexed token rows are F32");
   static_assert(!(kEarly && XI), "the token indices come from the lists, after the wait");
   using Fm = Fmt<F>;
@@ -416,10 +401,9 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   const int x_end = int((XF ? jb.K : jb.kp) - int64_t(jb.g_begin) * kGroup) - x_k0;
   // Stage kt holds groups g_begin + kGps * kt, + 1 ...: codes of every group (kGps * 128 k of
   // each row, in one span), one scale word per row (W4A16's holds the group pair's scales),
-  // and the token rows of each group in turn. load_w copies the weights (codes and scale words)
-  // of step kt of the job `job` bytes on (jb.job_stride apart) into buffer `stage`, load_x the
-  // step's token rows.
-  auto load_w = [&](int stage, int kt, int64_t job) {
+  // and the token rows of each group in turn. load_w copies a stage's weights (codes and scale
+  // words) into buffer `stage`, load_x its token rows.
+  auto load_w = [&](int stage, int kt) {
     const uint32_t sa = s0 + stage * kStage, ss = sa + kSA;
     const int off = kt * kRowB;
     uint32_t bytes[kWj];  // 16, or 0 (zeros) for chunks past the codes
@@ -427,7 +411,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     for (int j = 0; j < kWj; ++j) bytes[j] = off + 64 * j < w_end ? 16u : 0u;
     each_index<kWPasses>([&](auto pc) {
       constexpr int p = decltype(pc)::value;
-      const uint8_t* src = w_src[p] + job + off;
+      const uint8_t* src = w_src[p] + off;
       each_index<kWj>([&](auto jc) {
         constexpr int j = decltype(jc)::value;
         ptx::cp_async16_at<p * kWRowsPerPass * kRowB, 64 * j>(sa + w_dst[j], src, bytes[j]);
@@ -436,8 +420,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     if constexpr (!kBf16) {
       // Word w of the stage's scales (rows [w][tid]); one past the last group is zero-filled.
       const int64_t gi = jb.g_begin + int64_t(kGps) * kt;
-      const uint8_t* src =
-          s_src + job + (Fm::scale_off(jb.K, gi) - Fm::scale_off(jb.K, jb.g_begin));
+      const uint8_t* src = s_src + (Fm::scale_off(jb.K, gi) - Fm::scale_off(jb.K, jb.g_begin));
 #pragma unroll
       for (int w = 0; w < kSw; ++w) {
         const bool ok = gi + (wq_w4(F) ? 2 * w : w) < jb.g_end;
@@ -467,35 +450,21 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     for (int j = 0; j < kTN; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-  const int KT = (jb.g_end - jb.g_begin + kGps - 1) / kGps;  // stages a job
-  const int KTT = KT * jb.jobs;                              // stages in all
+  const int KT = (jb.g_end - jb.g_begin + kGps - 1) / kGps;  // stages
   const int tn = (jb.tokens + 7) / 8;                        // token blocks with work
-  // Where a stage's copies come from: its step in its job, and the job's bytes past job 0's.
-  struct Cursor {
-    int kt = 0;
-    int64_t job = 0;
-  };
-  const auto advance = [&](Cursor& c) {
-    if (++c.kt == KT) {
-      c.kt = 0;
-      c.job += jb.job_stride;
-    }
-  };
   // The prologue: stages 0 .. kStages - 2, one commit group each (kEarly: every early weight
   // copy lands in group 0, which the first wait then covers).
   if constexpr (kEarly) {
-    Cursor c;
 #pragma unroll 1
-    for (int s = 0; s < kStages - 1; ++s, advance(c))
-      if (s < KTT) load_w(s, c.kt, c.job);
+    for (int s = 0; s < kStages - 1; ++s)
+      if (s < KT) load_w(s, s);
     pdl::enter();
   }
-  Cursor ld;  // after the prologue: stage kStages - 1's
 #pragma unroll 1
-  for (int s = 0; s < kStages - 1; ++s, advance(ld)) {
-    if (s < KTT) {
-      if constexpr (!kEarly) load_w(s, ld.kt, ld.job);
-      load_x(s, ld.kt);
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) {
+      if constexpr (!kEarly) load_w(s, s);
+      load_x(s, s);
     }
     ptx::cp_async_commit();
   }
@@ -531,16 +500,14 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   // copies: with two stages (FP8W's decode variants) the weights in flight during the wait go
   // from one stage to two. The same copies into the same buffers, the same products.
   const bool issue_first = jb.issue_first;
-  int ckt = 0, cjob = 0;  // stage kt's step in its job, and the job
 #pragma unroll 1
-  for (int kt = 0; kt < KTT; ++kt, stage = stage + 1 == kStages ? 0 : stage + 1,
+  for (int kt = 0; kt < KT; ++kt, stage = stage + 1 == kStages ? 0 : stage + 1,
            next = next + 1 == kStages ? 0 : next + 1) {
     if (!issue_first) ptx::cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (kt + kStages - 1 < KTT) {
-      load_w(next, ld.kt, ld.job);
-      load_x(next, ld.kt);
-      advance(ld);
+    if (kt + kStages - 1 < KT) {
+      load_w(next, kt + kStages - 1);
+      load_x(next, kt + kStages - 1);
     }
     ptx::cp_async_commit();
     if (issue_first) {
@@ -550,7 +517,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     const uint8_t* sa = smem + stage * kStage;
     const auto* ss = reinterpret_cast<const uint32_t*>(sa + kSA);
     const uint8_t* sb0 = sa + kSA + kStageS<F, BT>;
-    const int64_t g0 = jb.g_begin + int64_t(kGps) * ckt;
+    const int64_t g0 = jb.g_begin + int64_t(kGps) * kt;
     const int groups = min(kGps, jb.g_end - int(g0));  // of this stage (a missing one reads zeros)
     // Raw codes of rows (block i, half h: row g + 8h) for group u: W4 one chunk, FP8 two (BF16
     // reads its chunk of each step in the step).
@@ -657,19 +624,6 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
           for_live_frags<kTN>(tn, [&](int i, int j, int q) {
             acc[i][j][q] = fmaf(part[u][i][j][q], sc[u][i][q >> 1], acc[i][j][q]);
           });
-    if (++ckt == KT) {  // a job's last stage: hand its sums over unless it is the CTA's last
-      ckt = 0;
-      if (cjob + 1 < jb.jobs) {
-        job_end(cjob, acc);
-#pragma unroll
-        for (int i = 0; i < kRM; ++i)
-#pragma unroll
-          for (int j = 0; j < kTN; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-      }
-      ++cjob;
-    }
   }
   ptx::cp_async_wait<0>();
 }
