@@ -624,7 +624,8 @@ TEST(CudaWq, WeightPrefetchChangesNothing) {
 // and several, N and K not whole tiles; M = 40, the prefill-sized tiles) and the MoE (T = 1, 8,
 // 12; x's F32 rows read in the kernel, and gathered first, where gate/up takes them early too),
 // each against early off. Nor does the pipeline's other order (DEEPSERVE_WQ_ISSUE_FIRST: a
-// stage's next copies before its wait), with early weights and without.
+// stage's next copies before its wait), with early weights and without, nor the defaults (FP8W
+// issue-first, DEEPSERVE_WQ_ISSUE_FIRST_FP8W).
 TEST(CudaWq, EarlyWeightsChangeNothing) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
@@ -633,9 +634,16 @@ TEST(CudaWq, EarlyWeightsChangeNothing) {
   auto run_modes = [&](auto&& run, const std::string& what, bool gathers = false) {
     std::vector<float> base;
     {
+      // FP8W's default order is issue-first (DEEPSERVE_WQ_ISSUE_FIRST_FP8W): the defaults as
+      // they are against the classic order of a stage.
+      const auto as_is = run();
+      const test::Forced classic(cuda::g_wq_issue_first_fp8w, 0);
       const test::Forced early(cuda::g_wq_early, 0);
       base = run();
+      ASSERT_EQ(as_is.size(), base.size());
+      EXPECT_EQ(0, std::memcmp(as_is.data(), base.data(), base.size() * 4)) << what << ", defaults";
     }
+    const test::Forced classic(cuda::g_wq_issue_first_fp8w, 0);
     const test::Forced early(cuda::g_wq_early, 1);
     const auto got = run();
     ASSERT_EQ(got.size(), base.size());

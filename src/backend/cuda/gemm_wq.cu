@@ -297,6 +297,14 @@ int split_ctas_per_sm(WqFormat f) {
 // elements) into out (ld ldo): split-K from N, K, the batch and the SM count, x staged as F32 in
 // the kernel where it can be (else converted to BF16 rows first: one product, not a batch),
 // splits summed in a cluster or by reduce_kernel (one product).
+
+// Whether the wq pipeline of format f issues a stage's next copies before its wait
+// (CtaJob::issue_first): every format's with DEEPSERVE_WQ_ISSUE_FIRST=1, FP8W's by default
+// (DEEPSERVE_WQ_ISSUE_FIRST_FP8W=0 turns that off; switches.cpp has the figures).
+bool issue_first_of(WqFormat f) {
+  return g_wq_issue_first.on() || (f == WqFormat::FP8W && g_wq_issue_first_fp8w.on());
+}
+
 template <WqFormat F>
 void run_dense(const Context& ctx, const float* x, int64_t ldx, float* out, int64_t ldo,
                DenseArgs& a) {
@@ -335,7 +343,7 @@ void run_dense(const Context& ctx, const float* x, int64_t ldx, float* out, int6
   }
   a.part = part_bytes > 0 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
   a.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::DenseWq);
-  a.issue_first = g_wq_issue_first.on();
+  a.issue_first = issue_first_of(F);
   a.out = out;
   a.ldo = ldo;
   launch_dense<F>(a, cluster, ctx.stream);
@@ -615,7 +623,7 @@ void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
     throw UnsupportedError("cuda moe_ffn: quantized experts need hidden and F multiples of 8");
   if (n == 0) return;
   GroupedFfnArgs b = a;
-  b.wq_issue_first = g_wq_issue_first.on();
+  b.wq_issue_first = issue_first_of(dtype == DType::FP8W ? WqFormat::FP8W : WqFormat::W4A16);
   if (dtype == DType::W4A16 && g_wq_w4_f16.on())
     launch_ffn<WqFormat::W4A16H>(b, stream);
   else if (dtype == DType::W4A16)

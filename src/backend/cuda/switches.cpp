@@ -93,9 +93,16 @@ EnvSwitch g_mla_early{"DEEPSERVE_MLA_EARLY", "0", true};
 EnvSwitch g_wq_early{"DEEPSERVE_WQ_EARLY", "0", true};
 // The wq kernels' pipeline issues a stage's next copies before waiting for the stage
 // (DEEPSERVE_WQ_ISSUE_FIRST=1; wq_kernel.cuh, run_cta): two barriers a stage instead of one,
-// and one more stage of weights in flight during the wait. The same bits. On an H100 (twenty-
-// seventh session) W1f's TPOT -1.1%, W1's +0.5%: off until the H200 measures W1f, W5 and W1.
+// and one more stage of weights in flight during the wait. The same bits. Every format's with
+// the switch; on an H100 (twenty-seventh session) W1f's TPOT -1.1%, W1's +0.5% (twenty-eighth:
+// +0.1%), so only FP8W's is on by default (the next switch); W5 (W4A16) is unmeasured.
 EnvSwitch g_wq_issue_first{"DEEPSERVE_WQ_ISSUE_FIRST", "1", false};
+// FP8W's alone, on by default: two H100 calls (twenty-seventh and twenty-eighth sessions, two
+// machines) gave W1f's TPOT -1.1% each (5.57 -> 5.51, 5.58 -> 5.52 ms; the MoE and the dense
+// products of FP8W run two-stage pipelines, where one more stage in flight counts); W1 (BF16
+// weights, three stages) moved +0.1% to +0.5% with it, so the other formats keep the default
+// order. Not measured on an H200 (no H200 call found a machine in either session).
+EnvSwitch g_wq_issue_first_fp8w{"DEEPSERVE_WQ_ISSUE_FIRST_FP8W", "0", true};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.
