@@ -69,6 +69,13 @@ void set_smem_limit(Kernel k) {
   check_cuda(
       cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem<F, BT, XF>)),
       "wq kernel smem limit");
+  // DEEPSERVE_WQ_CARVEOUT=max: ask for the whole unified L1 as shared memory (a hint the driver
+  // may override), so that every CTA the registers and shared memory allow can reside (FP8W's
+  // MoE down at T <= 8: 74 KB and 134 registers, three an SM by both).
+  if (g_wq_carveout_max.on())
+    check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    int(cudaSharedmemCarveoutMaxShared)),
+               "wq kernel carveout");
 }
 
 // Split-K in one launch (sm_90): the splits of a tile are one thread-block cluster; each CTA
