@@ -300,11 +300,6 @@ int split_ctas_per_sm(WqFormat f) {
   return env > 0 ? int(std::min(env, 64LL)) : f == WqFormat::FP8W ? 2 : 4;
 }
 
-// Runs the product a describes (w, w_stride, n, k, m; batch and its strides) on F32 x (ld ldx
-// elements) into out (ld ldo): split-K from N, K, the batch and the SM count, x staged as F32 in
-// the kernel where it can be (else converted to BF16 rows first: one product, not a batch),
-// splits summed in a cluster or by reduce_kernel (one product).
-
 // Whether the wq pipeline of format f issues a stage's next copies before its wait
 // (CtaJob::issue_first): every format's with DEEPSERVE_WQ_ISSUE_FIRST=1, FP8W's by default
 // (DEEPSERVE_WQ_ISSUE_FIRST_FP8W=0 turns that off; switches.cpp has the figures).
@@ -312,6 +307,10 @@ bool issue_first_of(WqFormat f) {
   return g_wq_issue_first.on() || (f == WqFormat::FP8W && g_wq_issue_first_fp8w.on());
 }
 
+// Runs the product a describes (w, w_stride, n, k, m; batch and its strides) on F32 x (ld ldx
+// elements) into out (ld ldo): split-K from N, K, the batch and the SM count, x staged as F32 in
+// the kernel where it can be (else converted to BF16 rows first: one product, not a batch),
+// splits summed in a cluster or by reduce_kernel (one product).
 template <WqFormat F>
 void run_dense(const Context& ctx, const float* x, int64_t ldx, float* out, int64_t ldo,
                DenseArgs& a) {
@@ -612,8 +611,10 @@ bool experts_stage_f32(const GroupedFfnArgs& a) {
 // An expert holds each token at most once, so a step of T tokens never puts more than
 // min(T, kTileM) in a tile: T <= 16 takes the decode variants.
 template <WqFormat F>
-void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
+void launch_ffn(const GroupedFfnArgs& args, cudaStream_t stream) {
   static_assert(kTileM == kBT, "a tile's tokens fit one CTA");
+  GroupedFfnArgs a = args;
+  a.wq_issue_first = issue_first_of(F);
   with_bt(a.num_tokens, [&]<int BT>() {
     if constexpr (F == WqFormat::FP8W && BT != kBT) {
       if (experts_stage_f32(a)) return launch_ffn<F, BT, true>(a, stream);
@@ -629,16 +630,14 @@ void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
   if (a.hidden % 8 != 0 || a.inter % 8 != 0)
     throw UnsupportedError("cuda moe_ffn: quantized experts need hidden and F multiples of 8");
   if (n == 0) return;
-  GroupedFfnArgs b = a;
-  b.wq_issue_first = issue_first_of(dtype == DType::FP8W ? WqFormat::FP8W : WqFormat::W4A16);
   if (dtype == DType::W4A16 && g_wq_w4_f16.on())
-    launch_ffn<WqFormat::W4A16H>(b, stream);
+    launch_ffn<WqFormat::W4A16H>(a, stream);
   else if (dtype == DType::W4A16)
-    launch_ffn<WqFormat::W4A16>(b, stream);
+    launch_ffn<WqFormat::W4A16>(a, stream);
   else if (dtype == DType::FP8W)
-    launch_ffn<WqFormat::FP8W>(b, stream);
+    launch_ffn<WqFormat::FP8W>(a, stream);
   else if (dtype == DType::BF16)
-    launch_ffn<WqFormat::BF16>(b, stream);
+    launch_ffn<WqFormat::BF16>(a, stream);
   else
     throw UnsupportedError("cuda moe_ffn: the streamed expert kernels take W4A16, FP8W or BF16");
 }
