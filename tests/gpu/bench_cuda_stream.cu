@@ -9,8 +9,8 @@
 //   jobs: a CTA streams `jobs` such blocks back to back with one pipeline (the next block's
 //     first stages in flight while the last ones are used), where the wq kernels start a new CTA
 //     (and a new pipeline) for every block.
-// Prints TB/s of bytes read (each case reads 512 MB or more, past the 60 MB L2, and alternates
-// between two buffers).
+// Prints TB/s of bytes read (each case reads 512 MB, or ~200 MB for the W1f-sized launches: past
+// the 60 MB L2 either way, alternating between two buffers).
 //   deepserve_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='StreamBench.*'
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

@@ -621,10 +621,11 @@ void launch_ffn(const GroupedFfnArgs& args, cudaStream_t stream) {
   a.wq_issue_first = issue_first_of(F);
   with_bt(a.num_tokens, [&]<int BT>() {
     if constexpr (F == WqFormat::FP8W && BT != kBT) {
-      // DEEPSERVE_MOE_WQ_XF16=1: the same rows staged as FP16 (half the shared memory).
-      if (experts_stage_f32(a) && g_moe_wq_stage_f16.on())
-        return launch_ffn<F, BT, true, true>(a, stream);
-      if (experts_stage_f32(a)) return launch_ffn<F, BT, true>(a, stream);
+      if (experts_stage_f32(a)) {
+        // DEEPSERVE_MOE_WQ_XF16=1: the same rows staged as FP16 (half the shared memory).
+        if (g_moe_wq_stage_f16.on()) return launch_ffn<F, BT, true, true>(a, stream);
+        return launch_ffn<F, BT, true>(a, stream);
+      }
     }
     launch_ffn<F, BT, false>(a, stream);
   });

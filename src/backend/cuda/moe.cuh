@@ -405,7 +405,7 @@ struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
                        // itself [T, hidden] (Grouped / Wide)
   void* h = nullptr;   // [N, F] BF16: silu(gate x) * up x
   float* y = nullptr;  // [N, hidden] F32: down h
-  bool wq_issue_first = false;  // launch_wq_ffn sets it per format (gemm_wq.cu, issue_first_of)
+  bool wq_issue_first = false;  // the wq launches set it per format (gemm_wq.cu, issue_first_of)
 };
 
 // x to BF16 [T, hidden], then the gate/up and down tensor-core kernels over the tile table
