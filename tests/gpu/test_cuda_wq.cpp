@@ -718,42 +718,5 @@ TEST(CudaWq, EarlyWeightsChangeNothing) {
   }
 }
 
-// FP8W's decode gate/up staging x's F32 rows as FP16 rows (DEEPSERVE_MOE_WQ_XF16: converted
-// once a CTA as they are staged) gives the bits of the F32-staged default (each warp converting
-// its fragments with the same rounding): T = 1, 5, 8 (the 8-token variant), 12, 16 (the
-// 16-token one), H a whole number of groups and not (1288: ten groups and 8 columns), with the
-// stage's copies issued first (FP8W's default) and in the classic order.
-TEST(CudaWq, MoeF16RowsChangeNothing) {
-  DS_REQUIRE_GPU();
-  Backend& be = cuda_backend();
-  const test::Forced kernels_only(cuda::g_wq_dequant, 0);
-  const test::Forced f32_rows(cuda::g_moe_wq_stage_f32, 1);
-  const int E = 12, k = 6, shared = 2;
-  for (const int64_t H : {int64_t(1024), int64_t(1288)}) {
-    const int64_t F = 768;
-    const QExperts qe = make_experts(DType::FP8W, E, H, F);
-    for (const int64_t T : {1, 5, 8, 12, 16}) {
-      std::vector<int32_t> ids;
-      std::vector<float> wts;
-      spread_routing(T, k, E - shared, ids, wts);
-      // Values past FP16's range too (saturated alike on both paths).
-      auto xm = test::random_floats(size_t(T * H), uint32_t(295 + T + H));
-      xm[size_t(H / 2)] = 1e5f;
-      const auto run = [&] {
-        return moe_test::run_moe_ffn(be, xm, ids, wts, qe.dev, shared, T, H, k);
-      };
-      for (int first : {1, 0}) {
-        const test::Forced order(cuda::g_wq_issue_first_fp8w, first);
-        const auto base = run();
-        const test::Forced f16(cuda::g_moe_wq_stage_f16, 1);
-        const auto got = run();
-        ASSERT_EQ(got.size(), base.size());
-        EXPECT_EQ(0, std::memcmp(got.data(), base.data(), got.size() * 4))
-            << "H " << H << " T " << T << " issue first " << first;
-      }
-    }
-  }
-}
-
 }  // namespace
 }  // namespace ds

@@ -69,13 +69,6 @@ void set_smem_limit(Kernel k) {
   check_cuda(
       cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem<F, BT, XF>)),
       "wq kernel smem limit");
-  // DEEPSERVE_WQ_CARVEOUT=max: ask for the whole unified L1 as shared memory (a hint the driver
-  // may override), so that every CTA the registers and shared memory allow can reside (FP8W's
-  // MoE down at T <= 8: 74 KB and 134 registers, three an SM by both).
-  if (g_wq_carveout_max.on())
-    check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    int(cudaSharedmemCarveoutMaxShared)),
-               "wq kernel carveout");
 }
 
 // Split-K in one launch (sm_90): the splits of a tile are one thread-block cluster; each CTA
@@ -494,9 +487,8 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
 // FP16). E (not XI: the gather launch sits between the token lists and this kernel, so the
 // lists are settled when it starts, pdl.cuh): the tile is looked up through L2 and its first
 // stages' weights asked for before the wait.
-// XH (with XI): those F32 rows staged as 16-bit rows (run_cta's XH).
-template <WqFormat F, int BT, bool XI, bool E, bool XH = false>
-__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT, !XH>()))
+template <WqFormat F, int BT, bool XI, bool E>
+__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     gate_up_kernel(GroupedFfnArgs a) {
   static_assert(!(XI && E), "with XI the lists are written by the launch just ahead");
   if constexpr (!E) pdl::enter();
@@ -519,7 +511,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT, !XH>()))
     jb.xrow = a.lists.sorted_token + tl.begin;
   }
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, XI && !XH, XI, E, true, XH>(jb, smem, acc);
+  run_cta<F, BT, XI, XI, E, true>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   auto* h = static_cast<uint16_t*>(a.h);
 #pragma unroll
@@ -568,15 +560,13 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(
   });
 }
 
-// The gate/up and down launches (after the gather launch unless XI). E: the kernels whose token
-// rows are BF16 (gate/up unless XI, down) ask for their first weights before the wait. XH (with
-// XI): gate/up stages x's F32 rows as 16-bit rows.
-template <WqFormat F, int BT, bool XI, bool E, bool XH>
-void launch_ffn_pair(const GroupedFfnArgs& a, cudaStream_t stream) {
+// E: the kernels whose token rows are BF16 (gate/up unless XI, down) ask for their first
+// weights before the wait.
+template <WqFormat F, int BT, bool XI, bool E>
+void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   constexpr bool kGuE = E && !XI;
-  constexpr bool kGuF32 = XI && !XH;  // gate/up's token rows staged as F32
   static const bool ready = [] {
-    set_smem_limit<F, BT, kGuF32>(gate_up_kernel<F, BT, XI, kGuE, XH>);
+    set_smem_limit<F, BT, XI>(gate_up_kernel<F, BT, XI, kGuE>);
     set_smem_limit<F, BT, false>(down_kernel<F, BT, E>);
     return true;
   }();
@@ -585,21 +575,20 @@ void launch_ffn_pair(const GroupedFfnArgs& a, cudaStream_t stream) {
     launch_gather_act(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts,
                       a.num_tokens * a.top_k, a.hidden, a.xa, stream, F);
   const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
-  pdl::launch(gate_up_kernel<F, BT, XI, kGuE, XH>, dim3(ceil_div(a.inter, kBN / 2), tiles),
-              kThreads, kSmem<F, BT, kGuF32>, stream, a);
+  pdl::launch(gate_up_kernel<F, BT, XI, kGuE>, dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads,
+              kSmem<F, BT, XI>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe gate/up");
   pdl::launch(down_kernel<F, BT, E>, dim3(ceil_div(a.hidden, kBN), tiles), kThreads, kSmem<F, BT>,
               stream, a);
   check_cuda(cudaGetLastError(), "wq moe down");
 }
 
-// launch_ffn_pair<F, BT, XI, E, XH> with the decode variants' early weights unless
-// DEEPSERVE_WQ_EARLY=0.
-template <WqFormat F, int BT, bool XI, bool XH = false>
+// launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0.
+template <WqFormat F, int BT, bool XI>
 void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   if constexpr (BT != kBT)
-    if (g_wq_early.on()) return launch_ffn_pair<F, BT, XI, true, XH>(a, stream);
-  launch_ffn_pair<F, BT, XI, false, XH>(a, stream);
+    if (g_wq_early.on()) return launch_ffn<F, BT, XI, true>(a, stream);
+  launch_ffn<F, BT, XI, false>(a, stream);
 }
 
 // Whether FP8W's decode variants (the caller's BT < kBT) read x's F32 rows themselves (no
@@ -621,11 +610,7 @@ void launch_ffn(const GroupedFfnArgs& args, cudaStream_t stream) {
   a.wq_issue_first = issue_first_of(F);
   with_bt(a.num_tokens, [&]<int BT>() {
     if constexpr (F == WqFormat::FP8W && BT != kBT) {
-      if (experts_stage_f32(a)) {
-        // DEEPSERVE_MOE_WQ_XF16=1: the same rows staged as FP16 (half the shared memory).
-        if (g_moe_wq_stage_f16.on()) return launch_ffn<F, BT, true, true>(a, stream);
-        return launch_ffn<F, BT, true>(a, stream);
-      }
+      if (experts_stage_f32(a)) return launch_ffn<F, BT, true>(a, stream);
     }
     launch_ffn<F, BT, false>(a, stream);
   });

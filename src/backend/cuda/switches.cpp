@@ -103,16 +103,6 @@ EnvSwitch g_wq_issue_first{"DEEPSERVE_WQ_ISSUE_FIRST", "1", false};
 // weights, three stages) moved +0.1% to +0.5% with it, so the other formats keep the default
 // order. Not measured on an H200 (no H200 call found a machine in either session).
 EnvSwitch g_wq_issue_first_fp8w{"DEEPSERVE_WQ_ISSUE_FIRST_FP8W", "0", true};
-// The wq kernels ask for the largest shared-memory carveout (DEEPSERVE_WQ_CARVEOUT=max;
-// gemm_wq.cu, set_smem_limit): off (the driver's choice) until measured. The twenty-eighth
-// session's probe and trace put the FP8W MoE's limit in a CTA's own stage work with two CTAs an
-// SM, so whether the driver lets a third reside where it would fit is worth one A/B.
-EnvSwitch g_wq_carveout_max{"DEEPSERVE_WQ_CARVEOUT", "max", false};
-// FP8W's decode gate/up stages x's F32 rows as FP16 rows, converted once a CTA as they are staged
-// (DEEPSERVE_MOE_WQ_XF16=1; wq_kernel.cuh, run_cta's XH), where the default stages F32 and each
-// warp converts its fragments: 74 KB of shared memory instead of 82 (three CTAs an SM fit) and
-// no gather launch. The same bits. Off until measured (built in the twenty-eighth session).
-EnvSwitch g_moe_wq_stage_f16{"DEEPSERVE_MOE_WQ_XF16", "1", false};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.

@@ -63,8 +63,6 @@ extern EnvSwitch g_mla_early;            // on; DEEPSERVE_MLA_EARLY=0 turns it o
 extern EnvSwitch g_wq_early;             // on; DEEPSERVE_WQ_EARLY=0 turns it off
 extern EnvSwitch g_wq_issue_first;       // off; DEEPSERVE_WQ_ISSUE_FIRST=1 turns it on
 extern EnvSwitch g_wq_issue_first_fp8w;  // on; DEEPSERVE_WQ_ISSUE_FIRST_FP8W=0 turns it off
-extern EnvSwitch g_wq_carveout_max;      // off; DEEPSERVE_WQ_CARVEOUT=max turns it on
-extern EnvSwitch g_moe_wq_stage_f16;     // off; DEEPSERVE_MOE_WQ_XF16=1 turns it on
 extern EnvSwitch g_moe_wq_stage_f32;     // on; DEEPSERVE_MOE_WQ_XF32=0 turns it off
 extern EnvSwitch g_wq_dequant;           // on; DEEPSERVE_WQ_DEQUANT=0 turns it off
 extern EnvCount g_wq_dequant_min_rows;   // DEEPSERVE_WQ_DEQUANT_MIN_ROWS (wq_dequant.cuh)

@@ -117,13 +117,12 @@ constexpr size_t kSmem = size_t(kStagesOf<F, BT>) * kStageBytes<F, BT, XF>;
 // as many CTAs resident as their shared memory allows (with F32 token rows, the larger), up to
 // 4 (at 5, 96 registers, W4A16's one-group kernel serialized its dequantization: its MoE at
 // T = 8 went 95 -> 106 us on the H200). BF16: 2 (1 for prefill tiles).
-// XF = false: a kernel known to stage 16-bit token rows (run_cta's XH gate/up) counts those.
-template <WqFormat F, int BT, bool XF = true>
+template <WqFormat F, int BT>
 constexpr int min_ctas_of() {
   if constexpr (BT > 16) return 1;
   if constexpr (F == WqFormat::BF16) return 2;
   constexpr size_t per_sm = 228 * 1024, reserved = 1024;  // sm_90 shared memory per SM, per CTA
-  constexpr int fit = int(per_sm / (kSmem<F, BT, XF> + reserved));
+  constexpr int fit = int(per_sm / (kSmem<F, BT, true> + reserved));
   return fit < 1 ? 1 : fit > 4 ? 4 : fit;
 }
 
@@ -326,18 +325,10 @@ __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
 // depend on what the kernel ahead writes (pdl.cuh), and the caller must not call enter() itself.
 // GU: the job is gate/up's (jb.w1 set), known where the kernel is written, so a fragment's rows
 // are compile-time offsets from the thread's first.
-// XH (DEEPSERVE_MOE_WQ_XF16): x's F32 rows (jb.xf, through jb.xrow with XI) are read into
-// registers and staged as 16-bit rows (act2_bits: the values the F32-staged form rounds to at
-// each fragment, so the same bits), the loads of a stage issued where its weight copies are and
-// stored at the top of the next step (before the barrier ahead of its products). A stage's
-// token rows then take half the shared memory (FP8W at T <= 8: 74 KB, three CTAs an SM) and
-// one conversion a CTA, not one a warp.
 template <WqFormat F, int BT, bool XF = false, bool XI = false, bool kEarly = false,
-          bool GU = false, bool XH = false>
+          bool GU = false>
 __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
-  static_assert(XF || XH || !XI, "indexed token rows are F32");
-  static_assert(!(XF && XH), "F32 rows are staged as F32 or as 16-bit rows, not both");
-  static_assert(!XH || !wq_w4(F), "W4A16's staged rows are permuted (staged_col)");
+  static_assert(XF || !XI, "indexed token rows are F32");
   static_assert(!(kEarly && XI), "the token indices come from the lists, after the wait");
   using Fm = Fmt<F>;
   constexpr bool kBf16 = F == WqFormat::BF16;  // no scales: products go straight into acc
@@ -349,7 +340,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   constexpr uint32_t kSA = kStageA<F, BT>;
   constexpr int kTokBytes = XF ? kTokRowF32 : kTokRow;      // staged bytes per token row and group
   constexpr uint32_t kTokGroup = uint32_t(BT) * kTokBytes;  // a group's token rows in a stage
-  constexpr int kXBytes = XF || XH ? 4 : 2;                 // bytes per element of x
+  constexpr int kXBytes = XF ? 4 : 2;                       // bytes per element of x
   constexpr int kRowB = Fm::kRowBytes * kGps;               // weight bytes per row and stage
   constexpr int kCa = kRowB / 16;                           // weight chunks per row and stage
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -388,7 +379,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     s_src = base + int64_t(rr) * jb.w_stride + Fm::scale_off(jb.K, jb.g_begin);
   }
   const int tc = tid % kTokChunks, tr0 = tid / kTokChunks;
-  const int x_k0 = (XF ? 4 : 8) * tc;  // the chunk's first k in a group
+  const int x_k0 = (16 / kXBytes) * tc;  // the chunk's first k in a group
   const uint32_t b_dst =
       uint32_t(tr0 * kTokBytes + (XF ? f32_unit(tr0, tc) : b_chunk(tr0, tc)) * 16);
   const uint8_t* x_src[kTokRows];  // token row m's chunk tc, group g_begin's
@@ -400,14 +391,14 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     const int64_t at = int64_t(jb.g_begin) * kGroup + x_k0;
     if constexpr (XI)
       x_src[m] = reinterpret_cast<const uint8_t*>(jb.xf + int64_t(jb.xrow[rv]) * jb.ldx + at);
-    else if constexpr (XF || XH)
+    else if constexpr (XF)
       x_src[m] = reinterpret_cast<const uint8_t*>(jb.xf + rv * jb.ldx + at);
     else
       x_src[m] = reinterpret_cast<const uint8_t*>(jb.x + rv * jb.ldx + at);
   }
   // Group u of stage kt (k from (kGps kt + u) kGroup past x_src) holds values while below this;
   // zeros from there (x_limit: K for F32 rows, kp staged).
-  const int x_end = int((XF || XH ? jb.K : jb.kp) - int64_t(jb.g_begin) * kGroup) - x_k0;
+  const int x_end = int((XF ? jb.K : jb.kp) - int64_t(jb.g_begin) * kGroup) - x_k0;
   // Stage kt holds groups g_begin + kGps * kt, + 1 ...: codes of every group (kGps * 128 k of
   // each row, in one span), one scale word per row (W4A16's holds the group pair's scales),
   // and the token rows of each group in turn. load_w copies a stage's weights (codes and scale
@@ -453,35 +444,6 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       });
     });
   };
-  // XH: a stage's token chunks (8 F32 values each) in registers, loaded by load_xh, staged by
-  // store_xh (zeros past K; rows past the tile's tokens are not stored, as load_x skips them).
-  float4 xr[XH ? kTokRows : 1][XH ? kGps : 1][2];
-  auto load_xh = [&](int kt) {
-    const int k = kt * kGps * kGroup;
-#pragma unroll
-    for (int m = 0; m < kTokRows; ++m)
-#pragma unroll
-      for (int u = 0; u < kGps; ++u) {
-        const bool on = x_on[m] && k + u * kGroup < x_end;
-        const float4* src = reinterpret_cast<const float4*>(x_src[m]) + (k + u * kGroup) / 4;
-        xr[m][u][0] = on ? src[0] : make_float4(0.f, 0.f, 0.f, 0.f);
-        xr[m][u][1] = on ? src[1] : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-  };
-  auto store_xh = [&](int stage) {
-    uint8_t* sb = smem + stage * kStage + kSA + kStageS<F, BT> + b_dst;
-#pragma unroll
-    for (int m = 0; m < kTokRows; ++m)
-#pragma unroll
-      for (int u = 0; u < kGps; ++u) {
-        if (!x_on[m]) continue;
-        const float4 lo = xr[m][u][0], hi = xr[m][u][1];
-        *reinterpret_cast<uint4*>(sb + u * kTokGroup + m * kTokStep * kTokBytes) =
-            make_uint4(act2_bits<F>(lo.x, lo.y), act2_bits<F>(lo.z, lo.w), act2_bits<F>(hi.x, hi.y),
-                       act2_bits<F>(hi.z, hi.w));
-      }
-  };
-  int xh_stage = -1;  // XH: the buffer whose token rows sit in xr, to be stored
 #pragma unroll
   for (int i = 0; i < kRM; ++i)
 #pragma unroll
@@ -502,12 +464,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < KT) {
       if constexpr (!kEarly) load_w(s, s);
-      if constexpr (XH) {
-        load_xh(s);
-        store_xh(s);
-      } else {
-        load_x(s, s);
-      }
+      load_x(s, s);
     }
     ptx::cp_async_commit();
   }
@@ -546,20 +503,11 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
 #pragma unroll 1
   for (int kt = 0; kt < KT; ++kt, stage = stage + 1 == kStages ? 0 : stage + 1,
            next = next + 1 == kStages ? 0 : next + 1) {
-    if constexpr (XH) {
-      if (xh_stage >= 0) store_xh(xh_stage);  // stage kt + kStages - 2's rows, loaded last step
-      xh_stage = -1;
-    }
     if (!issue_first) ptx::cp_async_wait<kStages - 2>();
     __syncthreads();
     if (kt + kStages - 1 < KT) {
       load_w(next, kt + kStages - 1);
-      if constexpr (XH) {
-        load_xh(kt + kStages - 1);
-        xh_stage = next;
-      } else {
-        load_x(next, kt + kStages - 1);
-      }
+      load_x(next, kt + kStages - 1);
     }
     ptx::cp_async_commit();
     if (issue_first) {
