@@ -540,6 +540,57 @@ void check_moe_against_reference(bool expand) {
   });
 }
 
+// Gate/up and down in one launch (DEEPSERVE_MOE_WQ_FUSED: items taken from a counter, each down
+// item waiting for its tile's gate/up items) give the same bits as the two launches: every
+// decode-sized T (1 to 16; one tile an expert), with and without shared experts, experts left
+// without tokens, F not a whole number of 64-column items and H not of 128-row ones, more items
+// than CTAs (11 or 12 tiles x 33 items against two or three CTAs an SM), x's F32 rows read in
+// the kernel and gathered first.
+TEST(CudaWq, OneLaunchFfnChangesNothing) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  const int E = 12, k = 6;
+  const test::Forced kernels_only(cuda::g_wq_dequant, 0);
+  for_formats([&](DType t) {
+    const int64_t H = t == DType::W4A16 ? 1152 : 1288, F = t == DType::W4A16 ? 640 : 1408;
+    const QExperts q = make_experts(t, E, H, F);
+    for (int xf32 = 0; xf32 < 2; ++xf32) {
+      const test::Forced stage(cuda::g_moe_wq_stage_f32, xf32);
+      for (int shared : {0, 2})
+        for (const int64_t T : {1, 3, 8, 12, 16}) {
+          std::vector<int32_t> ids;
+          std::vector<float> wts;
+          spread_routing(T, k, E - shared, ids, wts);
+          // Two inputs, one after the other: a launch whose counters were not zeroed by the
+          // lists kernel would do nothing and leave the first input's rows.
+          const auto x = test::random_floats(size_t(T * H), uint32_t(T + 7 * shared + 3 * xf32));
+          const auto x2 =
+              test::random_floats(size_t(T * H), uint32_t(T + 7 * shared + 3 * xf32 + 50));
+          const std::string what = std::string(fmt_name(t)) + " T " + std::to_string(T) +
+                                   " shared " + std::to_string(shared) + " F32 x " +
+                                   std::to_string(xf32);
+          std::vector<float> two, two2;
+          {
+            const test::Forced off(cuda::g_moe_wq_fused, 0);
+            two = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+            two2 = moe_test::run_moe_ffn(be, x2, ids, wts, q.dev, shared, T, H, k);
+          }
+          ASSERT_NE(0, std::memcmp(two.data(), two2.data(), two.size() * 4)) << what;
+          const test::Forced on(cuda::g_moe_wq_fused, 1);
+          const int64_t before = cuda::moe_wq_fused_launches();
+          const auto one = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+          const auto one2 = moe_test::run_moe_ffn(be, x2, ids, wts, q.dev, shared, T, H, k);
+          EXPECT_EQ(cuda::moe_wq_fused_launches(), before + 2) << what;
+          ASSERT_EQ(one.size(), two.size()) << what;
+          ASSERT_EQ(one2.size(), two2.size()) << what;
+          EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * 4)) << what;
+          EXPECT_EQ(0, std::memcmp(one2.data(), two2.data(), one2.size() * 4))
+              << what << ", second";
+        }
+    }
+  });
+}
+
 // A token's output does not depend on its batch: alone and among 12 (the 8- and 16-token
 // kernels; FP8W's read x's F32 rows through the sorted tokens) it is the same bits as among
 // 150 (the 64-token tiles over the BF16 rows gathered first).

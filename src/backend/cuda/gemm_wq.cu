@@ -481,25 +481,15 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
   return F == WqFormat::BF16 ? ld * 2 : ld;
 }
 
-// Grid (ceil(F / 64), tiles): h[p, f] = act(silu(gate_f . x_p) * (up_f . x_p)), h staged for
-// down's format (staged_col, act_bits). BT >= the most tokens a tile can hold. XI: x's F32 rows
-// staged through the sorted tokens (rounded in the kernel), else a.xa gathered (BF16; FP8W's
-// FP16). E (not XI: the gather launch sits between the token lists and this kernel, so the
-// lists are settled when it starts, pdl.cuh): the tile is looked up through L2 and its first
-// stages' weights asked for before the wait.
+// h[p, f] = act(silu(gate_f . x_p) * (up_f . x_p)) for tile tl's tokens and f in f0 .. f0 + 63,
+// h staged for down's format (staged_col, act_bits). BT >= the most tokens a tile can hold. XI:
+// x's F32 rows staged through the sorted tokens (rounded in the kernel), else a.xa gathered
+// (BF16; FP8W's FP16). E: run_cta asks for the first stages' weights, then waits (pdl.cuh).
 template <WqFormat F, int BT, bool XI, bool E>
-__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
-    gate_up_kernel(GroupedFfnArgs a) {
-  static_assert(!(XI && E), "with XI the lists are written by the launch just ahead");
-  if constexpr (!E) pdl::enter();
-  extern __shared__ __align__(128) uint8_t smem[];
-  const Tile tl = tile_of<kTileM, E>(a.lists, blockIdx.y);
-  if (tl.e < 0) {
-    if constexpr (E) pdl::enter();
-    return;
-  }
+__device__ __forceinline__ void gate_up_cta(const GroupedFfnArgs& a, const Tile& tl, int f0,
+                                            uint8_t* smem) {
   const ExpertPtrs ex = a.experts[tl.e];
-  const int H = a.hidden, Fi = a.inter, f0 = blockIdx.x * (kBN / 2);
+  const int H = a.hidden, Fi = a.inter;
   const int64_t gate_ld = ld_bytes<F>(ex.gate_ld), up_ld = ld_bytes<F>(ex.up_ld);
   // One row stride serves both matrices (the table's check: gate and up rows alike).
   CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * gate_ld,
@@ -526,12 +516,46 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     }
 }
 
-// Grid (ceil(hidden / 128), tiles): y[p, n] = down_n . h_p. E: the tile is looked up through
-// L2 (the lists are two launches back) and its first stages' weights asked for before the wait;
-// else a.prefetch may ask L2 for them (down_start).
+// y[p, n] = down_n . h_p for tile tl's tokens and n in n0 .. n0 + 127 (E as gate_up_cta's).
+template <WqFormat F, int BT, bool E>
+__device__ __forceinline__ void down_cta(const GroupedFfnArgs& a, const Tile& tl, int n0,
+                                         uint8_t* smem) {
+  const int H = a.hidden, Fi = a.inter;
+  const ExpertPtrs ex = a.experts[tl.e];
+  const int64_t down_ld = ld_bytes<F>(ex.down_ld);
+  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
+                             nullptr, down_ld, min(kBN, H - n0), a.h, Fi, a.wq_issue_first);
+  float acc[kRM][BT / 8][4];
+  run_cta<F, BT, false, false, E>(jb, smem, acc);
+  for_each_out<F>(acc, [&](int r, int tok, float v) {
+    const int row = n0 + r;
+    if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
+  });
+}
+
+// Grid (ceil(F / 64), tiles): gate_up_cta. E (not XI: the gather launch sits between the token
+// lists and this kernel, so the lists are settled when it starts, pdl.cuh): the tile is looked
+// up through L2 and its first stages' weights asked for before the wait.
+template <WqFormat F, int BT, bool XI, bool E>
+__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
+    gate_up_kernel(GroupedFfnArgs a) {
+  static_assert(!(XI && E), "with XI the lists are written by the launch just ahead");
+  if constexpr (!E) pdl::enter();
+  extern __shared__ __align__(128) uint8_t smem[];
+  const Tile tl = tile_of<kTileM, E>(a.lists, blockIdx.y);
+  if (tl.e < 0) {
+    if constexpr (E) pdl::enter();
+    return;
+  }
+  gate_up_cta<F, BT, XI, E>(a, tl, blockIdx.x * (kBN / 2), smem);
+}
+
+// Grid (ceil(hidden / 128), tiles): down_cta. E: the tile is looked up through L2 (the lists
+// are two launches back) and its first stages' weights asked for before the wait; else
+// a.prefetch may ask L2 for them (down_start).
 template <WqFormat F, int BT, bool E>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(GroupedFfnArgs a) {
-  const int H = a.hidden, Fi = a.inter, n0 = blockIdx.x * kBN;
+  const int n0 = blockIdx.x * kBN;
   Tile tl;
   if constexpr (E) {
     tl = tile_of<kTileM, true>(a.lists, blockIdx.y);
@@ -543,21 +567,61 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(
           const ExpertPtrs ex = a.experts[found.e];  // the expert table is constant
           const int64_t ld = ld_bytes<F>(ex.down_ld);
           pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + n0 * ld,
-                           min(a.prefetch, (min(kBN, H - n0) - 1) * ld + 16));
+                           min(a.prefetch, (min(kBN, a.hidden - n0) - 1) * ld + 16));
         });
   }
   extern __shared__ __align__(128) uint8_t smem[];
   if (tl.e < 0) return;
-  const ExpertPtrs ex = a.experts[tl.e];
-  const int64_t down_ld = ld_bytes<F>(ex.down_ld);
-  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
-                             nullptr, down_ld, min(kBN, H - n0), a.h, Fi, a.wq_issue_first);
-  float acc[kRM][BT / 8][4];
-  run_cta<F, BT, false, false, E>(jb, smem, acc);
-  for_each_out<F>(acc, [&](int r, int tok, float v) {
-    const int row = n0 + r;
-    if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
-  });
+  down_cta<F, BT, E>(a, tl, n0, smem);
+}
+
+// The one-launch FFN's shared memory: the larger half's (its CTAs an SM: min_ctas_of, which
+// counts F32 token rows).
+template <WqFormat F, int BT, bool XI>
+constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI> : kSmem<F, BT>;
+
+// DEEPSERVE_MOE_WQ_FUSED=1: gate/up and down in one launch of as many CTAs as reside at once.
+// Each CTA takes items from a counter (lists.sched[0], zeroed by the lists kernel): first every
+// (tile, 64 columns) of gate/up, then every (tile, 128 rows) of down, which waits until all of
+// its tile's gate/up items have stored h (lists.sched[1 + tile]). The last gate/up items then
+// share the SMs with the first down items, where two launches leave SMs idle at the end of the
+// gate/up launch (a partly filled last wave: StreamBench) and at the start of down's. An item
+// is claimed only by a running CTA, and a claimed gate/up item waits for nothing, so every
+// wait ends. The products are gate_up_cta's and down_cta's: the same bits as two launches.
+template <WqFormat F, int BT, bool XI>
+__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
+    ffn_fused_kernel(GroupedFfnArgs a) {
+  pdl::enter();
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int item_s;
+  const int n_tiles = *a.lists.n_tiles;
+  const int gu_cols = (a.inter + kBN / 2 - 1) / (kBN / 2), dn_cols = (a.hidden + kBN - 1) / kBN;
+  const int n_gu = n_tiles * gu_cols, n_all = n_gu + n_tiles * dn_cols;
+  int* const next = a.lists.sched;
+  int* const done = a.lists.sched + 1;
+  for (;;) {
+    __syncthreads();  // the last item's shared memory and item_s are free again
+    if (threadIdx.x == 0) item_s = atomicAdd(next, 1);
+    __syncthreads();
+    const int item = item_s;
+    if (item >= n_all) break;
+    if (item < n_gu) {
+      const int s = item / gu_cols;
+      gate_up_cta<F, BT, XI, false>(a, tile_of<kTileM>(a.lists, s),
+                                    (item - s * gu_cols) * (kBN / 2), smem);
+      __threadfence();  // every thread's h stores, before the tile's count moves
+      __syncthreads();
+      if (threadIdx.x == 0) atomicAdd(done + s, 1);
+    } else {
+      const int d = item - n_gu, s = d / dn_cols;
+      if (threadIdx.x == 0) {
+        while (*static_cast<volatile int*>(done + s) < gu_cols) __nanosleep(32);
+        __threadfence();  // the h stores counted, before this CTA's reads of them
+      }
+      __syncthreads();
+      down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - s * dn_cols) * kBN, smem);
+    }
+  }
 }
 
 // E: the kernels whose token rows are BF16 (gate/up unless XI, down) ask for their first
@@ -583,11 +647,40 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "wq moe down");
 }
 
-// launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0.
+// ffn_fused_kernel's launch (after the gather launch unless XI): one CTA for each that can
+// reside at once, at most one for each item the step could have.
+template <WqFormat F, int BT, bool XI>
+void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
+  static const int resident = [] {
+    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI>);
+    int per_sm = 0, dev = 0, sms = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ffn_fused_kernel<F, BT, XI>,
+                                                             kThreads, kFusedSmem<F, BT, XI>),
+               "wq moe fused occupancy");
+    check_cuda(cudaGetDevice(&dev), "wq moe fused device");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+               "wq moe fused SM count");
+    return std::max(1, per_sm * sms);
+  }();
+  if (!XI)
+    launch_gather_act(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts,
+                      a.num_tokens * a.top_k, a.hidden, a.xa, stream, F);
+  const int64_t items = max_tiles(a.num_tokens * a.top_k, a.num_experts) *
+                        (ceil_div(a.inter, kBN / 2) + ceil_div(a.hidden, kBN));
+  pdl::launch(ffn_fused_kernel<F, BT, XI>, unsigned(std::min<int64_t>(resident, items)), kThreads,
+              kFusedSmem<F, BT, XI>, stream, a);
+  check_cuda(cudaGetLastError(), "wq moe fused");
+  note_moe_wq_fused_launch();
+}
+
+// launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0;
+// the decode variants in one launch with DEEPSERVE_MOE_WQ_FUSED=1 (ffn_fused_kernel).
 template <WqFormat F, int BT, bool XI>
 void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
-  if constexpr (BT != kBT)
+  if constexpr (BT != kBT) {
+    if (g_moe_wq_fused.on() && a.lists.sched) return launch_ffn_fused<F, BT, XI>(a, stream);
     if (g_wq_early.on()) return launch_ffn<F, BT, XI, true>(a, stream);
+  }
   launch_ffn<F, BT, XI, false>(a, stream);
 }
 

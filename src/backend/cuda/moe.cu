@@ -243,6 +243,7 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, in
     s.lists.tile_expert = c.take<int>(tiles);
     s.lists.tile_begin = c.take<int>(tiles);
     s.lists.n_tiles = c.take<int>(1);
+    s.lists.sched = c.take<int>(tiles + 1);
     s.act = c.take<uint16_t>(n * H);
     s.h16 = c.take<uint16_t>(n * F);
     s.y = c.take<float>(n * H);

@@ -148,6 +148,9 @@ struct TokenLists {
   int* tile_begin = nullptr;   // [max_tiles] first sorted position of tile s
   int* n_tiles = nullptr;      // [1] valid tiles
   int tile_rows = 64;          // kTileM, kSmallTileM or kWideTileM (below)
+  // Optional (the wq kernels' one-launch FFN, gemm_wq.cu): [1 + max_tiles] work counter, then
+  // per tile the gate/up items done; the lists kernel zeroes the counter and the valid tiles'.
+  int* sched = nullptr;
 };
 
 // Rows per grouped-path tile (kWideTileM: the wide path's; kSmallTileM below), and how many

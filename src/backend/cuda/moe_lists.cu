@@ -83,6 +83,8 @@ __global__ void __launch_bounds__(kListThreads)
       l.tile_begin[first + j] = off + j * l.tile_rows;
     }
     if (tid == 0) *l.n_tiles = n_tiles;
+    if (l.sched)
+      for (int i = tid; i <= n_tiles; i += kListThreads) l.sched[i] = 0;
   }
   __syncthreads();
 

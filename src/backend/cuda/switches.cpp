@@ -59,6 +59,10 @@ EnvSwitch g_wq_cluster{"DEEPSERVE_WQ_CLUSTER", "0", true};
 // FP8W's decode variants read x's F32 rows through the sorted tokens and round them in the
 // kernel (off: a gather launch into BF16 rows first). The same bits either way.
 EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
+// The quantized experts' decode variants run gate/up and down in one launch that takes its
+// items from a counter (DEEPSERVE_MOE_WQ_FUSED=1; gemm_wq.cu, ffn_fused_kernel): off until
+// measured. The same bits either way.
+EnvSwitch g_moe_wq_fused{"DEEPSERVE_MOE_WQ_FUSED", "1", false};
 // batched_matmul's decode-sized BF16 products past the skinny kernel (MLA's absorbed W_UK / W_UV
 // at 128 heads) run on the dense wq kernel (off: cuBLAS, x rounded to BF16 by a conversion
 // launch; the same rounding, not the same bits).
@@ -195,13 +199,19 @@ EnvSwitch g_route_redux{"DEEPSERVE_ROUTE_REDUX", "0", true};
 EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};
 
 namespace {
-std::atomic<int64_t> g_row_regs_launches{0};
+std::atomic<int64_t> g_row_regs_launches{0}, g_moe_wq_fused_launches{0};
 }  // namespace
 int64_t row_regs_launches() {
   return g_row_regs_launches.load(std::memory_order_relaxed);
 }
 void note_row_regs_launch() {
   g_row_regs_launches.fetch_add(1, std::memory_order_relaxed);
+}
+int64_t moe_wq_fused_launches() {
+  return g_moe_wq_fused_launches.load(std::memory_order_relaxed);
+}
+void note_moe_wq_fused_launch() {
+  g_moe_wq_fused_launches.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace ds::cuda

@@ -64,6 +64,7 @@ extern EnvSwitch g_wq_early;             // on; DEEPSERVE_WQ_EARLY=0 turns it of
 extern EnvSwitch g_wq_issue_first;       // off; DEEPSERVE_WQ_ISSUE_FIRST=1 turns it on
 extern EnvSwitch g_wq_issue_first_fp8w;  // on; DEEPSERVE_WQ_ISSUE_FIRST_FP8W=0 turns it off
 extern EnvSwitch g_moe_wq_stage_f32;     // on; DEEPSERVE_MOE_WQ_XF32=0 turns it off
+extern EnvSwitch g_moe_wq_fused;         // off; DEEPSERVE_MOE_WQ_FUSED=1 turns it on
 extern EnvSwitch g_wq_dequant;           // on; DEEPSERVE_WQ_DEQUANT=0 turns it off
 extern EnvCount g_wq_dequant_min_rows;   // DEEPSERVE_WQ_DEQUANT_MIN_ROWS (wq_dequant.cuh)
 extern EnvCount g_moe_wq_dequant_min;    // DEEPSERVE_MOE_WQ_DEQUANT_MIN (wq_dequant.cuh)
@@ -89,5 +90,8 @@ extern EnvSwitch g_mla_cluster_fit;      // off; DEEPSERVE_MLA_CLUSTER_FIT=1 tur
 // GEMM's norm, the decode MoE's staging; tests check that the switch took effect), and one more.
 int64_t row_regs_launches();
 void note_row_regs_launch();
+// One-launch FFNs (DEEPSERVE_MOE_WQ_FUSED) launched so far, and one more.
+int64_t moe_wq_fused_launches();
+void note_moe_wq_fused_launch();
 
 }  // namespace ds::cuda
