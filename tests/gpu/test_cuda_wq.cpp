@@ -577,15 +577,19 @@ TEST(CudaWq, OneLaunchFfnChangesNothing) {
           }
           ASSERT_NE(0, std::memcmp(two.data(), two2.data(), two.size() * 4)) << what;
           const test::Forced on(cuda::g_moe_wq_fused, 1);
-          const int64_t before = cuda::moe_wq_fused_launches();
-          const auto one = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
-          const auto one2 = moe_test::run_moe_ffn(be, x2, ids, wts, q.dev, shared, T, H, k);
-          EXPECT_EQ(cuda::moe_wq_fused_launches(), before + 2) << what;
-          ASSERT_EQ(one.size(), two.size()) << what;
-          ASSERT_EQ(one2.size(), two2.size()) << what;
-          EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * 4)) << what;
-          EXPECT_EQ(0, std::memcmp(one2.data(), two2.data(), one2.size() * 4))
-              << what << ", second";
+          for (int ahead : {0, 1}) {  // the next item claimed after an item, or as it starts
+            const test::Forced claim(cuda::g_moe_wq_fused_ahead, ahead);
+            const std::string how = what + " ahead " + std::to_string(ahead);
+            const int64_t before = cuda::moe_wq_fused_launches();
+            const auto one = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+            const auto one2 = moe_test::run_moe_ffn(be, x2, ids, wts, q.dev, shared, T, H, k);
+            EXPECT_EQ(cuda::moe_wq_fused_launches(), before + 2) << how;
+            ASSERT_EQ(one.size(), two.size()) << how;
+            ASSERT_EQ(one2.size(), two2.size()) << how;
+            EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * 4)) << how;
+            EXPECT_EQ(0, std::memcmp(one2.data(), two2.data(), one2.size() * 4))
+                << how << ", second";
+          }
         }
     }
   });

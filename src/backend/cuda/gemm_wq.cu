@@ -590,21 +590,23 @@ constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
 // wait ends. The products are gate_up_cta's and down_cta's: the same bits as two launches.
 template <WqFormat F, int BT, bool XI>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
-    ffn_fused_kernel(GroupedFfnArgs a) {
+    ffn_fused_kernel(GroupedFfnArgs a, bool ahead) {
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ int item_s;
+  __shared__ int claimed[2];
   const int n_tiles = *a.lists.n_tiles;
   const int gu_cols = (a.inter + kBN / 2 - 1) / (kBN / 2), dn_cols = (a.hidden + kBN - 1) / kBN;
   const int n_gu = n_tiles * gu_cols, n_all = n_gu + n_tiles * dn_cols;
   int* const next = a.lists.sched;
   int* const done = a.lists.sched + 1;
-  for (;;) {
-    __syncthreads();  // the last item's shared memory and item_s are free again
-    if (threadIdx.x == 0) item_s = atomicAdd(next, 1);
-    __syncthreads();
-    const int item = item_s;
-    if (item >= n_all) break;
+  // The first item is the CTA's index, the rest come from the counter. ahead: the next item is
+  // claimed as this one starts, so the claim's round trip hides behind the item.
+  auto claim = [&](int slot) {
+    if (threadIdx.x == 0) claimed[slot] = int(gridDim.x) + atomicAdd(next, 1);
+  };
+  int item = blockIdx.x, slot = 0;
+  while (item < n_all) {
+    if (ahead) claim(slot);
     if (item < n_gu) {
       const int s = item / gu_cols;
       gate_up_cta<F, BT, XI, false>(a, tile_of<kTileM>(a.lists, s),
@@ -621,6 +623,10 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
       __syncthreads();
       down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - s * dn_cols) * kBN, smem);
     }
+    if (!ahead) claim(slot);
+    __syncthreads();  // the item's shared memory is free again, and its claim is seen
+    item = claimed[slot];
+    slot ^= 1;  // the claim slot just read is written next only after the next barrier
   }
 }
 
@@ -668,7 +674,7 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   const int64_t items = max_tiles(a.num_tokens * a.top_k, a.num_experts) *
                         (ceil_div(a.inter, kBN / 2) + ceil_div(a.hidden, kBN));
   pdl::launch(ffn_fused_kernel<F, BT, XI>, unsigned(std::min<int64_t>(resident, items)), kThreads,
-              kFusedSmem<F, BT, XI>, stream, a);
+              kFusedSmem<F, BT, XI>, stream, a, g_moe_wq_fused_ahead.on());
   check_cuda(cudaGetLastError(), "wq moe fused");
   note_moe_wq_fused_launch();
 }

@@ -63,6 +63,9 @@ EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
 // items from a counter (DEEPSERVE_MOE_WQ_FUSED=1; gemm_wq.cu, ffn_fused_kernel): off until
 // measured. The same bits either way.
 EnvSwitch g_moe_wq_fused{"DEEPSERVE_MOE_WQ_FUSED", "1", false};
+// With it, each CTA claims its next item as it starts one (DEEPSERVE_MOE_WQ_FUSED_AHEAD=1), not
+// after: off until measured.
+EnvSwitch g_moe_wq_fused_ahead{"DEEPSERVE_MOE_WQ_FUSED_AHEAD", "1", false};
 // batched_matmul's decode-sized BF16 products past the skinny kernel (MLA's absorbed W_UK / W_UV
 // at 128 heads) run on the dense wq kernel (off: cuBLAS, x rounded to BF16 by a conversion
 // launch; the same rounding, not the same bits).
