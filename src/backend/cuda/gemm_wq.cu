@@ -599,12 +599,15 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
   const int n_gu = n_tiles * gu_cols, n_all = n_gu + n_tiles * dn_cols;
   int* const next = a.lists.sched;
   int* const done = a.lists.sched + 1;
-  // The first item is the CTA's index, the rest come from the counter. ahead: the next item is
-  // claimed as this one starts, so the claim's round trip hides behind the item.
+  // Every item comes from the counter, so an item is only ever held by a running CTA (however
+  // many CTAs are resident). ahead: the next item is claimed as this one starts, so the claim's
+  // round trip hides behind the item.
   auto claim = [&](int slot) {
-    if (threadIdx.x == 0) claimed[slot] = int(gridDim.x) + atomicAdd(next, 1);
+    if (threadIdx.x == 0) claimed[slot] = atomicAdd(next, 1);
   };
-  int item = blockIdx.x, slot = 0;
+  claim(1);
+  __syncthreads();
+  int item = claimed[1], slot = 0;
   while (item < n_all) {
     if (ahead) claim(slot);
     if (item < n_gu) {
