@@ -580,7 +580,8 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(
 template <WqFormat F, int BT, bool XI>
 constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI> : kSmem<F, BT>;
 
-// DEEPSERVE_MOE_WQ_FUSED=1: gate/up and down in one launch of as many CTAs as reside at once.
+// Gate/up and down in one launch of as many CTAs as reside at once (DEEPSERVE_MOE_WQ_FUSED=0:
+// the two launches). W1f TPOT 4.55 -> 4.49 ms, W5 20.16 -> 19.81 (H200, 8f94be4).
 // Each CTA takes items from a counter (lists.sched[0], zeroed by the lists kernel): first every
 // (tile, 64 columns) of gate/up, then every (tile, 128 rows) of down, which waits until all of
 // its tile's gate/up items have stored h (lists.sched[1 + tile]). The last gate/up items then
@@ -590,26 +591,24 @@ constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
 // wait ends. The products are gate_up_cta's and down_cta's: the same bits as two launches.
 template <WqFormat F, int BT, bool XI>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
-    ffn_fused_kernel(GroupedFfnArgs a, bool ahead) {
+    ffn_fused_kernel(GroupedFfnArgs a) {
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ int claimed[2];
+  __shared__ int item_s;
   const int n_tiles = *a.lists.n_tiles;
   const int gu_cols = (a.inter + kBN / 2 - 1) / (kBN / 2), dn_cols = (a.hidden + kBN - 1) / kBN;
   const int n_gu = n_tiles * gu_cols, n_all = n_gu + n_tiles * dn_cols;
   int* const next = a.lists.sched;
   int* const done = a.lists.sched + 1;
-  // Every item comes from the counter, so an item is only ever held by a running CTA (however
-  // many CTAs are resident). ahead: the next item is claimed as this one starts, so the claim's
-  // round trip hides behind the item.
-  auto claim = [&](int slot) {
-    if (threadIdx.x == 0) claimed[slot] = atomicAdd(next, 1);
-  };
-  claim(1);
-  __syncthreads();
-  int item = claimed[1], slot = 0;
-  while (item < n_all) {
-    if (ahead) claim(slot);
+  // Every item comes from the counter, after the CTA's last one, so an item is only ever held by
+  // a running CTA (however many reside). Claiming the next item as one starts measured slower
+  // (W1f TPOT 4.49 -> 4.53 ms, W5 19.81 -> 19.89; H200, 8f94be4).
+  for (;;) {
+    __syncthreads();  // the last item's shared memory and item_s are free again
+    if (threadIdx.x == 0) item_s = atomicAdd(next, 1);
+    __syncthreads();
+    const int item = item_s;
+    if (item >= n_all) break;
     if (item < n_gu) {
       const int s = item / gu_cols;
       gate_up_cta<F, BT, XI, false>(a, tile_of<kTileM>(a.lists, s),
@@ -626,10 +625,6 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
       __syncthreads();
       down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - s * dn_cols) * kBN, smem);
     }
-    if (!ahead) claim(slot);
-    __syncthreads();  // the item's shared memory is free again, and its claim is seen
-    item = claimed[slot];
-    slot ^= 1;  // the claim slot just read is written next only after the next barrier
   }
 }
 
@@ -677,13 +672,13 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   const int64_t items = max_tiles(a.num_tokens * a.top_k, a.num_experts) *
                         (ceil_div(a.inter, kBN / 2) + ceil_div(a.hidden, kBN));
   pdl::launch(ffn_fused_kernel<F, BT, XI>, unsigned(std::min<int64_t>(resident, items)), kThreads,
-              kFusedSmem<F, BT, XI>, stream, a, g_moe_wq_fused_ahead.on());
+              kFusedSmem<F, BT, XI>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe fused");
   note_moe_wq_fused_launch();
 }
 
 // launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0;
-// the decode variants in one launch with DEEPSERVE_MOE_WQ_FUSED=1 (ffn_fused_kernel).
+// the decode variants in one launch (ffn_fused_kernel) unless DEEPSERVE_MOE_WQ_FUSED=0.
 template <WqFormat F, int BT, bool XI>
 void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   if constexpr (BT != kBT) {

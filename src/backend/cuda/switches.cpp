@@ -60,12 +60,10 @@ EnvSwitch g_wq_cluster{"DEEPSERVE_WQ_CLUSTER", "0", true};
 // kernel (off: a gather launch into BF16 rows first). The same bits either way.
 EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
 // The quantized experts' decode variants run gate/up and down in one launch that takes its
-// items from a counter (DEEPSERVE_MOE_WQ_FUSED=1; gemm_wq.cu, ffn_fused_kernel): off until
-// measured. The same bits either way.
-EnvSwitch g_moe_wq_fused{"DEEPSERVE_MOE_WQ_FUSED", "1", false};
-// With it, each CTA claims its next item as it starts one (DEEPSERVE_MOE_WQ_FUSED_AHEAD=1), not
-// after: off until measured.
-EnvSwitch g_moe_wq_fused_ahead{"DEEPSERVE_MOE_WQ_FUSED_AHEAD", "1", false};
+// items from a counter (gemm_wq.cu, ffn_fused_kernel; DEEPSERVE_MOE_WQ_FUSED=0: two launches).
+// H200 (8f94be4), one run each: W1f TPOT 4.55 -> 4.49 ms (1,665.6 -> 1,683.3 tok/s), W5 20.16 ->
+// 19.81 (360.0 -> 365.8 tok/s). The same bits either way.
+EnvSwitch g_moe_wq_fused{"DEEPSERVE_MOE_WQ_FUSED", "0", true};
 // batched_matmul's decode-sized BF16 products past the skinny kernel (MLA's absorbed W_UK / W_UV
 // at 128 heads) run on the dense wq kernel (off: cuBLAS, x rounded to BF16 by a conversion
 // launch; the same rounding, not the same bits).

@@ -64,8 +64,7 @@ extern EnvSwitch g_wq_early;             // on; DEEPSERVE_WQ_EARLY=0 turns it of
 extern EnvSwitch g_wq_issue_first;       // off; DEEPSERVE_WQ_ISSUE_FIRST=1 turns it on
 extern EnvSwitch g_wq_issue_first_fp8w;  // on; DEEPSERVE_WQ_ISSUE_FIRST_FP8W=0 turns it off
 extern EnvSwitch g_moe_wq_stage_f32;     // on; DEEPSERVE_MOE_WQ_XF32=0 turns it off
-extern EnvSwitch g_moe_wq_fused;         // off; DEEPSERVE_MOE_WQ_FUSED=1 turns it on
-extern EnvSwitch g_moe_wq_fused_ahead;   // off; DEEPSERVE_MOE_WQ_FUSED_AHEAD=1 turns it on
+extern EnvSwitch g_moe_wq_fused;         // on; DEEPSERVE_MOE_WQ_FUSED=0 turns it off
 extern EnvSwitch g_wq_dequant;           // on; DEEPSERVE_WQ_DEQUANT=0 turns it off
 extern EnvCount g_wq_dequant_min_rows;   // DEEPSERVE_WQ_DEQUANT_MIN_ROWS (wq_dequant.cuh)
 extern EnvCount g_moe_wq_dequant_min;    // DEEPSERVE_MOE_WQ_DEQUANT_MIN (wq_dequant.cuh)
