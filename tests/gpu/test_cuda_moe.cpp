@@ -345,6 +345,14 @@ void check_all_paths(const Experts& ex, FfnCase& c, bool with_bf16_paths) {
       for (int64_t i = c.H; i < c.out_ld; ++i)
         ASSERT_EQ(got_buf[size_t(t * c.out_ld + i)], 7.25f) << "padding written, token " << t;
   }
+  if (with_bf16_paths && c.T <= 16) {  // Streamed's gate/up and down in one launch: same bits
+    const std::vector<float> two = run(cuda::MoeFfnPath::Streamed);
+    cuda::g_moe_bf16_fused.force(1);
+    const int64_t before = cuda::moe_wq_fused_launches();
+    EXPECT_EQ(run(cuda::MoeFfnPath::Streamed), two) << "one launch differs from two, T " << c.T;
+    EXPECT_GT(cuda::moe_wq_fused_launches(), before);
+    cuda::g_moe_bf16_fused.force(-1);
+  }
   if (with_bf16_paths) {  // 32-row tiles (the default up to 256 tokens) against 64-row ones
     cuda::g_moe_tile32.force(0);
     const std::vector<float> g64 = run(cuda::MoeFfnPath::Grouped);

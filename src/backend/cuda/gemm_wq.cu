@@ -678,11 +678,14 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
 }
 
 // launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0;
-// the decode variants in one launch (ffn_fused_kernel) unless DEEPSERVE_MOE_WQ_FUSED=0.
+// the decode variants in one launch (ffn_fused_kernel) unless DEEPSERVE_MOE_WQ_FUSED=0 (BF16
+// experts: with DEEPSERVE_MOE_BF16_FUSED=1).
 template <WqFormat F, int BT, bool XI>
 void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
   if constexpr (BT != kBT) {
-    if (g_moe_wq_fused.on() && a.lists.sched) return launch_ffn_fused<F, BT, XI>(a, stream);
+    // BF16 experts (the Streamed path: W1's decode) keep the two launches until measured.
+    const bool fused = F == WqFormat::BF16 ? g_moe_bf16_fused.on() : g_moe_wq_fused.on();
+    if (fused && a.lists.sched) return launch_ffn_fused<F, BT, XI>(a, stream);
     if (g_wq_early.on()) return launch_ffn<F, BT, XI, true>(a, stream);
   }
   launch_ffn<F, BT, XI, false>(a, stream);

@@ -64,6 +64,8 @@ EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
 // H200 (8f94be4), one run each: W1f TPOT 4.55 -> 4.49 ms (1,665.6 -> 1,683.3 tok/s), W5 20.16 ->
 // 19.81 (360.0 -> 365.8 tok/s). The same bits either way.
 EnvSwitch g_moe_wq_fused{"DEEPSERVE_MOE_WQ_FUSED", "0", true};
+// The same for BF16 experts on the Streamed path (W1's decode steps), off until measured.
+EnvSwitch g_moe_bf16_fused{"DEEPSERVE_MOE_BF16_FUSED", "1", false};
 // batched_matmul's decode-sized BF16 products past the skinny kernel (MLA's absorbed W_UK / W_UV
 // at 128 heads) run on the dense wq kernel (off: cuBLAS, x rounded to BF16 by a conversion
 // launch; the same rounding, not the same bits).
