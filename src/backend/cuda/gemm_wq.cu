@@ -628,6 +628,14 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
   }
 }
 
+// x's rows gathered per sorted position into a.xa, as format F's kernels stage them (the launch
+// ahead of gate/up unless it reads x's F32 rows itself, XI).
+template <WqFormat F>
+void gather_rows(const GroupedFfnArgs& a, cudaStream_t stream) {
+  launch_gather_act(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts,
+                    a.num_tokens * a.top_k, a.hidden, a.xa, stream, F);
+}
+
 // E: the kernels whose token rows are BF16 (gate/up unless XI, down) ask for their first
 // weights before the wait.
 template <WqFormat F, int BT, bool XI, bool E>
@@ -639,9 +647,7 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
     return true;
   }();
   (void)ready;
-  if (!XI)
-    launch_gather_act(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts,
-                      a.num_tokens * a.top_k, a.hidden, a.xa, stream, F);
+  if (!XI) gather_rows<F>(a, stream);
   const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
   pdl::launch(gate_up_kernel<F, BT, XI, kGuE>, dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads,
               kSmem<F, BT, XI>, stream, a);
@@ -666,9 +672,7 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
                "wq moe fused SM count");
     return std::max(1, per_sm * sms);
   }();
-  if (!XI)
-    launch_gather_act(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts,
-                      a.num_tokens * a.top_k, a.hidden, a.xa, stream, F);
+  if (!XI) gather_rows<F>(a, stream);
   const int64_t items = max_tiles(a.num_tokens * a.top_k, a.num_experts) *
                         (ceil_div(a.inter, kBN / 2) + ceil_div(a.hidden, kBN));
   pdl::launch(ffn_fused_kernel<F, BT, XI>, unsigned(std::min<int64_t>(resident, items)), kThreads,
