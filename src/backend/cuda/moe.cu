@@ -311,7 +311,7 @@ bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
   const int64_t n = T * ks;
 
   const bool bf16 = table.dtype == DType::BF16;
-  // Quantized experts: the tensor-core kernels of gemm_wq.cu, or, for prefill-sized steps, the
+  // Quantized experts: the tensor-core kernels of moe_wq.cu, or, for prefill-sized steps, the
   // prefill path on BF16 expansions (wq_dequant.cuh).
   const bool quant = wq_dtype(table.dtype);
   if (path == MoeFfnPath::Auto && !quant) {

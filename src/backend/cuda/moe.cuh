@@ -46,11 +46,11 @@ void moe_route(const Context& ctx, const TensorView& logits, const MoeRouteParam
 bool moe_ffn(const Context& ctx, const MoeFfnParams& p, const AddNormArgs* post = nullptr);
 
 // Which moe_ffn implementation runs (W4A16 / FP8W experts: always their own tensor-core
-// kernels, gemm_wq.cu, on the Grouped path's scratch, whatever the path asked). Auto, for BF16
+// kernels, moe_wq.cu, on the Grouped path's scratch, whatever the path asked). Auto, for BF16
 // experts: Decode below kMoeGroupedMinAssignments (token, expert) pairs, Prefill from
 // kMoePrefillMinAssignments while the stream is not being captured (Wide when it is), Grouped in
 // between; F16 / F32 experts always take Decode. Streamed (BF16): the quantized-weight
-// tensor-core kernels (gemm_wq.cu) on BF16 rows, any T (8, 16 or 64 tokens per CTA); Auto takes
+// tensor-core kernels (moe_wq.cu) on BF16 rows, any T (8, 16 or 64 tokens per CTA); Auto takes
 // it where it would take Grouped with at most kWqBf16MaxTokens tokens (so the steps that ran the
 // F32-activation decode kernels still do: a batch of a few sequences decodes bit for bit as each
 // alone; past 16 tokens it is not measured against Grouped yet). Tests and benchmarks force one.
@@ -148,7 +148,7 @@ struct TokenLists {
   int* tile_begin = nullptr;   // [max_tiles] first sorted position of tile s
   int* n_tiles = nullptr;      // [1] valid tiles
   int tile_rows = 64;          // kTileM, kSmallTileM or kWideTileM (below)
-  // Optional (the wq kernels' one-launch FFN, gemm_wq.cu): [1 + max_tiles] work counter, then
+  // Optional (the wq kernels' one-launch FFN, moe_wq.cu): [1 + max_tiles] work counter, then
   // per tile the gate/up items done; the lists kernel zeroes the counter and the valid tiles'.
   int* sched = nullptr;
 };
@@ -408,13 +408,13 @@ struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
                        // itself [T, hidden] (Grouped / Wide)
   void* h = nullptr;   // [N, F] BF16: silu(gate x) * up x
   float* y = nullptr;  // [N, hidden] F32: down h
-  bool wq_issue_first = false;  // the wq launches set it per format (gemm_wq.cu, issue_first_of)
+  bool wq_issue_first = false;  // the wq launches set it per format (moe_wq.cu, issue_first_of)
 };
 
 // x to BF16 [T, hidden], then the gate/up and down tensor-core kernels over the tile table
 // (lists.tile_rows: kTileM, kSmallTileM or kWideTileM); no host sync.
 void launch_grouped_ffn(const GroupedFfnArgs& a, cudaStream_t stream);
-// The same for W4A16 / FP8W experts (gemm_wq.cu): weights dequantized in registers.
+// The same for W4A16 / FP8W experts (moe_wq.cu): weights dequantized in registers.
 void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream);
 void prepare_grouped_kernels();
 

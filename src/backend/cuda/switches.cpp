@@ -60,7 +60,7 @@ EnvSwitch g_wq_cluster{"DEEPSERVE_WQ_CLUSTER", "0", true};
 // kernel (off: a gather launch into BF16 rows first). The same bits either way.
 EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
 // The quantized experts' decode variants run gate/up and down in one launch that takes its
-// items from a counter (gemm_wq.cu, ffn_fused_kernel; DEEPSERVE_MOE_WQ_FUSED=0: two launches).
+// items from a counter (moe_wq.cu, ffn_fused_kernel; DEEPSERVE_MOE_WQ_FUSED=0: two launches).
 // H200 (8f94be4), one run each: W1f TPOT 4.55 -> 4.49 ms (1,665.6 -> 1,683.3 tok/s), W5 20.16 ->
 // 19.81 (360.0 -> 365.8 tok/s). The same bits either way.
 EnvSwitch g_moe_wq_fused{"DEEPSERVE_MOE_WQ_FUSED", "0", true};

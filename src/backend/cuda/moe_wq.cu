@@ -1,0 +1,308 @@
+// The quantized MoE experts on the wq kernels (wq_kernel.cuh): gate + up fused with SiLU * up,
+// then down, over the grouped token lists' tiles; at decode sizes both in one launch
+// (ffn_fused_kernel). Behind moe_ffn's Grouped / Streamed paths (moe.cu).
+#include <algorithm>
+#include <cstdint>
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/gemm_wq.cuh"
+#include "backend/cuda/moe.cuh"
+#include "backend/cuda/pdl.cuh"
+#include "backend/cuda/switches.h"
+#include "backend/cuda/wq_kernel.cuh"
+#include "backend/cuda/wq_launch.cuh"
+#include "core/error.h"
+
+namespace ds::cuda {
+namespace moe {
+namespace {
+
+using namespace wqk;
+
+// The CtaJob of a tile's tokens (rows of x, K wide) against `rows` weight rows at w0 (and w1,
+// gate/up), over all of K's groups.
+__device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, const uint8_t* w1,
+                                           int64_t w_stride, int rows, const void* x, int K,
+                                           bool issue_first) {
+  CtaJob jb;
+  jb.w0 = w0;
+  jb.w1 = w1;
+  jb.w_stride = w_stride;
+  jb.rows = rows;
+  jb.x = static_cast<const __nv_bfloat16*>(x) + int64_t(tl.begin) * K;
+  jb.ldx = K;
+  jb.kp = K;
+  jb.tokens = tl.rows;
+  jb.K = K;
+  jb.g_begin = 0;
+  jb.g_end = (K + kGroup - 1) / kGroup;
+  jb.issue_first = issue_first;
+  return jb;
+}
+
+// Bytes between expert weight rows: ExpertPtrs counts packed formats in bytes, BF16 in elements.
+template <WqFormat F>
+__device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
+  return F == WqFormat::BF16 ? ld * 2 : ld;
+}
+
+// h[p, f] = act(silu(gate_f . x_p) * (up_f . x_p)) for tile tl's tokens and f in f0 .. f0 + 63,
+// h staged for down's format (staged_col, act_bits). BT >= the most tokens a tile can hold. XI:
+// x's F32 rows staged through the sorted tokens (rounded in the kernel), else a.xa gathered
+// (BF16; FP8W's FP16). E: run_cta asks for the first stages' weights, then waits (pdl.cuh).
+template <WqFormat F, int BT, bool XI, bool E>
+__device__ __forceinline__ void gate_up_cta(const GroupedFfnArgs& a, const Tile& tl, int f0,
+                                            uint8_t* smem) {
+  const ExpertPtrs ex = a.experts[tl.e];
+  const int H = a.hidden, Fi = a.inter;
+  const int64_t gate_ld = ld_bytes<F>(ex.gate_ld), up_ld = ld_bytes<F>(ex.up_ld);
+  // One row stride serves both matrices (the table's check: gate and up rows alike).
+  CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * gate_ld,
+                       static_cast<const uint8_t*>(ex.up) + int64_t(f0) * up_ld, gate_ld,
+                       min(kBN / 2, Fi - f0), a.xa, H, a.wq_issue_first);
+  if constexpr (XI) {
+    jb.xf = a.x;
+    jb.ldx = a.x_stride;
+    jb.xrow = a.lists.sorted_token + tl.begin;
+  }
+  float acc[kRM][BT / 8][4];
+  run_cta<F, BT, XI, XI, E, true>(jb, smem, acc);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  auto* h = static_cast<uint16_t*>(a.h);
+#pragma unroll
+  for (int j = 0; j < BT / 8; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int f = f0 + warp * 16 + g + 8 * (q >> 1), tok = j * 8 + 2 * t + (q & 1);
+      if (f >= Fi || tok >= tl.rows) continue;
+      const float gv = acc[0][j][q], uv = acc[1][j][q];
+      h[int64_t(tl.begin + tok) * Fi + staged_col<F>(f)] =
+          act_bits<F>(gv / (1.0f + expf(-gv)) * uv);
+    }
+}
+
+// y[p, n] = down_n . h_p for tile tl's tokens and n in n0 .. n0 + 127 (E as gate_up_cta's).
+template <WqFormat F, int BT, bool E>
+__device__ __forceinline__ void down_cta(const GroupedFfnArgs& a, const Tile& tl, int n0,
+                                         uint8_t* smem) {
+  const int H = a.hidden, Fi = a.inter;
+  const ExpertPtrs ex = a.experts[tl.e];
+  const int64_t down_ld = ld_bytes<F>(ex.down_ld);
+  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
+                             nullptr, down_ld, min(kBN, H - n0), a.h, Fi, a.wq_issue_first);
+  float acc[kRM][BT / 8][4];
+  run_cta<F, BT, false, false, E>(jb, smem, acc);
+  for_each_out<F>(acc, [&](int r, int tok, float v) {
+    const int row = n0 + r;
+    if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
+  });
+}
+
+// Grid (ceil(F / 64), tiles): gate_up_cta. E (not XI: the gather launch sits between the token
+// lists and this kernel, so the lists are settled when it starts, pdl.cuh): the tile is looked
+// up through L2 and its first stages' weights asked for before the wait.
+template <WqFormat F, int BT, bool XI, bool E>
+__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
+    gate_up_kernel(GroupedFfnArgs a) {
+  static_assert(!(XI && E), "with XI the lists are written by the launch just ahead");
+  if constexpr (!E) pdl::enter();
+  extern __shared__ __align__(128) uint8_t smem[];
+  const Tile tl = tile_of<kTileM, E>(a.lists, blockIdx.y);
+  if (tl.e < 0) {
+    if constexpr (E) pdl::enter();
+    return;
+  }
+  gate_up_cta<F, BT, XI, E>(a, tl, blockIdx.x * (kBN / 2), smem);
+}
+
+// Grid (ceil(hidden / 128), tiles): down_cta. E: the tile is looked up through L2 (the lists
+// are two launches back) and its first stages' weights asked for before the wait; else
+// a.prefetch may ask L2 for them (down_start).
+template <WqFormat F, int BT, bool E>
+__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(GroupedFfnArgs a) {
+  const int n0 = blockIdx.x * kBN;
+  Tile tl;
+  if constexpr (E) {
+    tl = tile_of<kTileM, true>(a.lists, blockIdx.y);
+    if (tl.e < 0) pdl::enter();
+  } else {
+    tl = down_start(
+        a.prefetch, [&](auto l2) { return tile_of<kTileM, l2.value>(a.lists, blockIdx.y); },
+        [&](const Tile& found) {                     // the tile's rows of down
+          const ExpertPtrs ex = a.experts[found.e];  // the expert table is constant
+          const int64_t ld = ld_bytes<F>(ex.down_ld);
+          pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + n0 * ld,
+                           min(a.prefetch, (min(kBN, a.hidden - n0) - 1) * ld + 16));
+        });
+  }
+  extern __shared__ __align__(128) uint8_t smem[];
+  if (tl.e < 0) return;
+  down_cta<F, BT, E>(a, tl, n0, smem);
+}
+
+// The one-launch FFN's shared memory: the larger half's (its CTAs an SM: min_ctas_of, which
+// counts F32 token rows).
+template <WqFormat F, int BT, bool XI>
+constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI> : kSmem<F, BT>;
+
+// Gate/up and down in one launch of as many CTAs as reside at once (DEEPSERVE_MOE_WQ_FUSED=0:
+// the two launches). W1f TPOT 4.55 -> 4.49 ms, W5 20.16 -> 19.81 (H200, 8f94be4).
+// Each CTA takes items from a counter (lists.sched[0], zeroed by the lists kernel): first every
+// (tile, 64 columns) of gate/up, then every (tile, 128 rows) of down, which waits until all of
+// its tile's gate/up items have stored h (lists.sched[1 + tile]). The last gate/up items then
+// share the SMs with the first down items, where two launches leave SMs idle at the end of the
+// gate/up launch (a partly filled last wave: StreamBench) and at the start of down's. An item
+// is claimed only by a running CTA, and a claimed gate/up item waits for nothing, so every
+// wait ends. The products are gate_up_cta's and down_cta's: the same bits as two launches.
+template <WqFormat F, int BT, bool XI>
+__global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
+    ffn_fused_kernel(GroupedFfnArgs a) {
+  pdl::enter();
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int item_s;
+  const int n_tiles = *a.lists.n_tiles;
+  const int gu_cols = (a.inter + kBN / 2 - 1) / (kBN / 2), dn_cols = (a.hidden + kBN - 1) / kBN;
+  const int n_gu = n_tiles * gu_cols, n_all = n_gu + n_tiles * dn_cols;
+  int* const next = a.lists.sched;
+  int* const done = a.lists.sched + 1;
+  // Every item comes from the counter, after the CTA's last one, so an item is only ever held by
+  // a running CTA (however many reside). Claiming the next item as one starts measured slower
+  // (W1f TPOT 4.49 -> 4.53 ms, W5 19.81 -> 19.89; H200, 8f94be4).
+  for (;;) {
+    __syncthreads();  // the last item's shared memory and item_s are free again
+    if (threadIdx.x == 0) item_s = atomicAdd(next, 1);
+    __syncthreads();
+    const int item = item_s;
+    if (item >= n_all) break;
+    if (item < n_gu) {
+      const int s = item / gu_cols;
+      gate_up_cta<F, BT, XI, false>(a, tile_of<kTileM>(a.lists, s),
+                                    (item - s * gu_cols) * (kBN / 2), smem);
+      __threadfence();  // every thread's h stores, before the tile's count moves
+      __syncthreads();
+      if (threadIdx.x == 0) atomicAdd(done + s, 1);
+    } else {
+      const int d = item - n_gu, s = d / dn_cols;
+      if (threadIdx.x == 0) {
+        while (*static_cast<volatile int*>(done + s) < gu_cols) __nanosleep(32);
+        __threadfence();  // the h stores counted, before this CTA's reads of them
+      }
+      __syncthreads();
+      down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - s * dn_cols) * kBN, smem);
+    }
+  }
+}
+
+// x's rows gathered per sorted position into a.xa, as format F's kernels stage them (the launch
+// ahead of gate/up unless it reads x's F32 rows itself, XI).
+template <WqFormat F>
+void gather_rows(const GroupedFfnArgs& a, cudaStream_t stream) {
+  launch_gather_act(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + a.num_experts,
+                    a.num_tokens * a.top_k, a.hidden, a.xa, stream, F);
+}
+
+// E: the kernels whose token rows are BF16 (gate/up unless XI, down) ask for their first
+// weights before the wait.
+template <WqFormat F, int BT, bool XI, bool E>
+void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
+  constexpr bool kGuE = E && !XI;
+  static const bool ready = [] {
+    set_smem_limit<F, BT, XI>(gate_up_kernel<F, BT, XI, kGuE>);
+    set_smem_limit<F, BT, false>(down_kernel<F, BT, E>);
+    return true;
+  }();
+  (void)ready;
+  if (!XI) gather_rows<F>(a, stream);
+  const unsigned tiles = unsigned(max_tiles(a.num_tokens * a.top_k, a.num_experts));
+  pdl::launch(gate_up_kernel<F, BT, XI, kGuE>, dim3(ceil_div(a.inter, kBN / 2), tiles), kThreads,
+              kSmem<F, BT, XI>, stream, a);
+  check_cuda(cudaGetLastError(), "wq moe gate/up");
+  pdl::launch(down_kernel<F, BT, E>, dim3(ceil_div(a.hidden, kBN), tiles), kThreads, kSmem<F, BT>,
+              stream, a);
+  check_cuda(cudaGetLastError(), "wq moe down");
+}
+
+// ffn_fused_kernel's launch (after the gather launch unless XI): one CTA for each that can
+// reside at once, at most one for each item the step could have.
+template <WqFormat F, int BT, bool XI>
+void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
+  static const int resident = [] {
+    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI>);
+    int per_sm = 0, dev = 0, sms = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ffn_fused_kernel<F, BT, XI>,
+                                                             kThreads, kFusedSmem<F, BT, XI>),
+               "wq moe fused occupancy");
+    check_cuda(cudaGetDevice(&dev), "wq moe fused device");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+               "wq moe fused SM count");
+    return std::max(1, per_sm * sms);
+  }();
+  if (!XI) gather_rows<F>(a, stream);
+  const int64_t items = max_tiles(a.num_tokens * a.top_k, a.num_experts) *
+                        (ceil_div(a.inter, kBN / 2) + ceil_div(a.hidden, kBN));
+  pdl::launch(ffn_fused_kernel<F, BT, XI>, unsigned(std::min<int64_t>(resident, items)), kThreads,
+              kFusedSmem<F, BT, XI>, stream, a);
+  check_cuda(cudaGetLastError(), "wq moe fused");
+  note_moe_wq_fused_launch();
+}
+
+// launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0;
+// the decode variants in one launch (ffn_fused_kernel) unless DEEPSERVE_MOE_WQ_FUSED=0 (BF16
+// experts: with DEEPSERVE_MOE_BF16_FUSED=1).
+template <WqFormat F, int BT, bool XI>
+void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
+  if constexpr (BT != kBT) {
+    // BF16 experts (the Streamed path: W1's decode) keep the two launches until measured.
+    const bool fused = F == WqFormat::BF16 ? g_moe_bf16_fused.on() : g_moe_wq_fused.on();
+    if (fused && a.lists.sched) return launch_ffn_fused<F, BT, XI>(a, stream);
+    if (g_wq_early.on()) return launch_ffn<F, BT, XI, true>(a, stream);
+  }
+  launch_ffn<F, BT, XI, false>(a, stream);
+}
+
+// Whether FP8W's decode variants (the caller's BT < kBT) read x's F32 rows themselves (no
+// gather launch): x's rows must take whole 16-byte cp.async units. On the
+// H200 (1beb961, WqBench.Moe) that took FP8W's MoE at T = 8 from 125.5 to 118.1 us (V2-Lite)
+// and 348.2 to 329.5 (V2.5), but W4A16's from 84.9 to 103.2 and 229.0 to 287.1: its CTAs
+// stream half the weight bytes against the same F32 rows.
+bool experts_stage_f32(const GroupedFfnArgs& a) {
+  return g_moe_wq_stage_f32.on() && a.hidden % 4 == 0 && a.x_stride % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+}
+
+// An expert holds each token at most once, so a step of T tokens never puts more than
+// min(T, kTileM) in a tile: T <= 16 takes the decode variants.
+template <WqFormat F>
+void launch_ffn(const GroupedFfnArgs& args, cudaStream_t stream) {
+  static_assert(kTileM == kBT, "a tile's tokens fit one CTA");
+  GroupedFfnArgs a = args;
+  a.wq_issue_first = issue_first_of(F);
+  with_bt(a.num_tokens, [&]<int BT>() {
+    if constexpr (F == WqFormat::FP8W && BT != kBT) {
+      if (experts_stage_f32(a)) return launch_ffn<F, BT, true>(a, stream);
+    }
+    launch_ffn<F, BT, false>(a, stream);
+  });
+}
+
+}  // namespace
+
+void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
+  const int64_t n = a.num_tokens * a.top_k;
+  if (a.hidden % 8 != 0 || a.inter % 8 != 0)
+    throw UnsupportedError("cuda moe_ffn: quantized experts need hidden and F multiples of 8");
+  if (n == 0) return;
+  if (dtype == DType::W4A16 && g_wq_w4_f16.on())
+    launch_ffn<WqFormat::W4A16H>(a, stream);
+  else if (dtype == DType::W4A16)
+    launch_ffn<WqFormat::W4A16>(a, stream);
+  else if (dtype == DType::FP8W)
+    launch_ffn<WqFormat::FP8W>(a, stream);
+  else if (dtype == DType::BF16)
+    launch_ffn<WqFormat::BF16>(a, stream);
+  else
+    throw UnsupportedError("cuda moe_ffn: the streamed expert kernels take W4A16, FP8W or BF16");
+}
+
+}  // namespace moe
+}  // namespace ds::cuda
