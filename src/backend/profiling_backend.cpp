@@ -311,7 +311,16 @@ void ProfilingBackend::copy(const TensorView& src, TensorView dst) {
 
 void print_op_profile(std::FILE* out, const OpProfile& p, int rows) {
   if (!p.step) {
-    std::fprintf(out, "op profile: no steps recorded\n");
+    if (p.groups.empty()) {
+      std::fprintf(out, "op profile: no steps recorded\n");
+      return;
+    }
+    // A token count was asked for (--profile-step-tokens) that no step had: say which there were.
+    std::fprintf(out, "op profile: no step of the requested token count; steps by tokens:");
+    for (const StepGroupCount& g : p.groups)
+      std::fprintf(out, " %d%s x %lld", g.tokens, g.decode ? " (decode)" : "",
+                   static_cast<long long>(g.steps));
+    std::fprintf(out, "\n");
     return;
   }
   const StepProfile& s = *p.step;

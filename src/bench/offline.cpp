@@ -129,6 +129,7 @@ void OfflineTarget::reset_op_profile() {
 
 std::optional<OpProfile> OfflineTarget::op_profile() {
   if (!cfg_.profiler) return std::nullopt;
+  if (cfg_.profile_step_tokens > 0) return cfg_.profiler->profile(cfg_.profile_step_tokens);
   return cfg_.profiler->profile();
 }
 

@@ -18,6 +18,8 @@ struct OfflineTargetConfig {
   std::function<double()> device_memory_used;
   // Set with --profile-ops: the decorator the model and engine run on (not owned).
   ProfilingBackend* profiler = nullptr;
+  // The steps the profile reports: those of this many tokens (0: the most common decode step).
+  int profile_step_tokens = 0;
 };
 
 class OfflineTarget : public BenchTarget {

@@ -58,7 +58,7 @@ void resolve_bandwidth(const BenchSpec& spec, const std::string& device, const S
 }
 
 BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptions ro,
-                     ReportContext& ctx, bool profile_ops) {
+                     ReportContext& ctx, bool profile_ops, int profile_step_tokens) {
   ModelOptions m;
   m.model = spec.model;
   m.threads = spec.threads;
@@ -102,7 +102,7 @@ BenchRun run_offline(const BenchSpec& spec, const SystemInfo& sys, BenchRunOptio
   resolve_bandwidth(spec, device, sys, ro, ctx);
   PromptMaker prompts({s.loaded.tokenizer.get(), s.loaded.config.vocab, spec.prompt == "text",
                        /*send_text=*/false});
-  OfflineTargetConfig tc{device, kv_dtype_of(spec, device), {}, profiler};
+  OfflineTargetConfig tc{device, kv_dtype_of(spec, device), {}, profiler, profile_step_tokens};
 #ifdef DEEPSERVE_HAVE_CUDA
   // The pool reserves most of the GPU up front: what its live buffers hold is the real use.
   if (device == "cuda")
@@ -157,14 +157,17 @@ int run_benchmark(const BenchOptions& o) {
     throw Error(
         "--profile-ops times the ops of an in-process engine: offline mode only "
         "(drop --url and the YAML's url)");
+  if (o.profile_step_tokens > 0 && !o.profile_ops)
+    throw Error("--profile-step-tokens chooses the steps --profile-ops reports: add --profile-ops");
   const SystemInfo sys = collect_system_info(o.command, DEEPSERVE_VERSION);
 
   ReportContext ctx;
   ctx.profile_ops = o.profile_ops;
   BenchRunOptions ro;
   ro.gpu_hour_price = spec.gpu_hour_price;
-  const BenchRun run =
-      spec.url.empty() ? run_offline(spec, sys, ro, ctx, o.profile_ops) : run_online(spec, ro, ctx);
+  const BenchRun run = spec.url.empty()
+                           ? run_offline(spec, sys, ro, ctx, o.profile_ops, o.profile_step_tokens)
+                           : run_online(spec, ro, ctx);
   const nlohmann::json doc = bench_json(spec, run, sys, ctx);
 
   std::printf("%s (%s%s, %s)\n", spec.name.c_str(), ctx.mode.c_str(),

@@ -233,6 +233,10 @@ int main(int argc, char** argv) {
   b->add_flag("--profile-ops", bench.profile_ops,
               "offline: time each op of every engine step (eager, no graphs) and report the "
               "most common decode step per op");
+  b->add_option("--profile-step-tokens", bench.profile_step_tokens,
+                "with --profile-ops: report the steps of this many tokens instead (e.g. a "
+                "workload's prefill chunk, engine.max_num_batched_tokens)")
+      ->check(CLI::Range(1, 1 << 24));
   for (int k = 0; k < argc; ++k) bench.command += (k ? " " : "") + std::string(argv[k]);
 
   ds::InspectOptions insp;

@@ -153,6 +153,40 @@ engine:
     assert doc["scenarios"][0]["op_profile"] is None
 
 
+def test_profile_step_tokens_chooses_the_steps(run, tmp_path):
+    # --profile-step-tokens N reports the steps of N tokens (a prefill chunk) instead of the
+    # most common decode step.
+    cfg = write_config(tmp_path, "prof", """
+threads: 2
+concurrency: 2
+input_len: 16
+output_len: 4
+warmup: 0
+engine:
+  kv_cache_tokens: 512
+""")
+    out = tmp_path / "r.json"
+    run("bench", "--config", cfg, "--output", out, "--profile-ops", timeout=120)
+    groups = json.loads(out.read_text())["scenarios"][0]["op_profile"]["groups"]
+    prefill = max((g for g in groups if not g["decode"]), key=lambda g: g["tokens"])
+    assert prefill["tokens"] >= 16, groups
+    chosen = tmp_path / "chosen.json"
+    p = run("bench", "--config", cfg, "--output", chosen, "--profile-ops",
+            "--profile-step-tokens", str(prefill["tokens"]), timeout=120)
+    step = json.loads(chosen.read_text())["scenarios"][0]["op_profile"]["step"]
+    assert step["decode"] is False and step["tokens"] == prefill["tokens"], step
+    assert f"step(s) of {prefill['tokens']} tokens" in p.stdout
+    # A count no step had: the report names the ones there were, and there is no step.
+    none = tmp_path / "none.json"
+    p = run("bench", "--config", cfg, "--output", none, "--profile-ops",
+            "--profile-step-tokens", "777", timeout=120)
+    assert "no step of the requested token count" in p.stdout, p.stdout
+    assert json.loads(none.read_text())["scenarios"][0]["op_profile"]["step"] is None
+    # Without --profile-ops the option is an error, not silently ignored.
+    p = run("bench", "--config", cfg, "--profile-step-tokens", "16", check=False)
+    assert p.returncode == 1 and "add --profile-ops" in p.stderr, p.stderr
+
+
 def test_profile_ops_is_offline_only(run, tmp_path):
     cfg = write_config(tmp_path, "online", "input_len: 16\noutput_len: 8\n")
     p = run("bench", "--config", cfg, "--url", "http://127.0.0.1:9", "--profile-ops",
