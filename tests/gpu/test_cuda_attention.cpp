@@ -591,6 +591,15 @@ TEST(MlaDecodePlan, SplitsFillAtMostOneWave) {
   EXPECT_EQ(splits(1, 16, 1088), 16);    // W3: the short-context cap
   EXPECT_EQ(splits(256, 16, 1280), 1);   // W2: already more CTAs than SMs
   EXPECT_EQ(splits(1, 16, 32768), 128);  // long: one split per 4 tiles, up to 128
+  {
+    cuda::kern::AttnParams a;  // W5 with 32 heads a CTA (BF16 Q / P): 32 CTAs x 4
+    a.num_seqs = a.num_tokens = 8;
+    a.heads = 128;
+    a.mla_rows = 32;
+    a.block_size = 16;
+    a.max_blocks_per_seq = (1282 + 15) / 16;
+    EXPECT_EQ(cuda::mla_decode_splits(a, sms), 4);
+  }
   for (int seqs = 1; seqs <= 140; ++seqs)
     for (int heads : {16, 32, 128}) {
       const int ctas = seqs * ((heads + 15) / 16), s = splits(seqs, heads, 4096);
@@ -605,7 +614,10 @@ TEST(MlaDecodePlan, SplitsFillAtMostOneWave) {
 // The MLA decode kernel with Q and P rounded to BF16 once (MlaDecodeBf16) against float64 on
 // the same BF16-rounded queries: what remains is P's rounding, at most 2^-9 of |v| <= 1 for any
 // weighted average of values (bound 2.5e-3), over W1's and W2's batches and the kernel's edges
-// (contexts around the 64-key tiles, 1 to 20,000 keys, 8 / 32 / 128 heads, 32 rope dims).
+// (contexts around the 64-key tiles, 1 to 20,000 keys, 8 / 32 / 48 / 80 / 128 heads, 32 rope
+// dims). The register-Q kernel runs with 16 heads a CTA and with 32 (DEEPSERVE_MLA_ROWS32: two
+// halves, the second partly or wholly past the heads at 48 and 80), which must take every shape
+// of 32 heads or more with 64 rope dims; the splits merged by the merge kernel and in clusters.
 TEST(CudaAttention, MlaDecodeBf16QueriesMatchReference) {
   DS_REQUIRE_GPU();
   const std::vector<test::StepSeq> edges = {{1, 1},   {1, 63},  {1, 64},  {1, 65},
@@ -619,20 +631,32 @@ TEST(CudaAttention, MlaDecodeBf16QueriesMatchReference) {
                           {16, 64, edges},
                           {8, 64, edges},
                           {32, 64, edges},
+                          {48, 64, {{1, 700}, {1, 64}, {1, 1}}},
+                          {80, 64, decodes(8, 1400, 80)},
                           {128, 64, {{1, 300}, {1, 1}, {1, 1282}}},
+                          {128, 64, decodes(8, 1300, 5)},
                           {16, 32, {{1, 100}, {1, 17}}},
                           {16, 64, {{1, 20000}}}};
+  // (register-Q kernel, 32 rows, cluster merge)
+  const int forms[][3] = {{1, 0, 0}, {1, 1, 0}, {1, 1, 1}, {0, 0, 0}};
   uint32_t seed = 2600;
-  for (int regq : kMlaDecodeKernels)
+  for (const auto& f : forms)
     for (const Shape& sh : shapes) {
-      const test::Forced kernel(cuda::g_mla_decode_regq, regq);
-      SCOPED_TRACE(regq ? "register-Q kernel" : "first kernel");
+      const test::Forced kernel(cuda::g_mla_decode_regq, f[0]);
+      const test::Forced rows32(cuda::g_mla_rows32, f[1]);
+      const test::Forced cluster(cuda::g_mla_cluster, f[2]);
+      SCOPED_TRACE(!f[0]   ? "first kernel"
+                   : f[1] ? (f[2] ? "register-Q kernel, 32 rows, cluster merge"
+                                  : "register-Q kernel, 32 rows, merge kernel")
+                          : "register-Q kernel");
       Case c;
       c.seqs = sh.seqs;
       c.heads = sh.heads, c.hd = 512, c.rope = sh.P;
       c.path = AttentionPath::MlaDecodeBf16;
       SCOPED_TRACE(describe(c));
       const Inputs in = make_inputs(c, seed++);
+      const cuda::kern::AttnParams a = cuda::mla_params(mla_params(c, in), in.step.meta);
+      EXPECT_EQ(cuda::mla_decode_rows(a, true), f[0] && f[1] && sh.heads >= 32 && sh.P == 64 ? 32 : 16);
       launch(c, in);
       const std::vector<float> got = read_out(c, in);
       std::vector<float> q = in.q, q_rope = in.q_rope;

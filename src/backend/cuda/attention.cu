@@ -108,6 +108,7 @@ void run(const Context& ctx, int scratch_slot, kern::AttnParams a, bool tensor_c
 
 // The MLA decode kernel, then the shared split merge unless the kernel merged in clusters.
 void run_mla_decode(const Context& ctx, kern::AttnParams a, bool bf16_qp) {
+  a.mla_rows = mla_decode_rows(a, bf16_qp);
   a.splits = mla_decode_splits(a, sm_count_of(ctx));
   // DEEPSERVE_MLA_CLUSTER_FIT=1: W1's 8 clusters of 16 do not all fit the H200 at once.
   if (g_mla_cluster_fit.on()) a.splits = mla_decode_cluster_fit(a);

@@ -51,6 +51,7 @@ struct AttnParams {
   int hc = 1, nhc = 1, tq = 1;  // heads per chunk, chunks per group, tokens per tile
   int dvc = 0, ndv = 1;         // value dims per CTA, value chunks
   int splits = 1;
+  int mla_rows = 16;        // MLA decode: heads per CTA (mla_decode_rows: 16, or 32 for BF16 Q / P)
   float scale_log2 = 1.0f;  // softmax scale * log2(e): scores live in base 2
   int causal = 1;
   const int32_t* query_start = nullptr;   // [num_seqs + 1]

@@ -327,7 +327,7 @@ bool mla_decode_fits(const kern::AttnParams& a) {
 }
 
 int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
-  const int ctas = a.num_seqs * ((a.heads + kRows - 1) / kRows);
+  const int ctas = a.num_seqs * ((a.heads + a.mla_rows - 1) / a.mla_rows);
   if (ctas >= sm_count) return 1;
   const int64_t capacity = int64_t(a.max_blocks_per_seq) * a.block_size;
   const int64_t by_capacity = std::max<int64_t>(1, (capacity + kKeys - 1) / kKeys);
@@ -346,6 +346,7 @@ int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
 bool launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp) {
   bool merged = false;
   if (launch_regq(a, stream, bf16_qp, merged)) return merged;
+  DS_CHECK(a.mla_rows == kRows, "mla decode: the first kernel takes 16 rows a CTA");
   const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
                   unsigned((a.heads + kRows - 1) / kRows));
   const bool fp8 = a.cache_type == kern::kCacheFP8;

@@ -15,8 +15,12 @@ constexpr int kMlaDecodeMaxRope = 64;  // rope dims: a multiple of 16 up to this
 // Whether the parameter block (plan not applied) suits the kernel: BF16 or FP8 cache, R = 512, rope
 // dims a multiple of 16 up to 64, every sequence decoding one token, 16-byte aligned rows.
 bool mla_decode_fits(const kern::AttnParams& a);
+// Heads per CTA for `a` (set a.mla_rows before the splits): 32 where the register-Q kernel runs
+// it with BF16 Q / P (bf16_qp) and the model has 32 heads or more, DEEPSERVE_MLA_ROWS32 on;
+// else 16.
+int mla_decode_rows(const kern::AttnParams& a, bool bf16_qp);
 // Context splits for the grid: one unless the sequences leave SMs idle; host-known sizes only
-// (num_seqs, heads, max_blocks_per_seq), so graphs replay with new metadata.
+// (num_seqs, heads, mla_rows, max_blocks_per_seq), so graphs replay with new metadata.
 int mla_decode_splits(const kern::AttnParams& a, int sm_count);
 // Grid (num_seqs, a.splits, head chunks); with splits > 1 it writes a.part_o / a.part_ml for
 // the shared merge kernel, else the normalized output. bf16_qp: Q and P rounded to BF16 once

@@ -32,49 +32,69 @@ constexpr int kDim = kR + 64;                     // 576 score dims
 constexpr int kGroups = 4;                        // dim groups
 constexpr int kGroupSteps = kDim / 16 / kGroups;  // 9 k-steps per group
 constexpr int kSStride = kKeys + 8;  // floats per partial-score row: float2 stores conflict-free
-constexpr int kRedBytes = kGroups * kRows * kSStride * 4;
-// Two cache stages, partial scores, P hi / lo, per-row alpha / max / sum, two tiles' slots.
+// kH: 16-row halves per CTA (2: 32 heads, BF16 Q / P only; mla_decode_rows).
+template <int kH>
+constexpr int kRedBytes = kGroups* kH* kRows* kSStride * 4;
+// Two cache stages, partial scores, P hi / lo (kH = 2: P of both halves, hi only), per-row
+// alpha / max / sum, two tiles' slots.
+template <int kH>
 constexpr int kSmemBytes =
-    2 * kTileBytes + kRedBytes + 2 * kPBytes + 3 * kRows * 4 + 2 * kSlotBytes;
+    2 * kTileBytes + kRedBytes<kH> + 2 * kPBytes + 3 * kH* kRows * 4 + 2 * kSlotBytes;
 static_assert(kDim == kMaxDim && kDim % (16 * kGroups) == 0, "dim groups of whole k-steps");
-// The in-cluster merge's part ([kRows][kR] F32) and scratch (merge_gathered) in the stages.
-static_assert((kRows * kR + (3 * kMaxClusterSize + 1) * kRows) * 4 <= 2 * kTileBytes,
+// The in-cluster merge's parts ([kH][kRows][kR] F32) and scratch (merge_gathered) in the stages.
+static_assert((2 * kRows * kR + (3 * kMaxClusterSize + 1) * kRows) * 4 <= 2 * kTileBytes,
               "the merge's shared memory fits the stages");
 static_assert(kGroups * 2 == kWarps && kRows == 2 * kWarps, "warp roles");
 }  // namespace regq
 
-// Grid (num_seqs, splits, ceil(heads / 16)). With p.early_cache the split's keys, their cache
-// slots and the first tile's copies are issued before the dependent-launch wait (none of them is
-// the previous kernel's output); Q is read after it. kCl: the splits of a (sequence, head chunk)
-// are one cluster and merge there (merge_in_cluster), writing the output; no partials.
-template <bool kLo, bool kCl>
+// Each 16-row half's splits merged in the cluster, one half after the other: part holds
+// [kH][kRows][kR] F32 (stash_rows), row_m / row_l [kH][kRows]; the scratch follows the parts.
+template <int kH>
+__device__ __forceinline__ void merge_halves(const kern::AttnParams& p, int token, int h0,
+                                             const float* part, const float* row_m,
+                                             const float* row_l) {
+#pragma unroll
+  for (int hf = 0; hf < kH; ++hf)
+    merge_in_cluster(p, token, h0 + hf * kRows, part + hf * kRows * kR, row_m + hf * kRows,
+                     row_l + hf * kRows, const_cast<float*>(part) + kH * kRows * kR);
+}
+
+// Grid (num_seqs, splits, ceil(heads / (16 kH))). With p.early_cache the split's keys, their
+// cache slots and the first tile's copies are issued before the dependent-launch wait (none of
+// them is the previous kernel's output); Q is read after it. kCl: the splits of a (sequence, head
+// chunk) are one cluster and merge there (merge_in_cluster), writing the output; no partials.
+// kH = 2 (BF16 Q / P only): 32 heads a CTA, two 16-row halves that share each K fragment and V
+// fragment a warp loads (twice the mma per staged tile, half the CTAs per sequence and so half
+// the cache reads: many-head models, W5's 128 heads); the halves' rows are the 16-row kernel's.
+template <bool kLo, bool kCl, int kH>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern::AttnParams p) {
+  static_assert(kH == 1 || (kH == 2 && !kLo), "two halves with BF16 Q / P only (registers)");
   PhaseLog plog;
   plog.open(p);
   if (!p.early_cache) pdl::enter();
   using namespace regq;
+  constexpr int kRowsH = kH * kRows;  // heads per CTA
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* stage0 = smem;
   float* red_s = reinterpret_cast<float*>(stage0 + 2 * kTileBytes);  // [group][row][kSStride]
-  uint8_t* p_hi = stage0 + 2 * kTileBytes + kRedBytes;
+  uint8_t* p_hi = stage0 + 2 * kTileBytes + kRedBytes<kH>;           // kH = 2: rows 16-31 at p_lo
   uint8_t* p_lo = p_hi + kPBytes;
-  float* row_alpha = reinterpret_cast<float*>(p_lo + kPBytes);  // [kRows]
-  float* row_m = row_alpha + kRows;                             // [kRows]
-  float* row_l = row_m + kRows;                                 // [kRows]
-  auto* slots = reinterpret_cast<int64_t*>(row_l + kRows);      // [2 tiles][kKeys]
+  float* row_alpha = reinterpret_cast<float*>(p_lo + kPBytes);  // [kRowsH]
+  float* row_m = row_alpha + kRowsH;                            // [kRowsH]
+  float* row_l = row_m + kRowsH;                                // [kRowsH]
+  auto* slots = reinterpret_cast<int64_t*>(row_l + kRowsH);     // [2 tiles][kKeys]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRows;
+  const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRowsH;
   SplitKeys sk;
-  if (!split_keys(p, seq, split, h0, tid, sk, !kCl)) {
+  if (!split_keys(p, seq, split, h0, tid, sk, !kCl, kRowsH)) {
     if constexpr (kCl) {  // no keys: the cluster still counts this CTA, as an empty split
       if (p.early_cache) pdl::enter();  // the merge writes the output
-      if (tid < kRows) {
+      if (tid < kRowsH) {
         row_m[tid] = -INFINITY;
         row_l[tid] = 0.0f;
       }
-      merge_in_cluster(p, sk.token, h0, reinterpret_cast<const float*>(stage0), row_m, row_l,
-                       reinterpret_cast<float*>(stage0) + kRows * kR);
+      merge_halves<kH>(p, sk.token, h0, reinterpret_cast<const float*>(stage0), row_m, row_l);
     }
     plog.close(seq, split, 0);
     return;
@@ -129,94 +149,100 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   // (per element, the choice took ~37 instructions of 64-bit arithmetic and a branch).
   const int g = lane >> 2, c2 = 2 * (lane & 3);
   const int grp = warp >> 1, half = warp & 1;
-  const uint8_t* q_lat[2];
-  const uint8_t* q_rope[2];
-  bool q_ok[2];
+  uint32_t qh[kH][kGroupSteps][4], ql[kGroupSteps][4];
+  // Half hf's rows: heads h0 + 16 hf + g (+ 8). kH = 2 loads and converts one half at a time.
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int head = h0 + g + 8 * hh;
-    q_ok[hh] = head < p.heads;
-    // p.q_split2: a padding row (past the heads) reads the chunk's first head and is zeroed
-    // after: every load unconditional (each load under a branch took its own branch region).
-    const int hc = p.q_split2 && !q_ok[hh] ? h0 : head;
-    q_lat[hh] = p.q + token * p.q_ts + hc * p.q_hs + c2 * 4;
-    q_rope[hh] = p.q2 + token * p.q2_ts + hc * p.q2_hs + c2 * 4;
-  }
-  float qv[kGroupSteps][4][2];
-  // Each element pair (c2, c2 + 1) in one 8-byte load where every Q row is 8-byte aligned
-  // (p.q_pairs), else two.
-  auto q_src = [&](int s, int e) {
-    const int step = grp * kGroupSteps + s;
-    const bool lat = step < kR / 16;
-    const int64_t off = int64_t(lat ? step : step - kR / 16) * 64;
-    return reinterpret_cast<const float*>((lat ? q_lat[e & 1] : q_rope[e & 1]) + off +
-                                          32 * (e >> 1));
-  };
-  uint32_t qh[kGroupSteps][4], ql[kGroupSteps][4];
-  if (p.q_split2) {
-    // DEEPSERVE_MLA_Q_SPLIT2: unconditional loads, then each pair split into hi + lo at once
-    // (split_bf16x2: the same roundings).
+  for (int hf = 0; hf < kH; ++hf) {
+    const uint8_t* q_lat[2];
+    const uint8_t* q_rope[2];
+    bool q_ok[2];
 #pragma unroll
-    for (int s = 0; s < kGroupSteps; ++s)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float* src = q_src(s, e);
-        if (p.q_pairs) {
-          const float2 v = *reinterpret_cast<const float2*>(src);
-          qv[s][e][0] = v.x;
-          qv[s][e][1] = v.y;
-        } else {
-          qv[s][e][0] = src[0];
-          qv[s][e][1] = src[1];
-        }
-      }
-#pragma unroll
-    for (int s = 0; s < kGroupSteps; ++s)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool ok = q_ok[e & 1];
-        split_bf16x2(ok ? qv[s][e][0] : 0.0f, ok ? qv[s][e][1] : 0.0f, qh[s][e], ql[s][e]);
-      }
-  } else {
-    if (p.q_pairs) {
-#pragma unroll
-      for (int s = 0; s < kGroupSteps; ++s)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 v =
-              q_ok[e & 1] ? *reinterpret_cast<const float2*>(q_src(s, e)) : make_float2(0.0f, 0.0f);
-          qv[s][e][0] = v.x;
-          qv[s][e][1] = v.y;
-        }
-    } else {
+    for (int hh = 0; hh < 2; ++hh) {
+      const int head = h0 + hf * kRows + g + 8 * hh;
+      q_ok[hh] = head < p.heads;
+      // p.q_split2: a padding row (past the heads) reads the chunk's first head and is zeroed
+      // after: every load unconditional (each load under a branch took its own branch region).
+      const int hc = p.q_split2 && !q_ok[hh] ? h0 : head;
+      q_lat[hh] = p.q + token * p.q_ts + hc * p.q_hs + c2 * 4;
+      q_rope[hh] = p.q2 + token * p.q2_ts + hc * p.q2_hs + c2 * 4;
+    }
+    float qv[kGroupSteps][4][2];
+    // Each element pair (c2, c2 + 1) in one 8-byte load where every Q row is 8-byte aligned
+    // (p.q_pairs), else two.
+    auto q_src = [&](int s, int e) {
+      const int step = grp * kGroupSteps + s;
+      const bool lat = step < kR / 16;
+      const int64_t off = int64_t(lat ? step : step - kR / 16) * 64;
+      return reinterpret_cast<const float*>((lat ? q_lat[e & 1] : q_rope[e & 1]) + off +
+                                            32 * (e >> 1));
+    };
+    if (p.q_split2) {
+      // DEEPSERVE_MLA_Q_SPLIT2: unconditional loads, then each pair split into hi + lo at once
+      // (split_bf16x2: the same roundings).
 #pragma unroll
       for (int s = 0; s < kGroupSteps; ++s)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float* src = q_src(s, e);
-          qv[s][e][0] = q_ok[e & 1] ? src[0] : 0.0f;
-          qv[s][e][1] = q_ok[e & 1] ? src[1] : 0.0f;
+          if (p.q_pairs) {
+            const float2 v = *reinterpret_cast<const float2*>(src);
+            qv[s][e][0] = v.x;
+            qv[s][e][1] = v.y;
+          } else {
+            qv[s][e][0] = src[0];
+            qv[s][e][1] = src[1];
+          }
+        }
+#pragma unroll
+      for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool ok = q_ok[e & 1];
+          split_bf16x2(ok ? qv[s][e][0] : 0.0f, ok ? qv[s][e][1] : 0.0f, qh[hf][s][e], ql[s][e]);
+        }
+    } else {
+      if (p.q_pairs) {
+#pragma unroll
+        for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 v = q_ok[e & 1] ? *reinterpret_cast<const float2*>(q_src(s, e))
+                                         : make_float2(0.0f, 0.0f);
+            qv[s][e][0] = v.x;
+            qv[s][e][1] = v.y;
+          }
+      } else {
+#pragma unroll
+        for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float* src = q_src(s, e);
+            qv[s][e][0] = q_ok[e & 1] ? src[0] : 0.0f;
+            qv[s][e][1] = q_ok[e & 1] ? src[1] : 0.0f;
+          }
+      }
+#pragma unroll
+      for (int s = 0; s < kGroupSteps; ++s)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          __nv_bfloat16 hi[2], lo[2];
+          split_bf16(qv[s][e][0], hi[0], lo[0]);
+          split_bf16(qv[s][e][1], hi[1], lo[1]);
+          const __nv_bfloat162 h2 = __halves2bfloat162(hi[0], hi[1]);
+          const __nv_bfloat162 l2 = __halves2bfloat162(lo[0], lo[1]);
+          qh[hf][s][e] = *reinterpret_cast<const uint32_t*>(&h2);
+          ql[s][e] = *reinterpret_cast<const uint32_t*>(&l2);
         }
     }
-#pragma unroll
-    for (int s = 0; s < kGroupSteps; ++s)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        __nv_bfloat16 hi[2], lo[2];
-        split_bf16(qv[s][e][0], hi[0], lo[0]);
-        split_bf16(qv[s][e][1], hi[1], lo[1]);
-        const __nv_bfloat162 h2 = __halves2bfloat162(hi[0], hi[1]);
-        const __nv_bfloat162 l2 = __halves2bfloat162(lo[0], lo[1]);
-        qh[s][e] = *reinterpret_cast<const uint32_t*>(&h2);
-        ql[s][e] = *reinterpret_cast<const uint32_t*>(&l2);
-      }
   }
   plog.mark(4);
 
-  // Softmax row of this lane (its warp's rows 2w, 2w + 1) and its 4 keys.
+  // Softmax row of this lane in each half (its warp's rows 2w, 2w + 1) and its 4 keys.
   const int ro = 2 * warp + (lane >> 4), kq = (lane & 15) * 4;
-  float m_run = -INFINITY, l_run = 0.0f;
-  float o[8][4] = {};                       // value dims warp*64 + n*8 + c2 (+1), rows g / g + 8
+  float m_run[kH], l_run[kH];
+#pragma unroll
+  for (int hf = 0; hf < kH; ++hf) m_run[hf] = -INFINITY, l_run[hf] = 0.0f;
+  float o[kH][8][4] = {};  // value dims warp*64 + n*8 + c2 (+1), rows 16 hf + g / + 8
   const int lm = lane >> 3, li = lane & 7;  // ldmatrix: matrix and row of this lane's address
 
   for (int t = 0; t < n_tiles; ++t) {
@@ -237,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     // Partial S over this warp's 9 k-steps for keys half*32 .. +32 (n-tiles j = 0..3). The
     // wrappers are asm volatile, so their order is the issue order: each step's K fragments
     // are loaded one step ahead of their mma.
-    float sa[4][4] = {}, sl[4][4] = {};
+    float sa[kH][4][4] = {}, sl[4][4] = {};
     // K fragments of step s: per 16 keys np, (keys 0-7, dims 0-7), (keys 0-7, dims 8-15), the
     // same for keys 8-15.
     auto load_k = [&](int s, uint32_t(&b)[2][4]) {
@@ -254,10 +280,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
       if (s + 1 < kGroupSteps) load_k(s + 1, kb[(s + 1) & 1]);
       const uint32_t(&b)[2][4] = kb[s & 1];
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        ptx::mma_bf16(sa[2 * np], qh[s], b[np][0], b[np][1]);
-        ptx::mma_bf16(sa[2 * np + 1], qh[s], b[np][2], b[np][3]);
-      }
+      for (int hf = 0; hf < kH; ++hf)
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          ptx::mma_bf16(sa[hf][2 * np], qh[hf][s], b[np][0], b[np][1]);
+          ptx::mma_bf16(sa[hf][2 * np + 1], qh[hf][s], b[np][2], b[np][3]);
+        }
       if constexpr (kLo) {
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
@@ -266,75 +294,85 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
         }
       }
     }
-    float* rs = red_s + grp * kRows * kSStride;
+    float* rs = red_s + grp * kRowsH * kSStride;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int key = half * 32 + j * 8 + c2;
-      *reinterpret_cast<float2*>(rs + g * kSStride + key) =
-          make_float2(sa[j][0] + sl[j][0], sa[j][1] + sl[j][1]);
-      *reinterpret_cast<float2*>(rs + (g + 8) * kSStride + key) =
-          make_float2(sa[j][2] + sl[j][2], sa[j][3] + sl[j][3]);
-    }
+    for (int hf = 0; hf < kH; ++hf)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = half * 32 + j * 8 + c2, r = hf * kRows + g;
+        *reinterpret_cast<float2*>(rs + r * kSStride + key) =
+            make_float2(sa[hf][j][0] + sl[j][0], sa[hf][j][1] + sl[j][1]);
+        *reinterpret_cast<float2*>(rs + (r + 8) * kSStride + key) =
+            make_float2(sa[hf][j][2] + sl[j][2], sa[hf][j][3] + sl[j][3]);
+      }
     __syncthreads();  // partial scores visible
 
-    // Row ro, keys kq .. kq + 3: the four groups' sums, base-2 scores, -inf past the split.
-    float sv[4];
-    {
-      float4 x[kGroups];
 #pragma unroll
-      for (int q = 0; q < kGroups; ++q)
-        x[q] = *reinterpret_cast<const float4*>(red_s + (q * kRows + ro) * kSStride + kq);
-      sv[0] = ((x[0].x + x[1].x) + x[2].x) + x[3].x;
-      sv[1] = ((x[0].y + x[1].y) + x[2].y) + x[3].y;
-      sv[2] = ((x[0].z + x[1].z) + x[2].z) + x[3].z;
-      sv[3] = ((x[0].w + x[1].w) + x[2].w) + x[3].w;
-    }
-    float tmax = -INFINITY;
+    for (int hf = 0; hf < kH; ++hf) {
+      const int r = hf * kRows + ro;  // this lane's softmax row of the CTA's kRowsH
+
+      // Row ro, keys kq .. kq + 3: the four groups' sums, base-2 scores, -inf past the split.
+      float sv[4];
+      {
+        float4 x[kGroups];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      sv[i] = k0 + kq + i < key_end ? sv[i] * p.scale_log2 : -INFINITY;
-      tmax = fmaxf(tmax, sv[i]);
-    }
-#pragma unroll
-    for (int x = 1; x < 16; x <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, x));
-    const float m_new = fmaxf(m_run, tmax);  // finite: every tile holds a key of the split
-    const float alpha = exp2f(m_run - m_new);
-    float pv[4], psum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      pv[i] = exp2f(sv[i] - m_new);
-      psum += pv[i];
-    }
-#pragma unroll
-    for (int x = 1; x < 16; x <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, x);
-    l_run = l_run * alpha + psum;
-    m_run = m_new;
-    {
-      __nv_bfloat16 hi[4], lo[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) split_bf16(pv[i], hi[i], lo[i]);
-      const uint32_t off = swz(ro, kq / 8, kKeys * 2) + (kq % 8) * 2;
-      const __nv_bfloat162 h01 = __halves2bfloat162(hi[0], hi[1]);
-      const __nv_bfloat162 h23 = __halves2bfloat162(hi[2], hi[3]);
-      *reinterpret_cast<uint2*>(p_hi + off) = make_uint2(*reinterpret_cast<const uint32_t*>(&h01),
-                                                         *reinterpret_cast<const uint32_t*>(&h23));
-      if constexpr (kLo) {
-        const __nv_bfloat162 l01 = __halves2bfloat162(lo[0], lo[1]);
-        const __nv_bfloat162 l23 = __halves2bfloat162(lo[2], lo[3]);
-        *reinterpret_cast<uint2*>(p_lo + off) = make_uint2(
-            *reinterpret_cast<const uint32_t*>(&l01), *reinterpret_cast<const uint32_t*>(&l23));
+        for (int q = 0; q < kGroups; ++q)
+          x[q] = *reinterpret_cast<const float4*>(red_s + (q * kRowsH + r) * kSStride + kq);
+        sv[0] = ((x[0].x + x[1].x) + x[2].x) + x[3].x;
+        sv[1] = ((x[0].y + x[1].y) + x[2].y) + x[3].y;
+        sv[2] = ((x[0].z + x[1].z) + x[2].z) + x[3].z;
+        sv[3] = ((x[0].w + x[1].w) + x[2].w) + x[3].w;
       }
+      float tmax = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sv[i] = k0 + kq + i < key_end ? sv[i] * p.scale_log2 : -INFINITY;
+        tmax = fmaxf(tmax, sv[i]);
+      }
+#pragma unroll
+      for (int x = 1; x < 16; x <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, x));
+      const float m_new = fmaxf(m_run[hf], tmax);  // finite: every tile holds a key of the split
+      const float alpha = exp2f(m_run[hf] - m_new);
+      float pv[4], psum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        pv[i] = exp2f(sv[i] - m_new);
+        psum += pv[i];
+      }
+#pragma unroll
+      for (int x = 1; x < 16; x <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, x);
+      l_run[hf] = l_run[hf] * alpha + psum;
+      m_run[hf] = m_new;
+      {
+        __nv_bfloat16 hi[4], lo[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) split_bf16(pv[i], hi[i], lo[i]);
+        const uint32_t off = swz(r, kq / 8, kKeys * 2) + (kq % 8) * 2;
+        const __nv_bfloat162 h01 = __halves2bfloat162(hi[0], hi[1]);
+        const __nv_bfloat162 h23 = __halves2bfloat162(hi[2], hi[3]);
+        *reinterpret_cast<uint2*>(p_hi + off) = make_uint2(
+            *reinterpret_cast<const uint32_t*>(&h01), *reinterpret_cast<const uint32_t*>(&h23));
+        if constexpr (kLo) {
+          const __nv_bfloat162 l01 = __halves2bfloat162(lo[0], lo[1]);
+          const __nv_bfloat162 l23 = __halves2bfloat162(lo[2], lo[3]);
+          *reinterpret_cast<uint2*>(p_lo + off) = make_uint2(
+              *reinterpret_cast<const uint32_t*>(&l01), *reinterpret_cast<const uint32_t*>(&l23));
+        }
+      }
+      if ((lane & 15) == 0) row_alpha[r] = alpha;
     }
-    if ((lane & 15) == 0) row_alpha[ro] = alpha;
     __syncthreads();  // P and the rows' alpha visible
 
-    const float a0 = row_alpha[g], a1 = row_alpha[g + 8];
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      o[n][0] *= a0;
-      o[n][1] *= a0;
-      o[n][2] *= a1;
-      o[n][3] *= a1;
+    for (int hf = 0; hf < kH; ++hf) {
+      const float a0 = row_alpha[hf * kRows + g], a1 = row_alpha[hf * kRows + g + 8];
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        o[hf][n][0] *= a0;
+        o[hf][n][1] *= a0;
+        o[hf][n][2] *= a1;
+        o[hf][n][3] *= a1;
+      }
     }
     // O[:, warp*64 .. +64] += P . V: A = P (16 x 16 keys), B = 16 keys x 16 dims (.trans).
     // Per 16 keys: every fragment load first, then the hi products of the 8 accumulators, then
@@ -342,24 +380,28 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     const uint32_t ph = smem_u32(p_hi), pl = smem_u32(p_lo);
 #pragma unroll
     for (int kk = 0; kk < kKeys; kk += 16) {
-      uint32_t ah[4], al[4], b[4][4];  // b[n / 2]: (keys 0-7, dims n), (keys 8-15, dims n), n + 1
+      uint32_t ah[kH][4], al[4],
+          b[4][4];  // b[n / 2]: (keys 0-7, dims n), (keys 8-15, dims n), n + 1
       const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kKeys * 2);
-      ptx::ldmatrix_x4(ah, ph + a_off);
+#pragma unroll
+      for (int hf = 0; hf < kH; ++hf) ptx::ldmatrix_x4(ah[hf], ph + a_off + hf * kPBytes);
       if constexpr (kLo) ptx::ldmatrix_x4(al, pl + a_off);
 #pragma unroll
       for (int n = 0; n < 8; n += 2)
         ptx::ldmatrix_x4_trans(b[n / 2], kv + swz(kk + (lm & 1) * 8 + li,
                                                   (warp * 64 + n * 8) / 8 + (lm >> 1), kRowBytes));
 #pragma unroll
-      for (int n = 0; n < 8; n += 2) {
-        ptx::mma_bf16(o[n], ah, b[n / 2][0], b[n / 2][1]);
-        ptx::mma_bf16(o[n + 1], ah, b[n / 2][2], b[n / 2][3]);
-      }
+      for (int hf = 0; hf < kH; ++hf)
+#pragma unroll
+        for (int n = 0; n < 8; n += 2) {
+          ptx::mma_bf16(o[hf][n], ah[hf], b[n / 2][0], b[n / 2][1]);
+          ptx::mma_bf16(o[hf][n + 1], ah[hf], b[n / 2][2], b[n / 2][3]);
+        }
       if constexpr (kLo) {
 #pragma unroll
         for (int n = 0; n < 8; n += 2) {
-          ptx::mma_bf16(o[n], al, b[n / 2][0], b[n / 2][1]);
-          ptx::mma_bf16(o[n + 1], al, b[n / 2][2], b[n / 2][3]);
+          ptx::mma_bf16(o[0][n], al, b[n / 2][0], b[n / 2][1]);
+          ptx::mma_bf16(o[0][n + 1], al, b[n / 2][2], b[n / 2][3]);
         }
       }
     }
@@ -367,21 +409,29 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     if (t == 0) plog.mark(6);
   }
   ptx::cp_async_wait<0>();
-  if ((lane & 15) == 0) {
-    row_m[ro] = m_run;
-    row_l[ro] = l_run;
-  }
+  if ((lane & 15) == 0)
+#pragma unroll
+    for (int hf = 0; hf < kH; ++hf) {
+      row_m[hf * kRows + ro] = m_run[hf];
+      row_l[hf * kRows + ro] = l_run[hf];
+    }
   __syncthreads();  // every row's max and sum visible
   plog.mark(7);
 
   if constexpr (kCl) {
     // The barrier above: every warp is past its last tile, so the stages are free for part.
     float* part = reinterpret_cast<float*>(stage0);
-    stash_rows(part, warp, lane, o);
-    merge_in_cluster(p, token, h0, part, row_m, row_l, part + kRows * kR);
+#pragma unroll
+    for (int hf = 0; hf < kH; ++hf) stash_rows(part + hf * kRows * kR, warp, lane, o[hf]);
+    merge_halves<kH>(p, token, h0, part, row_m, row_l);
   } else {
-    const float m_rows[2] = {row_m[g], row_m[g + 8]}, l_rows[2] = {row_l[g], row_l[g + 8]};
-    store_rows(p, sk, split, h0, warp, lane, o, m_rows, l_rows);
+#pragma unroll
+    for (int hf = 0; hf < kH; ++hf) {
+      const float* m = row_m + hf * kRows;
+      const float* l = row_l + hf * kRows;
+      const float m_rows[2] = {m[g], m[g + 8]}, l_rows[2] = {l[g], l[g + 8]};
+      store_rows(p, sk, split, h0 + hf * kRows, warp, lane, o[hf], m_rows, l_rows);
+    }
   }
   plog.close(seq, split, n_tiles);
 }
@@ -389,12 +439,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
 // The kernel's shared-memory limit (allow_smem: per device, as every launch did before the
 // cluster variants) and, for those, non-portable cluster sizes (once per process, as
 // gemm_wq.cu's prepare_dense sets them).
-template <bool kLo, bool kCl>
+template <bool kLo, bool kCl, int kH>
 void prepare_regq() {
-  allow_smem<mla_decode_regq_kernel<kLo, kCl>>(regq::kSmemBytes);
+  allow_smem<mla_decode_regq_kernel<kLo, kCl, kH>>(regq::kSmemBytes<kH>);
   if constexpr (kCl) {
     static const bool ready = [] {
-      check_cuda(cudaFuncSetAttribute(mla_decode_regq_kernel<kLo, kCl>,
+      check_cuda(cudaFuncSetAttribute(mla_decode_regq_kernel<kLo, kCl, kH>,
                                       cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
                  "mla decode cluster size");
       return true;
@@ -403,17 +453,27 @@ void prepare_regq() {
   }
 }
 
-// How many clusters of `size` CTAs (one split each) the device holds at once (asked once per
-// size; 0 if it cannot tell).
+// How many clusters of `size` CTAs (one split each) of the kernel with kH halves the device
+// holds at once (asked once per size; 0 if it cannot tell).
+template <int kH>
 int max_active_clusters(int size) {
   static std::atomic<int> known[kMaxClusterSize + 1] = {};  // count + 1; 0: not asked
   const int k = known[size].load(std::memory_order_relaxed);
   if (k > 0) return k - 1;
-  prepare_regq<true, true>();
-  const int n = cuda::max_active_clusters(mla_decode_regq_kernel<true, true>,
-                                          dim3(1, unsigned(size), 1), kThreads, regq::kSmemBytes);
+  constexpr bool kLo = kH == 1;  // the 16-row kernel's hi + lo form (the same shared memory)
+  prepare_regq<kLo, true, kH>();
+  const int n =
+      cuda::max_active_clusters(mla_decode_regq_kernel<kLo, true, kH>, dim3(1, unsigned(size), 1),
+                                kThreads, regq::kSmemBytes<kH>);
   known[size].store(n + 1, std::memory_order_relaxed);
   return n;
+}
+
+// Whether the register-Q kernel takes `a` (BF16 cache, 64 rope dims, the latent from q, not
+// switched off).
+bool regq_takes(const kern::AttnParams& a) {
+  return a.cache_type != kern::kCacheFP8 && a.dim == regq::kDim && a.q_dims == kR &&
+         g_mla_decode_regq.on();
 }
 
 // The phase log's buffer (mla_phase_log_start), its capacity and device.
@@ -427,11 +487,11 @@ std::string g_phase_path;
 
 bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, bool& merged) {
   merged = false;
-  if (a.cache_type == kern::kCacheFP8 || a.dim != regq::kDim || a.q_dims != kR ||
-      !g_mla_decode_regq.on())
-    return false;
-  const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits),
-                  unsigned((a.heads + kRows - 1) / kRows));
+  if (!regq_takes(a)) return false;
+  const int rows = a.mla_rows;  // mla_decode_rows: 32 only for BF16 Q / P
+  DS_CHECK(rows == kRows || (rows == 2 * kRows && bf16_qp),
+           "mla decode: 32 rows a CTA take BF16 Q / P");
+  const dim3 grid(unsigned(a.num_seqs), unsigned(a.splits), unsigned((a.heads + rows - 1) / rows));
   kern::AttnParams k = a;
   k.early_cache = a.early_cache && g_mla_early.on() ? 1 : 0;
   k.merge_gather = g_mla_merge_gather.on() ? 1 : 0;
@@ -449,20 +509,24 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
     }
   }
   merged = mla_decode_merges_in_cluster(a);
-  auto go = [&]<bool kLo, bool kCl>() {
-    prepare_regq<kLo, kCl>();
+  auto go = [&]<bool kLo, bool kCl, int kH>() {
+    prepare_regq<kLo, kCl, kH>();
     const dim3 cluster(1, kCl ? unsigned(a.splits) : 1u, 1);
-    pdl::launch_clusters(mla_decode_regq_kernel<kLo, kCl>, grid, kThreads, regq::kSmemBytes, stream,
-                         cluster, k);
+    pdl::launch_clusters(mla_decode_regq_kernel<kLo, kCl, kH>, grid, kThreads, regq::kSmemBytes<kH>,
+                         stream, cluster, k);
   };
-  if (bf16_qp && merged)
-    go.template operator()<false, true>();
+  if (rows == 2 * kRows && merged)
+    go.template operator()<false, true, 2>();
+  else if (rows == 2 * kRows)
+    go.template operator()<false, false, 2>();
+  else if (bf16_qp && merged)
+    go.template operator()<false, true, 1>();
   else if (bf16_qp)
-    go.template operator()<false, false>();
+    go.template operator()<false, false, 1>();
   else if (merged)
-    go.template operator()<true, true>();
+    go.template operator()<true, true, 1>();
   else
-    go.template operator()<true, false>();
+    go.template operator()<true, false, 1>();
   check_cuda(cudaGetLastError(), "mla decode kernel");
   return true;
 }
@@ -538,8 +602,14 @@ bool mla_decode_merges_in_cluster(const kern::AttnParams& a) {
     return false;
   if ((reinterpret_cast<uintptr_t>(a.out) | uintptr_t(a.out_ts) | uintptr_t(a.out_hs)) % 16 != 0)
     return false;
-  const int64_t clusters = int64_t(a.num_seqs) * ((a.heads + kRows - 1) / kRows);
-  return clusters <= max_active_clusters(a.splits);
+  const int64_t clusters = int64_t(a.num_seqs) * ((a.heads + a.mla_rows - 1) / a.mla_rows);
+  return clusters <= (a.mla_rows == 2 * kRows ? max_active_clusters<2>(a.splits)
+                                              : max_active_clusters<1>(a.splits));
+}
+
+int mla_decode_rows(const kern::AttnParams& a, bool bf16_qp) {
+  using namespace mla_decode;
+  return g_mla_rows32.on() && bf16_qp && a.heads >= 2 * kRows && regq_takes(a) ? 2 * kRows : kRows;
 }
 
 int mla_decode_cluster_fit(const kern::AttnParams& a) {

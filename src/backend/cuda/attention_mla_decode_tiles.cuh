@@ -93,13 +93,15 @@ __device__ __forceinline__ void split_bf16x2(float a, float b, uint32_t& hi, uin
 
 // The keys of split `split` of sequence `seq`: whole 64-key tiles, as few splits as the context
 // needs. Returns false (in every thread) for a split with no keys, after telling the merge to
-// skip it (report_empty: through part_ml; the in-cluster merge is told through shared memory).
+// skip it (report_empty: through part_ml for the CTA's `rows` heads from h0; the in-cluster merge
+// is told through shared memory).
 struct SplitKeys {
   int token = 0, key_begin = 0, key_end = 0;
   bool partial = false;
 };
 __device__ __forceinline__ bool split_keys(const kern::AttnParams& p, int seq, int split, int h0,
-                                           int tid, SplitKeys& k, bool report_empty = true) {
+                                           int tid, SplitKeys& k, bool report_empty = true,
+                                           int rows = kRows) {
   k.token = p.query_start[seq];
   const int ctx = p.context_lens[seq];
   const int tiles_total = (ctx + kKeys - 1) / kKeys;
@@ -109,7 +111,7 @@ __device__ __forceinline__ bool split_keys(const kern::AttnParams& p, int seq, i
   k.key_end = min(ctx, k.key_begin + tiles_per * kKeys);
   k.partial = p.splits > 1;
   if (k.key_begin < k.key_end) return true;
-  if (report_empty && k.partial && tid < kRows && h0 + tid < p.heads) {
+  if (report_empty && k.partial && tid < rows && h0 + tid < p.heads) {
     float* ml = p.part_ml + ((int64_t(split) * p.num_tokens + k.token) * p.heads + h0 + tid) * 2;
     ml[0] = -INFINITY;
     ml[1] = 0.0f;

@@ -201,6 +201,10 @@ EnvSwitch g_route_redux{"DEEPSERVE_ROUTE_REDUX", "0", true};
 // Fewer MLA decode splits where that lets their clusters all be resident, so they merge in the
 // kernel (attention.cu, run_mla_decode); off until measured.
 EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};
+// The register-Q MLA decode with BF16 Q / P takes 32 heads a CTA (two 16-row halves sharing
+// each staged tile's fragments) where a model has 32 heads or more (DEEPSERVE_MLA_ROWS32=1;
+// attention_mla_decode_regq.cu, mla_decode_rows). Off until measured.
+EnvSwitch g_mla_rows32{"DEEPSERVE_MLA_ROWS32", "1", false};
 
 namespace {
 std::atomic<int64_t> g_row_regs_launches{0}, g_moe_wq_fused_launches{0};
