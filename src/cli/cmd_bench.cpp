@@ -150,6 +150,7 @@ int run_benchmark(const BenchOptions& o) {
   if (o.lower_class_prefill_tokens)
     spec.engine.lower_class_prefill_tokens = *o.lower_class_prefill_tokens;
   if (o.prefill_first_steps) spec.engine.prefill_first_steps = *o.prefill_first_steps;
+  if (o.max_num_batched_tokens) spec.engine.max_num_batched_tokens = *o.max_num_batched_tokens;
   if (o.defer_wakeups) spec.engine.defer_wakeups = *o.defer_wakeups;
   if (o.tensor_parallel_size) spec.tensor_parallel_size = *o.tensor_parallel_size;
   if (o.expert_parallel) spec.expert_parallel = true;

@@ -56,10 +56,11 @@ struct BenchOptions {
   std::string plots;                     // folder for PNG plots; "" = none
   bool verbose = false;
   bool profile_ops = false;  // offline: time every op of each step (eager, ProfilingBackend)
-  int profile_step_tokens =
-      0;  // with profile_ops: report the steps of this many tokens (0: decode)
+  // With profile_ops: report the steps of this many tokens (0: the most common decode step).
+  int profile_step_tokens = 0;
   std::optional<int> lower_class_prefill_tokens;  // overrides the YAML's engine setting
   std::optional<int> prefill_first_steps;         // overrides the YAML's engine setting
+  std::optional<int> max_num_batched_tokens;      // overrides the YAML's engine setting
   std::optional<int> defer_wakeups;               // overrides the YAML's engine setting
   std::optional<int> tensor_parallel_size;        // overrides the YAML's
   bool expert_parallel = false;                   // sets the YAML's enable_expert_parallel

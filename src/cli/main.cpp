@@ -221,6 +221,11 @@ int main(int argc, char** argv) {
        "offline: override the YAML's engine.prefill_first_steps (0 = decodes join every step)")
       ->check(CLI::Range(0, 1 << 20));
   b->add_option_function<int>(
+       "--max-num-batched-tokens", [&bench](int v) { bench.max_num_batched_tokens = v; },
+       "offline: override the YAML's engine.max_num_batched_tokens (tokens a step takes: the "
+       "prefill chunk)")
+      ->check(CLI::Range(1, 1 << 24));
+  b->add_option_function<int>(
        "--defer-wakeups", [&bench](int v) { bench.defer_wakeups = v; },
        "offline: override the YAML's engine.defer_wakeups (-1 = on GPUs, 0 = off, 1 = on)")
       ->check(CLI::Range(-1, 1));

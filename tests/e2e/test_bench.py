@@ -155,7 +155,7 @@ engine:
 
 def test_profile_step_tokens_chooses_the_steps(run, tmp_path):
     # --profile-step-tokens N reports the steps of N tokens (a prefill chunk) instead of the
-    # most common decode step.
+    # most common decode step; --max-num-batched-tokens sets the chunk.
     cfg = write_config(tmp_path, "prof", """
 threads: 2
 concurrency: 2
@@ -164,6 +164,7 @@ output_len: 4
 warmup: 0
 engine:
   kv_cache_tokens: 512
+  max_num_seqs: 4
 """)
     out = tmp_path / "r.json"
     run("bench", "--config", cfg, "--output", out, "--profile-ops", timeout=120)
@@ -185,6 +186,14 @@ engine:
     # Without --profile-ops the option is an error, not silently ignored.
     p = run("bench", "--config", cfg, "--profile-step-tokens", "16", check=False)
     assert p.returncode == 1 and "add --profile-ops" in p.stderr, p.stderr
+    # --max-num-batched-tokens overrides the YAML's engine setting: no step takes more tokens.
+    small = tmp_path / "small.json"
+    run("bench", "--config", cfg, "--output", small, "--profile-ops",
+        "--max-num-batched-tokens", "8", timeout=120)
+    doc = json.loads(small.read_text())
+    assert doc["config"]["engine"]["max_num_batched_tokens"] == 8
+    sizes = [g["tokens"] for g in doc["scenarios"][0]["op_profile"]["groups"]]
+    assert max(sizes) == 8, sizes
 
 
 def test_profile_ops_is_offline_only(run, tmp_path):
