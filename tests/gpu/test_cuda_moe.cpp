@@ -122,119 +122,85 @@ MoeRouteParams route_params(const RouteCase& rc) {
   return p;
 }
 
-// Both forms of the route kernel (DEEPSERVE_ROUTE_REDUX off and on).
 TEST(CudaMoeRoute, MatchesCpuIncludingTiesAndCounts) {
   DS_REQUIRE_GPU();
   Backend &g = test::cuda_backend(), &c = test::cpu_backend();
   uint64_t seed = 1000;
-  for (const int redux : {0, 1})
-    for (const RouteCase& rc : kRouteCases) {
-      const test::Forced form(cuda::g_route_redux, redux);
-      for (int T : {1, 5, 37, 300}) {
-        SCOPED_TRACE(std::string(rc.name) + " T " + std::to_string(T) + " redux " +
-                     std::to_string(redux));
-        const std::vector<float> logits = route_logits(rc, T, ++seed);
-        MoeRouteParams p = route_params(rc);
-        const test::Twin l = test::twin_floats(DType::F32, {T, rc.E}, logits);
-        const test::Twin ids = test::twin_ints(std::vector<int32_t>(size_t(T * rc.k), 0));
-        const test::Twin w =
-            test::twin_floats(DType::F32, {T, rc.k}, std::vector<float>(size_t(T * rc.k), 0.0f));
-        std::vector<int64_t> cpu_counts(size_t(rc.E), 0);
-        p.expert_counts = cpu_counts.data();
-        c.moe_route(l.cpu.view, p, test::view_of(ids.cpu, {T, rc.k}, {rc.k, 1}), w.cpu.view);
-        BackendTensor counts = test::zeros(g, DType::I64, {rc.E});
-        p.expert_counts = counts.ptr<int64_t>();
-        const TensorView ids_gpu = test::view_of(ids.gpu, {T, rc.k}, {rc.k, 1});
-        g.moe_route(l.gpu.view, p, ids_gpu, w.gpu.view);
-        g.moe_route(l.gpu.view, p, ids_gpu, w.gpu.view);  // counts accumulate
-
-        const auto want =
-            by_token(test::download_floats(c, ids.cpu), test::download_floats(c, w.cpu), T, rc.k);
-        const auto got =
-            by_token(test::download_floats(g, ids.gpu), test::download_floats(g, w.gpu), T, rc.k);
-        const double tol = 1e-6 * std::max(1.0f, rc.scale);
-        int bad = 0;
-        for (int t = 0; t < T && bad < 5; ++t) {
-          bool ok = true;
-          for (int j = 0; j < rc.k; ++j) {
-            const auto& a = got[size_t(t)][size_t(j)];
-            const auto& b = want[size_t(t)][size_t(j)];
-            ok = ok && a.first == b.first && std::abs(double(a.second) - b.second) <= tol;
-          }
-          if (!ok) {
-            ++bad;
-            std::string s = "token " + std::to_string(t) + ": got";
-            for (const auto& [id, wt] : got[size_t(t)])
-              s += " " + std::to_string(id) + ":" + std::to_string(wt);
-            s += "; want";
-            for (const auto& [id, wt] : want[size_t(t)])
-              s += " " + std::to_string(id) + ":" + std::to_string(wt);
-            ADD_FAILURE() << s;
-          }
-        }
-        const std::vector<uint8_t> cb = test::download_bytes(g, counts);
-        std::vector<int64_t> got_counts(size_t(rc.E));
-        std::memcpy(got_counts.data(), cb.data(), cb.size());
-        for (int e = 0; e < rc.E; ++e)
-          EXPECT_EQ(got_counts[size_t(e)], 2 * cpu_counts[size_t(e)]) << "expert " << e;
-      }
-    }
-}
-
-// The redux form picks the same experts in the same slots with the same weights, bit for bit (the
-// combine sums the slots in order, so the order is part of the result), ties included.
-TEST(CudaMoeRoute, ReduxFormChangesNoBit) {
-  DS_REQUIRE_GPU();
-  Backend& g = test::cuda_backend();
-  uint64_t seed = 5000;
   for (const RouteCase& rc : kRouteCases) {
     for (int T : {1, 5, 37, 300}) {
       SCOPED_TRACE(std::string(rc.name) + " T " + std::to_string(T));
       const std::vector<float> logits = route_logits(rc, T, ++seed);
-      BackendTensor l = test::upload_floats(g, DType::F32, {T, rc.E}, logits);
-      const MoeRouteParams p = route_params(rc);
-      std::vector<uint8_t> ids[2], wts[2];
-      for (const int redux : {0, 1}) {
-        const test::Forced form(cuda::g_route_redux, redux);
-        BackendTensor id = test::zeros(g, DType::I32, {T, rc.k});
-        BackendTensor w = test::zeros(g, DType::F32, {T, rc.k});
-        g.moe_route(l.view, p, id.view, w.view);
-        ids[redux] = test::download_bytes(g, id);
-        wts[redux] = test::download_bytes(g, w);
+      MoeRouteParams p = route_params(rc);
+      const test::Twin l = test::twin_floats(DType::F32, {T, rc.E}, logits);
+      const test::Twin ids = test::twin_ints(std::vector<int32_t>(size_t(T * rc.k), 0));
+      const test::Twin w =
+          test::twin_floats(DType::F32, {T, rc.k}, std::vector<float>(size_t(T * rc.k), 0.0f));
+      std::vector<int64_t> cpu_counts(size_t(rc.E), 0);
+      p.expert_counts = cpu_counts.data();
+      c.moe_route(l.cpu.view, p, test::view_of(ids.cpu, {T, rc.k}, {rc.k, 1}), w.cpu.view);
+      BackendTensor counts = test::zeros(g, DType::I64, {rc.E});
+      p.expert_counts = counts.ptr<int64_t>();
+      const TensorView ids_gpu = test::view_of(ids.gpu, {T, rc.k}, {rc.k, 1});
+      g.moe_route(l.gpu.view, p, ids_gpu, w.gpu.view);
+      g.moe_route(l.gpu.view, p, ids_gpu, w.gpu.view);  // counts accumulate
+
+      const auto want =
+          by_token(test::download_floats(c, ids.cpu), test::download_floats(c, w.cpu), T, rc.k);
+      const auto got =
+          by_token(test::download_floats(g, ids.gpu), test::download_floats(g, w.gpu), T, rc.k);
+      const double tol = 1e-6 * std::max(1.0f, rc.scale);
+      int bad = 0;
+      for (int t = 0; t < T && bad < 5; ++t) {
+        bool ok = true;
+        for (int j = 0; j < rc.k; ++j) {
+          const auto& a = got[size_t(t)][size_t(j)];
+          const auto& b = want[size_t(t)][size_t(j)];
+          ok = ok && a.first == b.first && std::abs(double(a.second) - b.second) <= tol;
+        }
+        if (!ok) {
+          ++bad;
+          std::string s = "token " + std::to_string(t) + ": got";
+          for (const auto& [id, wt] : got[size_t(t)])
+            s += " " + std::to_string(id) + ":" + std::to_string(wt);
+          s += "; want";
+          for (const auto& [id, wt] : want[size_t(t)])
+            s += " " + std::to_string(id) + ":" + std::to_string(wt);
+          ADD_FAILURE() << s;
+        }
       }
-      EXPECT_EQ(ids[1], ids[0]);
-      EXPECT_EQ(wts[1], wts[0]);
+      const std::vector<uint8_t> cb = test::download_bytes(g, counts);
+      std::vector<int64_t> got_counts(size_t(rc.E));
+      std::memcpy(got_counts.data(), cb.data(), cb.size());
+      for (int e = 0; e < rc.E; ++e)
+        EXPECT_EQ(got_counts[size_t(e)], 2 * cpu_counts[size_t(e)]) << "expert " << e;
     }
   }
 }
 
 TEST(CudaMoeRoute, AllEqualLogitsPickTheLowestExperts) {
   DS_REQUIRE_GPU();
-  for (const int redux : {0, 1}) {
-    const test::Forced form(cuda::g_route_redux, redux);
-    Backend& g = test::cuda_backend();
-    // Independent of the CPU: equal scores go to the lower index, groups likewise.
-    const int E = 64, k = 6, T = 3;
-    BackendTensor l = test::upload_floats(g, DType::F32, {T, E}, std::vector<float>(T * E, 1.5f));
-    BackendTensor ids = test::zeros(g, DType::I32, {T, k});
-    BackendTensor w = test::zeros(g, DType::F32, {T, k});
-    MoeRouteParams p;
-    p.top_k = k;
-    p.method = MoeTopk::GroupLimitedGreedy;
-    p.n_group = 8;
-    p.topk_group = 1;  // one group of 8: experts 0..5
-    p.routed_scaling_factor = 3.0f;
-    g.moe_route(l.view, p, ids.view, w.view);
-    const std::vector<float> got_ids = test::download_floats(g, ids);
-    const std::vector<float> got_w = test::download_floats(g, w);
-    for (int t = 0; t < T; ++t) {
-      std::set<int> s;
-      for (int j = 0; j < k; ++j) {
-        s.insert(int(got_ids[size_t(t * k + j)]));
-        EXPECT_NEAR(got_w[size_t(t * k + j)], 3.0 / E, 1e-7);
-      }
-      EXPECT_EQ(s, (std::set<int>{0, 1, 2, 3, 4, 5}));
+  Backend& g = test::cuda_backend();
+  // Independent of the CPU: equal scores go to the lower index, groups likewise.
+  const int E = 64, k = 6, T = 3;
+  BackendTensor l = test::upload_floats(g, DType::F32, {T, E}, std::vector<float>(T * E, 1.5f));
+  BackendTensor ids = test::zeros(g, DType::I32, {T, k});
+  BackendTensor w = test::zeros(g, DType::F32, {T, k});
+  MoeRouteParams p;
+  p.top_k = k;
+  p.method = MoeTopk::GroupLimitedGreedy;
+  p.n_group = 8;
+  p.topk_group = 1;  // one group of 8: experts 0..5
+  p.routed_scaling_factor = 3.0f;
+  g.moe_route(l.view, p, ids.view, w.view);
+  const std::vector<float> got_ids = test::download_floats(g, ids);
+  const std::vector<float> got_w = test::download_floats(g, w);
+  for (int t = 0; t < T; ++t) {
+    std::set<int> s;
+    for (int j = 0; j < k; ++j) {
+      s.insert(int(got_ids[size_t(t * k + j)]));
+      EXPECT_NEAR(got_w[size_t(t * k + j)], 3.0 / E, 1e-7);
     }
+    EXPECT_EQ(s, (std::set<int>{0, 1, 2, 3, 4, 5}));
   }
 }
 

@@ -1,6 +1,5 @@
 // MoE gate on the GPU: softmax over the experts, then greedy or group-limited top-k, one warp
 // per token (DeepSeek-V2 MoEGate semantics, backend.h).
-#include <climits>
 #include <cmath>
 #include <string>
 
@@ -178,96 +177,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(RouteArgs a) {
   store_pick(a, t, lane, my_id, my_score, total);
 }
 
-// The form before route_kernel (DEEPSERVE_ROUTE_REDUX=0, the default until measured): every
-// lane holds kPerLane scores, maxima and argmaxes over five rounds of shuffles.
-__device__ __forceinline__ float warp_max(float v) {
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, off));
-  return v;
-}
-
-__global__ void __launch_bounds__(kRouteWarps * 32) route_kernel_shuffles(RouteArgs a) {
-  pdl::enter();
-  const int lane = threadIdx.x & 31;
-  const int64_t t = route_token();
-  if (t >= a.num_tokens) return;  // the whole warp leaves together
-  const int E = a.num_experts;
-  const float* row = a.logits + t * a.logit_stride;
-
-  // Lane l holds experts l, l + 32, ...; absent experts score -inf so they are never chosen.
-  float s[kPerLane];
-  float m = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int idx = lane + 32 * i;
-    s[i] = idx < E ? row[idx] : -INFINITY;
-    m = fmaxf(m, s[i]);
-  }
-  softmax_scores(s, warp_max(m), E, lane);
-
-  if (a.group_limited) {
-    // Lane g keeps the max score of group g; then the topk_group best groups survive. As in
-    // MoEGate, experts of dropped groups score 0 and still take part in the top-k.
-    const int gsize = E / a.n_group;
-    float my_group = -INFINITY;
-    for (int g = 0; g < a.n_group; ++g) {
-      float gm = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) {
-        const int idx = lane + 32 * i;
-        if (idx < E && idx / gsize == g) gm = fmaxf(gm, s[i]);
-      }
-      gm = warp_max(gm);
-      if (lane == g) my_group = gm;
-    }
-    float gs = lane < a.n_group ? my_group : -INFINITY;
-    int gi = lane < a.n_group ? lane : INT_MAX;
-    unsigned keep = 0;
-    for (int r = 0; r < a.topk_group; ++r) {
-      float bs = gs;
-      int bi = gi;
-      warp_argmax(bs, bi);
-      keep |= 1u << bi;
-      if (lane == bi) {
-        gs = -INFINITY;
-        gi = INT_MAX;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int idx = lane + 32 * i;
-      if (idx < E && !((keep >> (idx / gsize)) & 1u)) s[i] = 0.0f;
-    }
-  }
-
-  // Greedy top-k: k rounds of warp argmax; lane j keeps the j-th pick.
-  int my_id = -1;
-  float my_score = 0.0f;
-  double total = 0.0;
-  for (int j = 0; j < a.top_k; ++j) {
-    float bs = -INFINITY;
-    int bi = INT_MAX;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      if (s[i] > bs) {  // ascending index, strict: the lower index wins a tie
-        bs = s[i];
-        bi = lane + 32 * i;
-      }
-    }
-    warp_argmax(bs, bi);
-    if (lane == j) {
-      my_id = bi;
-      my_score = bs;
-    }
-    total += bs;
-    // Selects with constant indices keep s in registers (s[bi >> 5] would go to local memory).
-    const bool mine = (bi & 31) == lane;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) s[i] = mine && i == (bi >> 5) ? -INFINITY : s[i];
-  }
-
-  store_pick(a, t, lane, my_id, my_score, total);
-}
-
 // route_kernel for E experts: the fewest scores a lane that hold them.
 template <int PL = 1>
 auto route_kernel_for(int E) {
@@ -323,8 +232,7 @@ void moe_route(const Context& ctx, const TensorView& logits, const MoeRouteParam
   a.weights_stride = weights.row_stride() / 4;
   a.counts = reinterpret_cast<unsigned long long*>(p.expert_counts);
   const int64_t blocks = (T + kRouteWarps - 1) / kRouteWarps;
-  const auto kernel = g_route_redux.on() ? route_kernel_for(int(E)) : &route_kernel_shuffles;
-  pdl::launch(kernel, unsigned(blocks), kRouteWarps * 32, 0, ctx.stream, a);
+  pdl::launch(route_kernel_for(int(E)), unsigned(blocks), kRouteWarps * 32, 0, ctx.stream, a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("CUDA moe_route: ") + cudaGetErrorString(err));
 }

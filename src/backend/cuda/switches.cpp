@@ -193,11 +193,6 @@ EnvSwitch g_mla_q_split2{"DEEPSERVE_MLA_Q_SPLIT2", "0", true};
 // 11-12 (DEEPSERVE_W4_F16=1). Other roundings, not the same bits. Off: W5 measured 347.4
 // against 348.9 tok/s (twenty-sixth session).
 EnvSwitch g_wq_w4_f16{"DEEPSERVE_W4_F16", "1", false};
-// The MoE route kernel's maxima and picks as redux.sync warp reductions over order-preserving
-// keys, a lane holding only ceil(E / 32) scores (DEEPSERVE_ROUTE_REDUX=1; off: five rounds of
-// shuffles an argmax, 8 scores a lane; DEEPSERVE_ROUTE_REDUX=0). The same experts, order and
-// weights. On as part of the W3 set measured together; alone W3 measured no change.
-EnvSwitch g_route_redux{"DEEPSERVE_ROUTE_REDUX", "0", true};
 // Fewer MLA decode splits where that lets their clusters all be resident, so they merge in the
 // kernel (attention.cu, run_mla_decode); off until measured.
 EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};
