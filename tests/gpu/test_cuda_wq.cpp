@@ -31,19 +31,14 @@ namespace {
 using test::cuda_backend;
 
 const char* fmt_name(DType t) {
-  if (t == DType::W4A16) return cuda::g_wq_w4_f16.on() ? "W4A16 (FP16 activations)" : "W4A16";
+  if (t == DType::W4A16) return "W4A16";
   return "FP8W";
 }
 
-// The in-register kernels' forms of the quantized formats: W4A16 with BF16 activations and with
-// FP16 ones (DEEPSERVE_W4_F16, gemm_wq.cuh's W4A16H), FP8W. for_formats(f) runs f(t) under each.
+// The in-register kernels' quantized formats: for_formats(f) runs f(t) for W4A16 and FP8W.
 template <typename Fn>
 void for_formats(Fn&& f) {
-  for (const auto& [t, f16] :
-       {std::pair{DType::W4A16, 0}, std::pair{DType::W4A16, 1}, std::pair{DType::FP8W, 0}}) {
-    const test::Forced w4f16(cuda::g_wq_w4_f16, f16);
-    f(t);
-  }
+  for (const DType t : {DType::W4A16, DType::FP8W}) f(t);
 }
 
 // out [M, N] (row stride ldo floats) of x [M, K] (row stride ldx) times w on the GPU.
@@ -348,15 +343,12 @@ TEST(CudaWq, OneLaunchDecodeMatchesTheStagedPath) {
   struct Case {
     DType t;
     int64_t n, k;
-    int f16 = 0;  // W4A16 with FP16 activations (DEEPSERVE_W4_F16)
   };
-  const Case cases[] = {{DType::W4A16, 200, 384},      {DType::W4A16, 1000, 5120},
-                        {DType::W4A16, 3072, 2048},    {DType::W4A16, 200, 384, 1},
-                        {DType::W4A16, 1000, 5120, 1}, {DType::FP8W, 200, 100},
-                        {DType::FP8W, 576, 2048},      {DType::FP8W, 1000, 1408},
-                        {DType::BF16, 130, 1000},      {DType::BF16, 2048, 2048}};
+  const Case cases[] = {{DType::W4A16, 200, 384},   {DType::W4A16, 1000, 5120},
+                        {DType::W4A16, 3072, 2048}, {DType::FP8W, 200, 100},
+                        {DType::FP8W, 576, 2048},   {DType::FP8W, 1000, 1408},
+                        {DType::BF16, 130, 1000},   {DType::BF16, 2048, 2048}};
   for (const Case& c : cases) {
-    const test::Forced w4f16(cuda::g_wq_w4_f16, c.f16);
     const int64_t N = c.n, K = c.k;
     std::unique_ptr<Buffer> wbuf;
     TensorView w;
@@ -392,8 +384,8 @@ TEST(CudaWq, OneLaunchDecodeMatchesTheStagedPath) {
         for (const auto& md : modes) {
           const auto one = run(md[0], md[1]);
           EXPECT_EQ(0, std::memcmp(one.data(), staged.data(), one.size() * 4))
-              << dtype_name(c.t) << (c.f16 ? " FP16 x" : "") << " N " << N << " K " << K << " M "
-              << M << " ld " << ldx << " (F32 x " << md[0] << ", clusters " << md[1] << ")";
+              << dtype_name(c.t) << " N " << N << " K " << K << " M " << M << " ld " << ldx
+              << " (F32 x " << md[0] << ", clusters " << md[1] << ")";
         }
       }
     }
@@ -494,7 +486,6 @@ void check_moe_against_reference(bool expand) {
   Backend& be = cuda_backend();
   const int E = 12, k = 6;
   for_formats([&](DType t) {
-    if (expand && cuda::g_wq_w4_f16.on()) return;  // the expansions take BF16 activations
     // W4A16: 9 and 5 groups; FP8W: DeepSeek-V2-Lite's F = 1408 (11 groups) and H = 1288 (10
     // whole groups and 8 columns).
     const int64_t H = t == DType::W4A16 ? 1152 : 1288, F = t == DType::W4A16 ? 640 : 1408;

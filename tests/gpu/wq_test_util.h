@@ -89,11 +89,9 @@ inline float f16_round(float x) {
   return __half2float(__float2half_rn(std::fmin(std::fmax(x, -65504.0f), 65504.0f)));
 }
 
-// An activation as the in-register kernels of weight type t round it: FP16 for FP8W (and for
-// W4A16 under DEEPSERVE_W4_F16, gemm_wq.cuh's W4A16H), else BF16.
+// An activation as the in-register kernels of weight type t round it: FP16 for FP8W, else BF16.
 inline float act_round(DType t, float x) {
-  const bool f16 = t == DType::FP8W || (t == DType::W4A16 && cuda::g_wq_w4_f16.on());
-  return f16 ? f16_round(x) : bf16_round(x);
+  return t == DType::FP8W ? f16_round(x) : bf16_round(x);
 }
 
 }  // namespace ds::test

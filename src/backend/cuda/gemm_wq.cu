@@ -367,9 +367,7 @@ void wq_matmul(const Context& ctx, const TensorView& x, const TensorView& w,
   a.k = K;
   a.m = M;
   const int64_t ldx = M > 1 ? x.row_stride() / 4 : K, ldo = M > 1 ? out.row_stride() / 4 : N;
-  if (w4 && g_wq_w4_f16.on())
-    run_dense<WqFormat::W4A16H>(ctx, x.ptr<float>(), ldx, out.ptr<float>(), ldo, a);
-  else if (w4)
+  if (w4)
     run_dense<WqFormat::W4A16>(ctx, x.ptr<float>(), ldx, out.ptr<float>(), ldo, a);
   else if (bf16)
     run_dense<WqFormat::BF16>(ctx, x.ptr<float>(), ldx, out.ptr<float>(), ldo, a);

@@ -18,13 +18,12 @@
 namespace ds::cuda {
 
 // BF16: plain BF16 weight rows through the same kernel (no scales); the MoE takes it for decode
-// steps (its small-token variants stream the experts at a few tokens per CTA). W4A16H: W4A16's
-// weights with FP16 activations, as FP8W's (DEEPSERVE_W4_F16=1; wq_kernel.cuh, kF16Act).
-enum class WqFormat : uint8_t { W4A16, FP8W, BF16, W4A16H };
+// steps (its small-token variants stream the experts at a few tokens per CTA).
+enum class WqFormat : uint8_t { W4A16, FP8W, BF16 };
 
-// The formats of W4A16 weights (int4 codes, group-pair scale words).
+// Whether the format holds W4A16 weights (int4 codes, group-pair scale words).
 __host__ __device__ constexpr bool wq_w4(WqFormat f) {
-  return f == WqFormat::W4A16 || f == WqFormat::W4A16H;
+  return f == WqFormat::W4A16;
 }
 
 // Whether Backend::matmul / moe_ffn take weights of this dtype through the kernels here.

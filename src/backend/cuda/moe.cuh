@@ -421,7 +421,7 @@ void prepare_grouped_kernels();
 // act[p, :] = x[sorted_token[p], :] for p < *assigned (grid n rows; sorted_token null: row p of
 // x; assigned null: all n rows), 16 bits an element as the kernels of format `as` stage them:
 // BF16; W4A16's 8-column chunks in its order (wq_kernel.cuh, w4_stage_pos; hidden a multiple
-// of 8, W4A16H's too); FP8W's and W4A16H's FP16, saturated at its range.
+// of 8); FP8W's FP16, saturated at its range.
 void launch_gather_act(const float* x, int64_t x_stride, const int* sorted_token,
                        const int* assigned, int64_t n, int hidden, void* act, cudaStream_t stream,
                        WqFormat as = WqFormat::BF16);

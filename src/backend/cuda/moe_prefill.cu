@@ -100,10 +100,9 @@ void launch_gather_act(const float* x, int64_t x_stride, const int* sorted_token
   if (n == 0) return;
   DS_CHECK(!wq_w4(as) || hidden % 8 == 0, "gather: W4A16 order needs whole 8-column chunks");
   auto* dst = static_cast<uint16_t*>(act);
-  const auto kernel = as == WqFormat::W4A16    ? gather_act_kernel<WqFormat::W4A16>
-                      : as == WqFormat::W4A16H ? gather_act_kernel<WqFormat::W4A16H>
-                      : as == WqFormat::FP8W   ? gather_act_kernel<WqFormat::FP8W>
-                                               : gather_act_kernel<WqFormat::BF16>;
+  const auto kernel = as == WqFormat::W4A16  ? gather_act_kernel<WqFormat::W4A16>
+                      : as == WqFormat::FP8W ? gather_act_kernel<WqFormat::FP8W>
+                                             : gather_act_kernel<WqFormat::BF16>;
   const bool batched = g_row_regs.on();
   if (batched) note_row_regs_launch();
   pdl::launch(kernel, unsigned(n), kThreads, 0, stream, x, x_stride, sorted_token, assigned, hidden,

@@ -292,9 +292,7 @@ void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
   if (a.hidden % 8 != 0 || a.inter % 8 != 0)
     throw UnsupportedError("cuda moe_ffn: quantized experts need hidden and F multiples of 8");
   if (n == 0) return;
-  if (dtype == DType::W4A16 && g_wq_w4_f16.on())
-    launch_ffn<WqFormat::W4A16H>(a, stream);
-  else if (dtype == DType::W4A16)
+  if (dtype == DType::W4A16)
     launch_ffn<WqFormat::W4A16>(a, stream);
   else if (dtype == DType::FP8W)
     launch_ffn<WqFormat::FP8W>(a, stream);

@@ -188,11 +188,6 @@ EnvSwitch g_mla_merge_gather{"DEEPSERVE_MLA_MERGE_GATHER", "0", true};
 // zeroed after) and each element pair split into BF16 hi + lo at once (DEEPSERVE_MLA_Q_SPLIT2=1;
 // SASS: 895 -> 657 instructions after the wait). The same values (DEEPSERVE_MLA_Q_SPLIT2=0: off).
 EnvSwitch g_mla_q_split2{"DEEPSERVE_MLA_Q_SPLIT2", "0", true};
-// W4A16 weights with FP16 activations (gemm_wq.cuh's W4A16H: FP16 keeps 11 significant bits to
-// BF16's 8, the range ends at 65504), dequantized in 9 instructions a word of codes instead of
-// 11-12 (DEEPSERVE_W4_F16=1). Other roundings, not the same bits. Off: W5 measured 347.4
-// against 348.9 tok/s (twenty-sixth session).
-EnvSwitch g_wq_w4_f16{"DEEPSERVE_W4_F16", "1", false};
 // Fewer MLA decode splits where that lets their clusters all be resident, so they merge in the
 // kernel (attention.cu, run_mla_decode); off until measured.
 EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};

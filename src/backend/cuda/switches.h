@@ -84,7 +84,6 @@ extern EnvSwitch g_row_regs;             // on; DEEPSERVE_ROW_REGS=0 turns it of
 extern EnvSwitch g_mla_q_pairs;          // on; DEEPSERVE_MLA_Q_PAIRS=0 turns it off
 extern EnvSwitch g_mla_merge_gather;     // on; DEEPSERVE_MLA_MERGE_GATHER=0 turns it off
 extern EnvSwitch g_mla_q_split2;         // on; DEEPSERVE_MLA_Q_SPLIT2=0 turns it off
-extern EnvSwitch g_wq_w4_f16;            // off; DEEPSERVE_W4_F16=1 turns it on
 extern EnvSwitch g_mla_cluster_fit;      // off; DEEPSERVE_MLA_CLUSTER_FIT=1 turns it on
 extern EnvSwitch g_mla_rows32;           // off; DEEPSERVE_MLA_ROWS32=1 turns it on
 // Launches DEEPSERVE_ROW_REGS has reached so far (the register-row norm kernels, the skinny

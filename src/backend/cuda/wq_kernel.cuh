@@ -8,8 +8,8 @@
 // real k 32t + 8p .. + 7 into two mmas. The token side uses the same permutation of k, so the
 // products are the true ones. W4A16 also pairs the codes of each 8-k chunk as (k, k + 4)
 // (two per 32-bit lop3, see dequant8_w4): its activations are staged in that order
-// (w4_stage_pos), by the producers of the BF16 rows. FP8W's and W4A16H's products take FP16
-// activations (kF16Act): their staged rows hold FP16 bits, and their fragments go to FP16 mmas.
+// (w4_stage_pos), by the producers of the BF16 rows. FP8W's products take FP16 activations
+// (kF16Act): its staged rows hold FP16 bits, and its fragments go to FP16 mmas.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -77,8 +77,6 @@ struct Fmt<WqFormat::W4A16> {
     return __uint_as_float(((g & 1) ? (word >> 16) : (word & 0xffffu)) << 16);
   }
 };
-template <>
-struct Fmt<WqFormat::W4A16H> : Fmt<WqFormat::W4A16> {};
 template <>
 struct Fmt<WqFormat::FP8W> {
   static constexpr int kRowBytes = 128;
@@ -158,7 +156,7 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 // +-65504 (cvt's .satfinite: the same bits as clamping first, in the one instruction, where
 // the clamps took 4 of FP8W's ~700 a stage; a NaN stays NaN).
 template <WqFormat F>
-constexpr bool kF16Act = F == WqFormat::FP8W || F == WqFormat::W4A16H;
+constexpr bool kF16Act = F == WqFormat::FP8W;
 __device__ __forceinline__ uint32_t f16x2_bits(float lo, float hi) {
   uint32_t r;  // lo in the low half
   asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
@@ -209,26 +207,6 @@ __device__ __forceinline__ void dequant8_w4(uint32_t w, uint32_t (&o)[4]) {
     __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&x);
     h = __hsub2(h, bias);
     o[q] = *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-// The same eight codes as FP16x2 of (code - 8), exact, in 9 instructions where dequant8_w4 takes
-// 11-12 (no BF16 form can: its 7-bit mantissa holds one nibble of a 16-bit half, FP16's 10 hold
-// two): nibbles q, q + 4 (q = 0, 2) sit at bits 0-3 of each half and become 1024 + code in
-// FP16 1024's mantissa (minus 1032: code - 8); nibbles q + 1, q + 5 sit at bits 4-7 and become
-// 1024 + 16 code (times 1/16, minus 72). One shift by 8 serves q = 2, 3.
-__device__ __forceinline__ void dequant8_w4_f16(uint32_t w, uint32_t (&o)[4]) {
-  const __half2 bias_lo = __floats2half2_rn(1032.0f, 1032.0f);
-  const __half2 scale_hi = __floats2half2_rn(0.0625f, 0.0625f);
-  const __half2 bias_hi = __floats2half2_rn(-72.0f, -72.0f);
-#pragma unroll
-  for (int q = 0; q < 4; q += 2) {
-    const uint32_t v = q == 0 ? w : w >> 8;
-    const uint32_t lo = lop3_and_or(v, 0x000f000fu, 0x64006400u);
-    const uint32_t hi = lop3_and_or(v, 0x00f000f0u, 0x64006400u);
-    const __half2 a = __hsub2(*reinterpret_cast<const __half2*>(&lo), bias_lo);
-    const __half2 b = __hfma2(*reinterpret_cast<const __half2*>(&hi), scale_hi, bias_hi);
-    o[q] = *reinterpret_cast<const uint32_t*>(&a);
-    o[q + 1] = *reinterpret_cast<const uint32_t*>(&b);
   }
 }
 // The e4m3 codes in the low 16 bits of w (low byte first) as two floats, exactly (e4m3 fits
@@ -572,10 +550,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
             } else {
               const uint4 v = raw[u][i][h][0];
               const uint32_t word = p == 0 ? v.x : p == 1 ? v.y : p == 2 ? v.z : v.w;
-              if constexpr (kF16Act<F>)
-                dequant8_w4_f16(word, d[h]);
-              else
-                dequant8_w4(word, d[h]);
+              dequant8_w4(word, d[h]);
             }
           }
 #pragma unroll
