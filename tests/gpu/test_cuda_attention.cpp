@@ -645,7 +645,7 @@ TEST(CudaAttention, MlaDecodeBf16QueriesMatchReference) {
       const test::Forced kernel(cuda::g_mla_decode_regq, f[0]);
       const test::Forced rows32(cuda::g_mla_rows32, f[1]);
       const test::Forced cluster(cuda::g_mla_cluster, f[2]);
-      SCOPED_TRACE(!f[0]   ? "first kernel"
+      SCOPED_TRACE(!f[0]  ? "first kernel"
                    : f[1] ? (f[2] ? "register-Q kernel, 32 rows, cluster merge"
                                   : "register-Q kernel, 32 rows, merge kernel")
                           : "register-Q kernel");
@@ -656,7 +656,8 @@ TEST(CudaAttention, MlaDecodeBf16QueriesMatchReference) {
       SCOPED_TRACE(describe(c));
       const Inputs in = make_inputs(c, seed++);
       const cuda::kern::AttnParams a = cuda::mla_params(mla_params(c, in), in.step.meta);
-      EXPECT_EQ(cuda::mla_decode_rows(a, true), f[0] && f[1] && sh.heads >= 32 && sh.P == 64 ? 32 : 16);
+      EXPECT_EQ(cuda::mla_decode_rows(a, true),
+                f[0] && f[1] && sh.heads >= 32 && sh.P == 64 ? 32 : 16);
       launch(c, in);
       const std::vector<float> got = read_out(c, in);
       std::vector<float> q = in.q, q_rope = in.q_rope;
