@@ -536,7 +536,8 @@ void check_moe_against_reference(bool expand) {
 // decode-sized T (1 to 16; one tile an expert), with and without shared experts, experts left
 // without tokens, F not a whole number of 64-column items and H not of 128-row ones, more items
 // than CTAs (11 or 12 tiles x 33 items against two or three CTAs an SM), x's F32 rows read in
-// the kernel and gathered first.
+// the kernel and gathered first; the items in tile order and with the shared experts' first
+// (DEEPSERVE_MOE_WQ_SHARED_FIRST).
 TEST(CudaWq, OneLaunchFfnChangesNothing) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
@@ -568,15 +569,19 @@ TEST(CudaWq, OneLaunchFfnChangesNothing) {
           }
           ASSERT_NE(0, std::memcmp(two.data(), two2.data(), two.size() * 4)) << what;
           const test::Forced on(cuda::g_moe_wq_fused, 1);
-          const int64_t before = cuda::moe_wq_fused_launches();
-          const auto one = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
-          const auto one2 = moe_test::run_moe_ffn(be, x2, ids, wts, q.dev, shared, T, H, k);
-          EXPECT_EQ(cuda::moe_wq_fused_launches(), before + 2) << what;
-          ASSERT_EQ(one.size(), two.size()) << what;
-          ASSERT_EQ(one2.size(), two2.size()) << what;
-          EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * 4)) << what;
-          EXPECT_EQ(0, std::memcmp(one2.data(), two2.data(), one2.size() * 4))
-              << what << ", second";
+          for (int first : {0, 1}) {  // DEEPSERVE_MOE_WQ_SHARED_FIRST: the items' order
+            const test::Forced order(cuda::g_moe_wq_shared_first, first);
+            const std::string how = what + (first ? ", shared experts first" : "");
+            const int64_t before = cuda::moe_wq_fused_launches();
+            const auto one = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+            const auto one2 = moe_test::run_moe_ffn(be, x2, ids, wts, q.dev, shared, T, H, k);
+            EXPECT_EQ(cuda::moe_wq_fused_launches(), before + 2) << how;
+            ASSERT_EQ(one.size(), two.size()) << how;
+            ASSERT_EQ(one2.size(), two2.size()) << how;
+            EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * 4)) << how;
+            EXPECT_EQ(0, std::memcmp(one2.data(), two2.data(), one2.size() * 4))
+                << how << ", second";
+          }
         }
     }
   });

@@ -385,6 +385,7 @@ bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
     moe::GroupedFfnArgs a;
     a.experts = table.device;
     static_cast<moe::FfnProblem&>(a) = problem;
+    a.num_shared = S;
     a.xa = s.act;
     a.h = s.h16;
     a.y = s.y;

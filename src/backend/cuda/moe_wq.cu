@@ -154,15 +154,40 @@ constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
 // gate/up launch (a partly filled last wave: StreamBench) and at the start of down's. An item
 // is claimed only by a running CTA, and a claimed gate/up item waits for nothing, so every
 // wait ends. The products are gate_up_cta's and down_cta's: the same bits as two launches.
-template <WqFormat F, int BT, bool XI>
+// kSF (DEEPSERVE_MOE_WQ_SHARED_FIRST): the items of the shared experts' tiles (the
+// last num_shared of the table: one tile each at these sizes, all T tokens) come first, gate/up
+// and down alike, and before the wait CTA b < num_shared x gu_cols asks L2 for the gate and up
+// rows of gate/up item b, which no kernel writes and which the lists are not needed to find: the
+// CTAs that start first take those items and find their weights on chip, fetched while the lists
+// kernel ran. Only the order of the items changes, so the bits do not.
+template <WqFormat F, int BT, bool XI, bool kSF>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     ffn_fused_kernel(GroupedFfnArgs a) {
+  const int S = kSF ? a.num_shared : 0;
+  if constexpr (kSF) {
+    const int gu_cols = (a.inter + kBN / 2 - 1) / (kBN / 2);
+    if (threadIdx.x == 0 && int(blockIdx.x) < S * gu_cols) {
+      const int j = int(blockIdx.x) / gu_cols, f0 = (int(blockIdx.x) - j * gu_cols) * (kBN / 2);
+      const ExpertPtrs ex = a.experts[a.num_experts - S + j];  // the expert table is constant
+      const int64_t gl = ld_bytes<F>(ex.gate_ld), ul = ld_bytes<F>(ex.up_ld);
+      const int rows = min(kBN / 2, a.inter - f0);
+      pdl::prefetch_l2(static_cast<const uint8_t*>(ex.gate) + f0 * gl, (rows - 1) * gl + 16);
+      pdl::prefetch_l2(static_cast<const uint8_t*>(ex.up) + f0 * ul, (rows - 1) * ul + 16);
+    }
+  }
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int item_s;
   const int n_tiles = *a.lists.n_tiles;
   const int gu_cols = (a.inter + kBN / 2 - 1) / (kBN / 2), dn_cols = (a.hidden + kBN - 1) / kBN;
   const int n_gu = n_tiles * gu_cols, n_all = n_gu + n_tiles * dn_cols;
+  // The tile of the s-th tile in item order: the last S (shared) first, then the routed ones.
+  auto tile_at = [&](int s) {
+    if constexpr (kSF)
+      return s < S ? n_tiles - S + s : s - S;
+    else
+      return s;
+  };
   int* const next = a.lists.sched;
   int* const done = a.lists.sched + 1;
   // Every item comes from the counter, after the CTA's last one, so an item is only ever held by
@@ -175,20 +200,20 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     const int item = item_s;
     if (item >= n_all) break;
     if (item < n_gu) {
-      const int s = item / gu_cols;
+      const int q = item / gu_cols, s = tile_at(q);
       gate_up_cta<F, BT, XI, false>(a, tile_of<kTileM>(a.lists, s),
-                                    (item - s * gu_cols) * (kBN / 2), smem);
+                                    (item - q * gu_cols) * (kBN / 2), smem);
       __threadfence();  // every thread's h stores, before the tile's count moves
       __syncthreads();
       if (threadIdx.x == 0) atomicAdd(done + s, 1);
     } else {
-      const int d = item - n_gu, s = d / dn_cols;
+      const int d = item - n_gu, q = d / dn_cols, s = tile_at(q);
       if (threadIdx.x == 0) {
         while (*static_cast<volatile int*>(done + s) < gu_cols) __nanosleep(32);
         __threadfence();  // the h stores counted, before this CTA's reads of them
       }
       __syncthreads();
-      down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - s * dn_cols) * kBN, smem);
+      down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem);
     }
   }
 }
@@ -223,14 +248,14 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
 }
 
 // ffn_fused_kernel's launch (after the gather launch unless XI): one CTA for each that can
-// reside at once, at most one for each item the step could have.
-template <WqFormat F, int BT, bool XI>
+// reside at once, at most one for each item the step could have; kSF: the shared experts first.
+template <WqFormat F, int BT, bool XI, bool kSF>
 void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   static const int resident = [] {
-    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI>);
+    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI, kSF>);
     int per_sm = 0, dev = 0, sms = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ffn_fused_kernel<F, BT, XI>,
-                                                             kThreads, kFusedSmem<F, BT, XI>),
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                   &per_sm, ffn_fused_kernel<F, BT, XI, kSF>, kThreads, kFusedSmem<F, BT, XI>),
                "wq moe fused occupancy");
     check_cuda(cudaGetDevice(&dev), "wq moe fused device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
@@ -240,10 +265,18 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   if (!XI) gather_rows<F>(a, stream);
   const int64_t items = max_tiles(a.num_tokens * a.top_k, a.num_experts) *
                         (ceil_div(a.inter, kBN / 2) + ceil_div(a.hidden, kBN));
-  pdl::launch(ffn_fused_kernel<F, BT, XI>, unsigned(std::min<int64_t>(resident, items)), kThreads,
-              kFusedSmem<F, BT, XI>, stream, a);
+  pdl::launch(ffn_fused_kernel<F, BT, XI, kSF>, unsigned(std::min<int64_t>(resident, items)),
+              kThreads, kFusedSmem<F, BT, XI>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe fused");
   note_moe_wq_fused_launch();
+}
+
+template <WqFormat F, int BT, bool XI>
+void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
+  if (g_moe_wq_shared_first.on() && a.num_shared > 0)
+    launch_ffn_fused<F, BT, XI, true>(a, stream);
+  else
+    launch_ffn_fused<F, BT, XI, false>(a, stream);
 }
 
 // launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0;

@@ -66,6 +66,10 @@ EnvSwitch g_moe_wq_stage_f32{"DEEPSERVE_MOE_WQ_XF32", "0", true};
 EnvSwitch g_moe_wq_fused{"DEEPSERVE_MOE_WQ_FUSED", "0", true};
 // The same for BF16 experts on the Streamed path (W1's decode steps), off until measured.
 EnvSwitch g_moe_bf16_fused{"DEEPSERVE_MOE_BF16_FUSED", "1", false};
+// The one-launch FFN takes the shared experts' items first, and the CTAs that will find them
+// ask L2 for those gate/up weights before the dependent-launch wait (moe_wq.cu; the same bits).
+// DEEPSERVE_MOE_WQ_SHARED_FIRST=1; off until measured.
+EnvSwitch g_moe_wq_shared_first{"DEEPSERVE_MOE_WQ_SHARED_FIRST", "1", false};
 // batched_matmul's decode-sized BF16 products past the skinny kernel (MLA's absorbed W_UK / W_UV
 // at 128 heads) run on the dense wq kernel (off: cuBLAS, x rounded to BF16 by a conversion
 // launch; the same rounding, not the same bits).
