@@ -592,6 +592,25 @@ TEST(MlaDecodePlan, SplitsFillAtMostOneWave) {
   EXPECT_EQ(splits(256, 16, 1280), 1);   // W2: already more CTAs than SMs
   EXPECT_EQ(splits(1, 16, 32768), 128);  // long: one split per 4 tiles, up to 128
   {
+    // Auto's Q / P form: hi + lo unless asked (DEEPSERVE_MLA_BF16_MIN_HEADS, DEEPSERVE_MLA_DECODE).
+    cuda::kern::AttnParams a;
+    a.heads = 128;
+    {
+      const test::Forced plain(cuda::g_mla_decode_bf16, 0);
+      const test::Forced never(cuda::g_mla_bf16_min_heads, 1 << 30);
+      EXPECT_FALSE(cuda::mla_decode_bf16_auto(a));
+    }
+    {
+      const test::Forced plain(cuda::g_mla_decode_bf16, 0);
+      const test::Forced many(cuda::g_mla_bf16_min_heads, 64);
+      EXPECT_TRUE(cuda::mla_decode_bf16_auto(a));
+      a.heads = 16;
+      EXPECT_FALSE(cuda::mla_decode_bf16_auto(a));
+    }
+    const test::Forced asked(cuda::g_mla_decode_bf16, 1);
+    EXPECT_TRUE(cuda::mla_decode_bf16_auto(a));
+  }
+  {
     cuda::kern::AttnParams a;  // W5 with 32 heads a CTA (BF16 Q / P): 32 CTAs x 4
     a.num_seqs = a.num_tokens = 8;
     a.heads = 128;

@@ -171,7 +171,7 @@ void mla_attention_on(const Context& ctx, const MlaAttentionParams& p, const Att
   if (decode && (path == AttentionPath::Auto || forced)) {
     run_mla_decode(ctx, a,
                    path == AttentionPath::MlaDecodeBf16 ||
-                       (path == AttentionPath::Auto && g_mla_decode_bf16.on()));
+                       (path == AttentionPath::Auto && mla_decode_bf16_auto(a)));
     return;
   }
   run(ctx, kScratchMla, a, use_tensor_cores(ctx, a, path));

@@ -326,6 +326,11 @@ bool mla_decode_fits(const kern::AttnParams& a) {
          a.slot_bytes <= INT32_MAX && reinterpret_cast<uintptr_t>(a.k) % align == 0;
 }
 
+bool mla_decode_bf16_auto(const kern::AttnParams& a) {
+  const long long min_heads = g_mla_bf16_min_heads.get();
+  return g_mla_decode_bf16.on() || (min_heads > 0 && a.heads >= min_heads);
+}
+
 int mla_decode_splits(const kern::AttnParams& a, int sm_count) {
   const int ctas = a.num_seqs * ((a.heads + a.mla_rows - 1) / a.mla_rows);
   if (ctas >= sm_count) return 1;

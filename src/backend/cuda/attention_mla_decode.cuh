@@ -19,6 +19,9 @@ bool mla_decode_fits(const kern::AttnParams& a);
 // it with BF16 Q / P (bf16_qp) and the model has 32 heads or more, DEEPSERVE_MLA_ROWS32 on;
 // else 16.
 int mla_decode_rows(const kern::AttnParams& a, bool bf16_qp);
+// Auto's choice of Q / P form: BF16 (bf16_qp) with DEEPSERVE_MLA_DECODE=bf16, or where the model
+// has at least DEEPSERVE_MLA_BF16_MIN_HEADS heads (0: never); else hi + lo.
+bool mla_decode_bf16_auto(const kern::AttnParams& a);
 // Context splits for the grid: one unless the sequences leave SMs idle; host-known sizes only
 // (num_seqs, heads, mla_rows, max_blocks_per_seq), so graphs replay with new metadata.
 int mla_decode_splits(const kern::AttnParams& a, int sm_count);

@@ -199,6 +199,10 @@ EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};
 // each staged tile's fragments) where a model has 32 heads or more (DEEPSERVE_MLA_ROWS32=1;
 // attention_mla_decode_regq.cu, mla_decode_rows). Off until measured.
 EnvSwitch g_mla_rows32{"DEEPSERVE_MLA_ROWS32", "1", false};
+// Auto's MLA decode takes BF16 Q / P (FlashMLA's precision) for models of at least this many
+// heads (DEEPSERVE_MLA_BF16_MIN_HEADS; 0: never, the default until measured): W5's 128 heads
+// pay for the hi + lo form's second product, V2-Lite's 16 keep it (mla_decode_bf16_auto).
+EnvCount g_mla_bf16_min_heads{"DEEPSERVE_MLA_BF16_MIN_HEADS", 0};
 
 namespace {
 std::atomic<int64_t> g_row_regs_launches{0}, g_moe_wq_fused_launches{0};
