@@ -53,7 +53,7 @@ template <int kH>
 __device__ __forceinline__ void merge_halves(const kern::AttnParams& p, int token, int h0,
                                              const float* part, const float* row_m,
                                              const float* row_l) {
-#pragma unroll
+#pragma unroll 1
   for (int hf = 0; hf < kH; ++hf)
     merge_in_cluster(p, token, h0 + hf * kRows, part + hf * kRows * kR, row_m + hf * kRows,
                      row_l + hf * kRows, const_cast<float*>(part) + kH * kRows * kR);
