@@ -11,7 +11,8 @@
 #   padded  generate on CUDA on the padded-vocabulary fixture vs transformers' greedy tokens
 #   bench   deepserve bench for bench/w{1,2,3}.yaml on that checkpoint
 #   http    deepserve serve on that checkpoint, then bench --url: mixed-idle, mixed, w2, http-1024
-#   profile the same with --profile-ops (eager, per-op times of the steady decode step)
+#   profile the same with --profile-ops (eager, per-op times of the steady decode step);
+#           PROFILE_WORKLOADS="w5:2048" profiles W5's 2,048-token prefill steps instead
 #   moebench / gemmbench  the MoE and skinny-GEMM kernel micro-benchmarks (with WqBench.*:
 #           W4A16 / FP8W tensor-core kernels, TB/s of weights and TFLOP/s); MOEBENCH_ENVS
 #           runs the MoE one under each of several settings (as AB_ENVS)
@@ -321,12 +322,18 @@ if has_stage http; then
 fi
 
 if has_stage profile; then
-  for w in ${PROFILE_WORKLOADS:-w3 w1 w2}; do
-    log "bench $w --profile-ops"
+  # PROFILE_WORKLOADS items are w (the decode step) or w:N (the steps of N tokens, e.g. w5:2048,
+  # a W5 prefill chunk: --profile-step-tokens).
+  for item in ${PROFILE_WORKLOADS:-w3 w1 w2}; do
+    w=${item%%:*}
+    n=""; tag=$w
+    if [ "$item" != "$w" ]; then n=${item#*:}; tag=$w-$n; fi
+    log "bench $w --profile-ops${n:+ --profile-step-tokens $n}"
     DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
-      --output "$OUT/bench-profile-$w.json" --profile-ops >"$OUT/bench-profile-$w.log" 2>&1
-    log "profile $w rc=$?"
-    grep -A40 "op profile" "$OUT/bench-profile-$w.log" | head -45
+      --output "$OUT/bench-profile-$tag.json" --profile-ops ${n:+--profile-step-tokens "$n"} \
+      >"$OUT/bench-profile-$tag.log" 2>&1
+    log "profile $tag rc=$?"
+    grep -A40 "op profile" "$OUT/bench-profile-$tag.log" | head -45
   done
 fi
 
