@@ -34,12 +34,12 @@ constexpr int kGroupSteps = kDim / 16 / kGroups;  // 9 k-steps per group
 constexpr int kSStride = kKeys + 8;  // floats per partial-score row: float2 stores conflict-free
 // kH: 16-row halves per CTA (2: 32 heads, BF16 Q / P only; mla_decode_rows).
 template <int kH>
-constexpr int kRedBytes = kGroups* kH* kRows* kSStride * 4;
+constexpr int kRedBytes = 4 * (kGroups * kH * kRows * kSStride);
 // Two cache stages, partial scores, P hi / lo (kH = 2: P of both halves, hi only), per-row
 // alpha / max / sum, two tiles' slots.
 template <int kH>
-constexpr int kSmemBytes =
-    2 * kTileBytes + kRedBytes<kH> + 2 * kPBytes + 3 * kH* kRows * 4 + 2 * kSlotBytes;
+constexpr int kSmemBytes = 2 * kTileBytes + kRedBytes<kH> + 2 * kPBytes + 4 * (3 * kH * kRows) +
+                           2 * kSlotBytes;
 static_assert(kDim == kMaxDim && kDim % (16 * kGroups) == 0, "dim groups of whole k-steps");
 // The in-cluster merge's parts ([kH][kRows][kR] F32) and scratch (merge_gathered) in the stages.
 static_assert((2 * kRows * kR + (3 * kMaxClusterSize + 1) * kRows) * 4 <= 2 * kTileBytes,
@@ -51,12 +51,11 @@ static_assert(kGroups * 2 == kWarps && kRows == 2 * kWarps, "warp roles");
 // [kH][kRows][kR] F32 (stash_rows), row_m / row_l [kH][kRows]; the scratch follows the parts.
 template <int kH>
 __device__ __forceinline__ void merge_halves(const kern::AttnParams& p, int token, int h0,
-                                             const float* part, const float* row_m,
-                                             const float* row_l) {
+                                             float* part, const float* row_m, const float* row_l) {
 #pragma unroll 1
   for (int hf = 0; hf < kH; ++hf)
     merge_in_cluster(p, token, h0 + hf * kRows, part + hf * kRows * kR, row_m + hf * kRows,
-                     row_l + hf * kRows, const_cast<float*>(part) + kH * kRows * kR);
+                     row_l + hf * kRows, part + kH * kRows * kR);
 }
 
 // Grid (num_seqs, splits, ceil(heads / (16 kH))). With p.early_cache the split's keys, their
@@ -94,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
         row_m[tid] = -INFINITY;
         row_l[tid] = 0.0f;
       }
-      merge_halves<kH>(p, sk.token, h0, reinterpret_cast<const float*>(stage0), row_m, row_l);
+      merge_halves<kH>(p, sk.token, h0, reinterpret_cast<float*>(stage0), row_m, row_l);
     }
     plog.close(seq, split, 0);
     return;
@@ -311,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     for (int hf = 0; hf < kH; ++hf) {
       const int r = hf * kRows + ro;  // this lane's softmax row of the CTA's kRowsH
 
-      // Row ro, keys kq .. kq + 3: the four groups' sums, base-2 scores, -inf past the split.
+      // Row r, keys kq .. kq + 3: the four groups' sums, base-2 scores, -inf past the split.
       float sv[4];
       {
         float4 x[kGroups];
@@ -380,8 +379,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     const uint32_t ph = smem_u32(p_hi), pl = smem_u32(p_lo);
 #pragma unroll
     for (int kk = 0; kk < kKeys; kk += 16) {
-      uint32_t ah[kH][4], al[4],
-          b[4][4];  // b[n / 2]: (keys 0-7, dims n), (keys 8-15, dims n), n + 1
+      // b[n / 2]: (keys 0-7, dims n), (keys 8-15, dims n), n + 1; ah[hf]: half hf's P.
+      uint32_t ah[kH][4], al[4], b[4][4];
       const uint32_t a_off = swz((lm & 1) * 8 + li, kk / 8 + (lm >> 1), kKeys * 2);
 #pragma unroll
       for (int hf = 0; hf < kH; ++hf) ptx::ldmatrix_x4(ah[hf], ph + a_off + hf * kPBytes);

@@ -182,6 +182,8 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
   const int gu_cols = (a.inter + kBN / 2 - 1) / (kBN / 2), dn_cols = (a.hidden + kBN - 1) / kBN;
   const int n_gu = n_tiles * gu_cols, n_all = n_gu + n_tiles * dn_cols;
   // The tile of the s-th tile in item order: the last S (shared) first, then the routed ones.
+  // (Without kSF the order is the table's; the one expression for both would keep a compare the
+  // compiler cannot drop, s not being known non-negative.)
   auto tile_at = [&](int s) {
     if constexpr (kSF)
       return s < S ? n_tiles - S + s : s - S;
