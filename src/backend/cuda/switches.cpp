@@ -121,6 +121,7 @@ EnvSwitch g_wq_issue_first_fp8w{"DEEPSERVE_WQ_ISSUE_FIRST_FP8W", "0", true};
 EnvSwitch g_wq_dequant{"DEEPSERVE_WQ_DEQUANT", "0", true};
 EnvCount g_wq_dequant_min_rows{"DEEPSERVE_WQ_DEQUANT_MIN_ROWS", 512};
 EnvCount g_moe_wq_dequant_min{"DEEPSERVE_MOE_WQ_DEQUANT_MIN", 384};
+EnvCount g_moe_wq_expand_max_mb{"DEEPSERVE_MOE_WQ_EXPAND_MAX_MB", 0};  // 0: kMoeWqExpandMaxBytes
 // CTAs per SM the dense wq GEMM's split-K count aims for at decode sizes (unset: 4, FP8W 2).
 // Another split count sums K in other pieces: not the same bits, still batch-invariant.
 EnvCount g_wq_split_ctas{"DEEPSERVE_WQ_SPLIT_CTAS", 0};

@@ -70,6 +70,7 @@ extern EnvSwitch g_moe_wq_shared_first;  // off; DEEPSERVE_MOE_WQ_SHARED_FIRST=1
 extern EnvSwitch g_wq_dequant;           // on; DEEPSERVE_WQ_DEQUANT=0 turns it off
 extern EnvCount g_wq_dequant_min_rows;   // DEEPSERVE_WQ_DEQUANT_MIN_ROWS (wq_dequant.cuh)
 extern EnvCount g_moe_wq_dequant_min;    // DEEPSERVE_MOE_WQ_DEQUANT_MIN (wq_dequant.cuh)
+extern EnvCount g_moe_wq_expand_max_mb;  // DEEPSERVE_MOE_WQ_EXPAND_MAX_MB (wq_dequant.cuh)
 extern EnvCount g_wq_split_ctas;         // DEEPSERVE_WQ_SPLIT_CTAS (gemm_wq.cu)
 extern EnvCount g_moe_decode_upw;        // DEEPSERVE_MOE_DECODE_UPW (moe_decode.cu)
 extern EnvCount g_moe_decode_unroll;     // DEEPSERVE_MOE_DECODE_UNROLL (moe_decode.cu)

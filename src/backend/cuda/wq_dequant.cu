@@ -168,12 +168,17 @@ bool wq_dequant_dense(int64_t rows, const TensorView& w, cudaStream_t stream) {
          wq_dequant_fits(w.dtype, w.cols()) && !stream_capturing(stream);
 }
 
+int64_t moe_wq_expand_max_bytes() {
+  const long long mb = g_moe_wq_expand_max_mb.get();
+  return mb > 0 ? int64_t(mb) << 20 : kMoeWqExpandMaxBytes;
+}
+
 bool wq_dequant_moe(int64_t assignments, int num_experts, DType t, int64_t hidden, int64_t inter,
                     cudaStream_t stream) {
   return g_wq_dequant.on() && num_experts > 0 &&
          assignments >= g_moe_wq_dequant_min.get() * num_experts && wq_dequant_fits(t, hidden) &&
          wq_dequant_fits(t, inter) &&
-         int64_t(num_experts) * 3 * hidden * inter * 2 <= kMoeWqExpandMaxBytes &&
+         int64_t(num_experts) * 3 * hidden * inter * 2 <= moe_wq_expand_max_bytes() &&
          !stream_capturing(stream);
 }
 

@@ -47,9 +47,12 @@ struct ExpertPtrs;
 constexpr int kWqDequantMaxExperts = 64;
 void launch_wq_dequant_experts(DType t, const moe::ExpertPtrs* experts, const int* ids, int n,
                                int64_t hidden, int64_t inter, void* out, cudaStream_t stream);
-// The most BF16 bytes a layer's expansion may take (DeepSeek-V2-Lite's 66 experts: 1.1 GiB;
-// V2.5's 162: 7.1 GiB, so its experts stay with the kernels).
+// The most BF16 bytes a layer's expansion may take by default (DeepSeek-V2-Lite's 66 experts:
+// 1.1 GiB; V2.5's 160 routed: 7.0 GiB, so its experts stay with the kernels);
+// DEEPSERVE_MOE_WQ_EXPAND_MAX_MB moves it (W5's prefill chunks of 8,192 tokens, 307 assignments
+// an expert, with ~18 GB of the H200 free beside the weights).
 constexpr int64_t kMoeWqExpandMaxBytes = int64_t(4) << 30;
+int64_t moe_wq_expand_max_bytes();
 
 // Whether the stream is being captured into a graph (the expansion buffers grow on demand, so
 // captured steps keep the in-register kernels).
@@ -58,7 +61,7 @@ bool stream_capturing(cudaStream_t stream);
 // Backend::matmul expands a quantized weight for x of at least this many rows
 // (DEEPSERVE_WQ_DEQUANT_MIN_ROWS); the MoE expands all its experts at once when the step's
 // assignments average at least this many per expert (DEEPSERVE_MOE_WQ_DEQUANT_MIN) and they
-// fit kMoeWqExpandMaxBytes. Either off with DEEPSERVE_WQ_DEQUANT=0.
+// fit moe_wq_expand_max_bytes(). Either off with DEEPSERVE_WQ_DEQUANT=0.
 bool wq_dequant_dense(int64_t rows, const TensorView& w, cudaStream_t stream);
 bool wq_dequant_moe(int64_t assignments, int num_experts, DType t, int64_t hidden, int64_t inter,
                     cudaStream_t stream);
