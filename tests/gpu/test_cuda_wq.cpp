@@ -163,6 +163,21 @@ TEST(CudaWq, ExpandedRowsAreTheRoundedElements) {
   }
 }
 
+// The cap on one layer's expert expansion: 4 GiB unless DEEPSERVE_MOE_WQ_EXPAND_MAX_MB moves
+// it. DeepSeek-V2.5's 160 routed experts (H 5,120, F 1,536) take 7.0 GiB: over the default,
+// within 8,192 MB (host only).
+TEST(WqDequantPlan, ExpandCapMovesWithTheSwitch) {
+  const int64_t v25 = int64_t(160) * 3 * 5120 * 1536 * 2;
+  EXPECT_EQ(cuda::moe_wq_expand_max_bytes(), cuda::kMoeWqExpandMaxBytes);
+  EXPECT_GT(v25, cuda::moe_wq_expand_max_bytes());
+  {
+    const test::Forced cap(cuda::g_moe_wq_expand_max_mb, 8192);
+    EXPECT_EQ(cuda::moe_wq_expand_max_bytes(), int64_t(8192) << 20);
+    EXPECT_LE(v25, cuda::moe_wq_expand_max_bytes());
+  }
+  EXPECT_EQ(cuda::moe_wq_expand_max_bytes(), cuda::kMoeWqExpandMaxBytes);
+}
+
 // Prefill-sized products go through the expansion and cuBLAS (forced here from one row): the
 // result is the product with the weights rounded to BF16 (sharp), within 2^-8 of the exact
 // one; a K the expansion cannot take (FP8W K = 100) stays with the kernels.
