@@ -48,9 +48,9 @@ constexpr int kWqDequantMaxExperts = 64;
 void launch_wq_dequant_experts(DType t, const moe::ExpertPtrs* experts, const int* ids, int n,
                                int64_t hidden, int64_t inter, void* out, cudaStream_t stream);
 // The most BF16 bytes a layer's expansion may take by default (DeepSeek-V2-Lite's 66 experts:
-// 1.1 GiB; V2.5's 160 routed: 7.0 GiB, so its experts stay with the kernels);
-// DEEPSERVE_MOE_WQ_EXPAND_MAX_MB moves it (W5's prefill chunks of 8,192 tokens, 307 assignments
-// an expert, with ~18 GB of the H200 free beside the weights).
+// 1.1 GiB; V2.5's 162, shared ones included: 7.1 GiB, so its experts stay with the kernels);
+// DEEPSERVE_MOE_WQ_EXPAND_MAX_MB moves it (to measure W5's prefill in 8,192-token chunks, 307
+// assignments an expert).
 constexpr int64_t kMoeWqExpandMaxBytes = int64_t(4) << 30;
 int64_t moe_wq_expand_max_bytes();
 
