@@ -178,6 +178,27 @@ TEST(WqDequantPlan, ExpandCapMovesWithTheSwitch) {
   EXPECT_EQ(cuda::moe_wq_expand_max_bytes(), cuda::kMoeWqExpandMaxBytes);
 }
 
+// The expansion's expert slots: all of a layer's experts where they fit the cap, else a ring
+// of whole chunks (ceil(E / 8) experts each, at least two chunks) that does (host only).
+TEST(WqDequantPlan, ExpandSlotsFormARingWhereTheLayerDoesNotFit) {
+  // DeepSeek-V2-Lite: 66 experts of 2,048 x 1,408, 1.1 GiB: all of them.
+  EXPECT_EQ(cuda::moe_wq_expand_slots(66, 2048, 1408, 8), 66);
+  // V2.5: 162 of 5,120 x 1,536 (45 MiB each), 7.1 GiB: four chunks of 21 (3.7 GiB).
+  EXPECT_EQ(cuda::moe_wq_expand_slots(162, 5120, 1536, 8), 84);
+  {
+    const test::Forced cap(cuda::g_moe_wq_expand_max_mb, 8192);
+    EXPECT_EQ(cuda::moe_wq_expand_slots(162, 5120, 1536, 8), 162);
+  }
+  {
+    const test::Forced cap(cuda::g_moe_wq_expand_max_mb, 1900);  // two chunks of 945 MiB
+    EXPECT_EQ(cuda::moe_wq_expand_slots(162, 5120, 1536, 8), 42);
+  }
+  {
+    const test::Forced cap(cuda::g_moe_wq_expand_max_mb, 1800);  // not two chunks: none
+    EXPECT_EQ(cuda::moe_wq_expand_slots(162, 5120, 1536, 8), 0);
+  }
+}
+
 // Prefill-sized products go through the expansion and cuBLAS (forced here from one row): the
 // result is the product with the weights rounded to BF16 (sharp), within 2^-8 of the exact
 // one; a K the expansion cannot take (FP8W K = 100) stays with the kernels.
@@ -541,6 +562,42 @@ void check_moe_against_reference(bool expand) {
             }
           }
         }
+      }
+    }
+  });
+}
+
+// A layer past the cap expands its experts into a ring of whole chunks: here two chunks of two
+// slots for 11 touched experts in 6 chunks, so each pair of slots is filled three times, each
+// time after the GEMMs of the chunk before have read it. The same bits as every expert
+// expanded at once (the same BF16 weights, GEMMs and streams).
+TEST(CudaWq, MoeExpansionRingChangesNothing) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  const test::Forced expand(cuda::g_wq_dequant, 1);
+  const test::Forced from_one(cuda::g_moe_wq_dequant_min, 1);
+  const int E = 12, k = 6;
+  for_formats([&](DType t) {
+    const int64_t H = t == DType::W4A16 ? 1152 : 1288, F = t == DType::W4A16 ? 640 : 1408;
+    const long long ring_mb = t == DType::W4A16 ? 17 : 42;  // a chunk: 8.4 / 20.8 MiB
+    const QExperts q = make_experts(t, E, H, F);
+    for (int shared : {0, 2}) {
+      for (int64_t T : {17, 150}) {
+        std::vector<int32_t> ids;
+        std::vector<float> wts;
+        spread_routing(T, k, E - shared, ids, wts);
+        const auto x = test::random_floats(size_t(T * H), uint32_t(5 * T + shared));
+        ASSERT_EQ(cuda::moe_wq_expand_slots(E, H, F, 8), E);
+        const auto all = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+        const test::Forced cap(cuda::g_moe_wq_expand_max_mb, ring_mb);
+        ASSERT_EQ(cuda::moe_wq_expand_slots(E, H, F, 8), 4);
+        const auto ring = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+        ASSERT_EQ(all.size(), ring.size());
+        size_t diff = 0;
+        while (diff < all.size() && std::memcmp(&all[diff], &ring[diff], 4) == 0) ++diff;
+        EXPECT_EQ(diff, all.size())
+            << fmt_name(t) << " shared " << shared << " T " << T << ": first difference at " << diff
+            << " (token " << int64_t(diff) / H << ")";
       }
     }
   });

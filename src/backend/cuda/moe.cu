@@ -224,7 +224,7 @@ struct Scratch {
 // Lays out the scratch (twice: once with a null base to size it); tile_rows: of the grouped
 // paths' tile table.
 size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, int tile_rows,
-              bool expand, Scratch& s) {
+              int64_t expand_slots, Scratch& s) {
   Carver c(base);
   s.lists.offsets = c.take<int>(E + 1);
   s.lists.active = c.take<int>(E);
@@ -235,7 +235,7 @@ size_t layout(uint8_t* base, int64_t n, int E, int H, int F, MoeFfnPath path, in
     s.h16 = c.take<uint16_t>(n * H);  // gathered x
     s.act = c.take<uint16_t>(n * F);
     s.gu = c.take<float>(n * std::max(2 * F, H));
-    if (expand) s.wslots = c.take<uint16_t>(int64_t(E) * 3 * F * H);
+    if (expand_slots > 0) s.wslots = c.take<uint16_t>(expand_slots * 3 * F * H);
   } else if (path == MoeFfnPath::Grouped || path == MoeFfnPath::Streamed ||
              path == MoeFfnPath::Wide) {
     s.lists.tile_rows = tile_rows;
@@ -329,7 +329,8 @@ bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
   if (quant) {
     const bool expand =
         path == MoeFfnPath::Prefill ||
-        (path == MoeFfnPath::Auto && wq_dequant_moe(n, int(E), table.dtype, H, F, ctx.stream));
+        (path == MoeFfnPath::Auto &&
+         wq_dequant_moe(n, int(E), table.dtype, H, F, moe::kExpandChunks, ctx.stream));
     DS_CHECK(!expand || !stream_capturing(ctx.stream),
              "moe_ffn: the prefill path cannot be captured");
     path = expand ? MoeFfnPath::Prefill : MoeFfnPath::Grouped;
@@ -352,10 +353,18 @@ bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
       : path == MoeFfnPath::Grouped && !quant && g_moe_tile32.on() && T <= moe::kSmallTileMaxTokens
           ? moe::kSmallTileM
           : moe::kTileM;
+  // Quantized experts on the prefill path: their expansions' slots (all E, or a ring of whole
+  // chunks where the layer does not fit the cap; a forced Prefill path past even two chunks
+  // takes all E).
+  int64_t expand_slots = 0;
+  if (quant && prefill) {
+    expand_slots = moe_wq_expand_slots(int(E), H, F, moe::kExpandChunks);
+    if (expand_slots == 0) expand_slots = E;
+  }
   Scratch s;
-  const size_t bytes = layout(nullptr, n, int(E), H, F, path, tile_rows, quant, s);
+  const size_t bytes = layout(nullptr, n, int(E), H, F, path, tile_rows, expand_slots, s);
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));
-  layout(base, n, int(E), H, F, path, tile_rows, quant, s);
+  layout(base, n, int(E), H, F, path, tile_rows, expand_slots, s);
 
   // Decode steps of a few assignments: the gate/up kernel builds the token lists itself.
   const bool warp_lists = (path == MoeFfnPath::Decode || path == MoeFfnPath::Split) &&
@@ -413,6 +422,7 @@ bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
       a.wdtype = table.dtype;
       a.experts_device = table.device;
       a.wslots = s.wslots;
+      a.wslot_count = expand_slots;
     }
     moe::run_prefill_ffn(a, ctx.stream);
     y = s.gu;

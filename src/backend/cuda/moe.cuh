@@ -393,12 +393,15 @@ struct PrefillFfnArgs : FfnProblem {
   float* gu = nullptr;  // [N, ld_gu] F32: gate | up, then y in the row's first hidden floats
   int64_t ld_gu = 0;    // max(2F, hidden)
   // Quantized experts (wdtype W4A16 / FP8W): expanded to BF16 (wq_dequant.cuh) into wslots
-  // ([E][3 * F * hidden]: gate, up, down) from the device table, on the calling stream in
-  // kExpandChunks launches (in the order the GEMMs take them) while the side streams run
-  // the GEMMs of the experts already expanded.
+  // ([wslot_count][3 * F * hidden]: gate, up, down) from the device table, on the calling
+  // stream in kExpandChunks launches (in the order the GEMMs take them) while the side streams
+  // run the GEMMs of the experts already expanded. With fewer slots than touched experts
+  // (moe_wq_expand_slots) the chunks take turns in a ring of whole chunks: chunk c + R is
+  // expanded into chunk c's slots once every side stream is past chunk c's GEMMs.
   DType wdtype = DType::BF16;
   const ExpertPtrs* experts_device = nullptr;
   void* wslots = nullptr;
+  int64_t wslot_count = 0;
 };
 
 struct GroupedFfnArgs : FfnProblem {    // lists with the tile table

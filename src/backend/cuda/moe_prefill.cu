@@ -119,29 +119,58 @@ bool gate_up_stacked(const ExpertPtrs& ex, int F) {
              static_cast<const char*>(ex.gate) + int64_t(F) * ex.gate_ld * 2;
 }
 
+// Where quantized experts' expansions go: chunks of per_chunk experts in the GEMMs' order;
+// chunk c in slots c * per_chunk .. (every chunk its own: ring 0), or in (c % ring) * per_chunk
+// .. (a ring of `ring` whole chunks, when the slots hold fewer than the touched experts).
+struct ExpandPlan {
+  int per_chunk = 1;
+  int chunks = 0;
+  int ring = 0;
+  int64_t slot_of(int j) const {
+    const int c = j / per_chunk;
+    return int64_t(ring > 0 ? c % ring : c) * per_chunk + j % per_chunk;
+  }
+};
+
+ExpandPlan expand_plan(int n_order, int64_t slots) {
+  ExpandPlan p;
+  p.per_chunk = std::max(1, (n_order + kExpandChunks - 1) / kExpandChunks);
+  p.chunks = (n_order + p.per_chunk - 1) / p.per_chunk;
+  if (slots < n_order) {
+    p.ring = int(slots / p.per_chunk);
+    DS_CHECK(p.ring >= 2, "moe prefill: the expansion ring needs two chunks");
+  }
+  return p;
+}
+
 // One expert's GEMMs fill a fraction of the GPU (~1,000 tokens x F = 1,408 is ~50-90 tiles
 // for 132 SMs), so experts run concurrently: the largest first, each onto the side stream with
 // the least work queued (all of an expert's GEMMs and its SiLU on one stream, so it needs no
 // other synchronization; the rows it touches are its own). Quantized experts: the calling
 // stream expands them in chunks of that order after the fork (memory-bound, beside the
 // GEMMs), and a side stream waits for a chunk's event before its first expert of the chunk.
+// In a ring (xp.ring > 0), chunk c + ring is expanded into chunk c's slots after the calling
+// stream has waited for every side stream to get past chunk c's GEMMs.
 void run_streams(const PrefillFfnArgs& a, const std::vector<int>& offsets,
-                 const std::vector<int>& order, int S, cudaStream_t stream) {
+                 const std::vector<int>& order, int S, const ExpandPlan& xp, cudaStream_t stream) {
   const int H = a.hidden, F = a.inter;
   const auto* xg = static_cast<const __nv_bfloat16*>(a.xg);
   auto* act = static_cast<__nv_bfloat16*>(a.act);
   check(cudaEventRecord(a.events[0], stream), "fork record");
   for (int i = 0; i < S; ++i) check(cudaStreamWaitEvent(a.streams[i], a.events[0]), "fork wait");
   const int n_order = int(order.size());
-  const int per_chunk = (n_order + kExpandChunks - 1) / kExpandChunks;
-  DS_CHECK(!a.wslots || per_chunk <= kWqDequantMaxExperts, "moe prefill: too many experts");
+  const int per_chunk = xp.per_chunk;
+  DS_CHECK(!a.wslots || (per_chunk <= kWqDequantMaxExperts && xp.chunks <= kExpandChunks),
+           "moe prefill: too many experts");
+  const auto expand = [&](int c) {
+    const int first = c * per_chunk, count = std::min(per_chunk, n_order - first);
+    auto* slots = static_cast<__nv_bfloat16*>(a.wslots) + xp.slot_of(first) * 3 * F * H;
+    launch_wq_dequant_experts(a.wdtype, a.experts_device, order.data() + first, count, H, F, slots,
+                              stream);
+    check(cudaEventRecord(a.expand_events[c], stream), "expand record");
+  };
   if (a.wslots)
-    for (int c = 0; c * per_chunk < n_order; ++c) {
-      const int first = c * per_chunk, count = std::min(per_chunk, n_order - first);
-      launch_wq_dequant_experts(a.wdtype, a.experts_device, order.data() + first, count, H, F,
-                                a.wslots, stream);
-      check(cudaEventRecord(a.expand_events[c], stream), "expand record");
-    }
+    for (int c = 0; c < (xp.ring > 0 ? std::min(xp.ring, xp.chunks) : xp.chunks); ++c) expand(c);
   std::array<int64_t, kPrefillStreams> load{};
   std::array<int, kPrefillStreams> waited{};  // expansion chunks each side stream waited for
   for (int j = 0; j < n_order; ++j) {
@@ -167,6 +196,17 @@ void run_streams(const PrefillFfnArgs& a, const std::vector<int>& offsets,
     pdl::launch(silu_mul_bf16_kernel, unsigned(count), kThreads, 0, a.streams[i], a.gu, a.ld_gu, F,
                 begin, act);
     gemm_bf16(h, H, count, F, ex.down, ex.down_ld, act + int64_t(begin) * F, F, gu, a.ld_gu);
+    // The last expert of chunk c in a ring: chunk c + ring goes into its slots once every side
+    // stream is past it (the join events, recorded again at the end).
+    const int c = j / per_chunk;
+    if (a.wslots && xp.ring > 0 && (j + 1 == n_order || (j + 1) % per_chunk == 0) &&
+        c + xp.ring < xp.chunks) {
+      for (int q = 0; q < S; ++q) {
+        check(cudaEventRecord(a.events[size_t(q) + 1], a.streams[q]), "ring record");
+        check(cudaStreamWaitEvent(stream, a.events[size_t(q) + 1]), "ring wait");
+      }
+      expand(c + xp.ring);
+    }
   }
   for (int i = 0; i < S; ++i) {
     check(cudaEventRecord(a.events[size_t(i) + 1], a.streams[i]), "join record");
@@ -192,17 +232,6 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   const int F = a.inter;
   auto* xg = static_cast<__nv_bfloat16*>(a.xg);
 
-  // Quantized experts: the GEMMs read their BF16 expansions (made in run_streams).
-  std::vector<ExpertPtrs> expanded;
-  PrefillFfnArgs args = a;
-  if (a.wslots) {
-    auto* base = static_cast<__nv_bfloat16*>(a.wslots);
-    for (int e = 0; e < E; ++e) {
-      const __nv_bfloat16* g = base + int64_t(e) * 3 * F * H;
-      expanded.push_back({g, g + int64_t(F) * H, g + 2 * int64_t(F) * H, H, H, F});
-    }
-    args.experts = expanded.data();
-  }
   // Gather first (positions past the last valid one exit), then read the counts.
   launch_gather_act(a.x, a.x_stride, a.lists.sorted_token, a.lists.offsets + E, n, H, xg, stream);
   std::vector<int> offsets(size_t(E) + 1);
@@ -227,13 +256,27 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   });
   const int S = std::min<int>(std::clamp(a.num_streams, 1, kPrefillStreams), int(order.size()));
   if (S == 0) return;
+  // Quantized experts: the GEMMs read their BF16 expansions (made in run_streams), expert
+  // order[j] from slot xp.slot_of(j).
+  const ExpandPlan xp = expand_plan(int(order.size()), a.wslots ? a.wslot_count : 0);
+  std::vector<ExpertPtrs> expanded;
+  PrefillFfnArgs args = a;
+  if (a.wslots) {
+    expanded.assign(size_t(E), ExpertPtrs{});
+    auto* base = static_cast<__nv_bfloat16*>(a.wslots);
+    for (int j = 0; j < int(order.size()); ++j) {
+      const __nv_bfloat16* g = base + xp.slot_of(j) * 3 * F * H;
+      expanded[size_t(order[size_t(j)])] = {g, g + int64_t(F) * H, g + 2 * int64_t(F) * H, H, H, F};
+    }
+    args.experts = expanded.data();
+  }
   cudaEvent_t t0 = nullptr, t1 = nullptr;
   if (timing) {
     check(cudaEventCreate(&t0), "timing event");
     check(cudaEventCreate(&t1), "timing event");
     check(cudaEventRecord(t0, stream), "timing record");
   }
-  run_streams(args, offsets, order, S, stream);
+  run_streams(args, offsets, order, S, xp, stream);
   if (timing) {
     const double host_us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - host0).count();

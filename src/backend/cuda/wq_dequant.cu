@@ -81,8 +81,8 @@ struct ExpertIds {
   int id[kWqDequantMaxExperts];
 };
 
-// Grid (chunks, experts, 3): matrix z (gate, up, down) of expert e = ids.id[y] into
-// out + e * 3FH.
+// Grid (chunks, experts, 3): matrix z (gate, up, down) of expert ids.id[y] into slot y,
+// out + y * 3FH.
 template <bool W4>
 __global__ void __launch_bounds__(kThreads)
     dequant_experts_kernel(const moe::ExpertPtrs* experts, ExpertIds ids, int64_t H, int64_t F,
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads)
   const int e = ids.id[blockIdx.y];
   const moe::ExpertPtrs ex = experts[e];
   const int z = int(blockIdx.z);
-  auto* base = static_cast<__nv_bfloat16*>(out) + int64_t(e) * 3 * F * H;
+  auto* base = static_cast<__nv_bfloat16*>(out) + int64_t(blockIdx.y) * 3 * F * H;
   WqDequantJob j;
   j.w = z == 0 ? ex.gate : z == 1 ? ex.up : ex.down;
   j.w_stride = z == 0 ? ex.gate_ld : z == 1 ? ex.up_ld : ex.down_ld;  // bytes (packed formats)
@@ -173,12 +173,20 @@ int64_t moe_wq_expand_max_bytes() {
   return mb > 0 ? int64_t(mb) << 20 : kMoeWqExpandMaxBytes;
 }
 
+int64_t moe_wq_expand_slots(int num_experts, int64_t hidden, int64_t inter, int chunks) {
+  const int64_t expert = 3 * hidden * inter * 2, cap = moe_wq_expand_max_bytes();
+  if (num_experts <= 0 || expert <= 0) return 0;
+  if (int64_t(num_experts) * expert <= cap) return num_experts;
+  const int64_t per_chunk = (num_experts + std::max(chunks, 1) - 1) / std::max(chunks, 1);
+  const int64_t ring = cap / (per_chunk * expert);
+  return ring >= 2 ? ring * per_chunk : 0;
+}
+
 bool wq_dequant_moe(int64_t assignments, int num_experts, DType t, int64_t hidden, int64_t inter,
-                    cudaStream_t stream) {
+                    int chunks, cudaStream_t stream) {
   return g_wq_dequant.on() && num_experts > 0 &&
          assignments >= g_moe_wq_dequant_min.get() * num_experts && wq_dequant_fits(t, hidden) &&
-         wq_dequant_fits(t, inter) &&
-         int64_t(num_experts) * 3 * hidden * inter * 2 <= moe_wq_expand_max_bytes() &&
+         wq_dequant_fits(t, inter) && moe_wq_expand_slots(num_experts, hidden, inter, chunks) > 0 &&
          !stream_capturing(stream);
 }
 

@@ -42,28 +42,32 @@ namespace moe {
 struct ExpertPtrs;
 }
 // Expands experts ids[0..n) (n <= kWqDequantMaxExperts) of a device table (W4A16 / FP8W rows,
-// strides in bytes) in one launch: expert e's gate, up and down rows at
-// out + e * 3 * F * hidden, + F * hidden, + 2 * F * hidden.
+// strides in bytes) in one launch: the i-th one's gate, up and down rows at
+// out + i * 3 * F * hidden, + F * hidden, + 2 * F * hidden (slots in list order).
 constexpr int kWqDequantMaxExperts = 64;
 void launch_wq_dequant_experts(DType t, const moe::ExpertPtrs* experts, const int* ids, int n,
                                int64_t hidden, int64_t inter, void* out, cudaStream_t stream);
 // The most BF16 bytes a layer's expansion may take by default (DeepSeek-V2-Lite's 66 experts:
-// 1.1 GiB; V2.5's 162, shared ones included: 7.1 GiB, so its experts stay with the kernels);
-// DEEPSERVE_MOE_WQ_EXPAND_MAX_MB moves it (to measure W5's prefill in 8,192-token chunks, 307
-// assignments an expert).
+// 1.1 GiB, all at once; V2.5's 162, shared ones included: 7.1 GiB, so a ring of 4 chunks of
+// 21 experts, 3.7 GiB); DEEPSERVE_MOE_WQ_EXPAND_MAX_MB moves it.
 constexpr int64_t kMoeWqExpandMaxBytes = int64_t(4) << 30;
 int64_t moe_wq_expand_max_bytes();
+// The expert slots a layer's expansion takes, for E experts (H x F) expanded in `chunks`
+// launches of ceil(E / chunks): all E where they fit moe_wq_expand_max_bytes(); else as many
+// whole chunks as fit, at least two (the prefill path reuses them as a ring: a chunk's slots
+// are expanded again once the GEMMs of the chunk before have read them); 0 where two do not.
+int64_t moe_wq_expand_slots(int num_experts, int64_t hidden, int64_t inter, int chunks);
 
 // Whether the stream is being captured into a graph (the expansion buffers grow on demand, so
 // captured steps keep the in-register kernels).
 bool stream_capturing(cudaStream_t stream);
 
 // Backend::matmul expands a quantized weight for x of at least this many rows
-// (DEEPSERVE_WQ_DEQUANT_MIN_ROWS); the MoE expands all its experts at once when the step's
-// assignments average at least this many per expert (DEEPSERVE_MOE_WQ_DEQUANT_MIN) and they
-// fit moe_wq_expand_max_bytes(). Either off with DEEPSERVE_WQ_DEQUANT=0.
+// (DEEPSERVE_WQ_DEQUANT_MIN_ROWS); the MoE expands its experts (in `chunks` launches) when the
+// step's assignments average at least this many per expert (DEEPSERVE_MOE_WQ_DEQUANT_MIN) and
+// moe_wq_expand_slots() has room. Either off with DEEPSERVE_WQ_DEQUANT=0.
 bool wq_dequant_dense(int64_t rows, const TensorView& w, cudaStream_t stream);
 bool wq_dequant_moe(int64_t assignments, int num_experts, DType t, int64_t hidden, int64_t inter,
-                    cudaStream_t stream);
+                    int chunks, cudaStream_t stream);
 
 }  // namespace ds::cuda
