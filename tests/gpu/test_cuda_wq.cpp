@@ -199,6 +199,22 @@ TEST(WqDequantPlan, ExpandSlotsFormARingWhereTheLayerDoesNotFit) {
   }
 }
 
+// A step whose scratch would not fit what the pool can give takes fewer whole chunks, at least
+// two, else no expansion (host only): V2.5's ring of 84 slots (4 chunks of 21, 45 MiB each)
+// beside 2 GiB of other scratch.
+TEST(WqDequantPlan, ExpandSlotsShrinkToThePoolsRoom) {
+  const size_t mib = size_t(1) << 20, other = size_t(2048) * mib, expert = 45 * mib;
+  const auto bytes_for = [&](int64_t slots) { return other + size_t(slots) * expert; };
+  EXPECT_EQ(cuda::moe_wq_slots_within(84, 21, other + 84 * expert, bytes_for), 84);
+  EXPECT_EQ(cuda::moe_wq_slots_within(84, 21, other + 83 * expert, bytes_for), 63);
+  EXPECT_EQ(cuda::moe_wq_slots_within(84, 21, other + 50 * expert, bytes_for), 42);
+  EXPECT_EQ(cuda::moe_wq_slots_within(84, 21, other + 41 * expert, bytes_for), 0);
+  // All of V2-Lite's 66 (9 a chunk): the whole chunks below them, 63, then down to 18.
+  EXPECT_EQ(cuda::moe_wq_slots_within(66, 9, other + 65 * expert, bytes_for), 63);
+  EXPECT_EQ(cuda::moe_wq_slots_within(66, 9, other + 20 * expert, bytes_for), 18);
+  EXPECT_EQ(cuda::moe_wq_slots_within(66, 9, other + 17 * expert, bytes_for), 0);
+}
+
 // Prefill-sized products go through the expansion and cuBLAS (forced here from one row): the
 // result is the product with the weights rounded to BF16 (sharp), within 2^-8 of the exact
 // one; a K the expansion cannot take (FP8W K = 100) stays with the kernels.

@@ -15,6 +15,10 @@ struct Context {
   // family); grows on demand, so call it outside CUDA-graph capture with the largest size
   // first, or size it from bounds that do not change between replays.
   std::function<void*(int slot, size_t bytes)> scratch;
+  // The most bytes scratch(slot, ...) can hand out now without running the pool dry: the
+  // slot's own size or the pool's largest free range (an under-estimate: the slot's range may
+  // join a free neighbour when it grows). May be empty (test contexts): no limit known.
+  std::function<size_t(int slot)> scratch_room;
 };
 
 // Scratch slots, one per op family, so buffers of different ops never alias.

@@ -124,6 +124,7 @@ class CudaBackend final : public Backend {
     ctx_.stream = stream_;
     ctx_.sm_count = prop.multiProcessorCount;
     ctx_.scratch = [this](int slot, size_t bytes) { return scratch(slot, bytes); };
+    ctx_.scratch_room = [this](int slot) { return scratch_room(slot); };
   }
 
   ~CudaBackend() override {
@@ -587,18 +588,28 @@ class CudaBackend final : public Backend {
     return TensorView::contiguous(buf, DType::BF16, {n, k}, w.device);
   }
 
-  // Per-slot device scratch from the pool; grows (never shrinks) to the largest request. A
-  // pointer stays valid until the same slot is asked for more.
+  // Per-slot device scratch from the pool; grows (never shrinks) to the largest request, by
+  // half again where the pool has that much in one range. A pointer stays valid until the same
+  // slot is asked for more.
   void* scratch(int slot, size_t bytes) {
     DS_CHECK(slot >= 0 && slot < 64, "scratch slot out of range");
     if (size_t(slot) >= scratch_.size()) scratch_.resize(size_t(slot) + 1);
     std::unique_ptr<Buffer>& b = scratch_[size_t(slot)];
     if (!b || b->size() < bytes) {
-      const size_t grown = std::max(bytes, b ? b->size() + b->size() / 2 : size_t(0));
+      const auto whole_mib = [](size_t n) { return (n + kMiB - 1) / kMiB * kMiB; };
+      size_t grown = whole_mib(std::max(bytes, b ? b->size() + b->size() / 2 : size_t(0)));
       b.reset();  // back to the pool first, so the grown buffer may reuse its range
-      b = alloc((grown + kMiB - 1) / kMiB * kMiB);
+      if (grown > whole_mib(bytes) && pool_->info().largest_free_bytes < grown)
+        grown = whole_mib(bytes);
+      b = alloc(grown);
     }
     return b->data();
+  }
+  size_t scratch_room(int slot) const {
+    const size_t have = size_t(slot) < scratch_.size() && scratch_[size_t(slot)]
+                            ? scratch_[size_t(slot)]->size()
+                            : 0;
+    return std::max(have, pool_->info().largest_free_bytes);
   }
 
   // Inverse frequencies on the device, uploaded once per distinct parameter set.

@@ -326,11 +326,30 @@ bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
     throw UnsupportedError(
         "cuda moe_ffn: the streamed path takes BF16 experts with gate and up rows equally "
         "spaced");
+  // Quantized experts on the prefill path: their expansions' slots (all E, or a ring of whole
+  // chunks where the layer does not fit the cap; a forced Prefill path past even two chunks
+  // takes all E). Auto also keeps the step's scratch within what the pool can give now: a
+  // smaller ring, else the in-register kernels.
+  int64_t expand_slots = 0;
   if (quant) {
-    const bool expand =
-        path == MoeFfnPath::Prefill ||
-        (path == MoeFfnPath::Auto &&
-         wq_dequant_moe(n, int(E), table.dtype, H, F, moe::kExpandChunks, ctx.stream));
+    const bool forced = path == MoeFfnPath::Prefill;
+    bool expand =
+        forced || (path == MoeFfnPath::Auto &&
+                   wq_dequant_moe(n, int(E), table.dtype, H, F, moe::kExpandChunks, ctx.stream));
+    if (expand) {
+      expand_slots = moe_wq_expand_slots(int(E), H, F, moe::kExpandChunks);
+      if (expand_slots == 0) expand_slots = E;
+      if (!forced && ctx.scratch_room) {
+        Scratch probe;
+        expand_slots =
+            moe_wq_slots_within(expand_slots, (E + moe::kExpandChunks - 1) / moe::kExpandChunks,
+                                ctx.scratch_room(kScratchMoe), [&](int64_t slots) {
+                                  return layout(nullptr, n, int(E), H, F, MoeFfnPath::Prefill,
+                                                moe::kTileM, slots, probe);
+                                });
+        expand = expand_slots > 0;
+      }
+    }
     DS_CHECK(!expand || !stream_capturing(ctx.stream),
              "moe_ffn: the prefill path cannot be captured");
     path = expand ? MoeFfnPath::Prefill : MoeFfnPath::Grouped;
@@ -353,14 +372,6 @@ bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
       : path == MoeFfnPath::Grouped && !quant && g_moe_tile32.on() && T <= moe::kSmallTileMaxTokens
           ? moe::kSmallTileM
           : moe::kTileM;
-  // Quantized experts on the prefill path: their expansions' slots (all E, or a ring of whole
-  // chunks where the layer does not fit the cap; a forced Prefill path past even two chunks
-  // takes all E).
-  int64_t expand_slots = 0;
-  if (quant && prefill) {
-    expand_slots = moe_wq_expand_slots(int(E), H, F, moe::kExpandChunks);
-    if (expand_slots == 0) expand_slots = E;
-  }
   Scratch s;
   const size_t bytes = layout(nullptr, n, int(E), H, F, path, tile_rows, expand_slots, s);
   auto* base = static_cast<uint8_t*>(ctx.scratch(kScratchMoe, bytes));

@@ -182,6 +182,17 @@ int64_t moe_wq_expand_slots(int num_experts, int64_t hidden, int64_t inter, int 
   return ring >= 2 ? ring * per_chunk : 0;
 }
 
+int64_t moe_wq_slots_within(int64_t slots, int64_t per_chunk, size_t room,
+                            const std::function<size_t(int64_t)>& bytes_for) {
+  if (slots <= 0 || bytes_for(slots) <= room) return slots;
+  if (per_chunk <= 0) return 0;
+  int64_t s = slots / per_chunk * per_chunk;
+  if (s == slots) s -= per_chunk;
+  for (; s >= 2 * per_chunk; s -= per_chunk)
+    if (bytes_for(s) <= room) return s;
+  return 0;
+}
+
 bool wq_dequant_moe(int64_t assignments, int num_experts, DType t, int64_t hidden, int64_t inter,
                     int chunks, cudaStream_t stream) {
   return g_wq_dequant.on() && num_experts > 0 &&

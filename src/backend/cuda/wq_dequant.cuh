@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "core/tensor.h"
 
@@ -57,6 +58,11 @@ int64_t moe_wq_expand_max_bytes();
 // whole chunks as fit, at least two (the prefill path reuses them as a ring: a chunk's slots
 // are expanded again once the GEMMs of the chunk before have read them); 0 where two do not.
 int64_t moe_wq_expand_slots(int num_experts, int64_t hidden, int64_t inter, int chunks);
+// The slots a step may take given `room`, the most scratch bytes the pool can give it now:
+// `slots` where bytes_for(slots) (the step's whole scratch) fits; else the most whole chunks of
+// per_chunk experts, at least two, that fit (a ring); else 0 (the in-register kernels).
+int64_t moe_wq_slots_within(int64_t slots, int64_t per_chunk, size_t room,
+                            const std::function<size_t(int64_t)>& bytes_for);
 
 // Whether the stream is being captured into a graph (the expansion buffers grow on demand, so
 // captured steps keep the in-register kernels).
