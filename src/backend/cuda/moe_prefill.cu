@@ -258,7 +258,7 @@ void run_prefill_ffn(const PrefillFfnArgs& a, cudaStream_t stream) {
   if (S == 0) return;
   // Quantized experts: the GEMMs read their BF16 expansions (made in run_streams), expert
   // order[j] from slot xp.slot_of(j).
-  const ExpandPlan xp = expand_plan(int(order.size()), a.wslots ? a.wslot_count : 0);
+  const ExpandPlan xp = a.wslots ? expand_plan(int(order.size()), a.wslot_count) : ExpandPlan{};
   std::vector<ExpertPtrs> expanded;
   PrefillFfnArgs args = a;
   if (a.wslots) {
