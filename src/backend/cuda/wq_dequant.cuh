@@ -55,8 +55,8 @@ constexpr int64_t kMoeWqExpandMaxBytes = int64_t(4) << 30;
 int64_t moe_wq_expand_max_bytes();
 // The expert slots a layer's expansion takes, for E experts (H x F) expanded in `chunks`
 // launches of ceil(E / chunks): all E where they fit moe_wq_expand_max_bytes(); else as many
-// whole chunks as fit, at least two (the prefill path reuses them as a ring: a chunk's slots
-// are expanded again once the GEMMs of the chunk before have read them); 0 where two do not.
+// whole chunks as fit, at least two (the prefill path reuses them as a ring: slots are
+// expanded again once the GEMMs of the chunk that held them are done); 0 where two do not.
 int64_t moe_wq_expand_slots(int num_experts, int64_t hidden, int64_t inter, int chunks);
 // The slots a step may take given `room`, the most scratch bytes the pool can give it now:
 // `slots` where bytes_for(slots) (the step's whole scratch) fits; else the most whole chunks of
