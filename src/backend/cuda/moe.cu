@@ -342,7 +342,7 @@ bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
       if (!forced && ctx.scratch_room) {
         Scratch probe;
         expand_slots =
-            moe_wq_slots_within(expand_slots, (E + moe::kExpandChunks - 1) / moe::kExpandChunks,
+            moe_wq_slots_within(expand_slots, moe_wq_chunk_experts(E, moe::kExpandChunks),
                                 ctx.scratch_room(kScratchMoe), [&](int64_t slots) {
                                   return layout(nullptr, n, int(E), H, F, MoeFfnPath::Prefill,
                                                 moe::kTileM, slots, probe);

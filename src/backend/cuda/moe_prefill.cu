@@ -134,7 +134,7 @@ struct ExpandPlan {
 
 ExpandPlan expand_plan(int n_order, int64_t slots) {
   ExpandPlan p;
-  p.per_chunk = std::max(1, (n_order + kExpandChunks - 1) / kExpandChunks);
+  p.per_chunk = int(moe_wq_chunk_experts(n_order, kExpandChunks));
   p.chunks = (n_order + p.per_chunk - 1) / p.per_chunk;
   if (slots < n_order) {
     p.ring = int(slots / p.per_chunk);

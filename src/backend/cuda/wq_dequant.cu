@@ -177,7 +177,7 @@ int64_t moe_wq_expand_slots(int num_experts, int64_t hidden, int64_t inter, int 
   const int64_t expert = 3 * hidden * inter * 2, cap = moe_wq_expand_max_bytes();
   if (num_experts <= 0 || expert <= 0) return 0;
   if (int64_t(num_experts) * expert <= cap) return num_experts;
-  const int64_t per_chunk = (num_experts + std::max(chunks, 1) - 1) / std::max(chunks, 1);
+  const int64_t per_chunk = moe_wq_chunk_experts(num_experts, chunks);
   const int64_t ring = cap / (per_chunk * expert);
   return ring >= 2 ? ring * per_chunk : 0;
 }

@@ -58,6 +58,12 @@ int64_t moe_wq_expand_max_bytes();
 // whole chunks as fit, at least two (the prefill path reuses them as a ring: slots are
 // expanded again once the GEMMs of the chunk that held them are done); 0 where two do not.
 int64_t moe_wq_expand_slots(int num_experts, int64_t hidden, int64_t inter, int chunks);
+// The experts one of `chunks` expansion launches takes: ceil(n / chunks), at least 1.
+inline int64_t moe_wq_chunk_experts(int64_t n, int chunks) {
+  const int c = chunks > 1 ? chunks : 1;
+  const int64_t per = (n + c - 1) / c;
+  return per > 1 ? per : 1;
+}
 // The slots a step may take given `room`, the most scratch bytes the pool can give it now:
 // `slots` where bytes_for(slots) (the step's whole scratch) fits; else the most whole chunks of
 // per_chunk experts, at least two, that fit (a ring); else 0 (the in-register kernels).
