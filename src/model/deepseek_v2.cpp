@@ -425,6 +425,11 @@ class DeepseekV2 final : public Model {
   void absorbed_attention(int l, const DsLayer& W, KvCache& cache, const TensorView& q_nope,
                           const TensorView& q_pe, TensorView oh, const AttentionMeta& meta) {
     const int64_t T = q_nope.shape[0], H = cfg_.heads, R = cfg_.kv_lora_rank;
+    // Sized here, for the tokens that take this form, not in reserve(): a prefill step on a
+    // backend with the expanded kernel never needs them (V2.5: 512 KB a token, 4 GiB of an
+    // 8,192-token step), and a mixed one only for its decodes.
+    ensure_scratch(be_, q_lat_, T * H * R);
+    ensure_scratch(be_, o_lat_, T * H * R);
     TensorView q_lat = heads_view(q_lat_->view(DType::F32, {T, H * R}), int(H), int(R));
     TensorView o_lat = heads_view(o_lat_->view(DType::F32, {T, H * R}), int(H), int(R));
     be_.batched_matmul(heads_first(q_nope), W.w_uk_t, heads_first(q_lat));
@@ -657,8 +662,6 @@ class DeepseekV2 final : public Model {
     grow(qkv_a_, T * ((cfg_.q_lora_rank > 0 ? cfg_.q_lora_rank : H * qk) + R + P));
     grow(qa_n_, T * std::max(cfg_.q_lora_rank, 1));
     grow(q_, cfg_.q_lora_rank > 0 ? T * H * qk : 1);
-    grow(q_lat_, T * H * R);
-    grow(o_lat_, T * H * R);
     grow(o_, T * H * v);
     grow(gate_up_, T * 2 * ffn);
     grow(act_, T * ffn);
