@@ -71,6 +71,25 @@ TEST(DummyLoad, DeepseekGeneratesThroughTheEngine) {
   EXPECT_EQ(batched[0].size(), 10u);
 }
 
+// A prefill step of more tokens than the model reserves latent rows for up front (512): the
+// CPU backend runs the whole prompt through the absorbed form, which must grow its scratch for
+// the step. The same prompt in 100-token chunks (each within the reserve) gives the same tokens.
+TEST(DummyLoad, DeepseekPromptPastTheLatentReserve) {
+  std::vector<int32_t> prompt(700);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 37 + 11) % 500);
+  std::vector<std::vector<int32_t>> got;
+  for (int chunk : {1024, 100}) {
+    auto l = load_dummy(dummy_dir(), 5);
+    EngineConfig ec;
+    ec.kv_cache_tokens = 1024;
+    ec.max_num_batched_tokens = chunk;
+    Engine engine(*l.m.model, *l.backend, nullptr, ec);
+    got.push_back(test::greedy_generate(engine, {prompt}, 6, false)[0]);
+  }
+  EXPECT_EQ(got[0].size(), 6u);
+  EXPECT_EQ(got[0], got[1]) << "one 700-token step against 100-token chunks";
+}
+
 TEST(DummyLoad, MissingConfigIsAClearError) {
   BackendOptions bo;
   auto be = make_cpu_backend(bo);
