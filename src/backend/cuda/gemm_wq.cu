@@ -42,6 +42,7 @@ struct DenseArgs {
   int splits = 1;
   int64_t prefetch = 0;      // bytes of the tile's rows a CTA asks L2 for before the wait (pdl.h)
   bool issue_first = false;  // CtaJob::issue_first (DEEPSERVE_WQ_ISSUE_FIRST)
+  bool skip_scales = false;  // CtaJob::skip_scales (DEEPSERVE_WQ_PROBE_SKIP_SCALES)
 };
 
 // Split-K in one launch (sm_90): the splits of a tile are one thread-block cluster; each CTA
@@ -119,6 +120,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) dense_kernel
   jb.g_begin = int(blockIdx.z) * a.groups_per_split;
   jb.g_end = min(G, jb.g_begin + a.groups_per_split);
   jb.issue_first = a.issue_first;
+  jb.skip_scales = a.skip_scales;
   float acc[kRM][BT / 8][4];
   run_cta<F, BT, XF, false, E>(jb, smem, acc);
   float* out_b = a.out + b * a.out_batch;
@@ -309,6 +311,7 @@ void run_dense(const Context& ctx, const float* x, int64_t ldx, float* out, int6
   a.part = part_bytes > 0 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
   a.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::DenseWq);
   a.issue_first = issue_first_of(F);
+  a.skip_scales = g_wq_probe_skip_scales.on();
   a.out = out;
   a.ldo = ldo;
   launch_dense<F>(a, cluster, ctx.stream);

@@ -412,6 +412,7 @@ struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
   void* h = nullptr;   // [N, F] BF16: silu(gate x) * up x
   float* y = nullptr;  // [N, hidden] F32: down h
   bool wq_issue_first = false;  // the wq launches set it per format (moe_wq.cu, issue_first_of)
+  bool wq_skip_scales = false;  // DEEPSERVE_WQ_PROBE_SKIP_SCALES (CtaJob::skip_scales)
   int num_shared = 0;  // always-on experts: the last of num_experts, so of the tile table too
 };
 

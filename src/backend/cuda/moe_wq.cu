@@ -23,7 +23,7 @@ using namespace wqk;
 // gate/up), over all of K's groups.
 __device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, const uint8_t* w1,
                                            int64_t w_stride, int rows, const void* x, int K,
-                                           bool issue_first) {
+                                           bool issue_first, bool skip_scales) {
   CtaJob jb;
   jb.w0 = w0;
   jb.w1 = w1;
@@ -37,6 +37,7 @@ __device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, co
   jb.g_begin = 0;
   jb.g_end = (K + kGroup - 1) / kGroup;
   jb.issue_first = issue_first;
+  jb.skip_scales = skip_scales;
   return jb;
 }
 
@@ -59,7 +60,7 @@ __device__ __forceinline__ void gate_up_cta(const GroupedFfnArgs& a, const Tile&
   // One row stride serves both matrices (the table's check: gate and up rows alike).
   CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.gate) + int64_t(f0) * gate_ld,
                        static_cast<const uint8_t*>(ex.up) + int64_t(f0) * up_ld, gate_ld,
-                       min(kBN / 2, Fi - f0), a.xa, H, a.wq_issue_first);
+                       min(kBN / 2, Fi - f0), a.xa, H, a.wq_issue_first, a.wq_skip_scales);
   if constexpr (XI) {
     jb.xf = a.x;
     jb.ldx = a.x_stride;
@@ -88,8 +89,9 @@ __device__ __forceinline__ void down_cta(const GroupedFfnArgs& a, const Tile& tl
   const int H = a.hidden, Fi = a.inter;
   const ExpertPtrs ex = a.experts[tl.e];
   const int64_t down_ld = ld_bytes<F>(ex.down_ld);
-  const CtaJob jb = tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld,
-                             nullptr, down_ld, min(kBN, H - n0), a.h, Fi, a.wq_issue_first);
+  const CtaJob jb =
+      tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld, nullptr, down_ld,
+               min(kBN, H - n0), a.h, Fi, a.wq_issue_first, a.wq_skip_scales);
   float acc[kRM][BT / 8][4];
   run_cta<F, BT, false, false, E>(jb, smem, acc);
   for_each_out<F>(acc, [&](int r, int tok, float v) {
@@ -312,6 +314,7 @@ void launch_ffn(const GroupedFfnArgs& args, cudaStream_t stream) {
   static_assert(kTileM == kBT, "a tile's tokens fit one CTA");
   GroupedFfnArgs a = args;
   a.wq_issue_first = issue_first_of(F);
+  a.wq_skip_scales = g_wq_probe_skip_scales.on();
   with_bt(a.num_tokens, [&]<int BT>() {
     if constexpr (F == WqFormat::FP8W && BT != kBT) {
       if (experts_stage_f32(a)) return launch_ffn<F, BT, true>(a, stream);

@@ -115,6 +115,11 @@ EnvSwitch g_wq_issue_first{"DEEPSERVE_WQ_ISSUE_FIRST", "1", false};
 // order. On an H200 (twenty-ninth session, machine M, one run each) W1f was 4.62 ms with it
 // and 4.64 without: no loss there either.
 EnvSwitch g_wq_issue_first_fp8w{"DEEPSERVE_WQ_ISSUE_FIRST_FP8W", "0", true};
+// A measurement probe, never for serving: the W4A16 / FP8W kernels' scale copies read nothing
+// (zero-filled, so every product is zero), with the same instructions as ever. What the scale
+// words' L2 traffic costs (one 4-byte copy a row and stage; thirty-fourth session's ncu) is the
+// difference in WqBench's times with and without it.
+EnvSwitch g_wq_probe_skip_scales{"DEEPSERVE_WQ_PROBE_SKIP_SCALES", "1", false};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.

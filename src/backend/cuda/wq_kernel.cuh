@@ -261,6 +261,7 @@ struct CtaJob {
   int64_t K;               // weight columns
   int g_begin, g_end;
   bool issue_first = false;  // run_cta's order of a stage: the next stage's copies first
+  bool skip_scales = false;  // a probe: the scale copies read nothing (zeros; wrong sums)
 };
 
 // Accumulates acc[i][j][*] (row block i of the warp, token block j) for one CtaJob. Rows of the
@@ -401,7 +402,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       const uint8_t* src = s_src + (Fm::scale_off(jb.K, gi) - Fm::scale_off(jb.K, jb.g_begin));
 #pragma unroll
       for (int w = 0; w < kSw; ++w) {
-        const bool ok = gi + (wq_w4(F) ? 2 * w : w) < jb.g_end;
+        const bool ok = !jb.skip_scales && gi + (wq_w4(F) ? 2 * w : w) < jb.g_end;
         cp_async4(ss + (w * kBN + tid) * 4, src + 4 * w, ok);
       }
     }
