@@ -54,6 +54,11 @@ constexpr int kStagesOf = (F == WqFormat::FP8W && kGpsOf<F, BT> == 2)   ? 2
 // once, so every variant (and so every M up to kWqSplitMaxM) splits alike.
 template <WqFormat F>
 constexpr int kSplitUnitOf = kGpsOf<F, 8> > kGpsOf<F, 16> ? kGpsOf<F, 8> : kGpsOf<F, 16>;
+// Scale words per row and stage (W4A16 packs two groups' scales in a word).
+template <WqFormat F, int BT>
+constexpr int kSwOf = F == WqFormat::BF16 ? 0
+                      : wq_w4(F)          ? (kGpsOf<F, BT> + 1) / 2
+                                          : kGpsOf<F, BT>;
 constexpr int kGroup = 128;
 constexpr int kTokRow = kGroup * 2;  // staged bytes per token row (BF16)
 
@@ -94,44 +99,17 @@ struct Fmt<WqFormat::BF16> {
 
 template <WqFormat F, int BT>
 constexpr uint32_t kStageA = uint32_t(kBN) * uint32_t(Fmt<F>::kRowBytes) * uint32_t(kGpsOf<F, BT>);
+template <WqFormat F, int BT>
+constexpr uint32_t kStageS = uint32_t(kBN) * 4 * kSwOf<F, BT>;
 // Token rows staged as F32 (XF: the dense decode variants read x as it is and round each value
 // to BF16 where they build the mma fragment, so no conversion pass runs before them).
 constexpr int kTokRowF32 = kGroup * 4;
 template <WqFormat F, int BT, bool XF = false>
-constexpr uint32_t kStageBytes = kStageA<F, BT> + uint32_t(kGpsOf<F, BT>) * uint32_t(BT) *
-                                                      uint32_t(XF ? kTokRowF32 : kTokRow);
+constexpr uint32_t kStageBytes = kStageA<F, BT> + kStageS<F, BT> +
+                                 uint32_t(kGpsOf<F, BT>) * uint32_t(BT) *
+                                     uint32_t(XF ? kTokRowF32 : kTokRow);
 template <WqFormat F, int BT, bool XF = false>
-constexpr size_t kStagesBytes = size_t(kStagesOf<F, BT>) * kStageBytes<F, BT, XF>;
-
-// The scale words are staged in blocks: a weight row's next kSBlkWordsOf words (the block
-// holding a stage's first word, at a multiple of the count) in one copy, into one of two slots
-// after the stages, when the first stage that reads the block issues its copies. A 4-byte copy
-// a row and stage asked the L2 for a 32-byte sector for 4 useful bytes (a fifth of the decode
-// kernels' L2 requests: thirty-fourth session's ncu; skipping them took the H100's W4A16 MoE at
-// T = 8 from 224 to 213 us, the dense products at M = 8 11-16%). Four words a block where that
-// costs no CTA an SM, else two; a slot is refilled only after every warp is past the stages of
-// the block it held (so a block must span at least kStages - 1 stages).
-__host__ __device__ constexpr int ctas_fitting(size_t smem) {
-  constexpr size_t per_sm = 228 * 1024, reserved = 1024;  // sm_90 shared memory per SM, per CTA
-  const int fit = int(per_sm / (smem + reserved));
-  return fit > 4 ? 4 : fit;
-}
-// Stages a block of `words` scale words spans (W4A16's word holds two groups).
-template <WqFormat F, int BT>
-__host__ __device__ constexpr int block_stages(int words) {
-  return wq_w4(F) ? 2 * words / kGpsOf<F, BT> : words / kGpsOf<F, BT>;
-}
-template <WqFormat F, int BT, bool XF>
-constexpr int kSBlkWordsOf = F == WqFormat::BF16 ? 0
-                             : ctas_fitting(kStagesBytes<F, BT, XF> + 2 * kBN * 16) ==
-                                         ctas_fitting(kStagesBytes<F, BT, XF> + 2 * kBN * 8) ||
-                                     block_stages<F, BT>(2) < kStagesOf<F, BT> - 1
-                                 ? 4
-                                 : 2;
-template <WqFormat F, int BT, bool XF>
-constexpr uint32_t kSRingSlot = uint32_t(kBN) * 4 * kSBlkWordsOf<F, BT, XF>;
-template <WqFormat F, int BT, bool XF = false>
-constexpr size_t kSmem = kStagesBytes<F, BT, XF> + 2 * size_t(kSRingSlot<F, BT, XF>);
+constexpr size_t kSmem = size_t(kStagesOf<F, BT>) * kStageBytes<F, BT, XF>;
 
 // CTAs per SM the register budget is cut for: decode variants are latency-bound, so they keep
 // as many CTAs resident as their shared memory allows (with F32 token rows, the larger), up to
@@ -141,8 +119,9 @@ template <WqFormat F, int BT>
 constexpr int min_ctas_of() {
   if constexpr (BT > 16) return 1;
   if constexpr (F == WqFormat::BF16) return 2;
-  constexpr int fit = ctas_fitting(kSmem<F, BT, true>);
-  return fit < 1 ? 1 : fit;
+  constexpr size_t per_sm = 228 * 1024, reserved = 1024;  // sm_90 shared memory per SM, per CTA
+  constexpr int fit = int(per_sm / (kSmem<F, BT, true> + reserved));
+  return fit < 1 ? 1 : fit > 4 ? 4 : fit;
 }
 
 // Where element e (0..7) of each aligned 8-k chunk of a W4A16 activation row is staged: the
@@ -205,11 +184,9 @@ __device__ __forceinline__ uint16_t act_bits(float v) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
 
-// N (4, 8 or 16) bytes, or N zeros where !valid (nothing is read).
-template <int N>
-__device__ __forceinline__ void cp_async_n(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N),
-               "r"(valid ? N : 0));
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
 }
 
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
@@ -335,10 +312,8 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   using Fm = Fmt<F>;
   constexpr bool kBf16 = F == WqFormat::BF16;  // no scales: products go straight into acc
   constexpr int kStages = kStagesOf<F, BT>;
-  constexpr int kGps = kGpsOf<F, BT>;            // groups per stage
-  constexpr int kSBW = kSBlkWordsOf<F, BT, XF>;  // scale words a row and block
-  static_assert(kBf16 || block_stages<F, BT>(kSBW) >= kStages - 1,
-                "a scale slot would be refilled while a warp still reads it");
+  constexpr int kGps = kGpsOf<F, BT>;  // groups per stage
+  constexpr int kSw = kSwOf<F, BT>;    // scale words per row and stage
   constexpr int kTN = BT / 8;
   constexpr uint32_t kStage = kStageBytes<F, BT, XF>;
   constexpr uint32_t kSA = kStageA<F, BT>;
@@ -376,18 +351,12 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   for (int j = 0; j < kWj; ++j) w_dst[j] = w_copy_dst<F, kGps>(tid, j, kRowB);
   // Copy j of stage kt (bytes kt * kRowB + 64 j past w_src) holds codes while below this.
   const int w_end = int(climit - g_code0) - 16 * (tid & 3);
-  const uint8_t* s_src = nullptr;  // row tid's first scale word (16-byte aligned)
+  const uint8_t* s_src = nullptr;  // row tid's scale words, group g_begin's
   if constexpr (!kBf16) {
     const int rr = min(gate_up ? tid % (kBN / 2) : tid, last_row);
     const uint8_t* base = gate_up && tid >= kBN / 2 ? jb.w1 : jb.w0;
-    s_src = base + int64_t(rr) * jb.w_stride + Fm::scale_off(jb.K, 0);
+    s_src = base + int64_t(rr) * jb.w_stride + Fm::scale_off(jb.K, jb.g_begin);
   }
-  // The scale slots (after the stages): slot b & 1 holds block b, row r's words at r * kSBW.
-  constexpr uint32_t kSRing = uint32_t(kStagesBytes<F, BT, XF>);
-  constexpr uint32_t kSSlot = kSRingSlot<F, BT, XF>;
-  // The scale word of group g (W4A16's holds a pair; a stage's groups share one word, or two
-  // consecutive FP8W words of one block: g_begin and kGps are even where kGps is 2).
-  auto word_of = [](int64_t g) { return wq_w4(F) ? g / 2 : g; };
   const int tc = tid % kTokChunks, tr0 = tid / kTokChunks;
   const int x_k0 = (16 / kXBytes) * tc;  // the chunk's first k in a group
   const uint32_t b_dst =
@@ -414,7 +383,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
   // and the token rows of each group in turn. load_w copies a stage's weights (codes and scale
   // words) into buffer `stage`, load_x its token rows.
   auto load_w = [&](int stage, int kt) {
-    const uint32_t sa = s0 + stage * kStage;
+    const uint32_t sa = s0 + stage * kStage, ss = sa + kSA;
     const int off = kt * kRowB;
     uint32_t bytes[kWj];  // 16, or 0 (zeros) for chunks past the codes
 #pragma unroll
@@ -428,17 +397,18 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       });
     });
     if constexpr (!kBf16) {
-      // The block of the stage's first scale word, if the stage before did not hold it (the
-      // aligned block ends within the row's padding to 16 bytes).
+      // Word w of the stage's scales (rows [w][tid]); one past the last group is zero-filled.
       const int64_t gi = jb.g_begin + int64_t(kGps) * kt;
-      const int64_t blk = word_of(gi) / kSBW;
-      if (kt == 0 || word_of(gi - kGps) / kSBW != blk)
-        cp_async_n<4 * kSBW>(s0 + kSRing + uint32_t(blk & 1) * kSSlot + uint32_t(tid) * 4 * kSBW,
-                             s_src + 4 * kSBW * blk, !jb.skip_scales);
+      const uint8_t* src = s_src + (Fm::scale_off(jb.K, gi) - Fm::scale_off(jb.K, jb.g_begin));
+#pragma unroll
+      for (int w = 0; w < kSw; ++w) {
+        const bool ok = !jb.skip_scales && gi + (wq_w4(F) ? 2 * w : w) < jb.g_end;
+        cp_async4(ss + (w * kBN + tid) * 4, src + 4 * w, ok);
+      }
     }
   };
   auto load_x = [&](int stage, int kt) {
-    const uint32_t sb = s0 + stage * kStage + kSA + b_dst;
+    const uint32_t sb = s0 + stage * kStage + kSA + kStageS<F, BT> + b_dst;
     const int k = kt * kGps * kGroup;
     uint32_t bytes[kGps];
 #pragma unroll
@@ -524,8 +494,8 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       __syncthreads();
     }
     const uint8_t* sa = smem + stage * kStage;
-    const auto* sring = reinterpret_cast<const uint32_t*>(smem + kSRing);
-    const uint8_t* sb0 = sa + kSA;
+    const auto* ss = reinterpret_cast<const uint32_t*>(sa + kSA);
+    const uint8_t* sb0 = sa + kSA + kStageS<F, BT>;
     const int64_t g0 = jb.g_begin + int64_t(kGps) * kt;
     const int groups = min(kGps, jb.g_end - int(g0));  // of this stage (a missing one reads zeros)
     // Raw codes of rows (block i, half h: row g + 8h) for group u: W4 one chunk, FP8 two (BF16
@@ -544,10 +514,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
             for (int c = 0; c < kAc; ++c)
               raw[u][i][h][c] =
                   *reinterpret_cast<const uint4*>(sa + a_off[u * kAc + c] + dr * kRowB);
-            const int64_t wu = word_of(g0 + u);
-            sc[u][i][h] = Fm::scale(
-                sring[uint32_t((wu / kSBW) & 1) * (kSSlot / 4) + (r_f + dr) * kSBW + wu % kSBW],
-                g0 + u);
+            sc[u][i][h] = Fm::scale(ss[(wq_w4(F) ? u / 2 : u) * kBN + r_f + dr], g0 + u);
           }
     }
     // Each group's sums (token blocks >= tn are zeroed too, in a few wide moves rather than a
