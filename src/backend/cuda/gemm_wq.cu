@@ -311,7 +311,7 @@ void run_dense(const Context& ctx, const float* x, int64_t ldx, float* out, int6
   a.part = part_bytes > 0 ? reinterpret_cast<float*>(base + xb_bytes) : nullptr;
   a.prefetch = pdl::prefetch_bytes(pdl::PrefetchKind::DenseWq);
   a.issue_first = issue_first_of(F);
-  a.skip_scales = g_wq_probe_skip_scales.on();
+  a.skip_scales = g_wq_skip_scales.on();
   a.out = out;
   a.ldo = ldo;
   launch_dense<F>(a, cluster, ctx.stream);

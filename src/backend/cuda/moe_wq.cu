@@ -314,7 +314,7 @@ void launch_ffn(const GroupedFfnArgs& args, cudaStream_t stream) {
   static_assert(kTileM == kBT, "a tile's tokens fit one CTA");
   GroupedFfnArgs a = args;
   a.wq_issue_first = issue_first_of(F);
-  a.wq_skip_scales = g_wq_probe_skip_scales.on();
+  a.wq_skip_scales = g_wq_skip_scales.on();
   with_bt(a.num_tokens, [&]<int BT>() {
     if constexpr (F == WqFormat::FP8W && BT != kBT) {
       if (experts_stage_f32(a)) return launch_ffn<F, BT, true>(a, stream);

@@ -117,9 +117,10 @@ EnvSwitch g_wq_issue_first{"DEEPSERVE_WQ_ISSUE_FIRST", "1", false};
 EnvSwitch g_wq_issue_first_fp8w{"DEEPSERVE_WQ_ISSUE_FIRST_FP8W", "0", true};
 // A measurement probe, never for serving: the W4A16 / FP8W kernels' scale copies read nothing
 // (zero-filled, so every product is zero), with the same instructions as ever. What the scale
-// words' L2 traffic costs (one 4-byte copy a row and stage; thirty-fourth session's ncu) is the
-// difference in WqBench's times with and without it.
-EnvSwitch g_wq_probe_skip_scales{"DEEPSERVE_WQ_PROBE_SKIP_SCALES", "1", false};
+// words cost is the difference in WqBench's times with and without it (H100, thirty-fourth
+// session: 5% of the V2.5 MoE at T = 8; staging them in blocks, with 4-8x fewer requests, did
+// not shrink that, so it is their bytes).
+EnvSwitch g_wq_skip_scales{"DEEPSERVE_WQ_PROBE_SKIP_SCALES", "1", false};
 
 // Prefill-sized products on quantized weights go through a BF16 copy of the matrix (or expert)
 // and cuBLAS (wq_dequant.cuh); off: always the in-register kernels.
