@@ -425,8 +425,7 @@ class DeepseekV2 final : public Model {
   void absorbed_attention(int l, const DsLayer& W, KvCache& cache, const TensorView& q_nope,
                           const TensorView& q_pe, TensorView oh, const AttentionMeta& meta) {
     const int64_t T = q_nope.shape[0], H = cfg_.heads, R = cfg_.kv_lora_rank;
-    // reserve() sizes these for up to kLatentRows tokens; a step with more tokens in this form
-    // (a backend without the expanded prefill kernel) grows them here.
+    // Past reserve()'s kLatentRows (a backend without the expanded prefill kernel).
     ensure_scratch(be_, q_lat_, T * H * R);
     ensure_scratch(be_, o_lat_, T * H * R);
     TensorView q_lat = heads_view(q_lat_->view(DType::F32, {T, H * R}), int(H), int(R));
@@ -661,13 +660,10 @@ class DeepseekV2 final : public Model {
     grow(qkv_a_, T * ((cfg_.q_lora_rank > 0 ? cfg_.q_lora_rank : H * qk) + R + P));
     grow(qa_n_, T * std::max(cfg_.q_lora_rank, 1));
     grow(q_, cfg_.q_lora_rank > 0 ? T * H * qk : 1);
-    // The absorbed form's latents, for the decodes of a step (a prefill step on a backend with
-    // the expanded kernel never touches them; V2.5 spends 512 KB a token on the pair, 4 GiB of
-    // an 8,192-token step). kLatentRows covers the largest decode graph, so the warm-up's
-    // prefill sizes them once and no decode batch grows them (which would drop the graphs).
-    const int64_t lat_rows = std::min<int64_t>(T, kLatentRows);
-    grow(q_lat_, lat_rows * H * R);
-    grow(o_lat_, lat_rows * H * R);
+    // The absorbed form's latents (V2.5: 512 KB a token), for a step's decodes only: expanded
+    // prefills never touch them. Up to the largest decode graph's batch, so none regrows them.
+    grow(q_lat_, std::min<int64_t>(T, kLatentRows) * H * R);
+    grow(o_lat_, std::min<int64_t>(T, kLatentRows) * H * R);
     grow(o_, T * H * v);
     grow(gate_up_, T * 2 * ffn);
     grow(act_, T * ffn);
