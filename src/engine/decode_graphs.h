@@ -13,8 +13,8 @@
 namespace ds {
 
 struct DecodeGraphConfig {
-  int max_batch = 512;         // largest bucket; bigger decode batches run eagerly
-  int max_blocks_per_seq = 0;  // block-table width every captured launch is sized for
+  int max_batch = kMaxDecodeGraphBatch;  // largest bucket; bigger decode batches run eagerly
+  int max_blocks_per_seq = 0;            // block-table width every captured launch is sized for
 };
 
 class DecodeGraphs {

@@ -35,7 +35,7 @@ struct EngineConfig {
   int prefill_first_steps = 8;         // SchedulerConfig's; 0: decodes join every step
   DType kv_dtype = DType::F32;
   // Decode steps of up to this many sequences replay device graphs (CUDA); 0 disables.
-  int graph_max_batch = 512;
+  int graph_max_batch = kMaxDecodeGraphBatch;
   // Contexts up to this many tokens use graphs (every captured launch is sized for it, so a
   // larger value costs empty work in each replay); longer ones run eagerly.
   int64_t graph_max_context = 4096;

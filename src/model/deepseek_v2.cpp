@@ -425,7 +425,7 @@ class DeepseekV2 final : public Model {
   void absorbed_attention(int l, const DsLayer& W, KvCache& cache, const TensorView& q_nope,
                           const TensorView& q_pe, TensorView oh, const AttentionMeta& meta) {
     const int64_t T = q_nope.shape[0], H = cfg_.heads, R = cfg_.kv_lora_rank;
-    // Past reserve()'s kLatentRows (a backend without the expanded prefill kernel).
+    // Past reserve()'s kMaxDecodeGraphBatch (a backend without the expanded prefill kernel).
     ensure_scratch(be_, q_lat_, T * H * R);
     ensure_scratch(be_, o_lat_, T * H * R);
     TensorView q_lat = heads_view(q_lat_->view(DType::F32, {T, H * R}), int(H), int(R));
@@ -662,8 +662,8 @@ class DeepseekV2 final : public Model {
     grow(q_, cfg_.q_lora_rank > 0 ? T * H * qk : 1);
     // The absorbed form's latents (V2.5: 512 KB a token), for a step's decodes only: expanded
     // prefills never touch them. Up to the largest decode graph's batch, so none regrows them.
-    grow(q_lat_, std::min<int64_t>(T, kLatentRows) * H * R);
-    grow(o_lat_, std::min<int64_t>(T, kLatentRows) * H * R);
+    grow(q_lat_, std::min<int64_t>(T, kMaxDecodeGraphBatch) * H * R);
+    grow(o_lat_, std::min<int64_t>(T, kMaxDecodeGraphBatch) * H * R);
     grow(o_, T * H * v);
     grow(gate_up_, T * 2 * ffn);
     grow(act_, T * ffn);
@@ -672,8 +672,6 @@ class DeepseekV2 final : public Model {
     grow(wts_, T * std::max(cfg_.moe_top_k, 1));
     grow(last_, std::max<int64_t>(NL, 1) * cfg_.hidden);
   }
-
-  static constexpr int64_t kLatentRows = 512;  // DecodeGraphConfig::max_batch's default
 
   ModelConfig cfg_;
   Backend& be_;

@@ -16,6 +16,10 @@ namespace ds {
 
 class Communicator;
 
+// The largest decode batch the engine captures a CUDA graph for by default (bigger batches run
+// eagerly). Models size their decode-only scratch for it, so no graphed batch regrows it.
+constexpr int kMaxDecodeGraphBatch = 512;
+
 struct KvCacheConfig {
   int num_blocks = 0;
   int block_size = 16;
