@@ -20,7 +20,7 @@ bool mla_decode_fits(const kern::AttnParams& a);
 // else 16.
 int mla_decode_rows(const kern::AttnParams& a, bool bf16_qp);
 // Auto's choice of Q / P form: BF16 (bf16_qp) with DEEPSERVE_MLA_DECODE=bf16, or where the model
-// has at least DEEPSERVE_MLA_BF16_MIN_HEADS heads (0: never); else hi + lo.
+// has at least DEEPSERVE_MLA_BF16_MIN_HEADS heads (64; 0: never); else hi + lo.
 bool mla_decode_bf16_auto(const kern::AttnParams& a);
 // Context splits for the grid: one unless the sequences leave SMs idle; host-known sizes only
 // (num_seqs, heads, mla_rows, max_blocks_per_seq), so graphs replay with new metadata.

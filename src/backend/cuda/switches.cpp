@@ -207,9 +207,10 @@ EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};
 // attention_mla_decode_regq.cu, mla_decode_rows). Off until measured.
 EnvSwitch g_mla_rows32{"DEEPSERVE_MLA_ROWS32", "1", false};
 // Auto's MLA decode takes BF16 Q / P (FlashMLA's precision) for models of at least this many
-// heads (DEEPSERVE_MLA_BF16_MIN_HEADS; 0: never, the default until measured): W5's 128 heads
-// pay for the hi + lo form's second product, V2-Lite's 16 keep it (mla_decode_bf16_auto).
-EnvCount g_mla_bf16_min_heads{"DEEPSERVE_MLA_BF16_MIN_HEADS", 0};
+// heads (DEEPSERVE_MLA_BF16_MIN_HEADS; 0: never): W5's 128 heads pay for the hi + lo form's
+// second product (W5 with 20 layers on an H100, 7e6a912, two rounds: TPOT 7.96 -> 7.84 ms,
+// +1.4% tok/s), V2-Lite's 16 keep it (mla_decode_bf16_auto).
+EnvCount g_mla_bf16_min_heads{"DEEPSERVE_MLA_BF16_MIN_HEADS", 64};
 
 namespace {
 std::atomic<int64_t> g_row_regs_launches{0}, g_moe_wq_fused_launches{0};
