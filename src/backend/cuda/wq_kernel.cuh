@@ -562,9 +562,17 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
             a[i][m][3] = d[1][2 * m + 1];
           }
         }
+        // Decode tiles (kTN <= 2) test every token block against tn; wider tiles only at
+        // blocks kTN / 4 and kTN / 2, so they compute 2, 4 or 8 blocks (of 8). A test at every
+        // block put a branch between each block's four mmas, so the two mmas of an accumulator
+        // ran back to back with nothing to hide their latency (the 64-token tile's top stall,
+        // `wait`, in ncu); the blocks between two tests now interleave. A block past tn
+        // multiplies stale token rows into sums that are never stored (a product's column
+        // depends on its own token alone), and every accumulator takes its products in the
+        // same order as before, so the bits do not change.
 #pragma unroll
         for (int j = 0; j < kTN; ++j) {
-          if (j >= tn) break;
+          if ((kTN <= 2 || j == kTN / 4 || j == kTN / 2) && j >= tn) break;
           const uint8_t* row = sb + j * 8 * kTokBytes;  // token row j * 8 + g's, at b_off
           uint4 b;
           if constexpr (XF) {  // chunk 4t + p is units 8t + 2p, + 1; rounded as to_bf16 would
