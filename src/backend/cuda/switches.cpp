@@ -204,7 +204,9 @@ EnvSwitch g_mla_q_split2{"DEEPSERVE_MLA_Q_SPLIT2", "0", true};
 EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};
 // The register-Q MLA decode with BF16 Q / P takes 32 heads a CTA (two 16-row halves sharing
 // each staged tile's fragments) where a model has 32 heads or more (DEEPSERVE_MLA_ROWS32=1;
-// attention_mla_decode_regq.cu, mla_decode_rows). Off until measured.
+// attention_mla_decode_regq.cu, mla_decode_rows). Off: at W5's shapes on an H100 it was 0.7%
+// slower than the hi + lo 16-row form (1719a42), which is 1.4% slower than the BF16 16-row form
+// (7e6a912); no H200 has run it.
 EnvSwitch g_mla_rows32{"DEEPSERVE_MLA_ROWS32", "1", false};
 // Auto's MLA decode takes BF16 Q / P (FlashMLA's precision) for models of at least this many
 // heads (DEEPSERVE_MLA_BF16_MIN_HEADS; 0: never): W5's 128 heads pay for the hi + lo form's
