@@ -425,6 +425,10 @@ class Backend {
   virtual void begin_capture() { throw UnsupportedError(name() + " has no graphs"); }
   virtual int end_capture() { throw UnsupportedError(name() + " has no graphs"); }
   virtual void replay(int /*graph*/) { throw UnsupportedError(name() + " has no graphs"); }
+  // A point between two layers where a capture may be cut: the ops before it and after it
+  // become separate graphs that replay launches in order, so the device starts on the first
+  // while the host still launches the rest. A no-op outside a capture and by default.
+  virtual void capture_cut() {}
   // Drops every captured graph (their memory may be reused).
   virtual void reset_graphs() {}
   // Counts device allocations (buffers and internal scratch growth): a graph captured before

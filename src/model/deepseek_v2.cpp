@@ -225,6 +225,7 @@ class DeepseekV2 final : public Model {
     bool attn_normed = false;  // the last FFN's op did this layer's input norm
     for (int l = 0; l < cfg_.layers; ++l) {
       const DsLayer& W = layers_[size_t(l)];
+      if (l > 0) be_.capture_cut();  // a graph being recorded may end a piece here
       bool ffn_normed = false;
       // Layer 0's input norm has no residual add before it; the others add the last FFN's y.
       attention(

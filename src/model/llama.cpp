@@ -101,6 +101,7 @@ class Llama final : public Model {
     be_.rms_norm(x, layers_.front().attn_norm, cfg_.rms_eps, xn);
     for (int l = 0; l < cfg_.layers; ++l) {
       const LlamaLayer& W = layers_[size_t(l)];
+      if (l > 0) be_.capture_cut();  // a graph being recorded may end a piece here
       dump(l, "attn_norm", xn);
       TensorView q = cols(qkv, 0, q_dim), k = cols(qkv, q_dim, kv_dim),
                  v = cols(qkv, q_dim + kv_dim, kv_dim);

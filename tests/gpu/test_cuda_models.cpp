@@ -235,8 +235,8 @@ TEST_P(CudaModels, MixedStepMatchesSeparateSteps) {
 
 // Runs the fixture with `sw` forced off, then on: prefill logits and the greedy tokens of a
 // batched, graph-replayed decode must not change by a bit.
-void expect_switch_changes_nothing(OnGpu& g, const std::vector<Prompt>& prompts,
-                                   cuda::EnvSwitch& sw) {
+template <typename Switch>
+void expect_switch_changes_nothing(OnGpu& g, const std::vector<Prompt>& prompts, Switch& sw) {
   std::vector<std::vector<int32_t>> ps;
   for (int rep = 0; rep < 2; ++rep)
     for (const auto& p : prompts) ps.push_back(p.ids);
@@ -266,6 +266,13 @@ TEST_P(CudaModels, DependentLaunchChangesNothing) {
 TEST_P(CudaModels, WeightPrefetchChangesNothing) {
   OnGpu g = load_on_gpu(hf_root() / GetParam());
   expect_switch_changes_nothing(g, prompts_, cuda::g_prefetch);
+}
+
+// Decode graphs cut into a piece a layer (DEEPSERVE_GRAPH_PIECE_LAYERS=1) run the same kernels
+// in the same order: no bit may change.
+TEST_P(CudaModels, GraphPiecesChangeNothing) {
+  OnGpu g = load_on_gpu(hf_root() / GetParam());
+  expect_switch_changes_nothing(g, prompts_, cuda::g_graph_piece_layers);
 }
 
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(CudaModels);

@@ -25,6 +25,7 @@
 #include "backend/cuda/gemm_gguf.cuh"
 #include "backend/cuda/gemm_skinny.cuh"
 #include "backend/cuda/gemm_wq.cuh"
+#include "backend/cuda/graphs.h"
 #include "backend/cuda/kernel_trace.h"
 #include "backend/cuda/kv_store.cuh"
 #include "backend/cuda/memory_pool.h"
@@ -198,38 +199,16 @@ class CudaBackend final : public Backend {
   // CUDA graphs: the stream's work between begin and end is recorded into an executable
   // graph; replay launches it on the same stream.
   bool supports_graphs() const override { return true; }
-  void begin_capture() override {
-    DS_CHECK(!capturing_, "graph capture already in progress");
-    check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
-               "cudaStreamBeginCapture");
-    capturing_ = true;
-  }
-  int end_capture() override {
-    DS_CHECK(capturing_, "no graph capture in progress");
-    capturing_ = false;
-    cudaGraph_t graph = nullptr;
-    check_cuda(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture");
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    check_cuda(e, "cudaGraphInstantiate");
-    graphs_.push_back(exec);
-    return int(graphs_.size()) - 1;
-  }
-  void replay(int g) override {
-    DS_CHECK(g >= 0 && size_t(g) < graphs_.size() && graphs_[size_t(g)], "unknown graph");
-    check_cuda(cudaGraphLaunch(graphs_[size_t(g)], stream_), "cudaGraphLaunch");
-  }
-  void reset_graphs() override {
-    for (cudaGraphExec_t g : graphs_)
-      if (g) cudaGraphExecDestroy(g);
-    graphs_.clear();
-  }
+  void begin_capture() override { graphs_.begin(stream_, cuda::g_graph_piece_layers.get()); }
+  int end_capture() override { return graphs_.end(); }
+  void capture_cut() override { graphs_.cut(); }
+  void replay(int g) override { graphs_.replay(g, stream_); }
+  void reset_graphs() override { graphs_.reset(); }
   uint64_t alloc_epoch() const override { return alloc_epoch_; }
 
   // Timing marks: pooled events recorded on the stream; the host waits only in mark_times_ms.
   int mark() override {
-    DS_CHECK(!capturing_, "timing marks cannot be recorded during a graph capture");
+    DS_CHECK(!graphs_.capturing(), "timing marks cannot be recorded during a graph capture");
     if (marks_used_ == mark_events_.size()) {
       cudaEvent_t e = nullptr;
       check_cuda(cudaEventCreate(&e), "cudaEventCreate");
@@ -654,8 +633,7 @@ class CudaBackend final : public Backend {
   std::vector<std::unique_ptr<Buffer>> scratch_;  // by ScratchSlot
   std::vector<std::pair<RopeParams, std::unique_ptr<Buffer>>> rope_tables_;
   cuda::Context ctx_;
-  std::vector<cudaGraphExec_t> graphs_;
-  bool capturing_ = false;
+  cuda::GraphSet graphs_;
   uint64_t alloc_epoch_ = 0;  // allocations so far (captured graphs hold raw pointers)
   // Timing marks: events reused after clear_marks().
   std::vector<cudaEvent_t> mark_events_;

@@ -36,6 +36,7 @@ void EnvCount::force(long long value) {
 }
 
 EnvSwitch g_pdl{"DEEPSERVE_PDL", "0", true};
+EnvCount g_graph_piece_layers{"DEEPSERVE_GRAPH_PIECE_LAYERS", 0};
 // Weight-streaming kernels ask L2 for their weights before they wait on the kernel ahead of
 // them (pdl.cuh, prefetch_l2); off: they fetch only after the wait. The same bits either way.
 // Off by default: on the H200 (4beef66) it slowed W3 (3.16 -> 3.28 ms), W1 and W2 and sped up

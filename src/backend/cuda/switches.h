@@ -43,6 +43,7 @@ class EnvCount {
 
 // The switches (each documented where it acts).
 extern EnvSwitch g_pdl;                  // on; DEEPSERVE_PDL=0 turns it off
+extern EnvCount g_graph_piece_layers;    // DEEPSERVE_GRAPH_PIECE_LAYERS (graphs.h)
 extern EnvSwitch g_prefetch;             // off; DEEPSERVE_PREFETCH=1 turns it on
 extern EnvCount g_prefetch_kinds;        // DEEPSERVE_PREFETCH_KINDS (pdl.h)
 extern EnvCount g_prefetch_cap;          // DEEPSERVE_PREFETCH_CAP (pdl.h)
