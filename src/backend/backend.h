@@ -429,6 +429,8 @@ class Backend {
   // become separate graphs that replay launches in order, so the device starts on the first
   // while the host still launches the rest. A no-op outside a capture and by default.
   virtual void capture_cut() {}
+  // The graphs replay(g) launches (capture_cut's pieces).
+  virtual int graph_pieces(int /*graph*/) const { return 1; }
   // Drops every captured graph (their memory may be reused).
   virtual void reset_graphs() {}
   // Counts device allocations (buffers and internal scratch growth): a graph captured before

@@ -139,7 +139,9 @@ bool DecodeGraphs::run(const StepBatch& b, const TensorView& logits) {
       return true;
     }
     g = graphs_.emplace(B, id).first;
-    log_info("captured a decode graph for batch " + std::to_string(B));
+    const int pieces = be_.graph_pieces(id);
+    log_info("captured a decode graph for batch " + std::to_string(B) +
+             (pieces > 1 ? " (" + std::to_string(pieces) + " pieces)" : ""));
   }
   be_.replay(g->second);
   return true;

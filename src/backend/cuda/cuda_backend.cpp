@@ -203,6 +203,7 @@ class CudaBackend final : public Backend {
   int end_capture() override { return graphs_.end(); }
   void capture_cut() override { graphs_.cut(); }
   void replay(int g) override { graphs_.replay(g, stream_); }
+  int graph_pieces(int g) const override { return int(graphs_.pieces(g)); }
   void reset_graphs() override { graphs_.reset(); }
   uint64_t alloc_epoch() const override { return alloc_epoch_; }
 
