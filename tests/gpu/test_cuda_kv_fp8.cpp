@@ -5,12 +5,16 @@
 // chunked prefill after a cached prefix.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "attention_reference.h"
 #include "backend/cuda/attention.cuh"
+#include "backend/cuda/attention_mla_decode.cuh"
+#include "backend/cuda/attention_setup.h"
 #include "backend/kv_fp8.h"
 #include "launch_context.h"
 
@@ -72,6 +76,7 @@ void check_case(const Case& c, uint32_t seed) {
   const std::vector<int64_t> shape = {T, H, c.hd};
 
   std::vector<float> results[2];
+  bool bf16_qp = false;  // the GPU's MLA decode rounds Q and P to BF16 once
   for (int on_gpu = 0; on_gpu < 2; ++on_gpu) {
     Backend& b = on_gpu ? gpu : cpu;
     const test::BackendKv& kv = on_gpu ? g : hc;
@@ -89,10 +94,15 @@ void check_case(const Case& c, uint32_t seed) {
       p.cache = kv.kv;
       p.kv_lora_rank = c.hd;
       p.scale = scale;
-      if (on_gpu)
+      if (on_gpu) {
+        const cuda::kern::AttnParams a = cuda::mla_params(p, step.meta);
+        bf16_qp = cuda::mla_decode_fits(a) &&
+                  (c.path == AttentionPath::MlaDecodeBf16 ||
+                   (c.path == AttentionPath::Auto && cuda::mla_decode_bf16_auto(a)));
         cuda::mla_attention_on(launch_context().get(), p, step.meta, c.path);
-      else
+      } else {
         b.mla_attention(p, step.meta);
+      }
     } else {
       AttentionParams p;
       p.q = tq.view;
@@ -109,6 +119,30 @@ void check_case(const Case& c, uint32_t seed) {
       cuda_ok(cudaStreamSynchronize(launch_context().stream()), "attention kernels");
     }
     results[on_gpu] = test::download_floats(b, out);
+  }
+  if (bf16_qp) {
+    // BF16 Q / P (Auto's choice for many heads, or asked for): against float64 on the same
+    // BF16-rounded queries, what remains is P's rounding, at most 2^-9 of the largest |v| for
+    // any weighted average of value rows (FP8: P is scaled by the key's latent scale before it
+    // is rounded, V being the exact codes); the CPU backend keeps F32 queries, so it is compared
+    // with the float64 reference of those instead.
+    std::vector<float> qb = q, qrb = qr;
+    for (float& v : qb) v = bf16_to_f32(f32_to_bf16(v));
+    for (float& v : qrb) v = bf16_to_f32(f32_to_bf16(v));
+    const std::vector<double> want_b = test::reference_mla(h, qb, qrb, g.k_host, c.heads, c.hd,
+                                                           c.rope, c.block_size, scale, true);
+    double vmax = 0;
+    for (size_t i = 0; i < g.k_host.size(); ++i)
+      if (int(i % size_t(dim)) < c.hd) vmax = std::max(vmax, std::fabs(double(g.k_host[i])));
+    const double bound = 1.5 * vmax / 512.0;
+    EXPECT_TRUE(test::all_close(results[1], want_b, {.abs = bound, .rel = 0.0},
+                                "gpu (BF16 Q / P) vs float64 on BF16 queries", shape));
+    const std::vector<double> want = test::reference_mla(h, q, qr, g.k_host, c.heads, c.hd,
+                                                         c.rope, c.block_size, scale, true);
+    const test::Tolerance tol = test::attention_tolerance();
+    EXPECT_TRUE(test::all_close(results[0], want, {12 * tol.abs, 2 * tol.rel},
+                                "cpu vs float64 over the dequantized cache", shape));
+    return;
   }
   const std::vector<double> want =
       mla ? test::reference_mla(h, q, qr, g.k_host, c.heads, c.hd, c.rope, c.block_size, scale,
@@ -176,7 +210,8 @@ TEST(CudaKvFp8, MlaDecodeKernelMatchesReference) {
   uint32_t seed = 7000;
   for (int heads : {16, 20, 128})
     for (int bs : {1, 16})
-      for (AttentionPath path : {AttentionPath::MlaDecode, AttentionPath::Auto}) {
+      for (AttentionPath path :
+           {AttentionPath::MlaDecode, AttentionPath::MlaDecodeBf16, AttentionPath::Auto}) {
         Case c;
         c.seqs = decodes_only();
         c.heads = heads, c.hd = 512, c.rope = 64, c.block_size = bs;
