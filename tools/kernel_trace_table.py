@@ -14,8 +14,8 @@ these are what it costs in the graph.
 Every complete step's kernels are grouped by (kernel, grid); the table gives launches per step
 and the medians of us added per launch, us added per step, us from start to end per launch and
 the lead, largest first; then the median span and the median gap between steps. The gap is
-not the launch's cost: it grows ~1 us a kernel under tracing (CUPTI's records), where an
-untraced graph launch takes ~3 us whatever its size (tests/gpu/test_cuda_graphs.cu's
+not the launch's cost: in traced runs it has grown ~1 us a kernel, where an untraced graph
+launch costs a waiting step ~5-7 us whatever its size (tests/gpu/test_cuda_graphs.cu's
 GraphBench; docs/PERFORMANCE.md, thirty-sixth section). Use the engine's host_gap_mean instead.
 --timeline A:B prints launches A..B-1 of the median step in order, with start and end from the
 step's start: one layer's chain.
