@@ -427,7 +427,8 @@ class Backend {
   virtual void replay(int /*graph*/) { throw UnsupportedError(name() + " has no graphs"); }
   // A point between two layers where a capture may be cut: the ops before it and after it
   // become separate graphs that replay launches in order, so the device starts on the first
-  // while the host still launches the rest. A no-op outside a capture and by default.
+  // while the host still launches the rest (the CUDA backend's DEEPSERVE_GRAPH_PIECE_LAYERS).
+  // A no-op outside a capture and by default.
   virtual void capture_cut() {}
   // The graphs replay(g) launches (capture_cut's pieces).
   virtual int graph_pieces(int /*graph*/) const { return 1; }

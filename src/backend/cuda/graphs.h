@@ -1,12 +1,14 @@
 // The CUDA backend's graphs: a capture may be cut at the model's layer boundaries into pieces,
 // each its own executable graph, which replay launches in order on the stream.
 //
-// Why pieces: launching a graph costs the host time in proportion to its kernels, and the
-// device runs none of them until the launch call returns. A decode step of W5 (V2.5, 60 layers)
-// is ~1,150 kernels, W3's ~330; cut every few layers, the device starts on the first piece while
-// the host launches the rest. DEEPSERVE_GRAPH_PIECE_LAYERS=N cuts every N layers (unset: one
-// graph a step). Across a cut, the kernel after it waits for the whole piece before it to
-// finish (stream order), where dependent launch would have overlapped it with one kernel.
+// Why pieces: where launching a graph costs the host time in proportion to its kernels (drivers
+// before the constant-time launch of straight-line graphs), the device runs none of them until
+// the launch call returns; cut every few layers, it starts on the first piece while the host
+// launches the rest. DEEPSERVE_GRAPH_PIECE_LAYERS=N cuts every N layers (unset: one graph a
+// step). Off by default: on the H100's driver (580) a launch of 1,150 kernels costs the host
+// ~3 us, each cut ~1.3-2.9 us more, and the kernel after a cut waits for the whole piece before
+// it (stream order) where dependent launch would have overlapped it with one kernel: W5's layers
+// -1.3% with a piece a layer (docs/PERFORMANCE.md, thirty-sixth section).
 #pragma once
 
 #include <cuda_runtime.h>
