@@ -164,7 +164,7 @@ constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
 // kernel ran. Only the order of the items changes, so the bits do not.
 // kLA (DEEPSERVE_MOE_WQ_LOOKAHEAD=1, off until measured): each item's claim is made one item
 // ahead, and run_cta's tail asks L2 for the next item's first stages of weight rows (codes and
-// scales) while the current item's last stages are used (NextItemRows). ncu had ~24% of the
+// scales) while the current item's last stages are used (prefetch_next). ncu had ~24% of the
 // W4A16 decode MoE's warp samples in code run once an item (the look-ups before its first copy,
 // the pipeline's fill, the claim's two barriers; docs/PERFORMANCE.md, thirty-sixth section):
 // here the next item's look-ups hit the cache, its first copies L2, and the claim costs one
