@@ -245,7 +245,8 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
       const int64_t ld = ld_bytes<F>(gu ? (t < kBN / 2 ? ex.gate_ld : ex.up_ld) : ex.down_ld);
       const uint8_t* row = static_cast<const uint8_t*>(w) + int64_t(r) * ld;
       constexpr int kAhead = kStagesOf<F, BT> - 1, kGps = kGpsOf<F, BT>;
-      const int64_t codes = Fmt<F>::code_limit(K), ahead = int64_t(kAhead) * kGps * Fmt<F>::kRowBytes;
+      const int64_t codes = Fmt<F>::code_limit(K);
+      const int64_t ahead = int64_t(kAhead) * kGps * Fmt<F>::kRowBytes;
       pdl::prefetch_l2(row, codes < ahead ? codes : ahead);
       if constexpr (F != WqFormat::BF16)
         pdl::prefetch_l2(row + Fmt<F>::scale_off(K, 0), 4 * kAhead * kSwOf<F, BT>);
