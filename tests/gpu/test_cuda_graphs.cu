@@ -11,8 +11,8 @@
 #include <cstdio>
 #include <vector>
 
-#include "backend/cuda/graphs.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/graphs.h"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/switches.h"
 

@@ -140,15 +140,15 @@ void check_case(const Case& c, uint32_t seed) {
     std::vector<float> qb = q, qrb = qr;
     for (float& v : qb) v = bf16_to_f32(f32_to_bf16(v));
     for (float& v : qrb) v = bf16_to_f32(f32_to_bf16(v));
-    const std::vector<double> want_b = test::reference_mla(h, qb, qrb, g.k_host, c.heads, c.hd,
-                                                           c.rope, c.block_size, scale, true);
+    const std::vector<double> want_b =
+        test::reference_mla(h, qb, qrb, g.k_host, c.heads, c.hd, c.rope, c.block_size, scale, true);
     double vmax = 0;
     for (size_t i = 0; i < g.k_host.size(); ++i)
       if (int(i % size_t(dim)) < c.hd) vmax = std::max(vmax, std::fabs(double(g.k_host[i])));
     EXPECT_TRUE(test::all_close(results[1], want_b, {.abs = 1.5 * vmax / 512.0, .rel = 0.0},
                                 "gpu (BF16 Q / P) vs float64 on BF16 queries", shape));
-    EXPECT_TRUE(test::all_close(results[0], want, wide,
-                                "cpu vs float64 over the dequantized cache", shape));
+    EXPECT_TRUE(test::all_close(results[0], want, wide, "cpu vs float64 over the dequantized cache",
+                                shape));
     return;
   }
   EXPECT_TRUE(

@@ -220,8 +220,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
         __threadfence();  // the h stores counted, before this CTA's reads of them
       }
       __syncthreads();
-      down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem,
-                             tail);
+      down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem, tail);
     }
   };
   if constexpr (kLA) {
@@ -313,8 +312,7 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
     set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI, kSF, kLA>);
     int per_sm = 0, dev = 0, sms = 0;
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                   &per_sm, ffn_fused_kernel<F, BT, XI, kSF, kLA>, kThreads,
-                   kFusedSmem<F, BT, XI>),
+                   &per_sm, ffn_fused_kernel<F, BT, XI, kSF, kLA>, kThreads, kFusedSmem<F, BT, XI>),
                "wq moe fused occupancy");
     check_cuda(cudaGetDevice(&dev), "wq moe fused device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
