@@ -27,14 +27,18 @@ void GraphSet::close_piece() {
   check_cuda(cudaGraphUpload(exec, stream_), "cudaGraphUpload");
 }
 
+void GraphSet::drop_open() {
+  for (cudaGraphExec_t g : open_) cudaGraphExecDestroy(g);
+  open_.clear();
+}
+
 void GraphSet::cut() {
   if (!capturing_ || every_ <= 0 || ++cuts_ % every_ != 0) return;
   try {
     close_piece();
   } catch (...) {
     capturing_ = false;  // the stream is no longer capturing: end() must not be needed
-    for (cudaGraphExec_t g : open_) cudaGraphExecDestroy(g);
-    open_.clear();
+    drop_open();
     throw;
   }
   check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal),
@@ -47,8 +51,7 @@ int GraphSet::end() {
   try {
     close_piece();
   } catch (...) {
-    for (cudaGraphExec_t g : open_) cudaGraphExecDestroy(g);
-    open_.clear();
+    drop_open();
     throw;
   }
   graphs_.push_back(std::move(open_));

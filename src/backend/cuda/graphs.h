@@ -38,6 +38,7 @@ class GraphSet {
 
  private:
   void close_piece();  // ends the stream capture, instantiates and uploads its piece
+  void drop_open();    // destroys the pieces of a capture that failed
 
   std::vector<std::vector<cudaGraphExec_t>> graphs_;
   std::vector<cudaGraphExec_t> open_;  // the pieces of the capture in progress
