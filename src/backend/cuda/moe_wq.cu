@@ -167,8 +167,8 @@ constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
 // scales) while the current item's last stages are used (prefetch_next). ncu had ~24% of the
 // W4A16 decode MoE's warp samples in code run once an item (the look-ups before its first copy,
 // the pipeline's fill, the claim's two barriers; docs/PERFORMANCE.md, thirty-sixth section):
-// here the next item's look-ups hit the cache, its first copies L2, and the claim costs one
-// barrier. Claims still rise one at a time, and gate/up items come before every down item, so an
+// here the next item's look-ups hit the cache, its first copies L2, the claim costs one
+// barrier, and a gate/up item's count costs no barrier of its own and one fence a CTA. Claims still rise one at a time, and gate/up items come before every down item, so an
 // item held ahead of a down item that waits is a down item itself: every wait still ends. Only
 // the order of the work within a CTA changes, not any product, so the bits do not.
 template <WqFormat F, int BT, bool XI, bool kSF, bool kLA>
@@ -205,11 +205,14 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
   int* const done = a.lists.sched + 1;
   // Item `item`: gate/up rows f0 .. f0 + 63 of tile s, or down rows n0 .. n0 + 127 after every
   // gate/up item of its tile has stored h.
+  // Returns the tile whose count the item's h stores must move (kLA: thread 0 moves it after the
+  // next barrier, with one fence, as a grid-wide barrier does), or -1.
   auto run_item = [&](int item, const auto& tail) {
     if (item < n_gu) {
       const int q = item / gu_cols, s = tile_at(q);
       gate_up_cta<F, BT, XI, false>(a, tile_of<kTileM>(a.lists, s),
                                     (item - q * gu_cols) * (kBN / 2), smem, tail);
+      if constexpr (kLA) return s;
       __threadfence();  // every thread's h stores, before the tile's count moves
       __syncthreads();
       if (threadIdx.x == 0) atomicAdd(done + s, 1);
@@ -222,6 +225,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
       __syncthreads();
       down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem, tail);
     }
+    return -1;
   };
   if constexpr (kLA) {
     // Thread t asks L2 for row t's first stages of the next item (item_s[1 - slot], claimed by
@@ -251,13 +255,21 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
         pdl::prefetch_l2(row + Fmt<F>::scale_off(K, 0), 4 * kAhead * kSwOf<F, BT>);
     };
     if (threadIdx.x == 0) item_s[0] = atomicAdd(next, 1);
+    int counted = -1;  // the tile of the last item if gate/up (thread 0's to count)
     for (;;) {
       __syncthreads();  // item_s[slot] visible; the last item's shared memory free again
+      // Every thread's h stores of a gate/up item are before the barrier; thread 0's fence then
+      // orders them all before the count (one fence a CTA, not one a thread: ~5% of the warps'
+      // samples in ncu). Counted before any wait of this CTA's, so every wait still ends.
+      if (threadIdx.x == 0 && counted >= 0) {
+        __threadfence();
+        atomicAdd(done + counted, 1);
+      }
       const int item = item_s[slot];
       if (item >= n_all) break;
       // The last reads of item_s[1 - slot] (the item before) were before the barrier above.
       if (threadIdx.x == 0) item_s[1 - slot] = atomicAdd(next, 1);
-      run_item(item, prefetch_next);
+      counted = run_item(item, prefetch_next);
       slot = 1 - slot;
     }
   } else {
