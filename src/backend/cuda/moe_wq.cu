@@ -162,15 +162,18 @@ constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
 // rows of gate/up item b, which no kernel writes and which the lists are not needed to find: the
 // CTAs that start first take those items and find their weights on chip, fetched while the lists
 // kernel ran. Only the order of the items changes, so the bits do not.
-// kLA (DEEPSERVE_MOE_WQ_LOOKAHEAD=1, off until measured): each item's claim is made one item
-// ahead, and run_cta's tail asks L2 for the next item's first stages of weight rows (codes and
-// scales) while the current item's last stages are used (prefetch_next). ncu had ~24% of the
-// W4A16 decode MoE's warp samples in code run once an item (the look-ups before its first copy,
-// the pipeline's fill, the claim's two barriers; docs/PERFORMANCE.md, thirty-sixth section):
-// here the next item's look-ups hit the cache, its first copies L2, the claim costs one
-// barrier, and a gate/up item's count costs no barrier of its own and one fence a CTA. Claims still rise one at a time, and gate/up items come before every down item, so an
-// item held ahead of a down item that waits is a down item itself: every wait still ends. Only
-// the order of the work within a CTA changes, not any product, so the bits do not.
+// kLA (DEEPSERVE_MOE_WQ_LOOKAHEAD=1, 2 or 3; off, as mode 1 measured slower): the item
+// boundary's variants. ncu had ~24% of the W4A16 decode MoE's warp samples in code run once an
+// item (the look-ups before its first copy, the pipeline's fill, the claim's two barriers, a
+// fence in every thread; docs/PERFORMANCE.md, thirty-sixth section). Mode 1 claims each item
+// one ahead, and run_cta's tail asks L2 for the next item's first stages of weight rows (codes
+// and scales) while the current item's last stages are used (prefetch_next): the next item's
+// look-ups hit the cache, its first copies L2, and the claim costs one barrier. Mode 2 claims
+// ahead without asking L2; mode 3 claims as the default does. Every mode counts a gate/up item
+// after the next barrier, with one fence a CTA. Claims still rise one at a time, and gate/up
+// items come before every down item, so an item held ahead of a down item that waits is a down
+// item itself: every wait still ends. Only the order of the work within a CTA changes, not any
+// product, so the bits do not.
 template <WqFormat F, int BT, bool XI, bool kSF, bool kLA>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     ffn_fused_kernel(GroupedFfnArgs a) {
@@ -228,13 +231,38 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     return -1;
   };
   if constexpr (kLA) {
+    // a.la_mode: the modes above. A gate/up item's h stores, every thread's, are before the
+    // next barrier; thread 0's fence then orders them all before the count (a fence in every
+    // thread was ~5% of the warps' samples in ncu), before any wait of this CTA's.
+    int counted = -1;  // the tile of the last item if gate/up (thread 0's to count)
+    auto count = [&]() {
+      if (threadIdx.x == 0 && counted >= 0) {
+        __threadfence();
+        atomicAdd(done + counted, 1);
+      }
+    };
+    if (a.la_mode == 3) {
+      for (;;) {
+        __syncthreads();  // the last item's shared memory and item_s are free again
+        if (threadIdx.x == 0) {
+          count();
+          item_s[0] = atomicAdd(next, 1);
+        }
+        __syncthreads();
+        const int item = item_s[0];
+        if (item >= n_all) break;
+        counted = run_item(item, NoTail{});
+      }
+      return;
+    }
     // Thread t asks L2 for row t's first stages of the next item (item_s[1 - slot], claimed by
     // thread 0 before this item's run_cta, whose first barrier published it): gate/up rows
     // f0 + t (t < 64) or up's f0 + t - 64, or down's row n0 + t.
     int slot = 0;
+    const bool pf = a.la_mode == 1;
     auto prefetch_next = [&]() {
       const int item = item_s[1 - slot];
-      if (item >= n_all) return;
+      if (!pf || item >= n_all) return;
       const bool gu = item < n_gu;
       const int d = gu ? item : item - n_gu, cols = gu ? gu_cols : dn_cols;
       const int q = d / cols, c = d - q * cols;
@@ -255,16 +283,9 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
         pdl::prefetch_l2(row + Fmt<F>::scale_off(K, 0), 4 * kAhead * kSwOf<F, BT>);
     };
     if (threadIdx.x == 0) item_s[0] = atomicAdd(next, 1);
-    int counted = -1;  // the tile of the last item if gate/up (thread 0's to count)
     for (;;) {
       __syncthreads();  // item_s[slot] visible; the last item's shared memory free again
-      // Every thread's h stores of a gate/up item are before the barrier; thread 0's fence then
-      // orders them all before the count (one fence a CTA, not one a thread: ~5% of the warps'
-      // samples in ncu). Counted before any wait of this CTA's, so every wait still ends.
-      if (threadIdx.x == 0 && counted >= 0) {
-        __threadfence();
-        atomicAdd(done + counted, 1);
-      }
+      count();
       const int item = item_s[slot];
       if (item >= n_all) break;
       // The last reads of item_s[1 - slot] (the item before) were before the barrier above.
@@ -342,13 +363,17 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
 
 template <WqFormat F, int BT, bool XI>
 void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
-  const bool sf = g_moe_wq_shared_first.on() && a.num_shared > 0, la = g_moe_wq_lookahead.on();
-  if (sf)
-    la ? launch_ffn_fused<F, BT, XI, true, true>(a, stream)
-       : launch_ffn_fused<F, BT, XI, true, false>(a, stream);
-  else
-    la ? launch_ffn_fused<F, BT, XI, false, true>(a, stream)
+  const bool sf = g_moe_wq_shared_first.on() && a.num_shared > 0;
+  const long long mode = g_moe_wq_lookahead.get();
+  if (mode < 1 || mode > 3) {
+    sf ? launch_ffn_fused<F, BT, XI, true, false>(a, stream)
        : launch_ffn_fused<F, BT, XI, false, false>(a, stream);
+    return;
+  }
+  GroupedFfnArgs b = a;
+  b.la_mode = int(mode);
+  sf ? launch_ffn_fused<F, BT, XI, true, true>(b, stream)
+     : launch_ffn_fused<F, BT, XI, false, true>(b, stream);
 }
 
 // launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0;
