@@ -625,9 +625,7 @@ TEST(CudaWq, MoeExpansionRingChangesNothing) {
 // without tokens, F not a whole number of 64-column items and H not of 128-row ones, more items
 // than CTAs (11 or 12 tiles x 33 items against two or three CTAs an SM), x's F32 rows read in
 // the kernel and gathered first; the items in tile order and with the shared experts' first
-// (DEEPSERVE_MOE_WQ_SHARED_FIRST), and in each look-ahead mode (DEEPSERVE_MOE_WQ_LOOKAHEAD: one
-// item claimed ahead with or without the next one's first stages asked of L2, or claimed as the
-// last ends; a gate/up item counted once a CTA after the next barrier).
+// (DEEPSERVE_MOE_WQ_SHARED_FIRST).
 TEST(CudaWq, OneLaunchFfnChangesNothing) {
   DS_REQUIRE_GPU();
   Backend& be = cuda_backend();
@@ -659,12 +657,9 @@ TEST(CudaWq, OneLaunchFfnChangesNothing) {
           }
           ASSERT_NE(0, std::memcmp(two.data(), two2.data(), two.size() * 4)) << what;
           const test::Forced on(cuda::g_moe_wq_fused, 1);
-          for (int form = 0; form < 8; ++form) {  // look-ahead modes 0 (off) .. 3
-            const int first = form & 1, ahead = form >> 1;
+          for (int first : {0, 1}) {  // DEEPSERVE_MOE_WQ_SHARED_FIRST: the items' order
             const test::Forced order(cuda::g_moe_wq_shared_first, first);
-            const test::Forced lookahead(cuda::g_moe_wq_lookahead, ahead);
-            const std::string how = what + (first ? ", shared experts first" : "") +
-                                    ", look-ahead mode " + std::to_string(ahead);
+            const std::string how = what + (first ? ", shared experts first" : "");
             const int64_t before = cuda::moe_wq_fused_launches();
             const auto one = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
             const auto one2 = moe_test::run_moe_ffn(be, x2, ids, wts, q.dev, shared, T, H, k);

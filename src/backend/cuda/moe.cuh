@@ -414,7 +414,6 @@ struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
   bool wq_issue_first = false;  // the wq launches set it per format (moe_wq.cu, issue_first_of)
   bool wq_skip_scales = false;  // DEEPSERVE_WQ_PROBE_SKIP_SCALES (CtaJob::skip_scales)
   int num_shared = 0;  // always-on experts: the last of num_experts, so of the tile table too
-  int la_mode = 0;     // the one-launch FFN's look-ahead kernels: DEEPSERVE_MOE_WQ_LOOKAHEAD
 };
 
 // x to BF16 [T, hidden], then the gate/up and down tensor-core kernels over the tile table

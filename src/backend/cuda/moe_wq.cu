@@ -51,9 +51,9 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
 // h staged for down's format (staged_col, act_bits). BT >= the most tokens a tile can hold. XI:
 // x's F32 rows staged through the sorted tokens (rounded in the kernel), else a.xa gathered
 // (BF16; FP8W's FP16). E: run_cta asks for the first stages' weights, then waits (pdl.cuh).
-template <WqFormat F, int BT, bool XI, bool E, typename Tail = NoTail>
+template <WqFormat F, int BT, bool XI, bool E>
 __device__ __forceinline__ void gate_up_cta(const GroupedFfnArgs& a, const Tile& tl, int f0,
-                                            uint8_t* smem, const Tail& tail = Tail{}) {
+                                            uint8_t* smem) {
   const ExpertPtrs ex = a.experts[tl.e];
   const int H = a.hidden, Fi = a.inter;
   const int64_t gate_ld = ld_bytes<F>(ex.gate_ld), up_ld = ld_bytes<F>(ex.up_ld);
@@ -67,7 +67,7 @@ __device__ __forceinline__ void gate_up_cta(const GroupedFfnArgs& a, const Tile&
     jb.xrow = a.lists.sorted_token + tl.begin;
   }
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, XI, XI, E, true>(jb, smem, acc, tail);
+  run_cta<F, BT, XI, XI, E, true>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   auto* h = static_cast<uint16_t*>(a.h);
 #pragma unroll
@@ -83,9 +83,9 @@ __device__ __forceinline__ void gate_up_cta(const GroupedFfnArgs& a, const Tile&
 }
 
 // y[p, n] = down_n . h_p for tile tl's tokens and n in n0 .. n0 + 127 (E as gate_up_cta's).
-template <WqFormat F, int BT, bool E, typename Tail = NoTail>
+template <WqFormat F, int BT, bool E>
 __device__ __forceinline__ void down_cta(const GroupedFfnArgs& a, const Tile& tl, int n0,
-                                         uint8_t* smem, const Tail& tail = Tail{}) {
+                                         uint8_t* smem) {
   const int H = a.hidden, Fi = a.inter;
   const ExpertPtrs ex = a.experts[tl.e];
   const int64_t down_ld = ld_bytes<F>(ex.down_ld);
@@ -93,7 +93,7 @@ __device__ __forceinline__ void down_cta(const GroupedFfnArgs& a, const Tile& tl
       tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld, nullptr, down_ld,
                min(kBN, H - n0), a.h, Fi, a.wq_issue_first, a.wq_skip_scales);
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, false, false, E, false>(jb, smem, acc, tail);
+  run_cta<F, BT, false, false, E>(jb, smem, acc);
   for_each_out<F>(acc, [&](int r, int tok, float v) {
     const int row = n0 + r;
     if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
@@ -162,19 +162,7 @@ constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
 // rows of gate/up item b, which no kernel writes and which the lists are not needed to find: the
 // CTAs that start first take those items and find their weights on chip, fetched while the lists
 // kernel ran. Only the order of the items changes, so the bits do not.
-// kLA (DEEPSERVE_MOE_WQ_LOOKAHEAD=1, 2 or 3; off, as mode 1 measured slower): the item
-// boundary's variants. ncu had ~24% of the W4A16 decode MoE's warp samples in code run once an
-// item (the look-ups before its first copy, the pipeline's fill, the claim's two barriers, a
-// fence in every thread; docs/PERFORMANCE.md, thirty-sixth section). Mode 1 claims each item
-// one ahead, and run_cta's tail asks L2 for the next item's first stages of weight rows (codes
-// and scales) while the current item's last stages are used (prefetch_next): the next item's
-// look-ups hit the cache, its first copies L2, and the claim costs one barrier. Mode 2 claims
-// ahead without asking L2; mode 3 claims as the default does. Every mode counts a gate/up item
-// after the next barrier, with one fence a CTA. Claims still rise one at a time, and gate/up
-// items come before every down item, so an item held ahead of a down item that waits is a down
-// item itself: every wait still ends. Only the order of the work within a CTA changes, not any
-// product, so the bits do not.
-template <WqFormat F, int BT, bool XI, bool kSF, bool kLA>
+template <WqFormat F, int BT, bool XI, bool kSF>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     ffn_fused_kernel(GroupedFfnArgs a) {
   const int S = kSF ? a.num_shared : 0;
@@ -191,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
   }
   pdl::enter();
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ int item_s[kLA ? 2 : 1];
+  __shared__ int item_s;
   const int n_tiles = *a.lists.n_tiles;
   const int gu_cols = (a.inter + kBN / 2 - 1) / (kBN / 2), dn_cols = (a.hidden + kBN - 1) / kBN;
   const int n_gu = n_tiles * gu_cols, n_all = n_gu + n_tiles * dn_cols;
@@ -206,16 +194,19 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
   };
   int* const next = a.lists.sched;
   int* const done = a.lists.sched + 1;
-  // Item `item`: gate/up rows f0 .. f0 + 63 of tile s, or down rows n0 .. n0 + 127 after every
-  // gate/up item of its tile has stored h.
-  // Returns the tile whose count the item's h stores must move (kLA: thread 0 moves it after the
-  // next barrier, with one fence, as a grid-wide barrier does), or -1.
-  auto run_item = [&](int item, const auto& tail) {
+  // Every item comes from the counter, after the CTA's last one, so an item is only ever held by
+  // a running CTA (however many reside). Claiming the next item as one starts measured slower
+  // (W1f TPOT 4.49 -> 4.53 ms, W5 19.81 -> 19.89; H200, 8f94be4).
+  for (;;) {
+    __syncthreads();  // the last item's shared memory and item_s are free again
+    if (threadIdx.x == 0) item_s = atomicAdd(next, 1);
+    __syncthreads();
+    const int item = item_s;
+    if (item >= n_all) break;
     if (item < n_gu) {
       const int q = item / gu_cols, s = tile_at(q);
       gate_up_cta<F, BT, XI, false>(a, tile_of<kTileM>(a.lists, s),
-                                    (item - q * gu_cols) * (kBN / 2), smem, tail);
-      if constexpr (kLA) return s;
+                                    (item - q * gu_cols) * (kBN / 2), smem);
       __threadfence();  // every thread's h stores, before the tile's count moves
       __syncthreads();
       if (threadIdx.x == 0) atomicAdd(done + s, 1);
@@ -226,84 +217,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
         __threadfence();  // the h stores counted, before this CTA's reads of them
       }
       __syncthreads();
-      down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem, tail);
-    }
-    return -1;
-  };
-  if constexpr (kLA) {
-    // a.la_mode: the modes above. A gate/up item's h stores, every thread's, are before the
-    // next barrier; thread 0's fence then orders them all before the count (a fence in every
-    // thread was ~5% of the warps' samples in ncu), before any wait of this CTA's.
-    int counted = -1;  // the tile of the last item if gate/up (thread 0's to count)
-    auto count = [&]() {
-      if (threadIdx.x == 0 && counted >= 0) {
-        __threadfence();
-        atomicAdd(done + counted, 1);
-      }
-    };
-    if (a.la_mode == 3) {
-      for (;;) {
-        __syncthreads();  // the last item's shared memory and item_s are free again
-        if (threadIdx.x == 0) {
-          count();
-          item_s[0] = atomicAdd(next, 1);
-        }
-        __syncthreads();
-        const int item = item_s[0];
-        if (item >= n_all) break;
-        counted = run_item(item, NoTail{});
-      }
-      return;
-    }
-    // Thread t asks L2 for row t's first stages of the next item (item_s[1 - slot], claimed by
-    // thread 0 before this item's run_cta, whose first barrier published it): gate/up rows
-    // f0 + t (t < 64) or up's f0 + t - 64, or down's row n0 + t.
-    int slot = 0;
-    const bool pf = a.la_mode == 1;
-    auto prefetch_next = [&]() {
-      const int item = item_s[1 - slot];
-      if (!pf || item >= n_all) return;
-      const bool gu = item < n_gu;
-      const int d = gu ? item : item - n_gu, cols = gu ? gu_cols : dn_cols;
-      const int q = d / cols, c = d - q * cols;
-      const Tile tl = tile_of<kTileM>(a.lists, tile_at(q));
-      if (tl.e < 0) return;
-      const ExpertPtrs ex = a.experts[tl.e];
-      const int t = threadIdx.x, K = gu ? a.hidden : a.inter;
-      const int r = gu ? c * (kBN / 2) + (t & (kBN / 2 - 1)) : c * kBN + t;
-      if (r >= (gu ? a.inter : a.hidden)) return;
-      const void* w = gu ? (t < kBN / 2 ? ex.gate : ex.up) : ex.down;
-      const int64_t ld = ld_bytes<F>(gu ? (t < kBN / 2 ? ex.gate_ld : ex.up_ld) : ex.down_ld);
-      const uint8_t* row = static_cast<const uint8_t*>(w) + int64_t(r) * ld;
-      constexpr int kAhead = kStagesOf<F, BT> - 1, kGps = kGpsOf<F, BT>;
-      const int64_t codes = Fmt<F>::code_limit(K);
-      const int64_t ahead = int64_t(kAhead) * kGps * Fmt<F>::kRowBytes;
-      pdl::prefetch_l2(row, codes < ahead ? codes : ahead);
-      if constexpr (F != WqFormat::BF16)
-        pdl::prefetch_l2(row + Fmt<F>::scale_off(K, 0), 4 * kAhead * kSwOf<F, BT>);
-    };
-    if (threadIdx.x == 0) item_s[0] = atomicAdd(next, 1);
-    for (;;) {
-      __syncthreads();  // item_s[slot] visible; the last item's shared memory free again
-      count();
-      const int item = item_s[slot];
-      if (item >= n_all) break;
-      // The last reads of item_s[1 - slot] (the item before) were before the barrier above.
-      if (threadIdx.x == 0) item_s[1 - slot] = atomicAdd(next, 1);
-      counted = run_item(item, prefetch_next);
-      slot = 1 - slot;
-    }
-  } else {
-    // Every item comes from the counter, after the CTA's last one, so an item is only ever held
-    // by a running CTA (however many reside). Claiming the next item as one starts measured
-    // slower (W1f TPOT 4.49 -> 4.53 ms, W5 19.81 -> 19.89; H200, 8f94be4).
-    for (;;) {
-      __syncthreads();  // the last item's shared memory and item_s are free again
-      if (threadIdx.x == 0) item_s[0] = atomicAdd(next, 1);
-      __syncthreads();
-      const int item = item_s[0];
-      if (item >= n_all) break;
-      run_item(item, NoTail{});
+      down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem);
     }
   }
 }
@@ -339,13 +253,13 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
 
 // ffn_fused_kernel's launch (after the gather launch unless XI): one CTA for each that can
 // reside at once, at most one for each item the step could have; kSF: the shared experts first.
-template <WqFormat F, int BT, bool XI, bool kSF, bool kLA>
+template <WqFormat F, int BT, bool XI, bool kSF>
 void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   static const int resident = [] {
-    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI, kSF, kLA>);
+    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI, kSF>);
     int per_sm = 0, dev = 0, sms = 0;
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                   &per_sm, ffn_fused_kernel<F, BT, XI, kSF, kLA>, kThreads, kFusedSmem<F, BT, XI>),
+                   &per_sm, ffn_fused_kernel<F, BT, XI, kSF>, kThreads, kFusedSmem<F, BT, XI>),
                "wq moe fused occupancy");
     check_cuda(cudaGetDevice(&dev), "wq moe fused device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
@@ -355,7 +269,7 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   if (!XI) gather_rows<F>(a, stream);
   const int64_t items = max_tiles(a.num_tokens * a.top_k, a.num_experts) *
                         (ceil_div(a.inter, kBN / 2) + ceil_div(a.hidden, kBN));
-  pdl::launch(ffn_fused_kernel<F, BT, XI, kSF, kLA>, unsigned(std::min<int64_t>(resident, items)),
+  pdl::launch(ffn_fused_kernel<F, BT, XI, kSF>, unsigned(std::min<int64_t>(resident, items)),
               kThreads, kFusedSmem<F, BT, XI>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe fused");
   note_moe_wq_fused_launch();
@@ -363,17 +277,10 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
 
 template <WqFormat F, int BT, bool XI>
 void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
-  const bool sf = g_moe_wq_shared_first.on() && a.num_shared > 0;
-  const long long mode = g_moe_wq_lookahead.get();
-  if (mode < 1 || mode > 3) {
-    sf ? launch_ffn_fused<F, BT, XI, true, false>(a, stream)
-       : launch_ffn_fused<F, BT, XI, false, false>(a, stream);
-    return;
-  }
-  GroupedFfnArgs b = a;
-  b.la_mode = int(mode);
-  sf ? launch_ffn_fused<F, BT, XI, true, true>(b, stream)
-     : launch_ffn_fused<F, BT, XI, false, true>(b, stream);
+  if (g_moe_wq_shared_first.on() && a.num_shared > 0)
+    launch_ffn_fused<F, BT, XI, true>(a, stream);
+  else
+    launch_ffn_fused<F, BT, XI, false>(a, stream);
 }
 
 // launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0;

@@ -71,12 +71,6 @@ EnvSwitch g_moe_bf16_fused{"DEEPSERVE_MOE_BF16_FUSED", "1", false};
 // ask L2 for those gate/up weights before the dependent-launch wait (moe_wq.cu; the same bits).
 // DEEPSERVE_MOE_WQ_SHARED_FIRST=1; off until measured.
 EnvSwitch g_moe_wq_shared_first{"DEEPSERVE_MOE_WQ_SHARED_FIRST", "1", false};
-// The one-launch decode MoE's look-ahead kernels (moe_wq.cu, ffn_fused_kernel's kLA): 1 claims
-// items one ahead and asks L2 for the next one's first stages while the current one ends, 2
-// claims one ahead only, 3 claims as the default; all three count a gate/up item with one fence
-// a CTA. Off (0): 1 measured slower (W5's 20 layers 953.6 -> 927.8 tok/s, W1f 1,418.7 ->
-// 1,390.7; H100, b6b654e; docs/PERFORMANCE.md, thirty-seventh section).
-EnvCount g_moe_wq_lookahead{"DEEPSERVE_MOE_WQ_LOOKAHEAD", 0};
 // batched_matmul's decode-sized BF16 products past the skinny kernel (MLA's absorbed W_UK / W_UV
 // at 128 heads) run on the dense wq kernel (off: cuBLAS, x rounded to BF16 by a conversion
 // launch; the same rounding, not the same bits).

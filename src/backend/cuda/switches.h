@@ -69,7 +69,6 @@ extern EnvSwitch g_moe_wq_stage_f32;     // on; DEEPSERVE_MOE_WQ_XF32=0 turns it
 extern EnvSwitch g_moe_wq_fused;         // on; DEEPSERVE_MOE_WQ_FUSED=0 turns it off
 extern EnvSwitch g_moe_bf16_fused;       // off; DEEPSERVE_MOE_BF16_FUSED=1 turns it on
 extern EnvSwitch g_moe_wq_shared_first;  // off; DEEPSERVE_MOE_WQ_SHARED_FIRST=1 turns it on
-extern EnvCount g_moe_wq_lookahead;      // 0 (off); DEEPSERVE_MOE_WQ_LOOKAHEAD=1, 2, 3: the modes
 extern EnvSwitch g_wq_dequant;           // on; DEEPSERVE_WQ_DEQUANT=0 turns it off
 extern EnvCount g_wq_dequant_min_rows;   // DEEPSERVE_WQ_DEQUANT_MIN_ROWS (wq_dequant.cuh)
 extern EnvCount g_moe_wq_dequant_min;    // DEEPSERVE_MOE_WQ_DEQUANT_MIN (wq_dequant.cuh)

@@ -299,22 +299,14 @@ __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
       }
 }
 
-// run_cta's hook at its tail (NoTail: none). A callable other than NoTail is called by every
-// thread once a job, in the stage that issues the job's last copies (the first stage when there
-// are fewer than kStages): what it asks for then can arrive while the last stages are used.
-struct NoTail {
-  __device__ __forceinline__ void operator()() const {}
-};
-
 // kEarly: the weights (codes and scales) of the first kStages - 1 stages are asked for before
 // pdl::enter(), which run_cta calls, and the token rows after it: the caller's job must not
 // depend on what the kernel ahead writes (pdl.cuh), and the caller must not call enter() itself.
 // GU: the job is gate/up's (jb.w1 set), known where the kernel is written, so a fragment's rows
 // are compile-time offsets from the thread's first.
 template <WqFormat F, int BT, bool XF = false, bool XI = false, bool kEarly = false,
-          bool GU = false, typename Tail = NoTail>
-__device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4],
-                        const Tail& tail = Tail{}) {
+          bool GU = false>
+__device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
   static_assert(XF || !XI, "indexed token rows are F32");
   static_assert(!(kEarly && XI), "the token indices come from the lists, after the wait");
   using Fm = Fmt<F>;
@@ -496,8 +488,6 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
       load_w(next, kt + kStages - 1);
       load_x(next, kt + kStages - 1);
     }
-    if constexpr (!std::is_same_v<Tail, NoTail>)
-      if (kt == max(KT - kStages, 0)) tail();
     ptx::cp_async_commit();
     if (issue_first) {
       ptx::cp_async_wait<kStages - 1>();
