@@ -3,7 +3,7 @@
 # Builds for sm_90a, runs the GPU tests (ctest -L gpu) and the benchmarks, and writes logs and
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded, ncu,
 # bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
-# multigpu, w1kv8, abenv, abtree, abarg, ncu, ncustep, trace, phases, mutate.
+# multigpu, w1kv8, abenv, abtree, abarg, ncu, ncustep, trace, phases, items, mutate.
 #   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
@@ -61,6 +61,8 @@
 #           (tools/kernel_trace_table.py; needs lite). TRACE_TIMELINE=A:B, TRACE_KEEP_ROWS. Carry
 #           .carry/cupti (scripts/fetch_gpu_deps.sh) in the calls that build and trace, in case
 #           the machine lacks CUPTI's headers or library
+#   items   the one-launch decode MoE's items, waits and idle CTAs inside the replayed graphs of
+#           ITEMS_WORKLOADS (default w5-20layer; DEEPSERVE_MOE_ITEMS, tools/moe_item_table.py)
 #   phases  the register-Q MLA decode's CTAs phase by phase inside the replayed graphs of
 #           PHASES_WORKLOADS (default w3) under the defaults and each PHASES_ENVS item
 #           (DEEPSERVE_MLA_PHASES; tools/mla_phase_table.py; needs lite)
@@ -500,6 +502,28 @@ if has_stage phases; then
       python3 tools/mla_phase_table.py /tmp/phases-$tag-$w.tsv --skip-launches 10 \
         >"$OUT/phases-$tag-$w.txt" 2>&1
       cat "$OUT/phases-$tag-$w.txt"
+    done
+  done
+fi
+
+if has_stage items; then
+  # How the one-launch decode MoE's time splits between items, waits and idle CTAs inside the
+  # replayed graphs (DEEPSERVE_MOE_ITEMS; tools/moe_item_table.py): ITEMS_WORKLOADS (default
+  # w5-20layer), under the defaults and each item of ITEMS_ENVS (as AB_ENVS). The log keeps
+  # ITEMS_MAX items (default 200,000: ~3 of W5-20layer's decode steps) after ITEMS_SKIP
+  # (default 2,000,000: past the warm-up and the first decode steps).
+  for w in ${ITEMS_WORKLOADS:-w5-20layer}; do
+    for kv in default ${ITEMS_ENVS:-}; do
+      if [ "$kv" = default ]; then tag=default; args=""; else tag=$(env_tag "$kv"); args=$(env_args "$kv"); fi
+      log "items $w ($kv)"
+      env $args DEEPSERVE_MOE_ITEMS=/tmp/items-$tag-$w.tsv DEEPSERVE_MOE_ITEMS_SKIP=${ITEMS_SKIP:-2000000} \
+        DEEPSERVE_MOE_ITEMS_MAX=${ITEMS_MAX:-200000} DEEPSERVE_V2_LITE="$LITE_DIR" \
+        "$BUILD/deepserve" bench --config "bench/$w.yaml" --output "$OUT/bench-items-$tag-$w.json" \
+        >"$OUT/bench-items-$tag-$w.log" 2>&1
+      log "items $w ($kv) rc=$?: $(grep -m1 'TPOT' "$OUT/bench-items-$tag-$w.log")"
+      python3 tools/moe_item_table.py /tmp/items-$tag-$w.tsv --skip-launches 2 \
+        >"$OUT/items-$tag-$w.txt" 2>&1
+      cat "$OUT/items-$tag-$w.txt"
     done
   done
 fi

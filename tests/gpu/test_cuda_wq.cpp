@@ -13,11 +13,15 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "backend/cuda/device_log.h"
 #include "backend/cuda/gemm_wq.cuh"
+#include "backend/cuda/moe.cuh"
 #include "backend/cuda/switches.h"
 #include "backend/cuda/wq_dequant.cuh"
 #include "backend/fp8w.h"
@@ -673,6 +677,68 @@ TEST(CudaWq, OneLaunchFfnChangesNothing) {
         }
     }
   });
+}
+
+// The one-launch FFN's item log (DEEPSERVE_MOE_ITEMS, tools/moe_item_table.py): one launch logs
+// each of its items once (its tiles: the routed experts with tokens and the shared ones), with
+// the launch's item counts, times that run forward within an item and from one item of a CTA to
+// its next, and claims that rise within a CTA; the output is the bits of the launch without it.
+TEST(CudaWq, OneLaunchFfnLogsEveryItemOnce) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  const int E = 12, k = 6, shared = 2;
+  const int64_t H = 1152, F = 640, T = 8;
+  const test::Forced kernels_only(cuda::g_wq_dequant, 0);
+  const test::Forced one_launch(cuda::g_moe_wq_fused, 1);
+  const QExperts q = make_experts(DType::W4A16, E, H, F);
+  std::vector<int32_t> ids;
+  std::vector<float> wts;
+  spread_routing(T, k, E - shared, ids, wts);
+  const auto x = test::random_floats(size_t(T * H), 91);
+  const auto plain = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+  cuda::DeviceLog& log = cuda::moe_item_log();
+  log.open(100000, 0);
+  struct Closer {
+    cuda::DeviceLog& log;
+    ~Closer() { log.close(); }
+  } closer{log};
+  const int64_t before = cuda::moe_wq_fused_launches();
+  const auto logged = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+  ASSERT_EQ(cuda::moe_wq_fused_launches(), before + 1);
+  ASSERT_EQ(plain.size(), logged.size());
+  EXPECT_EQ(0, std::memcmp(plain.data(), logged.data(), plain.size() * 4));
+  const std::vector<unsigned long long> rec = log.records();
+  const int tiles = int(std::set<int32_t>(ids.begin(), ids.end()).size()) + shared;
+  const int gu_cols = int((F + 63) / 64), dn_cols = int((H + 127) / 128);
+  const int n_gu = tiles * gu_cols, n_all = n_gu + tiles * dn_cols;
+  constexpr size_t kWords = 8;
+  ASSERT_EQ(rec.size(), size_t(n_all) * kWords) << tiles << " tiles";
+  std::vector<int> seen(size_t(n_all), 0);
+  std::map<int, std::vector<const unsigned long long*>> by_cta;
+  for (size_t r = 0; r < rec.size(); r += kWords) {
+    const unsigned long long* w = rec.data() + r;
+    const int item = int(w[0] >> 32);
+    ASSERT_GE(item, 0);
+    ASSERT_LT(item, n_all);
+    ++seen[size_t(item)];
+    EXPECT_EQ(int(w[1] & 0xffffffffu), n_gu) << "item " << item;
+    EXPECT_EQ(int(w[1] >> 32), n_all) << "item " << item;
+    EXPECT_GT(w[2], 0u) << "item " << item;
+    EXPECT_LE(w[2], w[3]) << "item " << item;
+    EXPECT_LE(w[4], w[5]) << "item " << item;
+    EXPECT_LE(w[5], w[6]) << "item " << item;
+    if (item < n_gu) EXPECT_EQ(w[4], w[5]) << "gate/up item " << item << " has no wait";
+    by_cta[int(w[0] & 0xfffff)].push_back(w);
+  }
+  for (int i = 0; i < n_all; ++i) EXPECT_EQ(seen[size_t(i)], 1) << "item " << i;
+  for (auto& [cta, items] : by_cta) {
+    std::sort(items.begin(), items.end(), [](auto* a, auto* b) { return a[2] < b[2]; });
+    for (size_t i = 1; i < items.size(); ++i) {
+      EXPECT_LT(items[i - 1][0] >> 32, items[i][0] >> 32) << "CTA " << cta << ": claims rise";
+      EXPECT_LE(items[i - 1][3], items[i][2]) << "CTA " << cta << ": one item after another";
+      EXPECT_LE(items[i - 1][6], items[i][4]) << "CTA " << cta << ": its SM's clock";
+    }
+  }
 }
 
 // A token's output does not depend on its batch: alone and among 12 (the 8- and 16-token

@@ -13,13 +13,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <fstream>
-#include <mutex>
 #include <string>
-#include <vector>
 
 #include "backend/cuda/attention_mla_decode_tiles.cuh"
+#include "backend/cuda/device_log.h"
 #include "backend/cuda/mma_ptx.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/switches.h"
@@ -475,12 +472,8 @@ bool regq_takes(const kern::AttnParams& a) {
          g_mla_decode_regq.on();
 }
 
-// The phase log's buffer (mla_phase_log_start), its capacity and device.
-std::atomic<unsigned long long*> g_phase_buf{nullptr};
-std::atomic<int> g_phase_cap{0}, g_phase_device{-1};
-std::atomic<long long> g_phase_skip{0};
-std::mutex g_phase_mu;
-std::string g_phase_path;
+// DEEPSERVE_MLA_PHASES (attention_mla_decode.cuh).
+DeviceLog g_phase_log{"DEEPSERVE_MLA_PHASES", kMlaPhaseWords, 400000};
 
 }  // namespace
 
@@ -498,15 +491,10 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
   const uint64_t q_bits = reinterpret_cast<uintptr_t>(a.q) | reinterpret_cast<uintptr_t>(a.q2) |
                           uint64_t(a.q_ts | a.q_hs | a.q2_ts | a.q2_hs);
   k.q_pairs = g_mla_q_pairs.on() && q_bits % 8 == 0 ? 1 : 0;
-  if (unsigned long long* log = g_phase_buf.load(std::memory_order_acquire)) {
-    int dev = -1;
-    check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-    if (dev == g_phase_device.load()) {
-      k.phase_log = log;
-      k.phase_cap = g_phase_cap.load();
-      k.phase_skip = g_phase_skip.load();
-    }
-  }
+  const DeviceLogView log = g_phase_log.view();
+  k.phase_log = log.buf;
+  k.phase_cap = log.cap;
+  k.phase_skip = log.skip;
   merged = mla_decode_merges_in_cluster(a);
   auto go = [&]<bool kLo, bool kCl, int kH>() {
     prepare_regq<kLo, kCl, kH>();
@@ -535,62 +523,21 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
 namespace ds::cuda {
 
 void mla_phase_log_start() {
-  using namespace mla_decode;
-  const char* path = std::getenv("DEEPSERVE_MLA_PHASES");
-  if (path == nullptr || *path == '\0') return;
-  std::lock_guard<std::mutex> lock(g_phase_mu);
-  if (g_phase_buf.load() != nullptr) return;
-  const char* max = std::getenv("DEEPSERVE_MLA_PHASES_MAX");
-  const char* skip = std::getenv("DEEPSERVE_MLA_PHASES_SKIP");
-  const long long cap = max ? std::atoll(max) : 400000;
-  DS_CHECK(cap > 0 && cap < (1ll << 31), "DEEPSERVE_MLA_PHASES_MAX must be a positive count");
-  g_phase_skip.store(skip ? std::max(0ll, std::atoll(skip)) : 0);
-  int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  unsigned long long* buf = nullptr;
-  const size_t bytes = size_t(cap + 1) * kMlaPhaseWords * sizeof(unsigned long long);
-  check_cuda(cudaMalloc(&buf, bytes), "cudaMalloc (MLA phase log)");
-  check_cuda(cudaMemset(buf, 0, bytes), "cudaMemset (MLA phase log)");
-  g_phase_path = path;
-  g_phase_cap.store(int(cap));
-  g_phase_device.store(dev);
-  g_phase_buf.store(buf, std::memory_order_release);
+  mla_decode::g_phase_log.start();
 }
 
 void mla_phase_log_write() {
-  using namespace mla_decode;
-  std::lock_guard<std::mutex> lock(g_phase_mu);
-  unsigned long long* buf = g_phase_buf.load();
-  if (buf == nullptr) return;
-  int prev = 0;
-  check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
-  check_cuda(cudaSetDevice(g_phase_device.load()), "cudaSetDevice");
-  check_cuda(cudaDeviceSynchronize(), "MLA phase log");
-  unsigned long long count = 0;
-  check_cuda(cudaMemcpy(&count, buf, sizeof(count), cudaMemcpyDeviceToHost), "MLA phase log");
-  const unsigned long long skip = static_cast<unsigned long long>(g_phase_skip.load());
-  const size_t n =
-      size_t(std::min<unsigned long long>(count > skip ? count - skip : 0, g_phase_cap.load()));
-  std::vector<unsigned long long> rec(n * kMlaPhaseWords);
-  if (n > 0)
-    check_cuda(cudaMemcpy(rec.data(), buf + kMlaPhaseWords, rec.size() * sizeof(rec[0]),
-                          cudaMemcpyDeviceToHost),
-               "MLA phase log");
-  check_cuda(cudaSetDevice(prev), "cudaSetDevice");
-  std::ofstream f(g_phase_path);
-  DS_CHECK(f.good(), "DEEPSERVE_MLA_PHASES: cannot write " + g_phase_path);
-  f << "seq\tsplit\ttiles\tsm\tchunk\tstart_ns\tend_ns";
-  for (int i = 0; i < kMlaPhases; ++i) f << "\tc" << i;
-  f << "\n";
-  for (size_t r = 0; r < n; ++r) {
-    const unsigned long long* w = rec.data() + r * kMlaPhaseWords;
-    if (w[3] == 0) continue;  // a CTA still running when the copy was taken (none, after a sync)
+  using mla_decode::kMlaPhases;
+  std::string header = "seq\tsplit\ttiles\tsm\tchunk\tstart_ns\tend_ns";
+  for (int i = 0; i < kMlaPhases; ++i) header += "\tc" + std::to_string(i);
+  mla_decode::g_phase_log.write(header, [](std::ostream& f, const unsigned long long* w) {
+    if (w[3] == 0)
+      return false;  // a CTA still running when the copy was taken (none, after a sync)
     f << (w[0] & 0xffffff) << '\t' << ((w[0] >> 24) & 0xffff) << '\t' << (w[0] >> 40) << '\t'
       << (w[1] & 0xffff) << '\t' << (w[1] >> 16) << '\t' << w[2] << '\t' << w[3];
     for (int i = 0; i < kMlaPhases; ++i) f << '\t' << w[4 + i];
-    f << '\n';
-  }
-  DS_CHECK(f.good(), "DEEPSERVE_MLA_PHASES: cannot write " + g_phase_path);
+    return true;
+  });
 }
 
 // Asked for (DEEPSERVE_MLA_CLUSTER=1), sm_90+, 2..16 splits, 16-byte aligned output rows, and

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attention_mla_decode.cuh"
+#include "backend/cuda/device_log.cuh"
 #include "backend/cuda/mma_ptx.cuh"
 
 namespace ds::cuda::mla_decode {
@@ -42,11 +43,9 @@ struct PhaseLog {
 
   __device__ __forceinline__ void open(const kern::AttnParams& p) {
     if (p.phase_log == nullptr || threadIdx.x != 0) return;
-    const unsigned long long n = atomicAdd(p.phase_log, 1ull);
-    const unsigned long long skip = static_cast<unsigned long long>(p.phase_skip);
-    if (n < skip || n - skip >= static_cast<unsigned long long>(p.phase_cap)) return;
-    rec = p.phase_log + (n - skip + 1) * kMlaPhaseWords;
-    rec[2] = globaltimer();
+    rec = device_log::claim(p.phase_log, p.phase_cap, p.phase_skip, kMlaPhaseWords);
+    if (!rec) return;
+    rec[2] = device_log::globaltimer();
     rec[4] = clock64();
   }
   __device__ __forceinline__ void mark(int phase) {
@@ -55,17 +54,10 @@ struct PhaseLog {
   __device__ __forceinline__ void close(int seq, int split, int tiles) {
     if (!rec) return;
     rec[4 + kMlaPhases - 1] = clock64();
-    rec[3] = globaltimer();
-    unsigned smid = 0;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    rec[3] = device_log::globaltimer();
     rec[0] = static_cast<unsigned long long>(seq) | static_cast<unsigned long long>(split) << 24 |
              static_cast<unsigned long long>(tiles) << 40;
-    rec[1] = smid | static_cast<unsigned long long>(blockIdx.z) << 16;
-  }
-  static __device__ __forceinline__ unsigned long long globaltimer() {
-    unsigned long long t = 0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
+    rec[1] = device_log::smid() | static_cast<unsigned long long>(blockIdx.z) << 16;
   }
 };
 

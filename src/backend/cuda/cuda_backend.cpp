@@ -18,6 +18,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/context.cuh"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/device_log.h"
 #include "backend/cuda/elementwise.cuh"
 #include "backend/cuda/embed.cuh"
 #include "backend/cuda/fill_random.cuh"
@@ -90,7 +91,8 @@ class CudaBackend final : public Backend {
              "--gpu-memory-utilization must be in (0, 1]");
     cuda::kernel_trace_start();  // DEEPSERVE_KERNEL_TRACE: before the first CUDA call
     check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    cuda::mla_phase_log_start();  // DEEPSERVE_MLA_PHASES: before the pool takes the memory
+    cuda::mla_phase_log_start();   // DEEPSERVE_MLA_PHASES: before the pool takes the memory
+    cuda::moe_item_log().start();  // DEEPSERVE_MOE_ITEMS: likewise
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     cudaDeviceProp prop{};
     check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
@@ -133,6 +135,7 @@ class CudaBackend final : public Backend {
     try {
       cuda::kernel_trace_write();   // DEEPSERVE_KERNEL_TRACE: every kernel so far
       cuda::mla_phase_log_write();  // DEEPSERVE_MLA_PHASES: every logged CTA so far
+      cuda::moe_item_log_write();   // DEEPSERVE_MOE_ITEMS: every logged item so far
     } catch (const std::exception& e) {
       log_error(e.what());
     }

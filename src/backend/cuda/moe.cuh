@@ -111,6 +111,17 @@ bool moe_ffn(const Context& ctx, const MoeFfnParams& p, MoeFfnPath path, int sta
              const AddNormArgs* post = nullptr);
 
 // ---- internals shared by moe*.cu --------------------------------------------------------
+class DeviceLog;
+// DEEPSERVE_MOE_ITEMS=path: thread 0 of each CTA of the one-launch decode MoE (moe_wq.cu,
+// ffn_fused_kernel) logs every item it runs: which item and CTA, its SM, the global timer at its
+// start and end, its SM's clock at start, after a down item's wait and at end (up to
+// DEEPSERVE_MOE_ITEMS_MAX records, default 400,000, after DEEPSERVE_MOE_ITEMS_SKIP), written to
+// path as a table when the backend closes (tools/moe_item_table.py summarizes it): how a
+// launch's time splits between items, waits and idle CTAs. The CUDA backend starts it on its
+// device; tests open and read it directly.
+DeviceLog& moe_item_log();
+void moe_item_log_write();  // the table, if DEEPSERVE_MOE_ITEMS named one
+
 namespace moe {
 
 constexpr int kMaxExperts = 256;
@@ -414,6 +425,10 @@ struct GroupedFfnArgs : FfnProblem {    // lists with the tile table
   bool wq_issue_first = false;  // the wq launches set it per format (moe_wq.cu, issue_first_of)
   bool wq_skip_scales = false;  // DEEPSERVE_WQ_PROBE_SKIP_SCALES (CtaJob::skip_scales)
   int num_shared = 0;  // always-on experts: the last of num_experts, so of the tile table too
+  // DEEPSERVE_MOE_ITEMS (moe_item_log): the one-launch FFN's item log (device_log.h), or null.
+  unsigned long long* item_log = nullptr;
+  int item_cap = 0;
+  long long item_skip = 0;
 };
 
 // x to BF16 [T, hidden], then the gate/up and down tensor-core kernels over the tile table

@@ -5,6 +5,8 @@
 #include <cstdint>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/device_log.cuh"
+#include "backend/cuda/device_log.h"
 #include "backend/cuda/gemm_wq.cuh"
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/pdl.cuh"
@@ -142,6 +144,29 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>())) down_kernel(
   down_cta<F, BT, E>(a, tl, n0, smem);
 }
 
+// The item log's records (moe_item_log): 0 CTA | SM << 20 | item << 32, 1 gate/up items |
+// all items << 32, 2 / 3 global timer at start / end (ns), 4 / 5 / 6 SM clock at start, after a
+// down item's wait (a gate/up item: its start) and at end. An item ends when every thread of its
+// CTA is past it (the barrier before the next claim).
+constexpr int kItemWords = 8;
+
+__device__ __forceinline__ unsigned long long* item_starts(const GroupedFfnArgs& a, int item,
+                                                           int n_gu, int n_all) {
+  unsigned long long* rec = device_log::claim(a.item_log, a.item_cap, a.item_skip, kItemWords);
+  if (rec) {
+    rec[0] = blockIdx.x | uint64_t(device_log::smid()) << 20 | uint64_t(item) << 32;
+    rec[1] = uint64_t(n_gu) | uint64_t(n_all) << 32;
+    rec[2] = device_log::globaltimer();
+    rec[4] = rec[5] = clock64();
+  }
+  return rec;
+}
+
+__device__ __forceinline__ void item_ends(unsigned long long* rec) {
+  rec[6] = clock64();
+  rec[3] = device_log::globaltimer();
+}
+
 // The one-launch FFN's shared memory: the larger half's (its CTAs an SM: min_ctas_of, which
 // counts F32 token rows).
 template <WqFormat F, int BT, bool XI>
@@ -162,7 +187,9 @@ constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
 // rows of gate/up item b, which no kernel writes and which the lists are not needed to find: the
 // CTAs that start first take those items and find their weights on chip, fetched while the lists
 // kernel ran. Only the order of the items changes, so the bits do not.
-template <WqFormat F, int BT, bool XI, bool kSF>
+// kLog: the item log is on (moe_item_log; its own instantiation, so the kernels that run
+// without it are not touched).
+template <WqFormat F, int BT, bool XI, bool kSF, bool kLog>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     ffn_fused_kernel(GroupedFfnArgs a) {
   const int S = kSF ? a.num_shared : 0;
@@ -194,15 +221,20 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
   };
   int* const next = a.lists.sched;
   int* const done = a.lists.sched + 1;
+  unsigned long long* rec = nullptr;  // thread 0's record of the item it runs, if logged
   // Every item comes from the counter, after the CTA's last one, so an item is only ever held by
   // a running CTA (however many reside). Claiming the next item as one starts measured slower
   // (W1f TPOT 4.49 -> 4.53 ms, W5 19.81 -> 19.89; H200, 8f94be4).
   for (;;) {
     __syncthreads();  // the last item's shared memory and item_s are free again
-    if (threadIdx.x == 0) item_s = atomicAdd(next, 1);
+    if (threadIdx.x == 0) {
+      if (kLog && rec) item_ends(rec);
+      item_s = atomicAdd(next, 1);
+    }
     __syncthreads();
     const int item = item_s;
     if (item >= n_all) break;
+    if (kLog && threadIdx.x == 0) rec = item_starts(a, item, n_gu, n_all);
     if (item < n_gu) {
       const int q = item / gu_cols, s = tile_at(q);
       gate_up_cta<F, BT, XI, false>(a, tile_of<kTileM>(a.lists, s),
@@ -215,6 +247,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
       if (threadIdx.x == 0) {
         while (*static_cast<volatile int*>(done + s) < gu_cols) __nanosleep(32);
         __threadfence();  // the h stores counted, before this CTA's reads of them
+        if (kLog && rec) rec[5] = clock64();
       }
       __syncthreads();
       down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem);
@@ -253,14 +286,15 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
 
 // ffn_fused_kernel's launch (after the gather launch unless XI): one CTA for each that can
 // reside at once, at most one for each item the step could have; kSF: the shared experts first.
-template <WqFormat F, int BT, bool XI, bool kSF>
+template <WqFormat F, int BT, bool XI, bool kSF, bool kLog>
 void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   static const int resident = [] {
-    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI, kSF>);
+    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI, kSF, kLog>);
     int per_sm = 0, dev = 0, sms = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                   &per_sm, ffn_fused_kernel<F, BT, XI, kSF>, kThreads, kFusedSmem<F, BT, XI>),
-               "wq moe fused occupancy");
+    check_cuda(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, ffn_fused_kernel<F, BT, XI, kSF, kLog>, kThreads, kFusedSmem<F, BT, XI>),
+        "wq moe fused occupancy");
     check_cuda(cudaGetDevice(&dev), "wq moe fused device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
                "wq moe fused SM count");
@@ -269,7 +303,7 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   if (!XI) gather_rows<F>(a, stream);
   const int64_t items = max_tiles(a.num_tokens * a.top_k, a.num_experts) *
                         (ceil_div(a.inter, kBN / 2) + ceil_div(a.hidden, kBN));
-  pdl::launch(ffn_fused_kernel<F, BT, XI, kSF>, unsigned(std::min<int64_t>(resident, items)),
+  pdl::launch(ffn_fused_kernel<F, BT, XI, kSF, kLog>, unsigned(std::min<int64_t>(resident, items)),
               kThreads, kFusedSmem<F, BT, XI>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe fused");
   note_moe_wq_fused_launch();
@@ -277,10 +311,19 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
 
 template <WqFormat F, int BT, bool XI>
 void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
-  if (g_moe_wq_shared_first.on() && a.num_shared > 0)
-    launch_ffn_fused<F, BT, XI, true>(a, stream);
-  else
-    launch_ffn_fused<F, BT, XI, false>(a, stream);
+  const bool sf = g_moe_wq_shared_first.on() && a.num_shared > 0;
+  const DeviceLogView log = moe_item_log().view();
+  if (log.buf == nullptr) {
+    sf ? launch_ffn_fused<F, BT, XI, true, false>(a, stream)
+       : launch_ffn_fused<F, BT, XI, false, false>(a, stream);
+    return;
+  }
+  GroupedFfnArgs b = a;
+  b.item_log = log.buf;
+  b.item_cap = log.cap;
+  b.item_skip = log.skip;
+  sf ? launch_ffn_fused<F, BT, XI, true, true>(b, stream)
+     : launch_ffn_fused<F, BT, XI, false, true>(b, stream);
 }
 
 // launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0;
@@ -341,4 +384,22 @@ void launch_wq_ffn(const GroupedFfnArgs& a, DType dtype, cudaStream_t stream) {
 }
 
 }  // namespace moe
+
+DeviceLog& moe_item_log() {
+  static DeviceLog log{"DEEPSERVE_MOE_ITEMS", moe::kItemWords, 400000};
+  return log;
+}
+
+void moe_item_log_write() {
+  moe_item_log().write(
+      "cta\tsm\titem\tgate_up_items\titems\tstart_ns\tend_ns\tc_start\tc_wait\tc_end",
+      [](std::ostream& f, const unsigned long long* w) {
+        if (w[3] == 0) return false;  // not ended when copied (none, after a sync)
+        f << (w[0] & 0xfffff) << '\t' << ((w[0] >> 20) & 0xfff) << '\t' << (w[0] >> 32) << '\t'
+          << (w[1] & 0xffffffff) << '\t' << (w[1] >> 32) << '\t' << w[2] << '\t' << w[3] << '\t'
+          << w[4] << '\t' << w[5] << '\t' << w[6];
+        return true;
+      });
+}
+
 }  // namespace ds::cuda
