@@ -479,31 +479,43 @@ if has_stage ncu; then
   fi
 fi
 
+# A device log's runs (phases, items): logged_runs NAME VAR TOOL SKIP_LAUNCHES MAX SKIP
+# WORKLOADS ENVS benches each workload under the defaults and each ENVS item (as AB_ENVS) with
+# VAR=/tmp/NAME-<tag>-<w>.tsv (VAR_SKIP: SKIP, or a function of the workload when SKIP names
+# one), then prints TOOL's table of it.
+logged_runs() {
+  local name=$1 var=$2 tool=$3 skip_launches=$4 max=$5 skip=$6 workloads=$7 envs=$8 w kv tag args n
+  for w in $workloads; do
+    if declare -F "$skip" >/dev/null; then n=$("$skip" "$w"); else n=$skip; fi
+    for kv in default $envs; do
+      if [ "$kv" = default ]; then tag=default; args=""; else tag=$(env_tag "$kv"); args=$(env_args "$kv"); fi
+      log "$name $w ($kv)"
+      env $args "$var=/tmp/$name-$tag-$w.tsv" "${var}_SKIP=$n" "${var}_MAX=$max" \
+        DEEPSERVE_V2_LITE="$LITE_DIR" "$BUILD/deepserve" bench --config "bench/$w.yaml" \
+        --output "$OUT/bench-$name-$tag-$w.json" >"$OUT/bench-$name-$tag-$w.log" 2>&1
+      log "$name $w ($kv) rc=$?: $(grep -m1 'TPOT' "$OUT/bench-$name-$tag-$w.log")"
+      python3 "$tool" "/tmp/$name-$tag-$w.tsv" --skip-launches "$skip_launches" \
+        >"$OUT/$name-$tag-$w.txt" 2>&1
+      cat "$OUT/$name-$tag-$w.txt"
+    done
+  done
+}
+
 if has_stage phases; then
   # Where the register-Q MLA decode's CTAs spend their time inside the replayed graphs
   # (DEEPSERVE_MLA_PHASES; tools/mla_phase_table.py): PHASES_WORKLOADS (default w3), each under
   # the defaults and each item of PHASES_ENVS (as AB_ENVS). The log keeps PHASES_MAX CTAs
   # (default 100,000) after skipping the warm-up's: W3's two warm-up requests log ~110,000 CTAs,
   # W5's batch-1 warm-up some millions (PHASES_SKIP_<W> overrides).
-  for w in ${PHASES_WORKLOADS:-w3}; do
-    case $w in
-      w3) skip=${PHASES_SKIP_W3:-120000} ;;
-      w5) skip=${PHASES_SKIP_W5:-5000000} ;;
-      *) skip=${PHASES_SKIP:-0} ;;
+  phases_skip() {
+    case $1 in
+      w3) echo "${PHASES_SKIP_W3:-120000}" ;;
+      w5) echo "${PHASES_SKIP_W5:-5000000}" ;;
+      *) echo "${PHASES_SKIP:-0}" ;;
     esac
-    for kv in default ${PHASES_ENVS:-}; do
-      if [ "$kv" = default ]; then tag=default; args=""; else tag=$(env_tag "$kv"); args=$(env_args "$kv"); fi
-      log "phases $w ($kv)"
-      env $args DEEPSERVE_MLA_PHASES=/tmp/phases-$tag-$w.tsv DEEPSERVE_MLA_PHASES_SKIP=$skip \
-        DEEPSERVE_MLA_PHASES_MAX=${PHASES_MAX:-100000} DEEPSERVE_V2_LITE="$LITE_DIR" \
-        "$BUILD/deepserve" bench --config "bench/$w.yaml" --output "$OUT/bench-phases-$tag-$w.json" \
-        >"$OUT/bench-phases-$tag-$w.log" 2>&1
-      log "phases $w ($kv) rc=$?: $(grep -m1 'TPOT' "$OUT/bench-phases-$tag-$w.log")"
-      python3 tools/mla_phase_table.py /tmp/phases-$tag-$w.tsv --skip-launches 10 \
-        >"$OUT/phases-$tag-$w.txt" 2>&1
-      cat "$OUT/phases-$tag-$w.txt"
-    done
-  done
+  }
+  logged_runs phases DEEPSERVE_MLA_PHASES tools/mla_phase_table.py 10 "${PHASES_MAX:-100000}" \
+    phases_skip "${PHASES_WORKLOADS:-w3}" "${PHASES_ENVS:-}"
 fi
 
 if has_stage items; then
@@ -512,20 +524,8 @@ if has_stage items; then
   # w5-20layer), under the defaults and each item of ITEMS_ENVS (as AB_ENVS). The log keeps
   # ITEMS_MAX items (default 200,000: ~3 of W5-20layer's decode steps) after ITEMS_SKIP
   # (default 2,000,000: past the warm-up and the first decode steps).
-  for w in ${ITEMS_WORKLOADS:-w5-20layer}; do
-    for kv in default ${ITEMS_ENVS:-}; do
-      if [ "$kv" = default ]; then tag=default; args=""; else tag=$(env_tag "$kv"); args=$(env_args "$kv"); fi
-      log "items $w ($kv)"
-      env $args DEEPSERVE_MOE_ITEMS=/tmp/items-$tag-$w.tsv DEEPSERVE_MOE_ITEMS_SKIP=${ITEMS_SKIP:-2000000} \
-        DEEPSERVE_MOE_ITEMS_MAX=${ITEMS_MAX:-200000} DEEPSERVE_V2_LITE="$LITE_DIR" \
-        "$BUILD/deepserve" bench --config "bench/$w.yaml" --output "$OUT/bench-items-$tag-$w.json" \
-        >"$OUT/bench-items-$tag-$w.log" 2>&1
-      log "items $w ($kv) rc=$?: $(grep -m1 'TPOT' "$OUT/bench-items-$tag-$w.log")"
-      python3 tools/moe_item_table.py /tmp/items-$tag-$w.tsv --skip-launches 2 \
-        >"$OUT/items-$tag-$w.txt" 2>&1
-      cat "$OUT/items-$tag-$w.txt"
-    done
-  done
+  logged_runs items DEEPSERVE_MOE_ITEMS tools/moe_item_table.py 2 "${ITEMS_MAX:-200000}" \
+    "${ITEMS_SKIP:-2000000}" "${ITEMS_WORKLOADS:-w5-20layer}" "${ITEMS_ENVS:-}"
 fi
 
 if has_stage ncustep; then

@@ -95,13 +95,18 @@ def table(rows, skip_launches=0):
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(summarize, doc, argv=None):
+    """A device-log table's command line: the table's path, --skip-launches; prints summarize."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("table")
     ap.add_argument("--skip-launches", type=int, default=0,
                     help="leave out the first N launches (warm-up)")
     a = ap.parse_args(argv)
-    sys.stdout.write(table(read(a.table), a.skip_launches))
+    sys.stdout.write(summarize(read(a.table), a.skip_launches))
+
+
+def main(argv=None):
+    cli(table, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ turned into time by the ns per cycle of all items together).
 
   python3 tools/moe_item_table.py items.tsv [--skip-launches N]
 """
-import argparse
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mla_phase_table import launches, pct, read  # noqa: E402
+from mla_phase_table import cli, launches, pct  # noqa: E402
 
 
 def summary(rows, skip_launches=0):
@@ -78,12 +77,7 @@ def summary(rows, skip_launches=0):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("table")
-    ap.add_argument("--skip-launches", type=int, default=0,
-                    help="leave out the first N launches (warm-up)")
-    a = ap.parse_args(argv)
-    sys.stdout.write(summary(read(a.table), a.skip_launches))
+    cli(summary, __doc__, argv)
 
 
 if __name__ == "__main__":
