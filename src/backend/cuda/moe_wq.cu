@@ -224,7 +224,10 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
   unsigned long long* rec = nullptr;  // thread 0's record of the item it runs, if logged
   // Every item comes from the counter, after the CTA's last one, so an item is only ever held by
   // a running CTA (however many reside). Claiming the next item as one starts measured slower
-  // (W1f TPOT 4.49 -> 4.53 ms, W5 19.81 -> 19.89; H200, 8f94be4).
+  // (W1f TPOT 4.49 -> 4.53 ms, W5 19.81 -> 19.89; H200, 8f94be4), and so did claiming it one
+  // ahead with its first stages asked of L2 at the current item's tail, with or without the L2
+  // asks, and counting a gate/up item with one fence a CTA (W5's 20 layers -3.1%, -1.0%, -0.7%;
+  // H100, 3572911; docs/PERFORMANCE.md, thirty-seventh section).
   for (;;) {
     __syncthreads();  // the last item's shared memory and item_s are free again
     if (threadIdx.x == 0) {
