@@ -25,44 +25,47 @@ void DeviceLog::start() {
 void DeviceLog::open(long long cap, long long skip, const std::string& path) {
   DS_CHECK(cap > 0 && cap < (1ll << 31), std::string(var_) + ": a positive record count");
   std::lock_guard<std::mutex> lock(mu_);
-  if (buf_ != nullptr) return;
+  if (buf_.load(std::memory_order_relaxed) != nullptr) return;
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   const size_t bytes = size_t(cap + 1) * size_t(words_) * sizeof(unsigned long long);
   unsigned long long* buf = nullptr;
   check_cuda(cudaMalloc(&buf, bytes), var_);
   check_cuda(cudaMemset(buf, 0, bytes), var_);
-  buf_ = buf;
   cap_ = int(cap);
   skip_ = skip;
   device_ = dev;
   path_ = path;
+  buf_.store(buf, std::memory_order_release);
 }
 
 DeviceLogView DeviceLog::view() const {
+  if (buf_.load(std::memory_order_acquire) == nullptr) return {};
   std::lock_guard<std::mutex> lock(mu_);
-  if (buf_ == nullptr) return {};
+  unsigned long long* const buf = buf_.load(std::memory_order_relaxed);
+  if (buf == nullptr) return {};
   int dev = -1;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev != device_) return {};
-  return {buf_, cap_, skip_};
+  return {buf, cap_, skip_};
 }
 
 std::vector<unsigned long long> DeviceLog::records() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (buf_ == nullptr) return {};
+  unsigned long long* const buf = buf_.load(std::memory_order_relaxed);
+  if (buf == nullptr) return {};
   int prev = 0;
   check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
   check_cuda(cudaSetDevice(device_), "cudaSetDevice");
   check_cuda(cudaDeviceSynchronize(), var_);
   unsigned long long count = 0;
-  check_cuda(cudaMemcpy(&count, buf_, sizeof(count), cudaMemcpyDeviceToHost), var_);
+  check_cuda(cudaMemcpy(&count, buf, sizeof(count), cudaMemcpyDeviceToHost), var_);
   const auto skip = static_cast<unsigned long long>(skip_);
   const size_t n = size_t(std::min<unsigned long long>(count > skip ? count - skip : 0, cap_));
   std::vector<unsigned long long> rec(n * size_t(words_));
   if (n > 0)
     check_cuda(
-        cudaMemcpy(rec.data(), buf_ + words_, rec.size() * sizeof(rec[0]), cudaMemcpyDeviceToHost),
+        cudaMemcpy(rec.data(), buf + words_, rec.size() * sizeof(rec[0]), cudaMemcpyDeviceToHost),
         var_);
   check_cuda(cudaSetDevice(prev), "cudaSetDevice");
   return rec;
@@ -87,14 +90,14 @@ void DeviceLog::write(const std::string& header,
 
 void DeviceLog::close() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (buf_ == nullptr) return;
+  unsigned long long* const buf = buf_.exchange(nullptr, std::memory_order_acq_rel);
+  if (buf == nullptr) return;
   int prev = 0;
   check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
   check_cuda(cudaSetDevice(device_), "cudaSetDevice");
   check_cuda(cudaDeviceSynchronize(), var_);
-  check_cuda(cudaFree(buf_), var_);
+  check_cuda(cudaFree(buf), var_);
   check_cuda(cudaSetDevice(prev), "cudaSetDevice");
-  buf_ = nullptr;
   path_.clear();
 }
 

@@ -4,6 +4,7 @@
 // device_log.cuh.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <mutex>
 #include <ostream>
@@ -38,7 +39,7 @@ class DeviceLog {
              const std::function<bool(std::ostream&, const unsigned long long*)>& row);
   // Frees the buffer: the log is off again.
   void close();
-  // For a launch on the current device.
+  // For a launch on the current device (off: one atomic load, no lock).
   DeviceLogView view() const;
 
  private:
@@ -46,7 +47,7 @@ class DeviceLog {
   int words_;
   long long default_cap_;
   mutable std::mutex mu_;
-  unsigned long long* buf_ = nullptr;
+  std::atomic<unsigned long long*> buf_{nullptr};  // set last when opened, cleared first on close
   int cap_ = 0;
   long long skip_ = 0;
   int device_ = -1;
