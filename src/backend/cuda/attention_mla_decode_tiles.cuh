@@ -43,8 +43,12 @@ struct PhaseLog {
 
   __device__ __forceinline__ void open(const kern::AttnParams& p) {
     if (p.phase_log == nullptr || threadIdx.x != 0) return;
-    rec = device_log::claim(p.phase_log, p.phase_cap, p.phase_skip, kMlaPhaseWords);
-    if (!rec) return;
+    // (device_log::claim's steps, spelled out: through the call the kernel's registers were
+    // allocated differently, and the kernel is the decode step's.)
+    const unsigned long long n = atomicAdd(p.phase_log, 1ull);
+    const unsigned long long skip = static_cast<unsigned long long>(p.phase_skip);
+    if (n < skip || n - skip >= static_cast<unsigned long long>(p.phase_cap)) return;
+    rec = p.phase_log + (n - skip + 1) * kMlaPhaseWords;
     rec[2] = device_log::globaltimer();
     rec[4] = clock64();
   }
@@ -55,9 +59,10 @@ struct PhaseLog {
     if (!rec) return;
     rec[4 + kMlaPhases - 1] = clock64();
     rec[3] = device_log::globaltimer();
+    const unsigned sm = device_log::smid();
     rec[0] = static_cast<unsigned long long>(seq) | static_cast<unsigned long long>(split) << 24 |
              static_cast<unsigned long long>(tiles) << 40;
-    rec[1] = device_log::smid() | static_cast<unsigned long long>(blockIdx.z) << 16;
+    rec[1] = sm | static_cast<unsigned long long>(blockIdx.z) << 16;
   }
 };
 
