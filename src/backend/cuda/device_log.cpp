@@ -50,24 +50,30 @@ DeviceLogView DeviceLog::view() const {
   return {buf, cap_, skip_};
 }
 
-std::vector<unsigned long long> DeviceLog::records() {
-  std::lock_guard<std::mutex> lock(mu_);
-  unsigned long long* const buf = buf_.load(std::memory_order_relaxed);
-  if (buf == nullptr) return {};
+void DeviceLog::synced(const std::function<void(unsigned long long*)>& fn) {
   int prev = 0;
   check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
   check_cuda(cudaSetDevice(device_), "cudaSetDevice");
   check_cuda(cudaDeviceSynchronize(), var_);
-  unsigned long long count = 0;
-  check_cuda(cudaMemcpy(&count, buf, sizeof(count), cudaMemcpyDeviceToHost), var_);
-  const auto skip = static_cast<unsigned long long>(skip_);
-  const size_t n = size_t(std::min<unsigned long long>(count > skip ? count - skip : 0, cap_));
-  std::vector<unsigned long long> rec(n * size_t(words_));
-  if (n > 0)
-    check_cuda(
-        cudaMemcpy(rec.data(), buf + words_, rec.size() * sizeof(rec[0]), cudaMemcpyDeviceToHost),
-        var_);
+  fn(buf_.load(std::memory_order_relaxed));
   check_cuda(cudaSetDevice(prev), "cudaSetDevice");
+}
+
+std::vector<unsigned long long> DeviceLog::records() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<unsigned long long> rec;
+  if (buf_.load(std::memory_order_relaxed) == nullptr) return rec;
+  synced([&](unsigned long long* buf) {
+    unsigned long long count = 0;
+    check_cuda(cudaMemcpy(&count, buf, sizeof(count), cudaMemcpyDeviceToHost), var_);
+    const auto skip = static_cast<unsigned long long>(skip_);
+    const size_t n = size_t(std::min<unsigned long long>(count > skip ? count - skip : 0, cap_));
+    rec.resize(n * size_t(words_));
+    if (n > 0)
+      check_cuda(
+          cudaMemcpy(rec.data(), buf + words_, rec.size() * sizeof(rec[0]), cudaMemcpyDeviceToHost),
+          var_);
+  });
   return rec;
 }
 
@@ -90,14 +96,9 @@ void DeviceLog::write(const std::string& header,
 
 void DeviceLog::close() {
   std::lock_guard<std::mutex> lock(mu_);
-  unsigned long long* const buf = buf_.exchange(nullptr, std::memory_order_acq_rel);
-  if (buf == nullptr) return;
-  int prev = 0;
-  check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
-  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
-  check_cuda(cudaDeviceSynchronize(), var_);
-  check_cuda(cudaFree(buf), var_);
-  check_cuda(cudaSetDevice(prev), "cudaSetDevice");
+  if (buf_.load(std::memory_order_relaxed) == nullptr) return;
+  synced([&](unsigned long long* buf) { check_cuda(cudaFree(buf), var_); });
+  buf_.store(nullptr, std::memory_order_release);
   path_.clear();
 }
 

@@ -43,6 +43,9 @@ class DeviceLog {
   DeviceLogView view() const;
 
  private:
+  // fn(buffer) on the log's device after its work so far, the caller's device restored (mu_ held).
+  void synced(const std::function<void(unsigned long long*)>& fn);
+
   const char* var_;
   int words_;
   long long default_cap_;
