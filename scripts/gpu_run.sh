@@ -522,10 +522,19 @@ if has_stage items; then
   # How the one-launch decode MoE's time splits between items, waits and idle CTAs inside the
   # replayed graphs (DEEPSERVE_MOE_ITEMS; tools/moe_item_table.py): ITEMS_WORKLOADS (default
   # w5-20layer), under the defaults and each item of ITEMS_ENVS (as AB_ENVS). The log keeps
-  # ITEMS_MAX items (default 200,000: ~3 of W5-20layer's decode steps) after ITEMS_SKIP
-  # (default 2,000,000: past the warm-up and the first decode steps).
+  # ITEMS_MAX items (default 200,000: ~3 of W5-20layer's decode steps at 8 sequences) after
+  # the skip: the batch-1 warm-up request logs 512 items (8 tiles) a layer and step, ~5.0
+  # million on W5's 20 layers and ~15 million on its 60 (ITEMS_SKIP_<W> overrides; a skip of
+  # 2 million logged only the warm-up's T = 1 launches, thirty-eighth session).
+  items_skip() {
+    case $1 in
+      w5-20layer) echo "${ITEMS_SKIP_W5_20LAYER:-8000000}" ;;
+      w5) echo "${ITEMS_SKIP_W5:-20000000}" ;;
+      *) echo "${ITEMS_SKIP:-0}" ;;
+    esac
+  }
   logged_runs items DEEPSERVE_MOE_ITEMS tools/moe_item_table.py 2 "${ITEMS_MAX:-200000}" \
-    "${ITEMS_SKIP:-2000000}" "${ITEMS_WORKLOADS:-w5-20layer}" "${ITEMS_ENVS:-}"
+    items_skip "${ITEMS_WORKLOADS:-w5-20layer}" "${ITEMS_ENVS:-}"
 fi
 
 if has_stage ncustep; then
