@@ -21,9 +21,6 @@ namespace {
 
 using namespace wqk;
 
-// DEEPSERVE_MOE_WQ_DOWN_WAIT (ffn_fused_kernel's kDW; 0, the default: wait only).
-EnvCount g_moe_wq_down_wait{"DEEPSERVE_MOE_WQ_DOWN_WAIT", 0};
-
 // The CtaJob of a tile's tokens (rows of x, K wide) against `rows` weight rows at w0 (and w1,
 // gate/up), over all of K's groups.
 __device__ __forceinline__ CtaJob tile_job(const Tile& tl, const uint8_t* w0, const uint8_t* w1,
@@ -87,11 +84,10 @@ __device__ __forceinline__ void gate_up_cta(const GroupedFfnArgs& a, const Tile&
     }
 }
 
-// y[p, n] = down_n . h_p for tile tl's tokens and n in n0 .. n0 + 127 (E as gate_up_cta's;
-// wait: what run_cta waits for after the early weights, by default the kernel ahead).
-template <WqFormat F, int BT, bool E, typename Wait = PdlEnter>
+// y[p, n] = down_n . h_p for tile tl's tokens and n in n0 .. n0 + 127 (E as gate_up_cta's).
+template <WqFormat F, int BT, bool E>
 __device__ __forceinline__ void down_cta(const GroupedFfnArgs& a, const Tile& tl, int n0,
-                                         uint8_t* smem, Wait wait = {}) {
+                                         uint8_t* smem) {
   const int H = a.hidden, Fi = a.inter;
   const ExpertPtrs ex = a.experts[tl.e];
   const int64_t down_ld = ld_bytes<F>(ex.down_ld);
@@ -99,7 +95,7 @@ __device__ __forceinline__ void down_cta(const GroupedFfnArgs& a, const Tile& tl
       tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld, nullptr, down_ld,
                min(kBN, H - n0), a.h, Fi, a.wq_issue_first, a.wq_skip_scales);
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, false, false, E, false, Wait>(jb, smem, acc, wait);
+  run_cta<F, BT, false, false, E>(jb, smem, acc);
   for_each_out<F>(acc, [&](int r, int tok, float v) {
     const int row = n0 + r;
     if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
@@ -193,10 +189,7 @@ constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
 // kernel ran. Only the order of the items changes, so the bits do not.
 // kLog: the item log is on (moe_item_log; its own instantiation, so the kernels that run
 // without it are not touched).
-// kDW (DEEPSERVE_MOE_WQ_DOWN_WAIT, an A/B): what a down item does while its tile's gate/up items
-// are still running, where it would only wait: bit 0, ask L2 for its whole slab of down rows;
-// bit 1, copy its first stages' weights into shared memory (run_cta's kEarly) before the wait.
-template <WqFormat F, int BT, bool XI, bool kSF, bool kLog, int kDW = 0>
+template <WqFormat F, int BT, bool XI, bool kSF, bool kLog>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     ffn_fused_kernel(GroupedFfnArgs a) {
   const int S = kSF ? a.num_shared : 0;
@@ -254,39 +247,17 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
       if (threadIdx.x == 0) atomicAdd(done + s, 1);
     } else {
       const int d = item - n_gu, q = d / dn_cols, s = tile_at(q);
-      if constexpr (kDW == 0) {
-        if (threadIdx.x == 0) {
-          while (*static_cast<volatile int*>(done + s) < gu_cols) __nanosleep(32);
-          __threadfence();  // the h stores counted, before this CTA's reads of them
-          if (kLog && rec) rec[5] = clock64();
-        }
-        __syncthreads();
-        down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem);
-      } else {
-        const Tile tl = tile_of<kTileM>(a.lists, s);
-        const int n0 = (d - q * dn_cols) * kBN;
-        auto wait_h = [&] {
-          if (threadIdx.x == 0) {
-            volatile int* const cnt = static_cast<volatile int*>(done + s);
-            if ((kDW & 1) && *cnt < gu_cols) {
-              const ExpertPtrs ex = a.experts[tl.e];  // the expert table is constant
-              const int64_t ld = ld_bytes<F>(ex.down_ld);
-              pdl::prefetch_l2(static_cast<const uint8_t*>(ex.down) + n0 * ld,
-                               (min(kBN, a.hidden - n0) - 1) * ld + 16);
-            }
-            while (*cnt < gu_cols) __nanosleep(32);
-            __threadfence();  // the h stores counted, before this CTA's reads of them
-            if (kLog && rec) rec[5] = clock64();
-          }
-          __syncthreads();
-        };
-        if constexpr ((kDW & 2) != 0) {
-          down_cta<F, BT, true>(a, tl, n0, smem, wait_h);
-        } else {
-          wait_h();
-          down_cta<F, BT, false>(a, tl, n0, smem);
-        }
+      // Only waiting here: at 8 tokens a down item waits 1.8 us of 12.8 (W5's 20 layers; the
+      // item log) and using the wait measured slower: asking L2 for the item's down rows -0.15%,
+      // copying its first weight stages before the wait (run_cta's kEarly) -0.4%, both -0.4%
+      // (H100, b10ce7d; docs/PERFORMANCE.md, thirty-eighth section).
+      if (threadIdx.x == 0) {
+        while (*static_cast<volatile int*>(done + s) < gu_cols) __nanosleep(32);
+        __threadfence();  // the h stores counted, before this CTA's reads of them
+        if (kLog && rec) rec[5] = clock64();
       }
+      __syncthreads();
+      down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem);
     }
   }
 }
@@ -322,14 +293,14 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
 
 // ffn_fused_kernel's launch (after the gather launch unless XI): one CTA for each that can
 // reside at once, at most one for each item the step could have; kSF: the shared experts first.
-template <WqFormat F, int BT, bool XI, bool kSF, bool kLog, int kDW = 0>
+template <WqFormat F, int BT, bool XI, bool kSF, bool kLog>
 void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   static const int resident = [] {
-    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI, kSF, kLog, kDW>);
+    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI, kSF, kLog>);
     int per_sm = 0, dev = 0, sms = 0;
     check_cuda(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per_sm, ffn_fused_kernel<F, BT, XI, kSF, kLog, kDW>, kThreads, kFusedSmem<F, BT, XI>),
+            &per_sm, ffn_fused_kernel<F, BT, XI, kSF, kLog>, kThreads, kFusedSmem<F, BT, XI>),
         "wq moe fused occupancy");
     check_cuda(cudaGetDevice(&dev), "wq moe fused device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
@@ -339,9 +310,8 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   if (!XI) gather_rows<F>(a, stream);
   const int64_t items = max_tiles(a.num_tokens * a.top_k, a.num_experts) *
                         (ceil_div(a.inter, kBN / 2) + ceil_div(a.hidden, kBN));
-  pdl::launch(ffn_fused_kernel<F, BT, XI, kSF, kLog, kDW>,
-              unsigned(std::min<int64_t>(resident, items)), kThreads, kFusedSmem<F, BT, XI>, stream,
-              a);
+  pdl::launch(ffn_fused_kernel<F, BT, XI, kSF, kLog>, unsigned(std::min<int64_t>(resident, items)),
+              kThreads, kFusedSmem<F, BT, XI>, stream, a);
   check_cuda(cudaGetLastError(), "wq moe fused");
   note_moe_wq_fused_launch();
 }
@@ -351,18 +321,6 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   const bool sf = g_moe_wq_shared_first.on() && a.num_shared > 0;
   const DeviceLogView log = moe_item_log().view();
   if (log.buf == nullptr) {
-    if constexpr (F != WqFormat::BF16) {
-      const long long dw = g_moe_wq_down_wait.get();
-      if (dw == 1)
-        return sf ? launch_ffn_fused<F, BT, XI, true, false, 1>(a, stream)
-                  : launch_ffn_fused<F, BT, XI, false, false, 1>(a, stream);
-      if (dw == 2)
-        return sf ? launch_ffn_fused<F, BT, XI, true, false, 2>(a, stream)
-                  : launch_ffn_fused<F, BT, XI, false, false, 2>(a, stream);
-      if (dw == 3)
-        return sf ? launch_ffn_fused<F, BT, XI, true, false, 3>(a, stream)
-                  : launch_ffn_fused<F, BT, XI, false, false, 3>(a, stream);
-    }
     sf ? launch_ffn_fused<F, BT, XI, true, false>(a, stream)
        : launch_ffn_fused<F, BT, XI, false, false>(a, stream);
     return;
@@ -371,12 +329,6 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   b.item_log = log.buf;
   b.item_cap = log.cap;
   b.item_skip = log.skip;
-  if constexpr (F == WqFormat::W4A16) {  // the A/B's modes logged: W5's format, in item order
-    const long long dw = g_moe_wq_down_wait.get();
-    if (!sf && dw == 1) return launch_ffn_fused<F, BT, XI, false, true, 1>(b, stream);
-    if (!sf && dw == 2) return launch_ffn_fused<F, BT, XI, false, true, 2>(b, stream);
-    if (!sf && dw == 3) return launch_ffn_fused<F, BT, XI, false, true, 3>(b, stream);
-  }
   sf ? launch_ffn_fused<F, BT, XI, true, true>(b, stream)
      : launch_ffn_fused<F, BT, XI, false, true>(b, stream);
 }

@@ -300,17 +300,13 @@ __device__ __forceinline__ void for_live_frags(int tn, Fn&& f) {
 }
 
 // kEarly: the weights (codes and scales) of the first kStages - 1 stages are asked for before
-// wait() (by default pdl::enter(): the caller must not call enter() itself), which every thread
-// calls, and the token rows after it: the weights must not depend on what wait() waits for.
+// pdl::enter(), which run_cta calls, and the token rows after it: the caller's job must not
+// depend on what the kernel ahead writes (pdl.cuh), and the caller must not call enter() itself.
 // GU: the job is gate/up's (jb.w1 set), known where the kernel is written, so a fragment's rows
 // are compile-time offsets from the thread's first.
-struct PdlEnter {
-  __device__ __forceinline__ void operator()() const { pdl::enter(); }
-};
 template <WqFormat F, int BT, bool XF = false, bool XI = false, bool kEarly = false,
-          bool GU = false, typename Wait = PdlEnter>
-__device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4],
-                        Wait wait = {}) {
+          bool GU = false>
+__device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
   static_assert(XF || !XI, "indexed token rows are F32");
   static_assert(!(kEarly && XI), "the token indices come from the lists, after the wait");
   using Fm = Fmt<F>;
@@ -441,7 +437,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
 #pragma unroll 1
     for (int s = 0; s < kStages - 1; ++s)
       if (s < KT) load_w(s, s);
-    wait();
+    pdl::enter();
   }
 #pragma unroll 1
   for (int s = 0; s < kStages - 1; ++s) {
