@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <tuple>
+#include <utility>
 
 #include "backend/cuda/mma_ptx.cuh"
 
@@ -36,6 +38,8 @@ struct Pattern {
   int chunk;          // bytes of each row a stage reads (a multiple of 16)
   int jobs;           // blocks a CTA streams with one pipeline
   int spin = 0;       // cycles a stage's consumer spends after its loads (the products' stand-in)
+  int row_read = 0;   // bytes of each row streamed (a multiple of chunk; 0: all of row_bytes), so
+                      // a row may hold bytes no stage reads, as a quantized row's scale words
 };
 
 // CTA c streams blocks c * jobs .. c * jobs + jobs - 1 (rows * row_bytes bytes each, in order)
@@ -47,7 +51,8 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t s0 = ptx::smem_u32(smem);
   const int stage_bytes = p.rows * p.chunk, units = stage_bytes / 16, per_row = p.chunk / 16;
-  const int kt_block = int(p.row_bytes / p.chunk), KT = kt_block * p.jobs;
+  const int kt_block = int((p.row_read > 0 ? p.row_read : p.row_bytes) / p.chunk);
+  const int KT = kt_block * p.jobs;
   const int64_t block_bytes = int64_t(p.rows) * p.row_bytes;
   const uint8_t* first = base + int64_t(blockIdx.x) * p.jobs * block_bytes;
   auto load = [&](int buf, int kt) {
@@ -150,7 +155,7 @@ void run_case(const Buffers& b, const char* name, Pattern p, int occ, int sms, i
   const double ms = time_ms(b, 10, [&](const uint8_t* buf) {
     stream_kernel<kStages><<<unsigned(ctas), kThreads, smem>>>(buf, p, b.sink);
   });
-  const double bytes = double(ctas) * p.jobs * block_bytes;
+  const double bytes = double(ctas) * p.jobs * p.rows * (p.row_read > 0 ? p.row_read : p.row_bytes);
   std::printf("%-34s %6d %3d %4d %5d %8lld %7.2f %9.1f %8.3f\n", name, kStages, resident, p.jobs,
               p.spin, static_cast<long long>(ctas), double(ctas) / (double(resident) * sms),
               ms * 1e3, bytes / (ms * 1e-3) / 1e12);
@@ -206,6 +211,22 @@ TEST(StreamBench, DISABLED_Patterns) {
       std::snprintf(name, sizeof(name), "FP8W rows, %lld blocks", static_cast<long long>(blocks));
       run_case<2>(b, name, p, 2, sms, blocks);
       if (spin >= 2000) run_case<3>(b, name, p, 2, sms, blocks);
+    }
+  // DeepSeek-V2.5's W4A16 experts: a row is K / 2 bytes of codes, then a BF16 scale a group,
+  // padded to 16 bytes (w4a16::row_stride), so gate/up's rows (K = 5120) are 2,640 bytes apart
+  // and down's (K = 1536) 800, neither a multiple of 128: most rows' 128-byte stage chunks
+  // straddle two L2 lines. Against the same codes in rows padded to 128 bytes, and in rows of
+  // codes alone.
+  for (const auto& [name, row, padded, codes] : {std::tuple{"V2.5 gate/up rows", 2640, 2688, 2560},
+                                                 std::tuple{"V2.5 down rows", 800, 896, 768}})
+    for (int occ : {3, 4}) {
+      char label[64];
+      for (const auto& [what, stride] : {std::pair{"as stored", row}, std::pair{"padded", padded},
+                                         std::pair{"codes only", codes}}) {
+        std::snprintf(label, sizeof(label), "%s, %s", name, what);
+        Pattern p{128, stride, 128, 1, 0, codes};
+        run_case<3>(b, label, p, occ, sms);
+      }
     }
   // One wave of CTAs, each streaming several blocks with one pipeline.
   for (int jobs : {2, 4, 8}) {
