@@ -1,5 +1,7 @@
 // Host side of dummy weights and W4A16 / FP8W quantization: the reference the devices match.
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -8,6 +10,19 @@
 #include "core/error.h"
 
 namespace ds {
+
+int64_t w4a16::row_align() {
+  static const int64_t align = [] {
+    const char* v = std::getenv("DEEPSERVE_W4A16_ROW_ALIGN");
+    if (v == nullptr || *v == '\0') return int64_t(16);
+    const long long a = std::atoll(v);
+    if (a < 16 || a > 256 || (a & (a - 1)) != 0)
+      throw Error(std::string("DEEPSERVE_W4A16_ROW_ALIGN=") + v +
+                  ": want a power of two from 16 to 256");
+    return int64_t(a);
+  }();
+  return align;
+}
 
 TensorView w4a16_view(void* data, int64_t rows, int64_t cols, Device device) {
   if (cols % w4a16::kGroup != 0)
