@@ -6,8 +6,8 @@
 //
 // Layout of a [N, K] W4A16 tensor (K a multiple of 128): row n starts at n * row_stride(K)
 // bytes and holds K / 2 bytes of codes (byte j: element 2j in the low nibble, 2j + 1 in the
-// high one; a code c stands for c - 8), then K / 128 BF16 scales, then padding to 16 bytes (or
-// row_align()) so every row can be streamed with 16-byte loads. Element k of row n = (code - 8) *
+// high one; a code c stands for c - 8), then K / 128 BF16 scales, then padding (row_stride) so
+// every row can be streamed with 16-byte loads. Element k of row n = (code - 8) *
 // scale[k / 128].
 #pragma once
 
@@ -29,15 +29,11 @@ constexpr int kMaxCode = 7;  // symmetric: scale = absmax / 7, codes clamp to [-
 DS_W4_HD int64_t code_bytes(int64_t k) {
   return k / 2;
 }
-// Bytes a row's codes and scales are padded to (host code; random_fill.cpp): 16 so that every
-// row can be streamed with 16-byte loads, or DEEPSERVE_W4A16_ROW_ALIGN (32 .. 256, a power of
-// two; an A/B: 128 starts every row on an L2 line, so a stage's 128-byte chunks never straddle
-// two). Read once.
-int64_t row_align();
-inline int64_t row_stride(int64_t k) {
-  const int64_t a = row_align();
-  return (k / 2 + k / 64 + a - 1) / a * a;
-}
+// Bytes between rows (host code; random_fill.cpp): the codes and scales padded to 16 bytes, so
+// every row can be streamed with 16-byte loads, or to a whole number of 128-byte L2 lines where
+// that adds at most 1/16 of the row: then a stage's 128-byte chunk of each row never straddles
+// two lines. DEEPSERVE_W4A16_ROW_ALIGN=N (16 .. 256, a power of two) pads every row to N.
+int64_t row_stride(int64_t k);
 
 // The bits of a value as another type of the same size (memcpy: fine in device code too).
 template <typename To, typename From>

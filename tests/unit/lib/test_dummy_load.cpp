@@ -131,6 +131,23 @@ TEST(W4A16, PackingRoundTripAndLayout) {
   for (int64_t i = K / 2 + K / 64; i < w4a16::row_stride(K); ++i) EXPECT_EQ(row[size_t(i)], 0);
 }
 
+// Rows start on a 128-byte L2 line where that pads a row by at most 1/16, else on 16 bytes:
+// DeepSeek-V2.5's expert gate/up (K = 5120) and V2-Lite's down (K = 1408) take whole lines,
+// V2.5's down (K = 1536) and V2-Lite's gate/up (K = 2048) would grow by 12% and 9%, and keep 16.
+TEST(W4A16, RowStrideTakesWholeLinesWhereTheyAreCheap) {
+  for (int64_t K = 128; K <= 32768; K += 128) {
+    const int64_t bytes = K / 2 + K / 64, stride = w4a16::row_stride(K);
+    ASSERT_EQ(stride % 16, 0) << K;
+    ASSERT_GE(stride, bytes) << K;
+    ASSERT_LE((stride - bytes) * 16, bytes + 16 * 16) << K;  // at most 1/16 and a 16-byte unit
+  }
+  EXPECT_EQ(w4a16::row_stride(5120), 2688);
+  EXPECT_EQ(w4a16::row_stride(1408), 768);
+  EXPECT_EQ(w4a16::row_stride(1536), 800);
+  EXPECT_EQ(w4a16::row_stride(2048), 1056);
+  EXPECT_EQ(w4a16::row_stride(16384), 8448);  // already whole lines
+}
+
 // Column slices of packed rows (the shared MLP's down split into experts): every value of
 // the slice is the source row's, scales included, for odd and even group offsets.
 TEST(W4A16, PackedColumnSlicesKeepEveryValue) {
