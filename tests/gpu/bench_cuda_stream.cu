@@ -40,6 +40,7 @@ struct Pattern {
   int spin = 0;       // cycles a stage's consumer spends after its loads (the products' stand-in)
   int row_read = 0;   // bytes of each row streamed (a multiple of chunk; 0: all of row_bytes), so
                       // a row may hold bytes no stage reads, as a quantized row's scale words
+  __host__ __device__ int64_t streamed() const { return row_read > 0 ? row_read : row_bytes; }
 };
 
 // CTA c streams blocks c * jobs .. c * jobs + jobs - 1 (rows * row_bytes bytes each, in order)
@@ -51,8 +52,7 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t s0 = ptx::smem_u32(smem);
   const int stage_bytes = p.rows * p.chunk, units = stage_bytes / 16, per_row = p.chunk / 16;
-  const int kt_block = int((p.row_read > 0 ? p.row_read : p.row_bytes) / p.chunk);
-  const int KT = kt_block * p.jobs;
+  const int kt_block = int(p.streamed() / p.chunk), KT = kt_block * p.jobs;
   const int64_t block_bytes = int64_t(p.rows) * p.row_bytes;
   const uint8_t* first = base + int64_t(blockIdx.x) * p.jobs * block_bytes;
   auto load = [&](int buf, int kt) {
@@ -155,7 +155,7 @@ void run_case(const Buffers& b, const char* name, Pattern p, int occ, int sms, i
   const double ms = time_ms(b, 10, [&](const uint8_t* buf) {
     stream_kernel<kStages><<<unsigned(ctas), kThreads, smem>>>(buf, p, b.sink);
   });
-  const double bytes = double(ctas) * p.jobs * p.rows * (p.row_read > 0 ? p.row_read : p.row_bytes);
+  const double bytes = double(ctas) * p.jobs * p.rows * p.streamed();
   std::printf("%-34s %6d %3d %4d %5d %8lld %7.2f %9.1f %8.3f\n", name, kStages, resident, p.jobs,
               p.spin, static_cast<long long>(ctas), double(ctas) / (double(resident) * sms),
               ms * 1e3, bytes / (ms * 1e-3) / 1e12);
