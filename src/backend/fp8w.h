@@ -4,7 +4,8 @@
 //
 // Layout of a [N, K] FP8W tensor (any K >= 1): row n starts at n * row_stride(K) bytes and holds
 // K e4m3 codes (byte k = element k), zero bytes up to code_bytes(K) (a multiple of 16), then
-// groups(K) F32 scales, then padding to 16 bytes. Element k of row n = e4m3(code) * scale[k / 128].
+// groups(K) F32 scales, then zero padding (row_stride). Element k of row n = e4m3(code) * scale[k /
+// 128].
 //
 // Scales are per row and 128-group ("1 x 128"): quantizing at load computes them that way (finer
 // than DeepSeek-V3's 128 x 128 blocks for the same bytes), and a checkpoint's 128 x 128 block
@@ -33,9 +34,10 @@ DS_F8_HD int64_t code_bytes(int64_t k) {
 DS_F8_HD int64_t groups(int64_t k) {
   return (k + kGroup - 1) / kGroup;
 }
-DS_F8_HD int64_t row_stride(int64_t k) {
-  return (code_bytes(k) + groups(k) * 4 + 15) / 16 * 16;
-}
+// Bytes between rows (host code; random_fill.cpp): the codes and scales padded to 16 bytes.
+// DEEPSERVE_FP8W_ROW_ALIGN=N (16 .. 256, a power of two) pads every row to N instead, for A/Bs
+// of where rows start (W4A16 rows gained from whole 128-byte lines; see w4a16.h).
+int64_t row_stride(int64_t k);
 
 // e4m3 (bias 7, no infinities, 0x7f / 0xff NaN) to float, exactly.
 DS_F8_HD float decode(uint8_t v) {
@@ -83,8 +85,8 @@ DS_F8_HD float element(const uint8_t* row, int64_t K, int64_t k) {
 }
 
 // Quantizes one row of K floats into row_stride(K) bytes: scale = absmax / 448 per group (1 for
-// an all-zero group), code = e4m3(x / scale).
-DS_F8_HD void quantize_row(const float* x, int64_t K, uint8_t* dst) {
+// an all-zero group), code = e4m3(x / scale). Host code (the GPU's copy is in fill_random.cu).
+inline void quantize_row(const float* x, int64_t K, uint8_t* dst) {
   memset(dst, 0, size_t(row_stride(K)));
   for (int64_t g = 0; g < groups(K); ++g) {
     const int64_t k0 = g * kGroup, k1 = k0 + kGroup < K ? k0 + kGroup : K;

@@ -11,24 +11,34 @@
 
 namespace ds {
 
+namespace {
+// 0 when `name` is unset, else the alignment it forces on every row (for A/Bs).
+int64_t forced_row_align(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return 0;
+  const long long a = std::atoll(v);
+  if (a < 16 || a > 256 || (a & (a - 1)) != 0)
+    throw Error(std::string(name) + "=" + v + ": want a power of two from 16 to 256");
+  return int64_t(a);
+}
+int64_t round_up(int64_t bytes, int64_t a) {
+  return (bytes + a - 1) / a * a;
+}
+}  // namespace
+
 int64_t w4a16::row_stride(int64_t k) {
-  // 0: the rule; else DEEPSERVE_W4A16_ROW_ALIGN, for A/Bs.
-  static const int64_t forced = [] {
-    const char* v = std::getenv("DEEPSERVE_W4A16_ROW_ALIGN");
-    if (v == nullptr || *v == '\0') return int64_t(0);
-    const long long a = std::atoll(v);
-    if (a < 16 || a > 256 || (a & (a - 1)) != 0)
-      throw Error(std::string("DEEPSERVE_W4A16_ROW_ALIGN=") + v +
-                  ": want a power of two from 16 to 256");
-    return int64_t(a);
-  }();
+  static const int64_t forced = forced_row_align("DEEPSERVE_W4A16_ROW_ALIGN");
   const int64_t bytes = k / 2 + k / 64;
-  auto up = [&](int64_t a) { return (bytes + a - 1) / a * a; };
-  if (forced > 0) return up(forced);
+  if (forced > 0) return round_up(bytes, forced);
   // DeepSeek-V2.5's experts on W5's 20 layers (H100, 3d24dbd): gate/up rows 2,640 -> 2,688
   // bytes took a gate/up item from 54.0 to 49.1 us; down rows 800 -> 896 (+12%) gained nothing.
-  const int64_t base = up(16), line = up(128);
+  const int64_t base = round_up(bytes, 16), line = round_up(bytes, 128);
   return (line - base) * 16 <= base ? line : base;
+}
+
+int64_t fp8w::row_stride(int64_t k) {
+  static const int64_t forced = forced_row_align("DEEPSERVE_FP8W_ROW_ALIGN");
+  return round_up(fp8w::code_bytes(k) + fp8w::groups(k) * 4, forced > 0 ? forced : 16);
 }
 
 TensorView w4a16_view(void* data, int64_t rows, int64_t cols, Device device) {

@@ -71,6 +71,18 @@ TEST(FP8W, QuantizeRowErrorBoundAndLayout) {
   }
 }
 
+// Rows are the codes and scales padded to 16 bytes (DeepSeek-V2-Lite's expert rows: gate/up
+// 2,112 bytes, down 1,456); a forced DEEPSERVE_FP8W_ROW_ALIGN changes these.
+TEST(FP8W, RowStrideIsCodesAndScalesIn16ByteUnits) {
+  for (int64_t K = 1; K <= 9000; K += 37) {
+    const int64_t bytes = fp8w::code_bytes(K) + fp8w::groups(K) * 4;
+    ASSERT_EQ(fp8w::row_stride(K), (bytes + 15) / 16 * 16) << K;
+  }
+  EXPECT_EQ(fp8w::row_stride(2048), 2112);
+  EXPECT_EQ(fp8w::row_stride(1408), 1456);
+  EXPECT_EQ(fp8w::row_stride(100), 128);  // 112 code bytes, one scale
+}
+
 TEST(FP8W, CpuMatmulIsTheDequantizedProduct) {
   BackendOptions bo;
   bo.threads = 2;
