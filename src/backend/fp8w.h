@@ -34,9 +34,10 @@ DS_F8_HD int64_t code_bytes(int64_t k) {
 DS_F8_HD int64_t groups(int64_t k) {
   return (k + kGroup - 1) / kGroup;
 }
-// Bytes between rows (host code; random_fill.cpp): the codes and scales padded to 16 bytes.
-// DEEPSERVE_FP8W_ROW_ALIGN=N (16 .. 256, a power of two) pads every row to N instead, for A/Bs
-// of where rows start (W4A16 rows gained from whole 128-byte lines; see w4a16.h).
+// Bytes between rows (host code; random_fill.cpp): the codes and scales on whole 128-byte L2
+// lines where that adds at most 1/16 of the row, else padded to 16 bytes (w4a16.h's rule: W1f
+// +2.3% on the H100). DEEPSERVE_FP8W_ROW_ALIGN=N (16 .. 256, a power of two) pads every row to
+// N, for A/Bs.
 int64_t row_stride(int64_t k);
 
 // e4m3 (bias 7, no infinities, 0x7f / 0xff NaN) to float, exactly.

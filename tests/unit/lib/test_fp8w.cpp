@@ -71,16 +71,20 @@ TEST(FP8W, QuantizeRowErrorBoundAndLayout) {
   }
 }
 
-// Rows are the codes and scales padded to 16 bytes (DeepSeek-V2-Lite's expert rows: gate/up
-// 2,112 bytes, down 1,456); a forced DEEPSERVE_FP8W_ROW_ALIGN changes these.
-TEST(FP8W, RowStrideIsCodesAndScalesIn16ByteUnits) {
-  for (int64_t K = 1; K <= 9000; K += 37) {
-    const int64_t bytes = fp8w::code_bytes(K) + fp8w::groups(K) * 4;
-    ASSERT_EQ(fp8w::row_stride(K), (bytes + 15) / 16 * 16) << K;
+// Rows take whole 128-byte lines where that pads at most 1/16 (DeepSeek-V2-Lite's expert rows:
+// gate/up 2,112 -> 2,176 bytes, down 1,452 -> 1,536), else 16-byte units; a forced
+// DEEPSERVE_FP8W_ROW_ALIGN changes these.
+TEST(FP8W, RowStrideTakesWholeLinesWhereTheyAreCheap) {
+  for (int64_t K = 1; K <= 20000; K += 37) {
+    const int64_t bytes = fp8w::code_bytes(K) + fp8w::groups(K) * 4, stride = fp8w::row_stride(K);
+    const int64_t base = (bytes + 15) / 16 * 16, line = (bytes + 127) / 128 * 128;
+    ASSERT_EQ(stride, (line - base) * 16 <= base ? line : base) << K;
   }
-  EXPECT_EQ(fp8w::row_stride(2048), 2112);
-  EXPECT_EQ(fp8w::row_stride(1408), 1456);
-  EXPECT_EQ(fp8w::row_stride(100), 128);  // 112 code bytes, one scale
+  EXPECT_EQ(fp8w::row_stride(2048), 2176);
+  EXPECT_EQ(fp8w::row_stride(1408), 1536);
+  EXPECT_EQ(fp8w::row_stride(100), 128);    // 112 code bytes, one scale
+  EXPECT_EQ(fp8w::row_stride(40), 64);      // 48 + 4 bytes: a line would add more than 1/16
+  EXPECT_EQ(fp8w::row_stride(5120), 5376);  // 5,280 bytes: +96 to whole lines
 }
 
 TEST(FP8W, CpuMatmulIsTheDequantizedProduct) {
