@@ -4,8 +4,8 @@
 //
 // Layout of a [N, K] FP8W tensor (any K >= 1): row n starts at n * row_stride(K) bytes and holds
 // K e4m3 codes (byte k = element k), zero bytes up to code_bytes(K) (a multiple of 16), then
-// groups(K) F32 scales, then zero padding (row_stride). Element k of row n = e4m3(code) * scale[k /
-// 128].
+// groups(K) F32 scales, then zero padding up to row_stride(K).
+// Element k of row n = e4m3(code) * scale[k / 128].
 //
 // Scales are per row and 128-group ("1 x 128"): quantizing at load computes them that way (finer
 // than DeepSeek-V3's 128 x 128 blocks for the same bytes), and a checkpoint's 128 x 128 block

@@ -72,13 +72,19 @@ TEST(FP8W, QuantizeRowErrorBoundAndLayout) {
 }
 
 // Rows take whole 128-byte lines where that pads at most 1/16 (DeepSeek-V2-Lite's expert rows:
-// gate/up 2,112 -> 2,176 bytes, down 1,452 -> 1,536), else 16-byte units; a forced
+// gate/up 2,112 -> 2,176 bytes, down 1,456 -> 1,536), else 16-byte units; a forced
 // DEEPSERVE_FP8W_ROW_ALIGN changes these.
 TEST(FP8W, RowStrideTakesWholeLinesWhereTheyAreCheap) {
   for (int64_t K = 1; K <= 20000; K += 37) {
     const int64_t bytes = fp8w::code_bytes(K) + fp8w::groups(K) * 4, stride = fp8w::row_stride(K);
-    const int64_t base = (bytes + 15) / 16 * 16, line = (bytes + 127) / 128 * 128;
-    ASSERT_EQ(stride, (line - base) * 16 <= base ? line : base) << K;
+    const int64_t unit16 = (bytes + 15) / 16 * 16;
+    ASSERT_EQ(stride % 16, 0) << K;
+    ASSERT_GE(stride, bytes) << K;
+    ASSERT_LE((stride - unit16) * 16, unit16) << K;  // at most 1/16 over 16-byte units
+    if (stride % 128 != 0) {  // whole lines only where they cost more than 1/16
+      ASSERT_EQ(stride, unit16) << K;
+      ASSERT_GT(((bytes + 127) / 128 * 128 - unit16) * 16, unit16) << K;
+    }
   }
   EXPECT_EQ(fp8w::row_stride(2048), 2176);
   EXPECT_EQ(fp8w::row_stride(1408), 1536);
