@@ -6,9 +6,9 @@
 //
 // Layout of a [N, K] W4A16 tensor (K a multiple of 128): row n starts at n * row_stride(K)
 // bytes and holds K / 2 bytes of codes (byte j: element 2j in the low nibble, 2j + 1 in the
-// high one; a code c stands for c - 8), then K / 128 BF16 scales, then padding (row_stride) so
-// every row can be streamed with 16-byte loads. Element k of row n = (code - 8) *
-// scale[k / 128].
+// high one; a code c stands for c - 8), then K / 128 BF16 scales, then zero padding up to
+// row_stride(K), so every row can be streamed with 16-byte loads.
+// Element k of row n = (code - 8) * scale[k / 128].
 #pragma once
 
 #include <cstdint>

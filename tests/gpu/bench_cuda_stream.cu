@@ -213,7 +213,7 @@ TEST(StreamBench, DISABLED_Patterns) {
       if (spin >= 2000) run_case<3>(b, name, p, 2, sms, blocks);
     }
   // DeepSeek-V2.5's W4A16 experts: a row is K / 2 bytes of codes, then a BF16 scale a group,
-  // padded to 16 bytes (w4a16::row_stride), so gate/up's rows (K = 5120) are 2,640 bytes apart
+  // padded to 16 bytes as stored before f1fd85b, so gate/up's rows (K = 5120) are 2,640 bytes apart
   // and down's (K = 1536) 800, neither a multiple of 128: most rows' 128-byte stage chunks
   // straddle two L2 lines. Against the same codes in rows padded to 128 bytes, and in rows of
   // codes alone.
