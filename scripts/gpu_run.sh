@@ -4,7 +4,9 @@
 # JSON under $OUT. Stages (default: build test): build, test, cputest, lite, smoke, padded, ncu,
 # bench, http, profile, moebench, gemmbench, attnbench, hfbase, w5, w1q, w1f, long, accuracy, gguf,
 # multigpu, w1kv8, abenv, abtree, abarg, ncu, ncustep, trace, phases, items, mutate.
-#   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX)
+#   build   cmake + ninja with CUDA (-gencode arch=compute_90a,code=sm_90a plus PTX); or, when
+#           BUILD_TARGETS names binaries .carry/prebuilt holds for this commit, those
+#           (scripts/gpu_prebuild.sh makes them here; carry .carry/prebuilt)
 #   test    ctest -L gpu, JUnit XML + log
 #   cputest the CPU unit tests too (on the GPU machine's CPU)
 #   lite    writes the DeepSeek-V2-Lite-shaped random BF16 checkpoint to $LITE_DIR
@@ -146,7 +148,42 @@ smollm2_parts
 system_info
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
-if has_stage build; then
+# Binaries built on the development machine (scripts/gpu_prebuild.sh, carried in .carry/prebuilt):
+# taken when they are of this commit, BUILD_TARGETS names only binaries that are there, and every
+# library they need resolves here; else the build runs as usual. The GPU tests find their
+# fixtures under the source folder they were built in (DS_FIXTURES_DIR), so that path is made to
+# point at this tree when it is not there.
+take_prebuilt() {
+  local pre=$ROOT/.carry/prebuilt t
+  [ -n "${BUILD_TARGETS:-}" ] && [ -z "${CUDA_FLAGS:-}" ] && [ -f "$pre/COMMIT" ] || return 1
+  [ "$(cat "$pre/COMMIT")" = "$(cat "$ROOT/.commit" 2>/dev/null)" ] || {
+    log "prebuilt binaries are of $(cat "$pre/COMMIT"), not $(cat "$ROOT/.commit" 2>/dev/null)"
+    return 1
+  }
+  for t in $BUILD_TARGETS; do
+    [ -x "$pre/$t" ] || { log "no prebuilt $t"; return 1; }
+    if ldd "$pre/$t" | grep -q "not found"; then
+      log "prebuilt $t: $(ldd "$pre/$t" | grep 'not found' | tr '\n' ' ')"
+      return 1
+    fi
+  done
+  mkdir -p "$BUILD"
+  for t in $BUILD_TARGETS; do cp "$pre/$t" "$BUILD/$t" || return 1; done
+  "$BUILD/deepserve" --version >"$OUT/prebuilt.txt" 2>&1 || return 1
+  local src
+  src=$(cat "$pre/SRCDIR" 2>/dev/null)
+  if [ -n "$src" ] && [ "$src" != "$ROOT" ] && [ ! -e "$src/tests/fixtures" ]; then
+    mkdir -p "$src" && ln -sfn "$ROOT/tests" "$src/tests"
+  fi
+  log "took the prebuilt $BUILD_TARGETS: $(cat "$OUT/prebuilt.txt")"
+}
+if [ -d "$ROOT/.carry/prebuilt/lib" ]; then
+  export LD_LIBRARY_PATH=$ROOT/.carry/prebuilt/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+
+if has_stage build && take_prebuilt; then
+  :
+elif has_stage build; then
   log "configure + build ($BUILD)"
   # CUDA_FLAGS: extra nvcc flags (e.g. a -D switch for an A/B build in another BUILD).
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DDEEPSERVE_CUDA=ON \
@@ -159,10 +196,11 @@ if has_stage build; then
   log "built"
 fi
 
-if has_stage test && [ -n "${TEST_FILTER:-}" ]; then
-  # A subset of the GPU tests (gtest filter), when device time is short.
-  log "gpu tests --gtest_filter=$TEST_FILTER"
-  timeout "${TEST_TIMEOUT:-900}" "$BUILD/deepserve_gpu_tests" --gtest_filter="$TEST_FILTER" >"$OUT/ctest-gpu.log" 2>&1
+if has_stage test && { [ -n "${TEST_FILTER:-}" ] || [ ! -f "$BUILD/CTestTestfile.cmake" ]; }; then
+  # A subset of the GPU tests (gtest filter), when device time is short; or all of them from a
+  # prebuilt binary (no ctest files: the binary holds every test ctest -L gpu runs).
+  log "gpu tests --gtest_filter=${TEST_FILTER:-*}"
+  timeout "${TEST_TIMEOUT:-900}" "$BUILD/deepserve_gpu_tests" --gtest_filter="${TEST_FILTER:-*}" >"$OUT/ctest-gpu.log" 2>&1
   log "gpu tests rc=$? : $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/ctest-gpu.log" | tr '\n' ' ')"
   grep -E '^\[  FAILED  \]' "$OUT/ctest-gpu.log" | head -20
 elif has_stage test; then

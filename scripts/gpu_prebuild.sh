@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds the sm_90a binaries here (the development machine has the same nvcc as the GPU
+# machine) and puts them in .carry/prebuilt with the shared libraries whose versions the GPU
+# machine lacks (Debian 12's yaml-cpp 0.7 and spdlog 1.10: it has 0.8 and 1.12), so a device
+# call that carries .carry/prebuilt skips its build (75-126 s of device time for deepserve, ~90 s
+# more for the GPU tests). `gpu_run.sh build` takes them when they were built from the commit in
+# .commit and their libraries resolve there, and builds as before otherwise.
+#   scripts/gpu_prebuild.sh [targets]   default: deepserve deepserve_gpu_tests
+#   DS_PREBUILD_DIR  build folder (default: build-sm90)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${DS_PREBUILD_DIR:-build-sm90}
+targets=("$@")
+[ ${#targets[@]} -eq 0 ] && targets=(deepserve deepserve_gpu_tests)
+if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
+  echo "gpu_prebuild: the working tree has uncommitted changes; commit first" >&2
+  exit 1
+fi
+git rev-parse --short HEAD >.commit  # what build_commit.cmake compiles in, and gpu_run.sh checks
+cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDEEPSERVE_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="90a-real;90-virtual" >/dev/null
+ninja -C "$dir" "${targets[@]}"
+out=.carry/prebuilt
+rm -rf "$out" && mkdir -p "$out/lib"
+for t in "${targets[@]}"; do
+  cp "$dir/$t" "$out/$t"
+  strip --strip-unneeded "$out/$t"
+  # The libraries the GPU machine has at another version (shared/GPU-MACHINE.md), by soname.
+  for so in $(ldd "$dir/$t" | awk '/libyaml-cpp|libspdlog|libfmt/ {print $3}'); do
+    cp -L "$so" "$out/lib/"
+  done
+done
+cat .commit >"$out/COMMIT"
+pwd >"$out/SRCDIR"
+du -sh "$out"/*
