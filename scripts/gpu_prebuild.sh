@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the sm_90a binaries here (the development machine has the same nvcc as the GPU
 # machine) and puts them in .carry/prebuilt with the shared libraries whose versions the GPU
-# machine lacks (Debian 12's yaml-cpp 0.7 and spdlog 1.10: it has 0.8 and 1.12), so a device
+# machine lacks (Debian 12's yaml-cpp 0.7: it has 0.8), so a device
 # call that carries .carry/prebuilt skips its build (75-126 s of device time for deepserve, ~90 s
 # more for the GPU tests). `gpu_run.sh build` takes them when they were built from the commit in
 # .commit and their libraries resolve there, and builds as before otherwise.
@@ -23,8 +23,10 @@ ninja -C "$dir" "${targets[@]}"
 out=.carry/prebuilt
 rm -rf "$out" && mkdir -p "$out/lib"
 for t in "${targets[@]}"; do
-  cp "$dir/$t" "$out/$t"
-  strip --strip-unneeded "$out/$t"
+  # Stripped and xz-compressed (23 -> 7 MB each): the tracked files and .carry/deps leave ~28 MB
+  # of the 64 MiB a device call carries.
+  strip --strip-unneeded -o "$out/$t" "$dir/$t"
+  xz -T0 -6 "$out/$t"
   # The libraries the GPU machine has at another version (shared/GPU-MACHINE.md), by soname.
   for so in $(ldd "$dir/$t" | awk '/libyaml-cpp|libspdlog|libfmt/ {print $3}'); do
     cp -L "$so" "$out/lib/"

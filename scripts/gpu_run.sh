@@ -160,15 +160,16 @@ take_prebuilt() {
     log "prebuilt binaries are of $(cat "$pre/COMMIT"), not $(cat "$ROOT/.commit" 2>/dev/null)"
     return 1
   }
+  mkdir -p "$BUILD"
   for t in $BUILD_TARGETS; do
-    [ -x "$pre/$t" ] || { log "no prebuilt $t"; return 1; }
-    if ldd "$pre/$t" | grep -q "not found"; then
-      log "prebuilt $t: $(ldd "$pre/$t" | grep 'not found' | tr '\n' ' ')"
+    [ -f "$pre/$t.xz" ] || { log "no prebuilt $t"; return 1; }
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+      "$pre/$t.xz" "$BUILD/$t" && chmod +x "$BUILD/$t" || return 1
+    if ldd "$BUILD/$t" | grep -q "not found"; then
+      log "prebuilt $t: $(ldd "$BUILD/$t" | grep 'not found' | tr '\n' ' ')"
       return 1
     fi
   done
-  mkdir -p "$BUILD"
-  for t in $BUILD_TARGETS; do cp "$pre/$t" "$BUILD/$t" || return 1; done
   "$BUILD/deepserve" --version >"$OUT/prebuilt.txt" 2>&1 || return 1
   local src
   src=$(cat "$pre/SRCDIR" 2>/dev/null)
