@@ -224,6 +224,31 @@ TEST(CudaMlaPrepare, Fp8CacheFallsBackAndMatches) {
     }
 }
 
+// DEEPSERVE_MLA_PREPARE_PAIRS: q's rope pairs in parts, one CTA each, only the first also doing
+// the latent, the key and the cache row. The same bytes as the four ops for parts that divide the
+// pairs evenly or not (128 heads x 32 pairs in parts of 512, 1,000 and 4,096; 3 heads in parts
+// of 1 pair), at decode sizes with a padding token, and at 300 tokens (past the split's reach).
+TEST(CudaMlaPrepare, QPairsInPartsChangeNothing) {
+  DS_REQUIRE_GPU();
+  const FusedOn fused_on;
+  struct PairsOff {
+    ~PairsOff() { cuda::g_mla_prepare_pairs.force(0); }
+  } pairs_off;
+  uint32_t seed = 1700;
+  for (long long per : {512LL, 1000LL, 4096LL, 1LL})
+    for (int T : {1, 3, 17, 300}) {
+      if (per == 1 && T == 300) continue;
+      SCOPED_TRACE("pairs per CTA " + std::to_string(per));
+      cuda::g_mla_prepare_pairs.force(per);
+      PrepCase c;
+      c.T = T;
+      c.H = per == 1 ? 3 : 128;
+      c.style = T % 2 ? RopeStyle::RotateHalf : RopeStyle::Adjacent;
+      c.cache = T == 3 ? DType::F16 : DType::BF16;
+      check_case(c, seed++);
+    }
+}
+
 // DEEPSERVE_ROW_REGS=1 (the token's loads at once, the norm weight, angles and slot before the
 // wait): the fused kernel's bytes either way, over decode and prefill token counts, 16 and 128
 // heads (one and two rounds of q's pairs), both rope styles, the cache dtypes, a padding token,

@@ -102,6 +102,10 @@ constexpr int kPrepareRegsThreads = 256;
 // kernel writes (pdl.cuh): the norm weight, and the first token's position, rotation angles
 // and cache slot (the step's metadata, uploaded before it). Each value sees the same
 // operations, the sum of squares the same order: the same bits.
+// Grid (token blocks, q parts): with q parts > 1 (DEEPSERVE_MLA_PREPARE_PAIRS, many heads at
+// decode sizes) CTA y rotates part y of the token's q pairs, and only part 0 also normalizes and
+// stores the latent and the key; one CTA a token serialized V2.5's 4,096 pairs in two rounds of
+// dependent loads on 8 SMs (8.4 us a layer at 8 tokens, H100).
 template <typename T>
 __global__ void __launch_bounds__(kPrepareRegsThreads)
     mla_prepare_regs_kernel(Rows kva, const float* __restrict__ norm, float eps, int R, int P,
@@ -112,7 +116,8 @@ __global__ void __launch_bounds__(kPrepareRegsThreads)
                             int64_t rows, int num_tokens, int64_t capacity, DeviceErrors* errors) {
   extern __shared__ float cs_sn[];  // [2 * half]: cos then sin
   const int tid = int(threadIdx.x), nt = int(blockDim.x);
-  const bool normer = tid < norm_threads;
+  const bool lead = blockIdx.y == 0;  // the latent, the key and the cache row too
+  const bool normer = lead && tid < norm_threads;
   float nw[kRowRegs];
 #pragma unroll
   for (int j = 0; j < kRowRegs; ++j) {
@@ -120,15 +125,16 @@ __global__ void __launch_bounds__(kPrepareRegsThreads)
     nw[j] = normer && i < R ? norm[i] : 0.0f;
   }
   int64_t t = blockIdx.x;
-  int64_t slot = t < num_tokens ? slots[t] : -1;
+  int64_t slot = lead && t < num_tokens ? slots[t] : -1;
   if (tid < half)
     rope_cos_sin(positions[t], inv_freq[tid], attn_factor, cs_sn[tid], cs_sn[half + tid]);
   pdl::enter();
-  const int pairs = heads * half;
+  const int all_pairs = heads * half, part = (all_pairs + int(gridDim.y) - 1) / int(gridDim.y);
+  const int p0 = int(blockIdx.y) * part, pairs = min(all_pairs, p0 + part);  // [p0, pairs)
   for (; t < rows; t += gridDim.x) {
     if (t != int64_t(blockIdx.x)) {  // a later token of this block
       __syncthreads();               // the previous token's readers of cs_sn are done
-      slot = t < num_tokens ? slots[t] : -1;
+      slot = lead && t < num_tokens ? slots[t] : -1;
       if (tid < half)
         rope_cos_sin(positions[t], inv_freq[tid], attn_factor, cs_sn[tid], cs_sn[half + tid]);
     }
@@ -144,7 +150,7 @@ __global__ void __launch_bounds__(kPrepareRegsThreads)
     }
     const int ka = adjacent ? 2 * tid : tid, kb = adjacent ? 2 * tid + 1 : tid + half;
     float k0 = 0.0f, k1 = 0.0f;
-    if (tid < half) k0 = k[ka], k1 = k[kb];
+    if (lead && tid < half) k0 = k[ka], k1 = k[kb];
     float qa[kPairRegs], qb[kPairRegs];
     auto q_at = [&](int j) {  // pair j's two values: head j / half, pair j % half
       const int i = j % half;
@@ -159,27 +165,31 @@ __global__ void __launch_bounds__(kPrepareRegsThreads)
         if (j < pairs) qa[m] = q_at(j)[0], qb[m] = q_at(j)[second];
       }
     };
-    load_round(0);
-    float ss = 0.0f;
+    load_round(p0);
+    if (lead) {
+      float ss = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kRowRegs; ++j)
-      if (normer && tid + j * norm_threads < R) ss = rms_add_square(ss, xv[j]);
-    ss = block_sum(ss);  // its barriers also publish cs_sn
-    const float inv = rms_inv(ss, R, eps);
-    T* dst = nullptr;
-    if (t < num_tokens && storable(slot, capacity, errors)) dst = cache + slot * (R + P);
+      for (int j = 0; j < kRowRegs; ++j)
+        if (normer && tid + j * norm_threads < R) ss = rms_add_square(ss, xv[j]);
+      ss = block_sum(ss);  // its barriers also publish cs_sn
+      const float inv = rms_inv(ss, R, eps);
+      T* dst = nullptr;
+      if (t < num_tokens && storable(slot, capacity, errors)) dst = cache + slot * (R + P);
 #pragma unroll
-    for (int j = 0; j < kRowRegs; ++j) {
-      const int i = tid + j * norm_threads;
-      if (!normer || i >= R) break;
-      const float y = rms_apply(xv[j], inv, nw[j]);
-      x[i] = y;
-      if (dst) dst[i] = from_f32<T>(y);
+      for (int j = 0; j < kRowRegs; ++j) {
+        const int i = tid + j * norm_threads;
+        if (!normer || i >= R) break;
+        const float y = rms_apply(xv[j], inv, nw[j]);
+        x[i] = y;
+        if (dst) dst[i] = from_f32<T>(y);
+      }
+      if (tid < half) put_key_pair(k, dst, R, ka, kb, k0, k1, cs_sn[tid], cs_sn[half + tid]);
+      put_key_tail(k, dst, R, 2 * half, P, tid, nt);
+    } else {
+      __syncthreads();  // publishes cs_sn
     }
-    if (tid < half) put_key_pair(k, dst, R, ka, kb, k0, k1, cs_sn[tid], cs_sn[half + tid]);
-    put_key_tail(k, dst, R, 2 * half, P, tid, nt);
-    for (int base = 0; base < pairs; base += kPairRegs * nt) {
-      if (base > 0) load_round(base);
+    for (int base = p0; base < pairs; base += kPairRegs * nt) {
+      if (base > p0) load_round(base);
 #pragma unroll
       for (int m = 0; m < kPairRegs; ++m) {
         const int j = base + tid + m * nt;
@@ -236,13 +246,20 @@ void launch_mla_prepare(const MlaPrepareArgs& a, cudaStream_t stream) {
   const bool regs = g_row_regs.on() && R <= kRowRegs * norm_threads && half <= threads &&
                     threads <= kPrepareRegsThreads;
   if (regs) note_row_regs_launch();
+  // q's rope pairs in parts of at most DEEPSERVE_MLA_PREPARE_PAIRS (0: one part) a CTA, for
+  // decode-sized steps (at most kPrepareSplitRows tokens) on the register kernel.
+  constexpr int64_t kPrepareSplitRows = 64;
+  const int64_t pairs = q.shape[1] * half, per = g_mla_prepare_pairs.get();
+  const unsigned parts = regs && per > 0 && rows <= kPrepareSplitRows
+                             ? unsigned(std::min<int64_t>((pairs + per - 1) / per, 1024))
+                             : 1u;
   dispatch_float(kv.dtype, "mla_prepare cache", [&](auto tag) {
     using T = decltype(tag);
-    pdl::launch(regs ? mla_prepare_regs_kernel<T> : mla_prepare_kernel<T>, blocks, threads,
-                size_t(2 * half) * sizeof(float), stream, kr, a.norm, a.eps, R, P, norm_threads, qr,
-                int(q.shape[1]), a.positions, a.inv_freq, half, a.style == RopeStyle::Adjacent,
-                a.attn_factor, static_cast<T*>(kv.k), a.slot_mapping, rows, a.num_tokens, capacity,
-                a.errors);
+    pdl::launch(regs ? mla_prepare_regs_kernel<T> : mla_prepare_kernel<T>, dim3(blocks, parts),
+                threads, size_t(2 * half) * sizeof(float), stream, kr, a.norm, a.eps, R, P,
+                norm_threads, qr, int(q.shape[1]), a.positions, a.inv_freq, half,
+                a.style == RopeStyle::Adjacent, a.attn_factor, static_cast<T*>(kv.k),
+                a.slot_mapping, rows, a.num_tokens, capacity, a.errors);
   });
   check_cuda(cudaGetLastError(), "mla_prepare");
 }

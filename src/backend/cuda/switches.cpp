@@ -47,6 +47,9 @@ EnvSwitch g_prefetch{"DEEPSERVE_PREFETCH", "1", false};
 EnvCount g_prefetch_kinds{"DEEPSERVE_PREFETCH_KINDS", 7};
 EnvCount g_prefetch_cap{"DEEPSERVE_PREFETCH_CAP", 1LL << 40};
 EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "0", true};
+// The MLA prepare kernel's q rope pairs a CTA at most, in decode-sized steps: the token's pairs
+// spread over that many more CTAs (0: one CTA a token, all of its pairs). The same bits.
+EnvCount g_mla_prepare_pairs{"DEEPSERVE_MLA_PREPARE_PAIRS", 0};
 EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16", false};
 EnvSwitch g_mla_decode_regq{"DEEPSERVE_MLA_DECODE_REGQ", "0", true};
 EnvSwitch g_moe_prefill_wide{"DEEPSERVE_MOE_PREFILL", "wide", false};
