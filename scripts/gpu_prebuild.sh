@@ -7,6 +7,9 @@
 # .commit and their libraries resolve there, and builds as before otherwise.
 #   scripts/gpu_prebuild.sh [targets]   default: deepserve deepserve_gpu_tests
 #   DS_PREBUILD_DIR  build folder (default: build-sm90)
+#   MUTATE_FILE, MUTATE_SED (and MUTATE2_* .. MUTATE9_*): also a GPU test binary built with that
+#       sed applied to that file (then restored), as mutate<N>-deepserve_gpu_tests.xz, which
+#       `gpu_run.sh mutate` runs instead of rebuilding there (~7 MB each: two fit a call)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${DS_PREBUILD_DIR:-build-sm90}
@@ -22,16 +25,37 @@ cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDEEPSERVE_CUDA=ON \
 ninja -C "$dir" "${targets[@]}"
 out=.carry/prebuilt
 rm -rf "$out" && mkdir -p "$out/lib"
+pack() {  # pack <built binary> <name>: stripped, xz-compressed, into $out
+  strip --strip-unneeded -o "$out/$2" "$1"
+  xz -T0 -6 "$out/$2"
+}
 for t in "${targets[@]}"; do
   # Stripped and xz-compressed (23 -> 7 MB each): the tracked files and .carry/deps leave ~28 MB
   # of the 64 MiB a device call carries.
-  strip --strip-unneeded -o "$out/$t" "$dir/$t"
-  xz -T0 -6 "$out/$t"
+  pack "$dir/$t" "$t"
   # The libraries the GPU machine has at another version (shared/GPU-MACHINE.md), by soname.
   for so in $(ldd "$dir/$t" | awk '/libyaml-cpp|libspdlog|libfmt/ {print $3}'); do
     cp -L "$so" "$out/lib/"
   done
 done
+mutated=0
+for m in "" 2 3 4 5 6 7 8 9; do
+  f=MUTATE${m}_FILE e=MUTATE${m}_SED
+  [ -n "${!f:-}" ] && [ -n "${!e:-}" ] || continue
+  cp "${!f}" /tmp/prebuild-mutate.orig
+  trap 'cp /tmp/prebuild-mutate.orig "${!f}"' EXIT
+  sed -i "${!e}" "${!f}"
+  if cmp -s "${!f}" /tmp/prebuild-mutate.orig; then
+    echo "gpu_prebuild: mutate$m: the sed expression changed nothing in ${!f}" >&2
+    exit 1
+  fi
+  ninja -C "$dir" deepserve_gpu_tests
+  pack "$dir/deepserve_gpu_tests" "mutate$m-deepserve_gpu_tests"
+  cp /tmp/prebuild-mutate.orig "${!f}"
+  trap - EXIT
+  mutated=1
+done
+[ "$mutated" = 0 ] || ninja -C "$dir" deepserve_gpu_tests  # the build folder as committed again
 cat .commit >"$out/COMMIT"
 pwd >"$out/SRCDIR"
 du -sh "$out"/*

@@ -632,12 +632,23 @@ if has_stage hfbase; then
 fi
 if has_stage mutate; then
   # Shows new GPU tests failing: applies MUTATE_SED to MUTATE_FILE, rebuilds the GPU tests, runs
-  # MUTATE_TESTS (expected to FAIL), then restores the file (and rebuilds nothing: run it last).
+  # MUTATE_TESTS (expected to FAIL), then restores the file (and rebuilds nothing: run it last);
+  # or runs the test binary scripts/gpu_prebuild.sh built with that mutation, where one is carried.
   # MUTATE2_* to MUTATE9_* (FILE, SED, TESTS): more independent mutations, one at a time.
   for m in "" 2 3 4 5 6 7 8 9; do
     f=MUTATE${m}_FILE e=MUTATE${m}_SED t=MUTATE${m}_TESTS
     if [ -z "${!f:-}" ] || [ -z "${!e:-}" ] || [ -z "${!t:-}" ]; then
       [ -z "$m" ] && log "mutate: set MUTATE_FILE, MUTATE_SED and MUTATE_TESTS"
+      continue
+    fi
+    pre=$ROOT/.carry/prebuilt/mutate$m-deepserve_gpu_tests.xz
+    if [ -f "$pre" ] && [ "$(cat "$ROOT/.carry/prebuilt/COMMIT" 2>/dev/null)" = "$(cat "$ROOT/.commit" 2>/dev/null)" ]; then
+      # Built with this mutation by scripts/gpu_prebuild.sh (the same MUTATE*_ variables).
+      python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+        "$pre" /tmp/mutate-tests && chmod +x /tmp/mutate-tests
+      /tmp/mutate-tests --gtest_filter="${!t}" >"$OUT/mutate$m.log" 2>&1
+      log "mutate$m (prebuilt) rc=$? (non-zero expected): $(grep -cE '^\[  FAILED  \] [A-Za-z]' "$OUT/mutate$m.log") failed"
+      grep -E '^\[  (FAILED|PASSED)' "$OUT/mutate$m.log" | head -20
       continue
     fi
     cp "${!f}" /tmp/mutate.orig
