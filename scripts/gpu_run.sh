@@ -153,6 +153,12 @@ nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 # library they need resolves here; else the build runs as usual. The GPU tests find their
 # fixtures under the source folder they were built in (DS_FIXTURES_DIR), so that path is made to
 # point at this tree when it is not there.
+# unpack_binary <file.xz> <dest>: an xz-compressed binary of gpu_prebuild.sh, runnable at dest
+# (through Python's lzma: the machine may lack xz).
+unpack_binary() {
+  python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+    "$1" "$2" && chmod +x "$2"
+}
 take_prebuilt() {
   local pre=$ROOT/.carry/prebuilt t
   [ -n "${BUILD_TARGETS:-}" ] && [ -z "${CUDA_FLAGS:-}" ] && [ -f "$pre/COMMIT" ] || return 1
@@ -163,8 +169,7 @@ take_prebuilt() {
   mkdir -p "$BUILD"
   for t in $BUILD_TARGETS; do
     [ -f "$pre/$t.xz" ] || { log "no prebuilt $t"; return 1; }
-    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-      "$pre/$t.xz" "$BUILD/$t" && chmod +x "$BUILD/$t" || return 1
+    unpack_binary "$pre/$t.xz" "$BUILD/$t" || return 1
     if ldd "$BUILD/$t" | grep -q "not found"; then
       log "prebuilt $t: $(ldd "$BUILD/$t" | grep 'not found' | tr '\n' ' ')"
       return 1
@@ -644,8 +649,7 @@ if has_stage mutate; then
     pre=$ROOT/.carry/prebuilt/mutate$m-deepserve_gpu_tests.xz
     if [ -f "$pre" ] && [ "$(cat "$ROOT/.carry/prebuilt/COMMIT" 2>/dev/null)" = "$(cat "$ROOT/.commit" 2>/dev/null)" ]; then
       # Built with this mutation by scripts/gpu_prebuild.sh (the same MUTATE*_ variables).
-      python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-        "$pre" /tmp/mutate-tests && chmod +x /tmp/mutate-tests
+      unpack_binary "$pre" /tmp/mutate-tests
       /tmp/mutate-tests --gtest_filter="${!t}" >"$OUT/mutate$m.log" 2>&1
       log "mutate$m (prebuilt) rc=$? (non-zero expected): $(grep -cE '^\[  FAILED  \] [A-Za-z]' "$OUT/mutate$m.log") failed"
       grep -E '^\[  (FAILED|PASSED)' "$OUT/mutate$m.log" | head -20
