@@ -20,6 +20,7 @@ if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
   exit 1
 fi
 git rev-parse --short HEAD >.commit  # what build_commit.cmake compiles in, and gpu_run.sh checks
+# The architectures of gpu_run.sh's own build, so a carried binary is the one it would build.
 cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDEEPSERVE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="90a-real;90-virtual" >/dev/null
 ninja -C "$dir" "${targets[@]}"
@@ -30,10 +31,11 @@ pack() {  # pack <built binary> <name>: stripped, xz-compressed, into $out
   xz -T0 -6 "$out/$2"
 }
 for t in "${targets[@]}"; do
-  # Stripped and xz-compressed (23 -> 7 MB each): the tracked files and .carry/deps leave ~28 MB
-  # of the 64 MiB a device call carries.
+  # Stripped and xz-compressed (23 -> 7 MB each): the tracked files (~31 MB) and .carry/deps
+  # (~5 MB) leave ~30 MB of the 64 MiB a device call carries.
   pack "$dir/$t" "$t"
-  # The libraries the GPU machine has at another version (shared/GPU-MACHINE.md), by soname.
+  # The libraries the GPU machine has at another version (shared/GPU-MACHINE.md), by soname:
+  # yaml-cpp today (spdlog and fmt link statically here, but would need the same).
   for so in $(ldd "$dir/$t" | awk '/libyaml-cpp|libspdlog|libfmt/ {print $3}'); do
     cp -L "$so" "$out/lib/"
   done
