@@ -231,9 +231,9 @@ TEST(CudaMlaPrepare, Fp8CacheFallsBackAndMatches) {
 TEST(CudaMlaPrepare, QPairsInPartsChangeNothing) {
   DS_REQUIRE_GPU();
   const FusedOn fused_on;
-  struct PairsOff {
-    ~PairsOff() { cuda::g_mla_prepare_pairs.force(0); }
-  } pairs_off;
+  struct PairsBack {  // the environment's count (else the default) again
+    ~PairsBack() { cuda::g_mla_prepare_pairs.force(0); }
+  } pairs_back;
   uint32_t seed = 1700;
   for (long long per : {512LL, 1000LL, 4096LL, 1LL})
     for (int T : {1, 3, 17, 300}) {

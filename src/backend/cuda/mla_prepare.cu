@@ -246,7 +246,7 @@ void launch_mla_prepare(const MlaPrepareArgs& a, cudaStream_t stream) {
   const bool regs = g_row_regs.on() && R <= kRowRegs * norm_threads && half <= threads &&
                     threads <= kPrepareRegsThreads;
   if (regs) note_row_regs_launch();
-  // q's rope pairs in parts of at most DEEPSERVE_MLA_PREPARE_PAIRS (0: one part) a CTA, for
+  // q's rope pairs in parts of at most DEEPSERVE_MLA_PREPARE_PAIRS (default 512) a CTA, for
   // decode-sized steps (at most kPrepareSplitRows tokens) on the register kernel.
   constexpr int64_t kPrepareSplitRows = 64;
   const int64_t pairs = q.shape[1] * half, per = g_mla_prepare_pairs.get();

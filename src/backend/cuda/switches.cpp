@@ -48,8 +48,11 @@ EnvCount g_prefetch_kinds{"DEEPSERVE_PREFETCH_KINDS", 7};
 EnvCount g_prefetch_cap{"DEEPSERVE_PREFETCH_CAP", 1LL << 40};
 EnvSwitch g_mla_prepare{"DEEPSERVE_MLA_PREPARE", "0", true};
 // The MLA prepare kernel's q rope pairs a CTA at most, in decode-sized steps: the token's pairs
-// spread over that many more CTAs (0: one CTA a token, all of its pairs). The same bits.
-EnvCount g_mla_prepare_pairs{"DEEPSERVE_MLA_PREPARE_PAIRS", 0};
+// spread over that many more CTAs (a count at least the pairs, e.g. 4096 at 128 heads: one CTA a
+// token). The same bits. 512: W5's 4,096 pairs a token in 8 CTAs, V2-Lite's 512 in one as
+// before; W5 with 20 layers on an H100 +0.9% (1,001.0 -> 1,010.5 tok/s, two rounds, 6c106f6;
+// docs/PERFORMANCE.md, forty-first session).
+EnvCount g_mla_prepare_pairs{"DEEPSERVE_MLA_PREPARE_PAIRS", 512};
 EnvSwitch g_mla_decode_bf16{"DEEPSERVE_MLA_DECODE", "bf16", false};
 EnvSwitch g_mla_decode_regq{"DEEPSERVE_MLA_DECODE_REGQ", "0", true};
 EnvSwitch g_moe_prefill_wide{"DEEPSERVE_MOE_PREFILL", "wide", false};

@@ -48,7 +48,7 @@ extern EnvSwitch g_prefetch;             // off; DEEPSERVE_PREFETCH=1 turns it o
 extern EnvCount g_prefetch_kinds;        // DEEPSERVE_PREFETCH_KINDS (pdl.h)
 extern EnvCount g_prefetch_cap;          // DEEPSERVE_PREFETCH_CAP (pdl.h)
 extern EnvSwitch g_mla_prepare;          // on; DEEPSERVE_MLA_PREPARE=0 turns it off
-extern EnvCount g_mla_prepare_pairs;     // DEEPSERVE_MLA_PREPARE_PAIRS (mla_prepare.cu; 0: off)
+extern EnvCount g_mla_prepare_pairs;     // DEEPSERVE_MLA_PREPARE_PAIRS (mla_prepare.cu; 512)
 extern EnvSwitch g_mla_decode_bf16;      // off; DEEPSERVE_MLA_DECODE=bf16 turns it on
 extern EnvSwitch g_mla_decode_regq;      // on; DEEPSERVE_MLA_DECODE_REGQ=0 turns it off
 extern EnvSwitch g_moe_prefill_wide;     // off; DEEPSERVE_MOE_PREFILL=wide turns it on
