@@ -95,4 +95,74 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
 
 #undef DS_MMA_M16N8K16
 
+// mbarriers (sm_90) and bulk copies into every CTA of a cluster mask (sm_90a: callers compile
+// them only where __CUDA_ARCH_FEAT_SM90_ALL is defined). `bar` and `dst` are this CTA's shared
+// addresses; a multicast copy lands at the same offsets in each CTA of the mask and completes
+// its bytes on each one's barrier at `bar`'s offset.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the barriers this thread initialized visible to the cluster (before a cluster barrier).
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival on this CTA's barrier, expecting `bytes` more of asynchronous copies this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// One arrival on the barrier at `bar`'s offset in cluster CTA `rank` (release, cluster scope:
+// this thread's earlier reads and writes happen before it).
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, uint32_t rank) {
+  asm volatile(
+      "{\n .reg .b32 r;\n mapa.shared::cluster.u32 r, %0, %1;\n"
+      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];\n}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+}
+// Waits until the phase of parity `parity` of this CTA's barrier has completed (acquire,
+// cluster scope: what the arrivals released, and the copies' bytes, are visible after it).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], "
+        "%2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+#else
+// Before sm_90 the kernels that would call them are never launched (they trap).
+__device__ __forceinline__ void mbar_init(uint32_t, uint32_t) {
+  __trap();
+}
+__device__ __forceinline__ void fence_mbar_init() {
+  __trap();
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t, uint32_t) {
+  __trap();
+}
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t, uint32_t) {
+  __trap();
+}
+__device__ __forceinline__ void mbar_wait(uint32_t, uint32_t) {
+  __trap();
+}
+#endif
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// `bytes` (a multiple of 16) from global `src` to `dst` in every CTA of `mask` (16-byte aligned
+// both), completing on each one's barrier at `bar`.
+__device__ __forceinline__ void bulk_copy_multicast(uint32_t dst, const void* src, uint32_t bytes,
+                                                    uint32_t bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "h"(mask)
+      : "memory");
+}
+#endif
+
 }  // namespace ds::cuda::ptx
