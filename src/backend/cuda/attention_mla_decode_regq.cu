@@ -110,6 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
   // tile. The barriers are set up, and made known to the cluster, before anything else.
   int mc_n = 1, mc_z = 0, mc_y = 0, mc_dy = 1;
   uint16_t mc_mask = 0;
+  (void)mc_z, (void)mc_mask;  // read only by the sm_90a copies
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (kMc) {
     namespace cg = cooperative_groups;
