@@ -21,7 +21,6 @@
 #include "backend/cuda/attention_mla_decode.cuh"
 #include "backend/cuda/attention_setup.h"
 #include "backend/cuda/context.cuh"
-#include "backend/cuda/pdl.h"
 #include "backend/cuda/switches.h"
 #include "launch_context.h"
 
@@ -529,64 +528,6 @@ TEST(CudaAttention, MlaDecodeFormsChangeNothing) {
           } else {
             EXPECT_TRUE(test::bits_equal(out, ref));
           }
-        }
-        ++seed;
-      }
-}
-
-// DEEPSERVE_MLA_MCAST=C (the register-Q kernel's head chunks in groups of C that share each
-// cache tile: each CTA copies a share of the tile's rows into all of them with multicast bulk
-// copies) gives the bits of every CTA copying its own tiles: W5's batch (128 heads, 2 splits),
-// contexts around the 64-key tiles (a last tile of one row, splits of one tile and of none), 64,
-// 32 and 48 heads, groups of 2, 4 and 8, the splits merged in the clusters or by the merge
-// kernel, the first copies before the dependent-launch wait or after, outputs poisoned with NaN
-// before each launch. The group is taken exactly where the head chunks divide into it.
-TEST(CudaAttention, MlaDecodeMulticastTilesChangeNothing) {
-  DS_REQUIRE_GPU();
-  if (!cuda::pdl::hopper()) GTEST_SKIP() << "multicast copies need sm_90";
-  const std::vector<test::StepSeq> edges = {{1, 1},   {1, 63},  {1, 64},  {1, 65},
-                                            {1, 129}, {1, 777}, {1, 2049}};
-  struct Shape {
-    int heads;
-    std::vector<test::StepSeq> seqs;
-  };
-  const Shape shapes[] = {{128, decodes(8, 1300, 5)},
-                          {128, edges},
-                          {64, decodes(3, 2000, 7)},
-                          {32, {{1, 500}, {1, 1}}},
-                          {48, {{1, 300}}}};
-  const int sms = launch_context().get().sm_count;
-  uint32_t seed = 3700;
-  for (int cluster : {1, 0})
-    for (int settled : {1, 0})
-      for (const Shape& sh : shapes) {
-        const test::Forced merge(cuda::g_mla_cluster, cluster);
-        Case c;
-        c.seqs = sh.seqs;
-        c.heads = sh.heads, c.hd = 512, c.rope = 64, c.path = AttentionPath::MlaDecodeBf16;
-        c.settled = settled != 0;
-        std::vector<float> ref;
-        {
-          const Inputs in = make_inputs(c, seed);
-          launch(c, in);
-          ref = read_out(c, in);
-        }
-        for (int group : {2, 4, 8}) {
-          const test::Forced mc(cuda::g_mla_mcast, group);
-          SCOPED_TRACE(describe(c) + (cluster ? ", cluster merge" : ", merge kernel") +
-                       (settled ? ", early copies" : "") + ", groups of " + std::to_string(group));
-          const Inputs in = make_inputs(c, seed);  // the same inputs, outputs NaN again
-          cuda::kern::AttnParams a = cuda::mla_params(mla_params(c, in), in.step.meta);
-          a.mla_rows = cuda::mla_decode_rows(a, true);
-          a.splits = cuda::mla_decode_splits(a, sms);
-          const cuda::McastPlan plan = cuda::mla_decode_mcast(a, true);
-          const int chunks = (c.heads + 15) / 16;
-          EXPECT_EQ(plan.group, chunks % group == 0 ? group : 1);
-          std::printf("[ mcast    ] %s, groups of %d: %d splits, %s\n", describe(c).c_str(),
-                      plan.group, a.splits,
-                      plan.merged ? "merged in clusters" : "merged by the kernel or unsplit");
-          launch(c, in);
-          EXPECT_TRUE(test::bits_equal(read_out(c, in), ref));
         }
         ++seed;
       }

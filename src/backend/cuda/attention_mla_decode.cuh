@@ -35,15 +35,6 @@ bool launch_mla_decode(const kern::AttnParams& a, cudaStream_t stream, bool bf16
 // (DEEPSERVE_MLA_CLUSTER=1), sm_90+, 2 to 16 splits, 16-byte aligned output rows, and every
 // cluster of the grid resident at once.
 bool mla_decode_merges_in_cluster(const kern::AttnParams& a);
-// The register-Q kernel with multicast tiles (DEEPSERVE_MLA_MCAST=C: C head chunks of a sequence
-// and split share each cache tile, copied once into all of them): group C where it takes `a`
-// (a.splits and a.mla_rows set; BF16 Q / P, 16 rows a CTA, C a power of two dividing the head
-// chunks, sm_90a), else 1; merged: the splits merge in the same clusters (no merge kernel).
-struct McastPlan {
-  int group = 1;
-  bool merged = false;
-};
-McastPlan mla_decode_mcast(const kern::AttnParams& a, bool bf16_qp);
 // The split count DEEPSERVE_MLA_CLUSTER_FIT=1 launches with: a.splits where its clusters merge in
 // the kernel (or it is 2 or fewer), else the largest count down to half of it whose clusters all
 // fit at once (so they merge in the kernel, a split perhaps taking one tile more), else a.splits.

@@ -32,17 +32,11 @@ constexpr int kSStride = kKeys + 8;  // floats per partial-score row: float2 sto
 // kH: 16-row halves per CTA (2: 32 heads, BF16 Q / P only; mla_decode_rows).
 template <int kH>
 constexpr int kRedBytes = 4 * (kGroups * kH * kRows * kSStride);
-// kMc (multicast tiles): a tile's rows whole and in order, 16 bytes more apart than their
-// bytes, where a bulk copy can land them (the swizzle is a per-chunk placement); ldmatrix's 8
-// rows of a phase still fall in 8 bank groups (1,168 bytes is 73 chunks: one group on per row).
-constexpr int kPadRowBytes = kRowBytes + 16;
-template <bool kMc>
-constexpr int kStageBytes = kMc ? kKeys* kPadRowBytes : kTileBytes;
 // Two cache stages, partial scores, P hi / lo (kH = 2: P of both halves, hi only), per-row
-// alpha / max / sum, two tiles' slots; kMc: four mbarriers (each stage's full and empty).
-template <int kH, bool kMc = false>
-constexpr int kSmemBytes = 2 * kStageBytes<kMc> + kRedBytes<kH> + 2 * kPBytes +
-                           4 * (3 * kH * kRows) + 2 * kSlotBytes + (kMc ? 4 * 8 : 0);
+// alpha / max / sum, two tiles' slots.
+template <int kH>
+constexpr int kSmemBytes = 2 * kTileBytes + kRedBytes<kH> + 2 * kPBytes + 4 * (3 * kH * kRows) +
+                           2 * kSlotBytes;
 static_assert(kDim == kMaxDim && kDim % (16 * kGroups) == 0, "dim groups of whole k-steps");
 // The in-cluster merge's parts ([kH][kRows][kR] F32) and scratch (merge_gathered) in the stages.
 static_assert((2 * kRows * kR + (3 * kMaxClusterSize + 1) * kRows) * 4 <= 2 * kTileBytes,
@@ -68,78 +62,28 @@ __device__ __forceinline__ void merge_halves(const kern::AttnParams& p, int toke
 // kH = 2 (BF16 Q / P only): 32 heads a CTA, two 16-row halves that share each K fragment and V
 // fragment a warp loads (twice the mma per staged tile, half the CTAs per sequence and so half
 // the cache reads: many-head models, W5's 128 heads); the halves' rows are the 16-row kernel's.
-// kMc (BF16 Q / P, 16 rows, sm_90a; DEEPSERVE_MLA_MCAST): the cluster's z is a group of C head
-// chunks of the same sequence and split, so the same keys. Each CTA copies rows
-// [64 z / C, 64 (z + 1) / C) of every tile into all C CTAs at once (bulk copies to a cluster
-// mask), so L2 sends each cache row to a group once instead of C times: at W5's shape eight
-// head chunks read every row, and the tiles were bound by L2's bandwidth, not the tensor cores
-// (docs/PERFORMANCE.md, forty-first session). A stage's full barrier counts the tile's bytes; its
-// empty barrier counts the C CTAs done reading it, and a CTA copies into a stage only when every
-// CTA of its group has released it. The same fragments, in the same order: the same bits.
-template <bool kLo, bool kCl, int kH, bool kMc = false>
+template <bool kLo, bool kCl, int kH>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern::AttnParams p) {
   static_assert(kH == 1 || (kH == 2 && !kLo), "two halves with BF16 Q / P only (registers)");
-  static_assert(!kMc || (kH == 1 && !kLo), "multicast tiles with 16 rows, BF16 Q / P only");
-#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (kMc) {
-    __trap();  // launched on sm_90a code only (mla_decode_mcast)
-    return;
-  }
-#endif
   PhaseLog plog;
   plog.open(p);
   if (!p.early_cache) pdl::enter();
   using namespace regq;
   constexpr int kRowsH = kH * kRows;  // heads per CTA
-  constexpr int kStage = kStageBytes<kMc>;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* stage0 = smem;
-  float* red_s = reinterpret_cast<float*>(stage0 + 2 * kStage);  // [group][row][kSStride]
-  uint8_t* p_hi = stage0 + 2 * kStage + kRedBytes<kH>;           // kH = 2: rows 16-31 at p_lo
+  float* red_s = reinterpret_cast<float*>(stage0 + 2 * kTileBytes);  // [group][row][kSStride]
+  uint8_t* p_hi = stage0 + 2 * kTileBytes + kRedBytes<kH>;           // kH = 2: rows 16-31 at p_lo
   uint8_t* p_lo = p_hi + kPBytes;
   float* row_alpha = reinterpret_cast<float*>(p_lo + kPBytes);  // [kRowsH]
   float* row_m = row_alpha + kRowsH;                            // [kRowsH]
   float* row_l = row_m + kRowsH;                                // [kRowsH]
   auto* slots = reinterpret_cast<int64_t*>(row_l + kRowsH);     // [2 tiles][kKeys]
-  // kMc: full[2] then empty[2], one of each a stage.
-  const uint32_t bar_full = smem_u32(slots + 2 * kKeys), bar_empty = bar_full + 16;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int seq = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * kRowsH;
-  // kMc: this CTA's group (C CTAs: cluster ranks y + dim.y j), its place z in it, its rows of a
-  // tile. The barriers are set up, and made known to the cluster, before anything else.
-  int mc_n = 1, mc_z = 0, mc_y = 0, mc_dy = 1;
-  uint16_t mc_mask = 0;
-  (void)mc_z, (void)mc_mask;  // read only by the sm_90a copies
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (kMc) {
-    namespace cg = cooperative_groups;
-    const cg::cluster_group cluster = cg::this_cluster();
-    const dim3 cd = cluster.dim_blocks(), ci = cluster.block_index();
-    mc_n = int(cd.z), mc_z = int(ci.z), mc_y = int(ci.y), mc_dy = int(cd.y);
-    // Ranks run x fastest (x = 0 here): y + dim.y z. A device that numbered them otherwise
-    // would copy into the wrong CTAs: stop instead.
-    if (cluster.block_rank() != unsigned(mc_y + mc_dy * mc_z)) __trap();
-    for (int j = 0; j < mc_n; ++j) mc_mask |= uint16_t(1u << (mc_y + mc_dy * j));
-    if (tid == 0) {
-      ptx::mbar_init(bar_full, 1);
-      ptx::mbar_init(bar_full + 8, 1);
-      ptx::mbar_init(bar_empty, uint32_t(mc_n));
-      ptx::mbar_init(bar_empty + 8, uint32_t(mc_n));
-      ptx::fence_mbar_init();
-    }
-    cluster.sync();  // every CTA's barriers set before any copy or arrival reaches them
-  }
-#endif
-  // kMc without kCl: no CTA leaves while another of its cluster may still arrive on its barriers.
-  auto mc_done = [&] {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if constexpr (kMc && !kCl) cooperative_groups::this_cluster().sync();
-#endif
-  };
   SplitKeys sk;
   if (!split_keys(p, seq, split, h0, tid, sk, !kCl, kRowsH)) {
-    // kMc: the group shares the split, so none of its CTAs has keys either.
     if constexpr (kCl) {  // no keys: the cluster still counts this CTA, as an empty split
       if (p.early_cache) pdl::enter();  // the merge writes the output
       if (tid < kRowsH) {
@@ -148,7 +92,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
       }
       merge_halves<kH>(p, sk.token, h0, reinterpret_cast<float*>(stage0), row_m, row_l);
     }
-    mc_done();
     plog.close(seq, split, 0);
     return;
   }
@@ -159,62 +102,31 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
     const int j = key_begin + t * kKeys + k;
     return j < key_end ? kern::slot_of(p, seq, j) : -1;
   };
-  // Byte offset of 16-byte chunk c of staged row r.
-  auto kv_off = [](int r, int c) -> uint32_t {
-    if constexpr (kMc)
-      return uint32_t(r * kPadRowBytes + c * 16);
-    else
-      return swz(r, c, kRowBytes);
-  };
   // Warp w copies key rows w * 8 .. + 8 of a tile; lane l chunks l, l + 32 (and l + 64 < 72).
   constexpr int kChunks = kDim / 8;
   static_assert(kChunks > 64 && kChunks <= 96, "three chunks a lane, the third for some lanes");
   const uint8_t* row0 = p.k + lane * 16;  // this lane's first chunk of cache row (slot) 0
   const uint32_t slot_bytes = uint32_t(p.slot_bytes);
   auto load_tile = [&](int stage, int t) {
-    const uint32_t base = smem_u32(stage0 + stage * kStage);
+    const uint32_t base = smem_u32(stage0 + stage * kTileBytes);
     const int64_t* ts = slots + (t & 1) * kKeys;
-    if constexpr (kMc) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-      // Tile t into stage `stage` (stage = t & 1) of every CTA of the group. Rows past the
-      // split are nobody's copy: each CTA zeroes its own (P is 0 there, but 0 x NaN is not).
-      const int valid = min(kKeys, key_end - (key_begin + t * kKeys));
-      for (int i = valid * kChunks + tid; i < kKeys * kChunks; i += kThreads) {
-        const int r = i / kChunks, c = i - r * kChunks;
-        *reinterpret_cast<uint4*>(stage0 + stage * kStage + r * kPadRowBytes + c * 16) =
-            make_uint4(0u, 0u, 0u, 0u);
-      }
-      if (tid == 0) ptx::mbar_arrive_expect_tx(bar_full + 8 * stage, uint32_t(valid * kRowBytes));
-      const int per = kKeys / mc_n;
-      if (tid < per) {
-        // The stage held tile t - 2: every CTA of the group must be done with it.
-        if (t >= 2) ptx::mbar_wait(bar_empty + 8 * stage, uint32_t(((t - 2) >> 1) & 1));
-        const int r = mc_z * per + tid;
-        if (r < valid)
-          ptx::bulk_copy_multicast(base + uint32_t(r * kPadRowBytes),
-                                   p.k + uint64_t(uint32_t(ts[r])) * slot_bytes, kRowBytes,
-                                   bar_full + 8 * stage, mc_mask);
-      }
-#endif
-    } else {
-      // A row's addresses are formed once: row r = warp * 8 + i has (r & 7) = i, so chunk
-      // c = lane + 32 m lands at swz(r, lane) + 512 m, and a key past the split reads (nothing
-      // from) row 0; the third chunk is a predicated copy, not a branch. (Per chunk, with the
-      // row's 64-bit product and the select redone each time and the third chunk a divergent
-      // branch, a tile's copies took ~50 instructions a row, ~400 of the ~1,000 a tile took; on
-      // the H200 this form with Q pairs took W3 2.79 -> 2.73 ms, docs/PERFORMANCE.md.)
+    // A row's addresses are formed once: row r = warp * 8 + i has (r & 7) = i, so chunk
+    // c = lane + 32 m lands at swz(r, lane) + 512 m, and a key past the split reads (nothing
+    // from) row 0; the third chunk is a predicated copy, not a branch. (Per chunk, with the
+    // row's 64-bit product and the select redone each time and the third chunk a divergent
+    // branch, a tile's copies took ~50 instructions a row, ~400 of the ~1,000 a tile took; on
+    // the H200 this form with Q pairs took W3 2.79 -> 2.73 ms, docs/PERFORMANCE.md.)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int r = warp * 8 + i;
-        const int64_t slot = ts[r];
-        const bool ok = slot >= 0;
-        // Slots and row sizes fit 32 bits (kern::slot_of's block * block_size + offset is formed
-        // from int32 block ids; mla_decode_fits bounds slot_bytes): one wide product.
-        const uint8_t* src = row0 + uint64_t(ok ? uint32_t(slot) : 0u) * slot_bytes;
-        const uint32_t dst =
-            base + uint32_t(r * kRowBytes) + uint32_t(((lane & ~7) | ((lane ^ i) & 7)) << 4);
-        ptx::cp_async16_x3<512>(dst, src, !ok, lane + 64 < kChunks);
-      }
+    for (int i = 0; i < 8; ++i) {
+      const int r = warp * 8 + i;
+      const int64_t slot = ts[r];
+      const bool ok = slot >= 0;
+      // Slots and row sizes fit 32 bits (kern::slot_of's block * block_size + offset is formed
+      // from int32 block ids; mla_decode_fits bounds slot_bytes): one wide product.
+      const uint8_t* src = row0 + uint64_t(ok ? uint32_t(slot) : 0u) * slot_bytes;
+      const uint32_t dst =
+          base + uint32_t(r * kRowBytes) + uint32_t(((lane & ~7) | ((lane ^ i) & 7)) << 4);
+      ptx::cp_async16_x3<512>(dst, src, !ok, lane + 64 < kChunks);
     }
   };
   if (tid < 2 * kKeys && tid / kKeys < n_tiles) slots[tid] = slot_at(tid / kKeys, tid % kKeys);
@@ -331,24 +243,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
 
   for (int t = 0; t < n_tiles; ++t) {
     const int k0 = key_begin + t * kKeys;
-    if constexpr (kMc)
-      ptx::mbar_wait(bar_full + 8 * (t & 1), uint32_t((t >> 1) & 1));  // every row's bytes
-    else
-      ptx::cp_async_wait<0>();
+    ptx::cp_async_wait<0>();
     // Tile t visible to every warp; every warp is past tile t - 1, so the other stage, the
     // partial scores and P are free.
     __syncthreads();
     if (t == 0) plog.mark(5);
-    // kMc: tile t - 1's stage released in every CTA of the group (each counts its C readers).
-    if (kMc && t >= 1 && tid < mc_n)
-      ptx::mbar_arrive_remote(bar_empty + 8 * ((t - 1) & 1), uint32_t(mc_y + mc_dy * tid));
     if (t + 1 < n_tiles) load_tile((t + 1) & 1, t + 1);
     ptx::cp_async_commit();
     // Tile t + 2's slots: looked up now, stored into table t & 1 after P . V (no copy reads it
     // any more), read after the next barrier.
     int64_t next_slot = -1;
     if (tid < kKeys && t + 2 < n_tiles) next_slot = slot_at(t + 2, tid);
-    const uint32_t kv = smem_u32(stage0 + (t & 1) * kStage);
+    const uint32_t kv = smem_u32(stage0 + (t & 1) * kTileBytes);
 
     // Partial S over this warp's 9 k-steps for keys half*32 .. +32 (n-tiles j = 0..3). The
     // wrappers are asm volatile, so their order is the issue order: each step's K fragments
@@ -360,7 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
       const int chunk = (grp * kGroupSteps + s) * 2 + (lm & 1);
 #pragma unroll
       for (int np = 0; np < 2; ++np)
-        ptx::ldmatrix_x4(b[np], kv + kv_off(half * 32 + np * 16 + (lm >> 1) * 8 + li, chunk));
+        ptx::ldmatrix_x4(b[np],
+                         kv + swz(half * 32 + np * 16 + (lm >> 1) * 8 + li, chunk, kRowBytes));
     };
     uint32_t kb[2][2][4];  // two steps' fragments in flight
     load_k(0, kb[0]);
@@ -477,8 +384,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
       if constexpr (kLo) ptx::ldmatrix_x4(al, pl + a_off);
 #pragma unroll
       for (int n = 0; n < 8; n += 2)
-        ptx::ldmatrix_x4_trans(
-            b[n / 2], kv + kv_off(kk + (lm & 1) * 8 + li, (warp * 64 + n * 8) / 8 + (lm >> 1)));
+        ptx::ldmatrix_x4_trans(b[n / 2], kv + swz(kk + (lm & 1) * 8 + li,
+                                                  (warp * 64 + n * 8) / 8 + (lm >> 1), kRowBytes));
 #pragma unroll
       for (int hf = 0; hf < kH; ++hf)
 #pragma unroll
@@ -522,19 +429,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_regq_kernel(const kern
       store_rows(p, sk, split, h0 + hf * kRows, warp, lane, o[hf], m_rows, l_rows);
     }
   }
-  mc_done();
   plog.close(seq, split, n_tiles);
 }
 
 // The kernel's shared-memory limit (allow_smem: per device, as every launch did before the
 // cluster variants) and, for those, non-portable cluster sizes (once per process, as
 // gemm_wq.cu's prepare_dense sets them).
-template <bool kLo, bool kCl, int kH, bool kMc = false>
+template <bool kLo, bool kCl, int kH>
 void prepare_regq() {
-  allow_smem<mla_decode_regq_kernel<kLo, kCl, kH, kMc>>(regq::kSmemBytes<kH, kMc>);
-  if constexpr (kCl || kMc) {
+  allow_smem<mla_decode_regq_kernel<kLo, kCl, kH>>(regq::kSmemBytes<kH>);
+  if constexpr (kCl) {
     static const bool ready = [] {
-      check_cuda(cudaFuncSetAttribute(mla_decode_regq_kernel<kLo, kCl, kH, kMc>,
+      check_cuda(cudaFuncSetAttribute(mla_decode_regq_kernel<kLo, kCl, kH>,
                                       cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
                  "mla decode cluster size");
       return true;
@@ -556,27 +462,6 @@ int max_active_clusters(int size) {
       cuda::max_active_clusters(mla_decode_regq_kernel<kLo, true, kH>, dim3(1, unsigned(size), 1),
                                 kThreads, regq::kSmemBytes<kH>);
   known[size].store(n + 1, std::memory_order_relaxed);
-  return n;
-}
-
-// How many clusters of the multicast kernel (kMc) of shape (1, sy, c) the device holds at once
-// (sy > 1: the splits merge in the cluster; asked once per shape; 0 if it cannot tell).
-int max_active_mc_clusters(int sy, int c) {
-  static std::atomic<int> known[kMaxClusterSize + 1][kMaxClusterSize + 1] = {};
-  const int k = known[sy][c].load(std::memory_order_relaxed);
-  if (k > 0) return k - 1;
-  const dim3 shape(1, unsigned(sy), unsigned(c));
-  int n = 0;
-  if (sy > 1) {
-    prepare_regq<false, true, 1, true>();
-    n = cuda::max_active_clusters(mla_decode_regq_kernel<false, true, 1, true>, shape, kThreads,
-                                  regq::kSmemBytes<1, true>);
-  } else {
-    prepare_regq<false, false, 1, true>();
-    n = cuda::max_active_clusters(mla_decode_regq_kernel<false, false, 1, true>, shape, kThreads,
-                                  regq::kSmemBytes<1, true>);
-  }
-  known[sy][c].store(n + 1, std::memory_order_relaxed);
   return n;
 }
 
@@ -610,22 +495,6 @@ bool launch_regq(const kern::AttnParams& a, cudaStream_t stream, bool bf16_qp, b
   k.phase_log = log.buf;
   k.phase_cap = log.cap;
   k.phase_skip = log.skip;
-  const McastPlan mc = mla_decode_mcast(a, bf16_qp);
-  if (mc.group > 1) {
-    merged = mc.merged;
-    const dim3 cluster(1, mc.merged ? unsigned(a.splits) : 1u, unsigned(mc.group));
-    auto go_mc = [&]<bool kCl>() {
-      prepare_regq<false, kCl, 1, true>();
-      pdl::launch_clusters(mla_decode_regq_kernel<false, kCl, 1, true>, grid, kThreads,
-                           regq::kSmemBytes<1, true>, stream, cluster, k);
-    };
-    if (mc.merged)
-      go_mc.template operator()<true>();
-    else
-      go_mc.template operator()<false>();
-    check_cuda(cudaGetLastError(), "mla decode kernel (multicast tiles)");
-    return true;
-  }
   merged = mla_decode_merges_in_cluster(a);
   auto go = [&]<bool kLo, bool kCl, int kH>() {
     prepare_regq<kLo, kCl, kH>();
@@ -687,38 +556,6 @@ bool mla_decode_merges_in_cluster(const kern::AttnParams& a) {
 int mla_decode_rows(const kern::AttnParams& a, bool bf16_qp) {
   using namespace mla_decode;
   return g_mla_rows32.on() && bf16_qp && a.heads >= 2 * kRows && regq_takes(a) ? 2 * kRows : kRows;
-}
-
-McastPlan mla_decode_mcast(const kern::AttnParams& a, bool bf16_qp) {
-  using namespace mla_decode;
-  McastPlan plan;
-  const long long c = g_mla_mcast.get();
-  const int chunks = (a.heads + kRows - 1) / kRows;
-  // Groups of 2 to 16 head chunks of 16 rows (BF16 Q / P), whole groups, on sm_90a code.
-  if (c < 2 || c > kMaxClusterSize || (c & (c - 1)) != 0 || !bf16_qp || a.mla_rows != kRows ||
-      !regq_takes(a) || chunks % c != 0 || !pdl::hopper())
-    return plan;
-  // The copies are sm_90a code: a later GPU runs the sm_90 PTX, where the kernel traps.
-  int dev = 0, major = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
-             "cudaDeviceGetAttribute");
-  if (major != 9) return plan;
-  const int group = int(c);
-  const int64_t clusters = int64_t(a.num_seqs) * (chunks / group);
-  // The splits merge in the cluster too where the in-cluster merge is asked for, the cluster
-  // (splits x group) is at most 16 CTAs, the output rows are 16-byte aligned and every cluster
-  // of the grid fits at once (as mla_decode_merges_in_cluster); else the merge kernel follows.
-  const bool aligned =
-      (reinterpret_cast<uintptr_t>(a.out) | uintptr_t(a.out_ts) | uintptr_t(a.out_hs)) % 16 == 0;
-  if (g_mla_cluster.on() && a.splits > 1 && a.splits * group <= kMaxClusterSize && aligned &&
-      clusters <= max_active_mc_clusters(a.splits, group)) {
-    plan.group = group;
-    plan.merged = true;
-    return plan;
-  }
-  if (max_active_mc_clusters(1, group) > 0) plan.group = group;
-  return plan;
 }
 
 int mla_decode_cluster_fit(const kern::AttnParams& a) {

@@ -172,13 +172,13 @@ __device__ __forceinline__ void stash_rows(float* part, int warp, int lane,
 // rounds of remote reads, where the shared merge takes about eight (max, then max and sum, then
 // max and values, in chunks of 8 splits, each load waiting on the one before).
 // Called by merge_in_cluster (sm_90+) with its cluster, after the barrier that makes every CTA's
-// part, row_m and row_l visible: this CTA is split z of S, whose splits are cluster ranks
-// base .. base + S - 1.
+// part, row_m and row_l visible.
 template <typename Cluster>
 __device__ __forceinline__ void merge_gathered(const Cluster& cluster, const kern::AttnParams& p,
                                                int token, int h0, const float* part,
                                                const float* row_m, const float* row_l,
-                                               float* scratch, int S, int z, int base) {
+                                               float* scratch) {
+  const int S = int(cluster.num_blocks()), z = int(cluster.block_rank());
   const int tid = int(threadIdx.x);
   float* sm_m = scratch;                         // [split][row]
   float* sm_l = sm_m + kMaxClusterSize * kRows;  // [split][row]
@@ -187,8 +187,8 @@ __device__ __forceinline__ void merge_gathered(const Cluster& cluster, const ker
   static_assert(kMaxClusterSize * kRows <= kThreads, "one thread per (split, row)");
   if (tid < S * kRows) {
     const int s = tid / kRows, row = tid % kRows;
-    sm_m[tid] = *cluster.map_shared_rank(row_m + row, base + s);
-    sm_l[tid] = *cluster.map_shared_rank(row_l + row, base + s);
+    sm_m[tid] = *cluster.map_shared_rank(row_m + row, s);
+    sm_l[tid] = *cluster.map_shared_rank(row_l + row, s);
   }
   __syncthreads();
   if (tid < kRows && h0 + tid < p.heads) {
@@ -209,8 +209,8 @@ __device__ __forceinline__ void merge_gathered(const Cluster& cluster, const ker
 #pragma unroll
     for (int s = 0; s < kMaxClusterSize; ++s)
       if (s < S && fac_of(s) != -INFINITY) {
-        const float4 q = *reinterpret_cast<const float4*>(
-            cluster.map_shared_rank(part + row * kR + d, base + s));
+        const float4 q =
+            *reinterpret_cast<const float4*>(cluster.map_shared_rank(part + row * kR + d, s));
         o[s][0] = q.x, o[s][1] = q.y, o[s][2] = q.z, o[s][3] = q.w;
       }
     float acc[4];
@@ -220,28 +220,25 @@ __device__ __forceinline__ void merge_gathered(const Cluster& cluster, const ker
   }
 }
 
-// scratch: merge_gathered's (with p.merge_gather). The cluster's y is the splits; a cluster of
-// several head chunks (its z: the register-Q kernel's multicast groups) merges each chunk's
-// splits, cluster ranks y + dim.y z.
+// scratch: merge_gathered's (with p.merge_gather).
 __device__ __forceinline__ void merge_in_cluster(const kern::AttnParams& p, int token, int h0,
                                                  const float* part, const float* row_m,
                                                  const float* row_l, float* scratch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
-  const dim3 cd = cluster.dim_blocks(), ci = cluster.block_index();
-  const int S = int(cd.y), z = int(ci.y), base = int(ci.z * cd.y);
   cluster.sync();  // every CTA's part, row_m and row_l visible to the cluster
   if (p.merge_gather) {
-    merge_gathered(cluster, p, token, h0, part, row_m, row_l, scratch, S, z, base);
+    merge_gathered(cluster, p, token, h0, part, row_m, row_l, scratch);
   } else {
     kern::merge_cluster_items(
-        S, z, int(threadIdx.x), kThreads, kRows, kR, [&](int row) { return h0 + row < p.heads; },
-        [&](int s, int row) { return *cluster.map_shared_rank(row_m + row, base + s); },
-        [&](int s, int row) { return *cluster.map_shared_rank(row_l + row, base + s); },
+        int(cluster.num_blocks()), int(cluster.block_rank()), int(threadIdx.x), kThreads, kRows, kR,
+        [&](int row) { return h0 + row < p.heads; },
+        [&](int s, int row) { return *cluster.map_shared_rank(row_m + row, s); },
+        [&](int s, int row) { return *cluster.map_shared_rank(row_l + row, s); },
         [&](int s, int row, int d, float(&o)[4]) {
-          const float4 q = *reinterpret_cast<const float4*>(
-              cluster.map_shared_rank(part + row * kR + d, base + s));
+          const float4 q =
+              *reinterpret_cast<const float4*>(cluster.map_shared_rank(part + row * kR + d, s));
           o[0] = q.x, o[1] = q.y, o[2] = q.z, o[3] = q.w;
         },
         [&](int row, int d, const float(&acc)[4]) {

@@ -215,10 +215,6 @@ EnvSwitch g_mla_cluster_fit{"DEEPSERVE_MLA_CLUSTER_FIT", "1", false};
 // slower than the hi + lo 16-row form (1719a42), which is 1.4% slower than the BF16 16-row form
 // (7e6a912); no H200 has run it.
 EnvSwitch g_mla_rows32{"DEEPSERVE_MLA_ROWS32", "1", false};
-// The register-Q MLA decode's head chunks in groups of this many (2 to 16, a power of two) that
-// share each cache tile through multicast bulk copies (attention_mla_decode_regq.cu, kMc; BF16 Q
-// / P, sm_90a). Unset: every CTA copies its own tiles. Off until measured.
-EnvCount g_mla_mcast{"DEEPSERVE_MLA_MCAST", 0};
 // Auto's MLA decode takes BF16 Q / P (FlashMLA's precision) for models of at least this many
 // heads (DEEPSERVE_MLA_BF16_MIN_HEADS; 0: never): W5's 128 heads pay for the hi + lo form's
 // second product (W5 with 20 layers on an H100, 7e6a912, two rounds: TPOT 7.96 -> 7.84 ms,

@@ -91,7 +91,6 @@ extern EnvSwitch g_mla_merge_gather;     // on; DEEPSERVE_MLA_MERGE_GATHER=0 tur
 extern EnvSwitch g_mla_q_split2;         // on; DEEPSERVE_MLA_Q_SPLIT2=0 turns it off
 extern EnvSwitch g_mla_cluster_fit;      // off; DEEPSERVE_MLA_CLUSTER_FIT=1 turns it on
 extern EnvSwitch g_mla_rows32;           // off; DEEPSERVE_MLA_ROWS32=1 turns it on
-extern EnvCount g_mla_mcast;             // DEEPSERVE_MLA_MCAST (attention_mla_decode_regq.cu; off)
 extern EnvCount g_mla_bf16_min_heads;    // DEEPSERVE_MLA_BF16_MIN_HEADS (64; 0: never)
 // Launches DEEPSERVE_ROW_REGS has reached so far (the register-row norm kernels, the skinny
 // GEMM's norm, the decode MoE's staging; tests check that the switch took effect), and one more.
