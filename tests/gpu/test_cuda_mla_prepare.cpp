@@ -231,15 +231,12 @@ TEST(CudaMlaPrepare, Fp8CacheFallsBackAndMatches) {
 TEST(CudaMlaPrepare, QPairsInPartsChangeNothing) {
   DS_REQUIRE_GPU();
   const FusedOn fused_on;
-  struct PairsBack {  // the environment's count (else the default) again
-    ~PairsBack() { cuda::g_mla_prepare_pairs.force(0); }
-  } pairs_back;
   uint32_t seed = 1700;
   for (long long per : {512LL, 1000LL, 4096LL, 1LL})
     for (int T : {1, 3, 17, 300}) {
       if (per == 1 && T == 300) continue;
       SCOPED_TRACE("pairs per CTA " + std::to_string(per));
-      cuda::g_mla_prepare_pairs.force(per);
+      const test::Forced pairs(cuda::g_mla_prepare_pairs, per);
       PrepCase c;
       c.T = T;
       c.H = per == 1 ? 3 : 128;
