@@ -228,6 +228,24 @@ TEST(StreamBench, DISABLED_Patterns) {
         run_case<3>(b, label, p, occ, sms);
       }
     }
+  // Longer runs of each row a stage, the same 16 KB stage: a stage's 128-byte chunk of each of
+  // 128 rows (the W4A16 decode stage) against 256 bytes of 64 rows and 512 of 32, on V2.5's
+  // padded expert rows, with and without a spin standing in for a stage's products. 128 x 256
+  // bytes in two 32 KB stages for scale (the same bytes in flight a CTA).
+  for (const auto& [name, stride, codes] :
+       {std::tuple{"V2.5 gate/up", 2688, 2560}, std::tuple{"V2.5 down", 896, 768}})
+    for (int spin : {0, 2000})
+      for (const auto& [rows, chunk] :
+           {std::pair{128, 128}, std::pair{64, 256}, std::pair{32, 512}, std::pair{128, 256}}) {
+        if (codes % chunk != 0) continue;
+        char label[64];
+        std::snprintf(label, sizeof(label), "%s, %d rows x %d B", name, rows, chunk);
+        Pattern p{rows, stride, chunk, 1, spin, codes};
+        if (rows * chunk > (16 << 10))
+          run_case<2>(b, label, p, 3, sms);
+        else
+          run_case<3>(b, label, p, 3, sms);
+      }
   // One wave of CTAs, each streaming several blocks with one pipeline.
   for (int jobs : {2, 4, 8}) {
     Pattern p = fp8w;
