@@ -16,6 +16,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -677,6 +678,44 @@ TEST(CudaWq, OneLaunchFfnChangesNothing) {
         }
     }
   });
+}
+
+// W4A16's stages in halves (DEEPSERVE_MOE_WQ_HALVES: 256 bytes of half the rows a stage) give the
+// one-launch FFN's bits at 8 tokens or fewer: V2.5's expert shapes (40 and 12 groups), 9 and 5
+// groups (gate/up's last stage pair a group, down's three of four groups zero), V2-Lite's
+// (16 and 11), each with and without shared experts, and experts left without tokens. Against the
+// two launches, which share nothing with the halves; the launch counter shows the halves ran.
+TEST(CudaWq, OneLaunchFfnHalvesChangeNothing) {
+  DS_REQUIRE_GPU();
+  Backend& be = cuda_backend();
+  const int k = 6;
+  const test::Forced kernels_only(cuda::g_wq_dequant, 0);
+  for (const auto& [E, H, F] :
+       {std::tuple{12, int64_t(1152), int64_t(640)}, std::tuple{10, int64_t(2048), int64_t(1408)},
+        std::tuple{8, int64_t(5120), int64_t(1536)}}) {
+    const QExperts q = make_experts(DType::W4A16, E, H, F);
+    for (int shared : {0, 2})
+      for (const int64_t T : {1, 5, 8}) {
+        std::vector<int32_t> ids;
+        std::vector<float> wts;
+        spread_routing(T, k, E - shared, ids, wts);
+        const auto x = test::random_floats(size_t(T * H), uint32_t(T + 7 * shared + H));
+        const std::string what = "H " + std::to_string(H) + " F " + std::to_string(F) + " T " +
+                                 std::to_string(T) + " shared " + std::to_string(shared);
+        std::vector<float> two;
+        {
+          const test::Forced off(cuda::g_moe_wq_fused, 0);
+          two = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+        }
+        const test::Forced on(cuda::g_moe_wq_fused, 1);
+        const test::Forced halves(cuda::g_moe_wq_halves, 1);
+        const int64_t before = cuda::moe_wq_halves_launches();
+        const auto one = moe_test::run_moe_ffn(be, x, ids, wts, q.dev, shared, T, H, k);
+        EXPECT_EQ(cuda::moe_wq_halves_launches(), before + 1) << what;
+        ASSERT_EQ(one.size(), two.size()) << what;
+        EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * 4)) << what;
+      }
+  }
 }
 
 // The one-launch FFN's item log (DEEPSERVE_MOE_ITEMS, tools/moe_item_table.py): one launch logs

@@ -53,7 +53,8 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
 // h staged for down's format (staged_col, act_bits). BT >= the most tokens a tile can hold. XI:
 // x's F32 rows staged through the sorted tokens (rounded in the kernel), else a.xa gathered
 // (BF16; FP8W's FP16). E: run_cta asks for the first stages' weights, then waits (pdl.cuh).
-template <WqFormat F, int BT, bool XI, bool E>
+// HV: W4A16's stages in halves (run_cta_halves; BF16 rows, BT = 8, not E).
+template <WqFormat F, int BT, bool XI, bool E, bool HV = false>
 __device__ __forceinline__ void gate_up_cta(const GroupedFfnArgs& a, const Tile& tl, int f0,
                                             uint8_t* smem) {
   const ExpertPtrs ex = a.experts[tl.e];
@@ -69,7 +70,10 @@ __device__ __forceinline__ void gate_up_cta(const GroupedFfnArgs& a, const Tile&
     jb.xrow = a.lists.sorted_token + tl.begin;
   }
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, XI, XI, E, true>(jb, smem, acc);
+  if constexpr (HV)
+    run_cta_halves<BT, true>(jb, smem, acc);
+  else
+    run_cta<F, BT, XI, XI, E, true>(jb, smem, acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   auto* h = static_cast<uint16_t*>(a.h);
 #pragma unroll
@@ -84,8 +88,8 @@ __device__ __forceinline__ void gate_up_cta(const GroupedFfnArgs& a, const Tile&
     }
 }
 
-// y[p, n] = down_n . h_p for tile tl's tokens and n in n0 .. n0 + 127 (E as gate_up_cta's).
-template <WqFormat F, int BT, bool E>
+// y[p, n] = down_n . h_p for tile tl's tokens and n in n0 .. n0 + 127 (E, HV as gate_up_cta's).
+template <WqFormat F, int BT, bool E, bool HV = false>
 __device__ __forceinline__ void down_cta(const GroupedFfnArgs& a, const Tile& tl, int n0,
                                          uint8_t* smem) {
   const int H = a.hidden, Fi = a.inter;
@@ -95,7 +99,10 @@ __device__ __forceinline__ void down_cta(const GroupedFfnArgs& a, const Tile& tl
       tile_job(tl, static_cast<const uint8_t*>(ex.down) + int64_t(n0) * down_ld, nullptr, down_ld,
                min(kBN, H - n0), a.h, Fi, a.wq_issue_first, a.wq_skip_scales);
   float acc[kRM][BT / 8][4];
-  run_cta<F, BT, false, false, E>(jb, smem, acc);
+  if constexpr (HV)
+    run_cta_halves<BT, false>(jb, smem, acc);
+  else
+    run_cta<F, BT, false, false, E>(jb, smem, acc);
   for_each_out<F>(acc, [&](int r, int tok, float v) {
     const int row = n0 + r;
     if (row < H && tok < tl.rows) a.y[int64_t(tl.begin + tok) * H + row] = v;
@@ -169,8 +176,13 @@ __device__ __forceinline__ void item_ends(unsigned long long* rec) {
 
 // The one-launch FFN's shared memory: the larger half's (its CTAs an SM: min_ctas_of, which
 // counts F32 token rows).
+template <WqFormat F, int BT, bool XI, bool HV = false>
+constexpr size_t kFusedSmem = HV                                ? kHvSmem<BT>
+                              : kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
+                                                                : kSmem<F, BT>;
+// Whether the one-launch FFN of F, BT, XI can take W4A16's stages in halves (HV).
 template <WqFormat F, int BT, bool XI>
-constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI> : kSmem<F, BT>;
+constexpr bool kHvFits = F == WqFormat::W4A16&& BT == 8 && !XI;
 
 // Gate/up and down in one launch of as many CTAs as reside at once (DEEPSERVE_MOE_WQ_FUSED=0:
 // the two launches). W1f TPOT 4.55 -> 4.49 ms, W5 20.16 -> 19.81 (H200, 8f94be4).
@@ -189,9 +201,11 @@ constexpr size_t kFusedSmem = kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
 // kernel ran. Only the order of the items changes, so the bits do not.
 // kLog: the item log is on (moe_item_log; its own instantiation, so the kernels that run
 // without it are not touched).
-template <WqFormat F, int BT, bool XI, bool kSF, bool kLog>
+// HV: W4A16's stages in halves (run_cta_halves, DEEPSERVE_MOE_WQ_HALVES; kHvFits).
+template <WqFormat F, int BT, bool XI, bool kSF, bool kLog, bool HV>
 __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     ffn_fused_kernel(GroupedFfnArgs a) {
+  static_assert(!HV || kHvFits<F, BT, XI>, "halves: W4A16, 8 tokens, gathered BF16 rows");
   const int S = kSF ? a.num_shared : 0;
   if constexpr (kSF) {
     const int gu_cols = (a.inter + kBN / 2 - 1) / (kBN / 2);
@@ -240,8 +254,8 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
     if (kLog && threadIdx.x == 0) rec = item_starts(a, item, n_gu, n_all);
     if (item < n_gu) {
       const int q = item / gu_cols, s = tile_at(q);
-      gate_up_cta<F, BT, XI, false>(a, tile_of<kTileM>(a.lists, s),
-                                    (item - q * gu_cols) * (kBN / 2), smem);
+      gate_up_cta<F, BT, XI, false, HV>(a, tile_of<kTileM>(a.lists, s),
+                                        (item - q * gu_cols) * (kBN / 2), smem);
       __threadfence();  // every thread's h stores, before the tile's count moves
       __syncthreads();
       if (threadIdx.x == 0) atomicAdd(done + s, 1);
@@ -257,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, (min_ctas_of<F, BT>()))
         if (kLog && rec) rec[5] = clock64();
       }
       __syncthreads();
-      down_cta<F, BT, false>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem);
+      down_cta<F, BT, false, HV>(a, tile_of<kTileM>(a.lists, s), (d - q * dn_cols) * kBN, smem);
     }
   }
 }
@@ -293,15 +307,17 @@ void launch_ffn(const GroupedFfnArgs& a, cudaStream_t stream) {
 
 // ffn_fused_kernel's launch (after the gather launch unless XI): one CTA for each that can
 // reside at once, at most one for each item the step could have; kSF: the shared experts first.
-template <WqFormat F, int BT, bool XI, bool kSF, bool kLog>
+template <WqFormat F, int BT, bool XI, bool kSF, bool kLog, bool HV>
 void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
+  constexpr size_t smem = kFusedSmem<F, BT, XI, HV>;
   static const int resident = [] {
-    set_smem_limit<F, BT, XI>(ffn_fused_kernel<F, BT, XI, kSF, kLog>);
+    check_cuda(cudaFuncSetAttribute(ffn_fused_kernel<F, BT, XI, kSF, kLog, HV>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+               "wq moe fused smem limit");
     int per_sm = 0, dev = 0, sms = 0;
-    check_cuda(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per_sm, ffn_fused_kernel<F, BT, XI, kSF, kLog>, kThreads, kFusedSmem<F, BT, XI>),
-        "wq moe fused occupancy");
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                   &per_sm, ffn_fused_kernel<F, BT, XI, kSF, kLog, HV>, kThreads, smem),
+               "wq moe fused occupancy");
     check_cuda(cudaGetDevice(&dev), "wq moe fused device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
                "wq moe fused SM count");
@@ -310,27 +326,36 @@ void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   if (!XI) gather_rows<F>(a, stream);
   const int64_t items = max_tiles(a.num_tokens * a.top_k, a.num_experts) *
                         (ceil_div(a.inter, kBN / 2) + ceil_div(a.hidden, kBN));
-  pdl::launch(ffn_fused_kernel<F, BT, XI, kSF, kLog>, unsigned(std::min<int64_t>(resident, items)),
-              kThreads, kFusedSmem<F, BT, XI>, stream, a);
+  pdl::launch(ffn_fused_kernel<F, BT, XI, kSF, kLog, HV>,
+              unsigned(std::min<int64_t>(resident, items)), kThreads, smem, stream, a);
   check_cuda(cudaGetLastError(), "wq moe fused");
   note_moe_wq_fused_launch();
+  if (HV) note_moe_wq_halves_launch();
 }
 
-template <WqFormat F, int BT, bool XI>
+template <WqFormat F, int BT, bool XI, bool HV>
 void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   const bool sf = g_moe_wq_shared_first.on() && a.num_shared > 0;
   const DeviceLogView log = moe_item_log().view();
   if (log.buf == nullptr) {
-    sf ? launch_ffn_fused<F, BT, XI, true, false>(a, stream)
-       : launch_ffn_fused<F, BT, XI, false, false>(a, stream);
+    sf ? launch_ffn_fused<F, BT, XI, true, false, HV>(a, stream)
+       : launch_ffn_fused<F, BT, XI, false, false, HV>(a, stream);
     return;
   }
   GroupedFfnArgs b = a;
   b.item_log = log.buf;
   b.item_cap = log.cap;
   b.item_skip = log.skip;
-  sf ? launch_ffn_fused<F, BT, XI, true, true>(b, stream)
-     : launch_ffn_fused<F, BT, XI, false, true>(b, stream);
+  sf ? launch_ffn_fused<F, BT, XI, true, true, HV>(b, stream)
+     : launch_ffn_fused<F, BT, XI, false, true, HV>(b, stream);
+}
+
+template <WqFormat F, int BT, bool XI>
+void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
+  if constexpr (kHvFits<F, BT, XI>) {
+    if (g_moe_wq_halves.on()) return launch_ffn_fused<F, BT, XI, true>(a, stream);
+  }
+  launch_ffn_fused<F, BT, XI, false>(a, stream);
 }
 
 // launch_ffn<F, BT, XI, E> with the decode variants' early weights unless DEEPSERVE_WQ_EARLY=0;

@@ -77,6 +77,10 @@ EnvSwitch g_moe_bf16_fused{"DEEPSERVE_MOE_BF16_FUSED", "1", false};
 // ask L2 for those gate/up weights before the dependent-launch wait (moe_wq.cu; the same bits).
 // DEEPSERVE_MOE_WQ_SHARED_FIRST=1; off until measured.
 EnvSwitch g_moe_wq_shared_first{"DEEPSERVE_MOE_WQ_SHARED_FIRST", "1", false};
+// The one-launch FFN's W4A16 stages at 8 tokens read 256 contiguous bytes of half the CTA's rows
+// instead of 128 of all of them (run_cta_halves, wq_kernel.cuh; the same bits). Off until
+// measured: DEEPSERVE_MOE_WQ_HALVES=1.
+EnvSwitch g_moe_wq_halves{"DEEPSERVE_MOE_WQ_HALVES", "1", false};
 // batched_matmul's decode-sized BF16 products past the skinny kernel (MLA's absorbed W_UK / W_UV
 // at 128 heads) run on the dense wq kernel (off: cuBLAS, x rounded to BF16 by a conversion
 // launch; the same rounding, not the same bits).
@@ -222,7 +226,8 @@ EnvSwitch g_mla_rows32{"DEEPSERVE_MLA_ROWS32", "1", false};
 EnvCount g_mla_bf16_min_heads{"DEEPSERVE_MLA_BF16_MIN_HEADS", 64};
 
 namespace {
-std::atomic<int64_t> g_row_regs_launches{0}, g_moe_wq_fused_launches{0};
+std::atomic<int64_t> g_row_regs_launches{0}, g_moe_wq_fused_launches{0},
+    g_moe_wq_halves_launches{0};
 }  // namespace
 int64_t row_regs_launches() {
   return g_row_regs_launches.load(std::memory_order_relaxed);
@@ -235,6 +240,12 @@ int64_t moe_wq_fused_launches() {
 }
 void note_moe_wq_fused_launch() {
   g_moe_wq_fused_launches.fetch_add(1, std::memory_order_relaxed);
+}
+int64_t moe_wq_halves_launches() {
+  return g_moe_wq_halves_launches.load(std::memory_order_relaxed);
+}
+void note_moe_wq_halves_launch() {
+  g_moe_wq_halves_launches.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace ds::cuda

@@ -70,6 +70,7 @@ extern EnvSwitch g_moe_wq_stage_f32;     // on; DEEPSERVE_MOE_WQ_XF32=0 turns it
 extern EnvSwitch g_moe_wq_fused;         // on; DEEPSERVE_MOE_WQ_FUSED=0 turns it off
 extern EnvSwitch g_moe_bf16_fused;       // off; DEEPSERVE_MOE_BF16_FUSED=1 turns it on
 extern EnvSwitch g_moe_wq_shared_first;  // off; DEEPSERVE_MOE_WQ_SHARED_FIRST=1 turns it on
+extern EnvSwitch g_moe_wq_halves;        // off; DEEPSERVE_MOE_WQ_HALVES=1 turns it on
 extern EnvSwitch g_wq_dequant;           // on; DEEPSERVE_WQ_DEQUANT=0 turns it off
 extern EnvCount g_wq_dequant_min_rows;   // DEEPSERVE_WQ_DEQUANT_MIN_ROWS (wq_dequant.cuh)
 extern EnvCount g_moe_wq_dequant_min;    // DEEPSERVE_MOE_WQ_DEQUANT_MIN (wq_dequant.cuh)
@@ -99,5 +100,8 @@ void note_row_regs_launch();
 // One-launch FFNs (DEEPSERVE_MOE_WQ_FUSED) launched so far, and one more.
 int64_t moe_wq_fused_launches();
 void note_moe_wq_fused_launch();
+// Those of them with W4A16's stages in halves (DEEPSERVE_MOE_WQ_HALVES), and one more.
+int64_t moe_wq_halves_launches();
+void note_moe_wq_halves_launch();
 
 }  // namespace ds::cuda
