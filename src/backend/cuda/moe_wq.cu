@@ -49,6 +49,223 @@ __device__ __forceinline__ int64_t ld_bytes(int64_t ld) {
   return F == WqFormat::BF16 ? ld * 2 : ld;
 }
 
+// W4A16 stages in halves (the one-launch MoE FFN at BT = 8: DEEPSERVE_MOE_WQ_HALVES). run_cta's
+// two-group stage reads 128 bytes of each of the CTA's 128 rows, a run that the DRAM serves
+// worse than longer ones: StreamBench's 16 KB stages of 128 rows x 128 bytes against 64 rows x
+// 256 bytes (docs/PERFORMANCE.md, forty-second section). Here stage 2j reads groups 4j .. 4j + 3
+// (256 contiguous bytes) of half 0 of the rows and stage 2j + 1 the same groups of half 1, so a
+// stage moves the same 16 KB of codes; its token rows are those four groups' (8 KB, read twice
+// from L2). Half i is what each warp's row block i holds: gate/up's rows of w0 (i = 0) or w1;
+// otherwise rows w * 32 + 16 i .. + 15 of each warp w. Each group's products are summed alone
+// and folded into acc group after group, as in run_cta, so the bits are run_cta's.
+constexpr int kHvGroups = 4;             // groups a stage
+constexpr int kHvRows = kBN / 2;         // rows a stage
+constexpr int kHvRowB = 64 * kHvGroups;  // bytes of a row a stage
+constexpr int kHvStages = 3;
+template <int BT>
+constexpr uint32_t kHvStageBytes = uint32_t(kHvRows) * kHvRowB + kHvRows * 4 * 2 +
+                                   uint32_t(kHvGroups) * BT* kTokRow;
+template <int BT>
+constexpr size_t kHvSmem = size_t(kHvStages) * kHvStageBytes<BT>;
+
+template <int BT, bool GU>
+__device__ void run_cta_halves(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 8][4]) {
+  constexpr WqFormat F = WqFormat::W4A16;
+  using Fm = Fmt<F>;
+  constexpr int kS = kHvStages, kG = kHvGroups, kRowB = kHvRowB, kTN = BT / 8;
+  constexpr uint32_t kSA = uint32_t(kHvRows) * kRowB, kSS = kHvRows * 4 * 2;
+  constexpr uint32_t kTokGroup = uint32_t(BT) * kTokRow, kStage = kHvStageBytes<BT>;
+  constexpr int kTokChunks = kTokRow / 16, kTokStep = kThreads / kTokChunks;
+  constexpr int kTokRows = BT / kTokStep;
+  static_assert(kTokRows >= 1 && BT % kTokStep == 0, "whole token rows a pass");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const uint32_t s0 = ptx::smem_u32(smem);
+  const int last_row = max(jb.rows - 1, 0);
+  // The first byte of CTA row r (rows past the matrix: its last, whose sums are never stored).
+  auto row_ptr = [&](int r) {
+    const bool up = GU && r >= kBN / 2;
+    const int rr = min(up ? r - kBN / 2 : r, last_row);
+    return (up ? jb.w1 : jb.w0) + int64_t(rr) * jb.w_stride;
+  };
+  // The CTA row of row rl (0 .. 63) of half h.
+  auto cta_row = [](int h, int rl) {
+    return GU ? h * kHvRows + rl : (rl >> 4) * 32 + h * 16 + (rl & 15);
+  };
+  // Copies: thread tid takes chunks (tid & 3) + 4 j of rows (tid >> 2) + 32 p of the half
+  // (p < 2, j < 4): a warp's copy reads 64 contiguous bytes of each of 8 rows.
+  const int64_t g_code0 = Fm::code_off(jb.g_begin);
+  const uint8_t* w_src[2][2];  // [half][pass]
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+      w_src[h][p] = row_ptr(cta_row(h, (tid >> 2) + 32 * p)) + g_code0 + 16 * (tid & 3);
+  const int rl0 = tid >> 2;
+  uint32_t w_dst[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    w_dst[j] = uint32_t(rl0 * kRowB + a_chunk<F, 2>(rl0, (tid & 3) + 4 * j) * 16);
+  const int w_end = int(Fm::code_limit(jb.K) - g_code0) - 16 * (tid & 3);
+  // Scale words: thread tid copies word tid >> 6 (groups 2w, 2w + 1 of the stage's four) of
+  // row tid & 63 of each half.
+  const int s_rl = tid & (kHvRows - 1), s_w = tid >> 6;
+  const uint8_t* s_src[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    s_src[h] = row_ptr(cta_row(h, s_rl)) + Fm::scale_off(jb.K, jb.g_begin);
+  const int tc = tid % kTokChunks, tr0 = tid / kTokChunks;
+  const uint32_t b_dst = uint32_t(tr0 * kTokRow + b_chunk(tr0, tc) * 16);
+  const uint8_t* x_src[kTokRows];
+  bool x_on[kTokRows];
+#pragma unroll
+  for (int m = 0; m < kTokRows; ++m) {
+    const int r = tr0 + m * kTokStep, rv = r < jb.tokens ? r : 0;
+    x_on[m] = r < jb.tokens;
+    x_src[m] = reinterpret_cast<const uint8_t*>(jb.x + rv * jb.ldx + int64_t(jb.g_begin) * kGroup +
+                                                8 * tc);
+  }
+  const int x_end = int(jb.kp - int64_t(jb.g_begin) * kGroup) - 8 * tc;
+  // Stage kt: half kt & 1 of groups g_begin + 4 (kt >> 1) ...
+  auto load = [&](int buf, int kt) {
+    const int h = kt & 1, pair = kt >> 1;
+    const uint32_t sa = s0 + buf * kStage, ss = sa + kSA, sb = ss + kSS + b_dst;
+    const int off = pair * kRowB;
+    uint32_t bytes[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bytes[j] = off + 64 * j < w_end ? 16u : 0u;
+    each_index<2>([&](auto pc) {
+      constexpr int p = decltype(pc)::value;
+      const uint8_t* src = (h ? w_src[1][p] : w_src[0][p]) + off;
+      each_index<4>([&](auto jc) {
+        constexpr int j = decltype(jc)::value;
+        ptx::cp_async16_at<p * 32 * kRowB, 64 * j>(sa + w_dst[j], src, bytes[j]);
+      });
+    });
+    const int64_t gi = jb.g_begin + int64_t(kG) * pair;
+    const uint8_t* src = (h ? s_src[1] : s_src[0]) +
+                         (Fm::scale_off(jb.K, gi + 2 * s_w) - Fm::scale_off(jb.K, jb.g_begin));
+    cp_async4(ss + (s_w * kHvRows + s_rl) * 4, src, !jb.skip_scales && gi + 2 * s_w < jb.g_end);
+    const int k = pair * kG * kGroup;
+    uint32_t xb[kG];
+#pragma unroll
+    for (int u = 0; u < kG; ++u) xb[u] = k + u * kGroup < x_end ? 16u : 0u;
+    each_index<kTokRows>([&](auto mc) {
+      constexpr int m = decltype(mc)::value;
+      const uint8_t* xs = x_src[m] + int64_t(k) * 2;
+      each_index<kG>([&](auto uc) {
+        constexpr int u = decltype(uc)::value;
+        ptx::cp_async16_at_if<int(u * kTokGroup) + m * kTokStep * kTokRow, u * kGroup * 2>(
+            sb, xs, xb[u], x_on[m]);
+      });
+    });
+  };
+#pragma unroll
+  for (int i = 0; i < kRM; ++i)
+#pragma unroll
+    for (int j = 0; j < kTN; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+  const int KT = 2 * ((jb.g_end - jb.g_begin + kG - 1) / kG);
+  const int tn = (jb.tokens + 7) / 8;
+#pragma unroll 1
+  for (int s = 0; s < kS - 1; ++s) {
+    if (s < KT) load(s, s);
+    ptx::cp_async_commit();
+  }
+  // The thread's fragment rows in a half: warp * 16 + g, + 8.
+  const int r_f = warp * 16 + g;
+  uint32_t a_off[kG];
+#pragma unroll
+  for (int u = 0; u < kG; ++u) {
+    a_off[u] = uint32_t(r_f * kRowB + a_chunk<F, 2>(r_f, 4 * u + t) * 16);
+    pin_reg(a_off[u]);
+  }
+  uint32_t b_off[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    b_off[q] = uint32_t(g * kTokRow + b_chunk(g, 4 * t + q) * 16);
+    pin_reg(b_off[q]);
+  }
+  // One stage of half I in buffer `buf`.
+  auto compute = [&](auto ic, int buf, int kt) {
+    constexpr int I = decltype(ic)::value;
+    const uint8_t* sa = smem + buf * kStage;
+    const auto* ss = reinterpret_cast<const uint32_t*>(sa + kSA);
+    const uint8_t* sb0 = sa + kSA + kSS;
+    const int64_t g0 = jb.g_begin + int64_t(kG) * (kt >> 1);
+    const int groups = min(kG, jb.g_end - int(g0));
+    uint4 raw[kG][2];
+    float sc[kG][2];
+#pragma unroll
+    for (int u = 0; u < kG; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        raw[u][h] = *reinterpret_cast<const uint4*>(sa + a_off[u] + 8 * h * kRowB);
+        sc[u][h] = Fm::scale(ss[(u / 2) * kHvRows + r_f + 8 * h], g0 + u);
+      }
+    float part[kG][kTN][4];
+#pragma unroll
+    for (int u = 0; u < kG; ++u)
+#pragma unroll
+      for (int j = 0; j < kTN; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) part[u][j][q] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+#pragma unroll
+      for (int u = 0; u < kG; ++u) {
+        uint32_t d[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint4 v = raw[u][h];
+          dequant8_w4(p == 0 ? v.x : p == 1 ? v.y : p == 2 ? v.z : v.w, d[h]);
+        }
+        uint32_t a[2][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          a[m][0] = d[0][2 * m];
+          a[m][1] = d[1][2 * m];
+          a[m][2] = d[0][2 * m + 1];
+          a[m][3] = d[1][2 * m + 1];
+        }
+        const uint8_t* sb = sb0 + u * kTokGroup;
+#pragma unroll
+        for (int j = 0; j < kTN; ++j) {
+          if (j >= tn) break;
+          const uint4 b = *reinterpret_cast<const uint4*>(sb + j * 8 * kTokRow + b_off[p]);
+          ptx::mma_bf16(part[u][j], a[0], b.x, b.y);
+          ptx::mma_bf16(part[u][j], a[1], b.z, b.w);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kG; ++u)  // group after group, as run_cta
+      if (u < groups)
+#pragma unroll
+        for (int j = 0; j < kTN; ++j)
+          if (j < tn)
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+              acc[I][j][q] = fmaf(part[u][j][q], sc[u][q >> 1], acc[I][j][q]);
+  };
+  int buf = 0, next = kS - 1;
+  auto step = [&](auto ic, int kt) {
+    ptx::cp_async_wait<kS - 2>();
+    __syncthreads();
+    if (kt + kS - 1 < KT) load(next, kt + kS - 1);
+    ptx::cp_async_commit();
+    compute(ic, buf, kt);
+    buf = buf + 1 == kS ? 0 : buf + 1;
+    next = next + 1 == kS ? 0 : next + 1;
+  };
+#pragma unroll 1
+  for (int kt = 0; kt < KT; kt += 2) {  // KT is even: both halves of every group quad
+    step(std::integral_constant<int, 0>{}, kt);
+    step(std::integral_constant<int, 1>{}, kt + 1);
+  }
+  ptx::cp_async_wait<0>();
+}
+
 // h[p, f] = act(silu(gate_f . x_p) * (up_f . x_p)) for tile tl's tokens and f in f0 .. f0 + 63,
 // h staged for down's format (staged_col, act_bits). BT >= the most tokens a tile can hold. XI:
 // x's F32 rows staged through the sorted tokens (rounded in the kernel), else a.xa gathered
