@@ -145,26 +145,10 @@ __device__ void run_cta_halves(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM
     const uint8_t* src = (h ? s_src[1] : s_src[0]) +
                          (Fm::scale_off(jb.K, gi + 2 * s_w) - Fm::scale_off(jb.K, jb.g_begin));
     cp_async4(ss + (s_w * kHvRows + s_rl) * 4, src, !jb.skip_scales && gi + 2 * s_w < jb.g_end);
-    const int k = pair * kG * kGroup;
-    uint32_t xb[kG];
-#pragma unroll
-    for (int u = 0; u < kG; ++u) xb[u] = k + u * kGroup < x_end ? 16u : 0u;
-    each_index<kTokRows>([&](auto mc) {
-      constexpr int m = decltype(mc)::value;
-      const uint8_t* xs = x_src[m] + int64_t(k) * 2;
-      each_index<kG>([&](auto uc) {
-        constexpr int u = decltype(uc)::value;
-        ptx::cp_async16_at_if<int(u * kTokGroup) + m * kTokStep * kTokRow, u * kGroup * 2>(
-            sb, xs, xb[u], x_on[m]);
-      });
-    });
+    copy_token_rows<kG, kTokRows, kTokStep, kTokRow, 2, kTokGroup>(sb, x_src, x_on,
+                                                                   pair * kG * kGroup, x_end);
   };
-#pragma unroll
-  for (int i = 0; i < kRM; ++i)
-#pragma unroll
-    for (int j = 0; j < kTN; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+  zero_frags(acc);
   const int KT = 2 * ((jb.g_end - jb.g_begin + kG - 1) / kG);
   const int tn = (jb.tokens + 7) / 8;
 #pragma unroll 1
@@ -204,12 +188,7 @@ __device__ void run_cta_halves(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM
         sc[u][h] = Fm::scale(ss[(u / 2) * kHvRows + r_f + 8 * h], g0 + u);
       }
     float part[kG][kTN][4];
-#pragma unroll
-    for (int u = 0; u < kG; ++u)
-#pragma unroll
-      for (int j = 0; j < kTN; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) part[u][j][q] = 0.0f;
+    zero_frags(part);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
 #pragma unroll
@@ -221,13 +200,7 @@ __device__ void run_cta_halves(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM
           dequant8_w4(p == 0 ? v.x : p == 1 ? v.y : p == 2 ? v.z : v.w, d[h]);
         }
         uint32_t a[2][4];
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          a[m][0] = d[0][2 * m];
-          a[m][1] = d[1][2 * m];
-          a[m][2] = d[0][2 * m + 1];
-          a[m][3] = d[1][2 * m + 1];
-        }
+        pair_frags(d, a);
         const uint8_t* sb = sb0 + u * kTokGroup;
 #pragma unroll
         for (int j = 0; j < kTN; ++j) {

@@ -246,6 +246,49 @@ __device__ __forceinline__ void each_index(Fn&& f) {
   (std::make_integer_sequence<int, N>{});
 }
 
+// Zeroes a CTA's accumulators (or a stage's sums).
+template <int R, int TN>
+__device__ __forceinline__ void zero_frags(float (&acc)[R][TN][4]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+}
+
+// The A fragments of an mma pair (k16 halves m = 0, 1) from the dequantized values of rows g
+// (d[0]) and g + 8 (d[1]): d[h][q] holds real k 32t + 8p + 2q, + 1.
+__device__ __forceinline__ void pair_frags(const uint32_t (&d)[2][4], uint32_t (&a)[2][4]) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    a[m][0] = d[0][2 * m];
+    a[m][1] = d[1][2 * m];
+    a[m][2] = d[0][2 * m + 1];
+    a[m][3] = d[1][2 * m + 1];
+  }
+}
+
+// A stage's token-row copies: for each of the thread's rows m (kStep rows apart, staged kRowB
+// bytes each; only where on[m]) and each of G groups u (kGroupB bytes of the stage apart), the
+// 16-byte chunk at src[m] + k + u * 128 elements of kXB bytes into sb; zeros past x_end.
+template <int G, int kRows, int kStep, int kRowB, int kXB, uint32_t kGroupB>
+__device__ __forceinline__ void copy_token_rows(uint32_t sb, const uint8_t* const (&src)[kRows],
+                                                const bool (&on)[kRows], int k, int x_end) {
+  uint32_t bytes[G];
+#pragma unroll
+  for (int u = 0; u < G; ++u) bytes[u] = k + u * kGroup < x_end ? 16u : 0u;
+  each_index<kRows>([&](auto mc) {
+    constexpr int m = decltype(mc)::value;
+    const uint8_t* from = src[m] + int64_t(k) * kXB;
+    each_index<G>([&](auto uc) {
+      constexpr int u = decltype(uc)::value;
+      ptx::cp_async16_at_if<int(u * kGroupB) + m * kStep * kRowB, u * kGroup * kXB>(
+          sb, from, bytes[u], on[m]);
+    });
+  });
+}
+
 // What a CTA works on: weight rows (A) and token rows (B, BF16, ld elements, k >= kp zero).
 struct CtaJob {
   const uint8_t* w0;       // rows [0, rows0) of the first matrix
@@ -408,27 +451,10 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     }
   };
   auto load_x = [&](int stage, int kt) {
-    const uint32_t sb = s0 + stage * kStage + kSA + kStageS<F, BT> + b_dst;
-    const int k = kt * kGps * kGroup;
-    uint32_t bytes[kGps];
-#pragma unroll
-    for (int u = 0; u < kGps; ++u) bytes[u] = k + u * kGroup < x_end ? 16u : 0u;
-    each_index<kTokRows>([&](auto mc) {
-      constexpr int m = decltype(mc)::value;
-      const uint8_t* src = x_src[m] + int64_t(k) * kXBytes;
-      each_index<kGps>([&](auto uc) {
-        constexpr int u = decltype(uc)::value;
-        ptx::cp_async16_at_if<int(u * kTokGroup) + m * kTokStep * kTokBytes, u * kGroup * kXBytes>(
-            sb, src, bytes[u], x_on[m]);
-      });
-    });
+    copy_token_rows<kGps, kTokRows, kTokStep, kTokBytes, kXBytes, kTokGroup>(
+        s0 + stage * kStage + kSA + kStageS<F, BT> + b_dst, x_src, x_on, kt * kGps * kGroup, x_end);
   };
-#pragma unroll
-  for (int i = 0; i < kRM; ++i)
-#pragma unroll
-    for (int j = 0; j < kTN; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+  zero_frags(acc);
   const int KT = (jb.g_end - jb.g_begin + kGps - 1) / kGps;  // stages
   const int tn = (jb.tokens + 7) / 8;                        // token blocks with work
   // The prologue: stages 0 .. kStages - 2, one commit group each (kEarly: every early weight
@@ -522,13 +548,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
     float part[kGps][kRM][kTN][4];
     if constexpr (!kBf16)
 #pragma unroll
-      for (int u = 0; u < kGps; ++u)
-#pragma unroll
-        for (int i = 0; i < kRM; ++i)
-#pragma unroll
-          for (int j = 0; j < kTN; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) part[u][i][j][q] = 0.0f;
+      for (int u = 0; u < kGps; ++u) zero_frags(part[u]);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
 #pragma unroll
@@ -554,13 +574,7 @@ __device__ void run_cta(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM][BT / 
               dequant8_w4(word, d[h]);
             }
           }
-#pragma unroll
-          for (int m = 0; m < 2; ++m) {
-            a[i][m][0] = d[0][2 * m];
-            a[i][m][1] = d[1][2 * m];
-            a[i][m][2] = d[0][2 * m + 1];
-            a[i][m][3] = d[1][2 * m + 1];
-          }
+          pair_frags(d, a[i]);
         }
         // Decode tiles (kTN <= 2) test every token block against tn; wider tiles only at
         // blocks kTN / 4 and kTN / 2, so they compute 2, 4 or 8 blocks (of 8). A test at every
