@@ -62,9 +62,11 @@ constexpr int kHvGroups = 4;             // groups a stage
 constexpr int kHvRows = kBN / 2;         // rows a stage
 constexpr int kHvRowB = 64 * kHvGroups;  // bytes of a row a stage
 constexpr int kHvStages = 3;
+constexpr uint32_t kHvCodeBytes = uint32_t(kHvRows) * kHvRowB;   // a stage's codes
+constexpr uint32_t kHvScaleBytes = uint32_t(kHvRows) * 4 * 2;    // two scale words a row
+constexpr uint32_t kHvTokBytes = uint32_t(kHvGroups) * kTokRow;  // a token's rows a stage
 template <int BT>
-constexpr uint32_t kHvStageBytes = uint32_t(kHvRows) * kHvRowB + kHvRows * 4 * 2 +
-                                   uint32_t(kHvGroups) * BT* kTokRow;
+constexpr uint32_t kHvStageBytes = kHvCodeBytes + kHvScaleBytes + (kHvTokBytes * BT);
 template <int BT>
 constexpr size_t kHvSmem = size_t(kHvStages) * kHvStageBytes<BT>;
 
@@ -73,7 +75,7 @@ __device__ void run_cta_halves(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM
   constexpr WqFormat F = WqFormat::W4A16;
   using Fm = Fmt<F>;
   constexpr int kS = kHvStages, kG = kHvGroups, kRowB = kHvRowB, kTN = BT / 8;
-  constexpr uint32_t kSA = uint32_t(kHvRows) * kRowB, kSS = kHvRows * 4 * 2;
+  constexpr uint32_t kSA = kHvCodeBytes, kSS = kHvScaleBytes;
   constexpr uint32_t kTokGroup = uint32_t(BT) * kTokRow, kStage = kHvStageBytes<BT>;
   constexpr int kTokChunks = kTokRow / 16, kTokStep = kThreads / kTokChunks;
   constexpr int kTokRows = BT / kTokStep;
@@ -365,14 +367,14 @@ __device__ __forceinline__ void item_ends(unsigned long long* rec) {
 }
 
 // The one-launch FFN's shared memory: the larger half's (its CTAs an SM: min_ctas_of, which
-// counts F32 token rows).
+// counts F32 token rows); HV: run_cta_halves' stages.
 template <WqFormat F, int BT, bool XI, bool HV = false>
 constexpr size_t kFusedSmem = HV                                ? kHvSmem<BT>
                               : kSmem<F, BT, XI> > kSmem<F, BT> ? kSmem<F, BT, XI>
                                                                 : kSmem<F, BT>;
 // Whether the one-launch FFN of F, BT, XI can take W4A16's stages in halves (HV).
 template <WqFormat F, int BT, bool XI>
-constexpr bool kHvFits = F == WqFormat::W4A16&& BT == 8 && !XI;
+constexpr bool kHvFits = (F == WqFormat::W4A16) && BT == 8 && !XI;
 
 // Gate/up and down in one launch of as many CTAs as reside at once (DEEPSERVE_MOE_WQ_FUSED=0:
 // the two launches). W1f TPOT 4.55 -> 4.49 ms, W5 20.16 -> 19.81 (H200, 8f94be4).
@@ -501,9 +503,7 @@ template <WqFormat F, int BT, bool XI, bool kSF, bool kLog, bool HV>
 void launch_ffn_fused(const GroupedFfnArgs& a, cudaStream_t stream) {
   constexpr size_t smem = kFusedSmem<F, BT, XI, HV>;
   static const int resident = [] {
-    check_cuda(cudaFuncSetAttribute(ffn_fused_kernel<F, BT, XI, kSF, kLog, HV>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-               "wq moe fused smem limit");
+    set_smem_bytes(ffn_fused_kernel<F, BT, XI, kSF, kLog, HV>, smem);
     int per_sm = 0, dev = 0, sms = 0;
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                    &per_sm, ffn_fused_kernel<F, BT, XI, kSF, kLog, HV>, kThreads, smem),

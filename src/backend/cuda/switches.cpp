@@ -78,7 +78,7 @@ EnvSwitch g_moe_bf16_fused{"DEEPSERVE_MOE_BF16_FUSED", "1", false};
 // DEEPSERVE_MOE_WQ_SHARED_FIRST=1; off until measured.
 EnvSwitch g_moe_wq_shared_first{"DEEPSERVE_MOE_WQ_SHARED_FIRST", "1", false};
 // The one-launch FFN's W4A16 stages at 8 tokens read 256 contiguous bytes of half the CTA's rows
-// instead of 128 of all of them (run_cta_halves, wq_kernel.cuh; the same bits). Off until
+// instead of 128 of all of them (run_cta_halves, moe_wq.cu; the same bits). Off until
 // measured: DEEPSERVE_MOE_WQ_HALVES=1.
 EnvSwitch g_moe_wq_halves{"DEEPSERVE_MOE_WQ_HALVES", "1", false};
 // batched_matmul's decode-sized BF16 products past the skinny kernel (MLA's absorbed W_UK / W_UV

@@ -31,11 +31,15 @@ void with_bt(int64_t m, Fn&& f) {
   }
 }
 
+// Lets kernel k take `bytes` of dynamic shared memory.
+template <typename Kernel>
+void set_smem_bytes(Kernel k, size_t bytes) {
+  check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+             "wq kernel smem limit");
+}
 template <WqFormat F, int BT, bool XF, typename Kernel>
 void set_smem_limit(Kernel k) {
-  check_cuda(
-      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem<F, BT, XF>)),
-      "wq kernel smem limit");
+  set_smem_bytes(k, kSmem<F, BT, XF>);
 }
 
 // Whether the wq pipeline of format f issues a stage's next copies before its wait
