@@ -96,13 +96,13 @@ __device__ void run_cta_halves(const CtaJob& jb, uint8_t* smem, float (&acc)[kRM
   // Copies: thread tid takes chunks (tid & 3) + 4 j of rows (tid >> 2) + 32 p of the half
   // (p < 2, j < 4): a warp's copy reads 64 contiguous bytes of each of 8 rows.
   const int64_t g_code0 = Fm::code_off(jb.g_begin);
+  const int rl0 = tid >> 2;    // the thread's pass-0 row
   const uint8_t* w_src[2][2];  // [half][pass]
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int p = 0; p < 2; ++p)
-      w_src[h][p] = row_ptr(cta_row(h, (tid >> 2) + 32 * p)) + g_code0 + 16 * (tid & 3);
-  const int rl0 = tid >> 2;
+      w_src[h][p] = row_ptr(cta_row(h, rl0 + 32 * p)) + g_code0 + 16 * (tid & 3);
   uint32_t w_dst[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j)
